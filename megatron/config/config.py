@@ -1,0 +1,124 @@
+"""The whole run's configuration: one object of grouped sections, validated in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .base import ConfigError, require
+from .data import DataConfig
+from .model import ModelConfig
+from .optimizer import OptimizerConfig
+from .parallel import ParallelConfig
+from .precision import PrecisionConfig
+from .training import CheckpointConfig, LoggingConfig, TrainingConfig
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "precision": PrecisionConfig,
+    "optimizer": OptimizerConfig,
+    "data": DataConfig,
+    "training": TrainingConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    world_size: int = 1
+    """Number of processes (set from the launcher's environment, not a flag)."""
+    device_type: str = "cpu"
+    """`cuda` or `cpu` (set from the machine, not a flag)."""
+    notes: list[str] = field(default_factory=list)
+    """Decisions validation made on the user's behalf (implied flags), logged at start."""
+
+    @property
+    def data_parallel_size(self) -> int:
+        model_parallel = self.parallel.tensor_model_parallel_size * self.parallel.pipeline_model_parallel_size
+        return self.world_size // model_parallel
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches each data-parallel rank runs per optimizer step."""
+        assert self.training.global_batch_size is not None
+        return self.training.global_batch_size // (self.training.micro_batch_size * self.data_parallel_size)
+
+    def finalize(self) -> Config:
+        """Apply defaults that depend on several sections and check every rule; raises ConfigError. Idempotent."""
+        for name in SECTIONS:
+            getattr(self, name).finalize()
+        self._check_cross_section()
+        return self
+
+    def _check_cross_section(self) -> None:
+        par, train, opt, prec = self.parallel, self.training, self.optimizer, self.precision
+        model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+        require(
+            self.world_size % model_parallel == 0,
+            f"world size {self.world_size} is not divisible by --tensor-model-parallel-size x"
+            f" --pipeline-model-parallel-size ({model_parallel})",
+        )
+        per_step = train.micro_batch_size * self.data_parallel_size
+        if train.global_batch_size is None:
+            train.global_batch_size = per_step
+        require(
+            train.global_batch_size >= 1 and train.global_batch_size % per_step == 0,
+            f"--global-batch-size ({train.global_batch_size}) must be a multiple of --micro-batch-size"
+            f" ({train.micro_batch_size}) x data-parallel size ({self.data_parallel_size})",
+        )
+        if opt.lr_decay_iters is None:
+            opt.lr_decay_iters = max(train.train_iters, 1)
+        require(
+            opt.lr_warmup_iters <= opt.lr_decay_iters,
+            f"--lr-warmup-iters ({opt.lr_warmup_iters}) must be <= --lr-decay-iters ({opt.lr_decay_iters})",
+        )
+        require(
+            self.model.transformer_impl == "local",
+            "--transformer-impl transformer_engine is not available yet; use --transformer-impl local",
+        )
+        if prec.fp8 and self.device_type == "cuda" and not prec.bf16:
+            # FP8 GEMMs with fp32 weights would keep fp32 master copies *and* fp32 activations around the FP8 ops:
+            # Megatron-LM silently does that. We imply bf16 instead and say so.
+            prec.bf16 = True
+            self.notes.append("--fp8-format on a GPU implies --bf16 (FP8 with fp32 weights wastes memory and time)")
+        if prec.first_last_layers_bf16:
+            require(
+                prec.num_layers_at_start_in_bf16 + prec.num_layers_at_end_in_bf16 <= self.model.num_layers,
+                "--num-layers-at-start-in-bf16 + --num-layers-at-end-in-bf16 exceed --num-layers",
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form of the sections (what checkpoints and config.json hold)."""
+        out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        out["world_size"] = self.world_size
+        out["device_type"] = self.device_type
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        """Rebuild a configuration from `to_dict` output; unknown keys (from newer versions) are an error."""
+        kwargs: dict[str, Any] = {}
+        for name, section_cls in SECTIONS.items():
+            values = data.get(name, {})
+            known = {f.name for f in dataclasses.fields(section_cls)}
+            unknown = set(values) - known
+            if unknown:
+                raise ConfigError(f"unknown {name} config keys {sorted(unknown)}")
+            kwargs[name] = section_cls(**values)
+        return cls(**kwargs, world_size=data.get("world_size", 1), device_type=data.get("device_type", "cpu"))

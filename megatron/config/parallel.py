@@ -1,0 +1,29 @@
+"""Parallel layout. Data parallelism is inferred: world size / (tensor x pipeline)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import option, require
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel degree (ranks that split each layer's weights)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel degree (ranks that split the layers into stages)."""
+    distributed_backend: str | None = option(None, choices=["nccl", "gloo"])
+    """torch.distributed backend; defaults to nccl on CUDA and gloo on CPU."""
+    distributed_timeout_minutes: int = 10
+    """Timeout of collective operations, in minutes."""
+
+    def finalize(self) -> None:
+        require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size must be >= 1")
+        require(self.pipeline_model_parallel_size >= 1, "--pipeline-model-parallel-size must be >= 1")
+        require(
+            self.tensor_model_parallel_size == 1 and self.pipeline_model_parallel_size == 1,
+            "--tensor-model-parallel-size and --pipeline-model-parallel-size > 1 are not supported yet;"
+            " use data parallelism (torchrun --nproc-per-node N) for now",
+        )
+        require(self.distributed_timeout_minutes >= 1, "--distributed-timeout-minutes must be >= 1")

@@ -1,0 +1,49 @@
+"""Numerical precision: bf16 mixed precision and FP8."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import option, require
+
+
+@dataclass
+class PrecisionConfig:
+    bf16: bool = False
+    """Keep the model's parameters and activations in bf16, with fp32 main parameters and gradients in the optimizer
+    (Megatron-LM's mixed precision). CPU runs without it compute in fp32."""
+    fp8_format: str | None = option(None, choices=["e4m3", "hybrid"])
+    """Turn FP8 on for the transformer layers' linear layers: `e4m3` everywhere, or `hybrid` (e4m3 for activations
+    and weights, e5m2 for gradients). FP8 is off when absent."""
+    fp8_recipe: str = option("delayed", choices=["delayed", "tensorwise", "blockwise", "mxfp8", "rowwise"])
+    """How FP8 scales are chosen: `delayed` (per tensor, from an amax history), `tensorwise` (per tensor, current
+    amax), `rowwise` (per row), `blockwise` (1x128 / 128x128 tiles), `mxfp8` (32-element blocks, E8M0 scales)."""
+    fp8_margin: int = 0
+    """Delayed scaling: scale = fp8_max / amax / 2^margin."""
+    fp8_amax_history_len: int = 1
+    """Delayed scaling: number of steps of amax history."""
+    fp8_amax_compute_algo: str = option("most_recent", choices=["most_recent", "max"])
+    """Delayed scaling: which amax of the history sets the scale."""
+    fp8_wgrad: bool = option(True, flag="--no-fp8-wgrad", action="store_false")
+    """Compute the weight-gradient GEMM in FP8 (`--no-fp8-wgrad` keeps it in high precision)."""
+    first_last_layers_bf16: bool = False
+    """Keep the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 layers out of FP8."""
+    num_layers_at_start_in_bf16: int = 1
+    """With --first-last-layers-bf16: transformer layers at the start kept in high precision."""
+    num_layers_at_end_in_bf16: int = 1
+    """With --first-last-layers-bf16: transformer layers at the end kept in high precision."""
+
+    @property
+    def fp8(self) -> bool:
+        """Whether FP8 is on."""
+        return self.fp8_format is not None
+
+    def finalize(self) -> None:
+        require(self.fp8_margin >= 0, f"--fp8-margin must be >= 0, got {self.fp8_margin}")
+        require(self.fp8_amax_history_len >= 1, "--fp8-amax-history-len must be >= 1")
+        require(self.num_layers_at_start_in_bf16 >= 0, "--num-layers-at-start-in-bf16 must be >= 0")
+        require(self.num_layers_at_end_in_bf16 >= 0, "--num-layers-at-end-in-bf16 must be >= 0")
+        require(
+            not self.first_last_layers_bf16 or self.fp8,
+            "--first-last-layers-bf16 needs FP8 on (--fp8-format e4m3|hybrid)",
+        )

@@ -1,0 +1,113 @@
+"""Local (pure PyTorch) building blocks, named and shaped like Transformer Engine's modules.
+
+`LayerNormLinear` is TE's `te.LayerNormLinear` (input norm fused into the linear: parameters `layer_norm_weight`,
+`layer_norm_bias`, `weight`, `bias`), `Linear` is `te.Linear`, `Norm` is `te.LayerNorm` / `te.RMSNorm`. Keeping the
+parameter names and layouts identical lets a checkpoint move between `--transformer-impl local` and
+`transformer_engine` without key maps.
+
+Every matrix multiply of a transformer layer goes through `Linear.forward`, where the FP8 engine hooks in: when a
+linear's `fp8` attribute holds a quantization state (set by `megatron.fp8` after the model is built), the GEMMs run
+on FP8 operands; otherwise it is a plain `F.linear`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def normalize(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, eps: float) -> torch.Tensor:
+    """LayerNorm ((x - mean) / std * w + b) or RMSNorm (x / rms * w) over the last dimension."""
+    if kind == "LayerNorm":
+        return F.layer_norm(x, weight.shape, weight, bias, eps)
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+class Norm(nn.Module):
+    """A standalone LayerNorm / RMSNorm (TE's `te.LayerNorm` / `te.RMSNorm`: parameters `weight`, `bias`)."""
+
+    def __init__(self, hidden_size: int, kind: str, eps: float, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.kind, self.eps = kind, eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype)) if kind == "LayerNorm" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return normalize(x, self.weight, self.bias, self.kind, self.eps)
+
+
+class Linear(nn.Module):
+    """y = x W^T + b with W: [out, in]. `fp8` is the FP8 engine's per-layer state (None: high precision)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, init_std: float, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        self.init_std = init_std
+        self.fp8: Any = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None and self.fp8.enabled:
+            return self.fp8.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class LayerNormLinear(Linear):
+    """Norm of the input fused into a linear (TE's `te.LayerNormLinear`)."""
+
+    def __init__(self, in_features, out_features, bias, init_std, norm: str, eps: float, dtype=None):
+        super().__init__(in_features, out_features, bias, init_std, dtype)
+        self.norm_kind, self.eps = norm, eps
+        self.layer_norm_weight = nn.Parameter(torch.ones(in_features, dtype=dtype))
+        self.layer_norm_bias = nn.Parameter(torch.zeros(in_features, dtype=dtype)) if norm == "LayerNorm" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(normalize(x, self.layer_norm_weight, self.layer_norm_bias, self.norm_kind, self.eps))
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoFormer), in the non-interleaved `rotate_half` layout Megatron-Core and TE use:
+    channel i is paired with channel i + d/2 and rotated by angle pos * base^(-2i/d)."""
+
+    def __init__(self, rotary_dim: int, base: float):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, seq_len: int, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Angles [s, 1, 1, d] (or [s, b, 1, d] for per-sample position ids [b, s])."""
+        if position_ids is None:
+            positions = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)[:, None]  # [s, 1]
+        else:
+            positions = position_ids.t().float()  # [s, b]
+        freqs = positions[..., None] * self.inv_freq  # [s, b|1, d/2]
+        return torch.cat([freqs, freqs], dim=-1)[:, :, None, :]  # [s, b|1, 1, d]
+
+
+def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate the first angles.shape[-1] channels of x [s, b, n, d]; the rest pass through."""
+    rot_dim = angles.shape[-1]
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+
+
+def init_std_of_output(cfg) -> float:
+    """Megatron's scaled init for the layers that write into the residual stream: std / sqrt(2 * layers)."""
+    return cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)

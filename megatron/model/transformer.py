@@ -1,0 +1,101 @@
+"""A pre-norm GPT transformer layer with Megatron-Core's module tree:
+
+    layers.N.self_attention.linear_qkv   (input norm fused in: layer_norm_weight [, layer_norm_bias])
+    layers.N.self_attention.linear_proj
+    layers.N.mlp.linear_fc1              (pre-MLP norm fused in; gate and up stacked for SwiGLU)
+    layers.N.mlp.linear_fc2
+
+Activations are [s, b, h] (sequence first), as in Megatron-Core and TE.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+
+from .layers import LayerNormLinear, Linear, apply_rotary, init_std_of_output
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head / grouped-query attention.
+
+    linear_qkv's output is laid out per query group, as in Megatron-Core: for each of the ng groups, its np/ng query
+    heads, then its key head, then its value head (so a tensor-parallel shard holds whole groups).
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None):
+        super().__init__()
+        self.num_heads, self.num_groups, self.head_dim = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+        self.dropout = cfg.attention_dropout
+        qkv_size = (self.num_heads + 2 * self.num_groups) * self.head_dim
+        self.linear_qkv = LayerNormLinear(
+            cfg.hidden_size, qkv_size, cfg.add_bias, cfg.init_method_std, cfg.normalization, cfg.norm_epsilon, dtype
+        )
+        self.linear_proj = Linear(
+            self.num_heads * self.head_dim, cfg.hidden_size, cfg.add_bias, init_std_of_output(cfg), dtype
+        )
+
+    def forward(
+        self, x: torch.Tensor, rotary: torch.Tensor | None, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        s, b, _ = x.shape
+        heads_per_group = self.num_heads // self.num_groups
+        mixed = self.linear_qkv(x).view(s, b, self.num_groups, (heads_per_group + 2) * self.head_dim)
+        q, k, v = mixed.split([heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
+        q = q.reshape(s, b, self.num_heads, self.head_dim)  # [s, b, np, hn]
+        if rotary is not None:
+            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)  # k: [s, b, ng, hn]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hn]
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attention_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=attention_mask is None,
+            enable_gqa=self.num_groups != self.num_heads,
+        )  # [b, np, s, hn]
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+        return self.linear_proj(out)
+
+
+class MLP(nn.Module):
+    """h -> ffn -> h with GELU, or SwiGLU (linear_fc1 outputs [gate; up], 2*ffn wide)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None):
+        super().__init__()
+        self.swiglu = cfg.swiglu
+        fc1_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
+        self.linear_fc1 = LayerNormLinear(
+            cfg.hidden_size, fc1_out, cfg.add_bias, cfg.init_method_std, cfg.normalization, cfg.norm_epsilon, dtype
+        )
+        self.linear_fc2 = Linear(cfg.ffn_hidden_size, cfg.hidden_size, cfg.add_bias, init_std_of_output(cfg), dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return self.linear_fc2(h)
+
+
+class TransformerLayer(nn.Module):
+    """x + drop(attn(norm(x))), then + drop(mlp(norm(.))); the norms live inside linear_qkv and linear_fc1."""
+
+    def __init__(self, cfg: ModelConfig, layer_number: int, dtype: torch.dtype | None):
+        super().__init__()
+        self.layer_number = layer_number  # 1-based, global across pipeline stages
+        self.self_attention = SelfAttention(cfg, dtype)
+        self.mlp = MLP(cfg, dtype)
+        self.hidden_dropout = cfg.hidden_dropout
+
+    def forward(
+        self, x: torch.Tensor, rotary: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + F.dropout(self.self_attention(x, rotary, attention_mask), self.hidden_dropout, self.training)
+        return x + F.dropout(self.mlp(x), self.hidden_dropout, self.training)

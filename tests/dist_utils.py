@@ -1,0 +1,49 @@
+"""Run a function on N gloo ranks (CPU processes). Several checks per spawn: each spawn costs seconds on 2 cores.
+
+    def _body(rank, world_size, tmp):   # runs in every rank, torch.distributed already initialized
+        ...
+    run_distributed(_body, world_size=2, args=(tmp,))
+
+The rendezvous is a FileStore in a fresh temporary directory, so parallel test runs never clash on a port.
+An exception in any rank fails the test with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn: Callable, world_size: int, store_path: str, error_dir: str, args: tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, args: tuple = ()) -> None:
+    """Spawn `world_size` processes running fn(rank, world_size, *args) under a gloo process group."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path, error_dir = os.path.join(tmp, "store"), os.path.join(tmp, "errors")
+        os.makedirs(error_dir)
+        try:
+            mp.start_processes(
+                _entry, args=(fn, world_size, store_path, error_dir, args), nprocs=world_size, start_method="spawn"
+            )
+        except Exception as exc:
+            reports = [open(os.path.join(error_dir, f)).read() for f in sorted(os.listdir(error_dir))]
+            raise AssertionError("distributed test failed:\n" + "\n".join(reports)) from exc
