@@ -15,8 +15,10 @@ import inspect
 import textwrap
 from typing import Any
 
+from megatron.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A wrong flag value or combination. Its message is one line naming the flag and the fix."""
 
 

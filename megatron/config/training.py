@@ -22,12 +22,16 @@ class TrainingConfig:
     """Validation batches (of global-batch size) per validation run; 0 turns validation off."""
     seed: int = 1234
     """Random seed for initialization, dropout and data order."""
+    exit_interval: int | None = None
+    """Stop (after saving a checkpoint when --save is set) at the first iteration divisible by this value; the
+    learning-rate schedule still follows --train-iters, so a later --load continues the same run."""
 
     def finalize(self) -> None:
         require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
         require(self.train_iters >= 0, f"--train-iters must be >= 0, got {self.train_iters}")
         require(self.eval_interval >= 1, f"--eval-interval must be >= 1, got {self.eval_interval}")
         require(self.eval_iters >= 0, f"--eval-iters must be >= 0, got {self.eval_iters}")
+        require(self.exit_interval is None or self.exit_interval >= 1, "--exit-interval must be >= 1")
 
 
 @dataclass

@@ -1,0 +1,21 @@
+"""Atomic, Megatron-layout checkpoints."""
+
+from .checkpointing import (
+    CheckpointError,
+    check_model_state,
+    latest_iteration,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+
+__all__ = [
+    "CheckpointError",
+    "check_model_state",
+    "latest_iteration",
+    "load_checkpoint",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+]

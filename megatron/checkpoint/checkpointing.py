@@ -1,0 +1,161 @@
+"""Checkpoints in Megatron-LM's directory layout, written so that a crash never damages the previous one.
+
+    SAVE_DIR/
+      latest_checkpointed_iteration.txt      the iteration number of the newest complete checkpoint
+      iter_0000010/
+        mp_rank_00/model_optim_rng.pt        model, optimizer, scheduler, RNG, iteration, consumed samples, config
+
+Atomicity: a checkpoint is written into `iter_XXXXXXX.tmp`, flushed to disk, then renamed to `iter_XXXXXXX`
+(rename is atomic on POSIX file systems), and only after that is the `latest` pointer replaced (itself written to a
+temporary file and renamed). A crash at any point leaves the previous checkpoint and the pointer to it intact; a
+stale `.tmp` folder is removed by the next save.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.errors import UserError
+
+LATEST = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 1
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that cannot be used for this run (missing, corrupt, or of another model shape)."""
+
+
+def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def model_parallel_name(tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """Megatron's per-rank folder name: mp_rank_TT (no pipeline) or mp_rank_TT_PPP."""
+    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _fsync_tree(path: Path) -> None:
+    for file in path.rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(root: str, iteration: int, state: dict[str, Any], writer: bool, shard: str = "mp_rank_00") -> Path:
+    """Write `state` as iteration `iteration` under `root`. Only `writer` ranks write (one per model shard: the
+    first data-parallel replica); every rank must call this, because of the barriers."""
+    root_path = Path(root)
+    final = iteration_dir(root_path, iteration)
+    tmp = final.with_name(final.name + ".tmp")
+    if dist.get_rank() == 0 if dist.is_initialized() else True:
+        root_path.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    if writer:
+        (tmp / shard).mkdir(parents=True, exist_ok=True)
+        payload = dict(state, iteration=iteration, checkpoint_version=CHECKPOINT_VERSION)
+        torch.save(payload, tmp / shard / "model_optim_rng.pt")
+    _barrier()
+    if dist.get_rank() == 0 if dist.is_initialized() else True:
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving an iteration: move the old copy aside first, drop it once the new is in place
+            old = final.with_name(final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+        _write_atomically(root_path / LATEST, f"{iteration}\n")
+    _barrier()
+    return final
+
+
+def latest_iteration(root: str) -> int | None:
+    """The iteration the `latest` pointer names, or None when `root` holds no checkpoint."""
+    pointer = Path(root) / LATEST
+    if not pointer.exists():
+        return None
+    text = pointer.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{pointer} is corrupt (holds {text[:40]!r}, expected an iteration number)")
+    return int(text)
+
+
+def load_checkpoint(root: str, shard: str = "mp_rank_00") -> dict[str, Any] | None:
+    """The state of the newest checkpoint under `root`, or None when there is none."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return None
+    path = iteration_dir(root, iteration) / shard / "model_optim_rng.pt"
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing: the checkpoint was saved with another parallel layout or is damaged")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a truncated or foreign file
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+
+
+def check_model_state(checkpoint: dict[str, torch.Tensor], model: dict[str, torch.Tensor], source: str) -> None:
+    """Raise CheckpointError listing every missing, unexpected and mis-shaped tensor."""
+    problems = []
+    missing = sorted(set(model) - set(checkpoint))
+    unexpected = sorted(set(checkpoint) - set(model))
+    if missing:
+        problems.append(f"missing in checkpoint: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"not in model: {', '.join(unexpected)}")
+    for key in sorted(set(model) & set(checkpoint)):
+        if tuple(checkpoint[key].shape) != tuple(model[key].shape):
+            problems.append(f"{key}: checkpoint {list(checkpoint[key].shape)} vs model {list(model[key].shape)}")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {source} does not match the model (same model flags as the saved run?): " + "; ".join(problems)
+        )

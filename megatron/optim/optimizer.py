@@ -1,0 +1,129 @@
+"""AdamW with Megatron-LM's mixed precision, global-norm clipping and non-finite step skipping.
+
+With fp32 parameters (CPU default) the optimizer updates the model's parameters and their `.grad` directly.
+With bf16 parameters (`--bf16`) it keeps an fp32 *main* copy of every parameter and an fp32 `main_grad` beside each
+bf16 parameter: a post-accumulate-grad hook adds each micro-batch's bf16 gradient into `main_grad` and frees it, so
+gradient accumulation happens in fp32 and the bf16 gradient lives only briefly. After the step the main copy is cast
+back into the bf16 parameter once (not once per micro-batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron.config import OptimizerConfig
+
+
+def _no_weight_decay(name: str, param: nn.Parameter) -> bool:
+    """Biases and norm weights (every 1-D parameter) are not decayed, as in Megatron-LM."""
+    return param.ndim == 1 or name.endswith(".bias")
+
+
+class MixedPrecisionAdamW:
+    def __init__(self, model: nn.Module, cfg: OptimizerConfig, fused: bool = False):
+        self.cfg = cfg
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.mixed = any(p.dtype != torch.float32 for p in self.params)
+        if self.mixed:
+            self.main_params = [p.detach().float().clone() for p in self.params]
+            for param in self.params:
+                param.main_grad = torch.zeros_like(param, dtype=torch.float32)
+                param.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
+        else:
+            self.main_params = self.params
+        main_of = {id(p): m for p, m in zip(self.params, self.main_params)}
+        decay, no_decay = [], []
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                (no_decay if _no_weight_decay(name, param) else decay).append(main_of[id(param)])
+        groups = [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        self.optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]],
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            fused=fused or None,
+        )
+
+    def grads(self) -> list[torch.Tensor]:
+        """The fp32 gradients the step will use (model `.grad`, or `main_grad` in mixed precision)."""
+        if self.mixed:
+            return [p.main_grad for p in self.params]
+        for param in self.params:
+            if param.grad is None:  # a parameter this step did not touch still gets a (zero) gradient
+                param.grad = torch.zeros_like(param)
+        return [p.grad for p in self.params]
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+            if self.mixed:
+                param.main_grad.zero_()
+
+    def step(self, lr: float, grad_norm_fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> tuple[float, bool]:
+        """Clip and take one AdamW step at `lr`; returns (grad norm, stepped). A non-finite norm skips the step."""
+        grads = self.grads()
+        norm = grad_norm_fn(grads)
+        norm_value = float(norm)
+        if not torch.isfinite(norm).item():
+            self.zero_grad()
+            return norm_value, False
+        if self.cfg.clip_grad > 0 and norm_value > self.cfg.clip_grad:
+            torch._foreach_mul_(grads, self.cfg.clip_grad / (norm_value + 1e-6))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.mixed:
+            for main, grad in zip(self.main_params, grads):
+                main.grad = grad
+        self.optimizer.step()
+        if self.mixed:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.main_params)
+            for main in self.main_params:
+                main.grad = None
+        self.zero_grad()
+        return norm_value, True
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.mixed:
+            state["main_params"] = [m.clone() for m in self.main_params]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.mixed:
+            if "main_params" not in state:
+                raise ValueError("the checkpoint's optimizer has no fp32 main parameters (saved without --bf16?)")
+            with torch.no_grad():
+                for main, saved, param in zip(self.main_params, state["main_params"], self.params):
+                    main.copy_(saved)
+                    param.copy_(saved)
+
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 main copies from the model (after loading model weights without optimizer state)."""
+        if self.mixed:
+            with torch.no_grad():
+                for main, param in zip(self.main_params, self.params):
+                    main.copy_(param.float())
+
+
+def _accumulate_into_main_grad(param: torch.Tensor) -> None:
+    param.main_grad.add_(param.grad)
+    param.grad = None
+
+
+def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm over all gradients (a replicated model needs no reduction across data-parallel ranks: their
+    gradients are already averaged). Returned as a 0-d fp32 tensor, possibly inf/nan."""
+    if not grads:
+        return torch.zeros(())
+    norms = torch._foreach_norm(grads)
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))

@@ -1,0 +1,37 @@
+"""A start-of-run memory estimate, per GPU (Megatron-LM's accounting, before fragmentation and workspaces).
+
+Weights and optimizer: parameter bytes (2 in bf16, 4 in fp32) + fp32 main copy (bf16 only) + fp32 gradient
+(accumulation buffer) + two fp32 Adam moments.
+Activations of one micro-batch without recomputation, Korthikanti et al. (2022): per layer
+s * b * h * (34 + 5 * a * s / h) bytes for 16-bit activations; SDPA's fused kernels do not keep the a * s * s
+attention matrix, so we drop that term and count the 34 * s * b * h part, plus the fp32 logits (4 * s * b * V * 2
+for the logits and their gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.config import Config
+
+
+def _size(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def memory_estimate_lines(cfg: Config, num_params: int, vocab_size: int, dtype: torch.dtype) -> list[str]:
+    param_bytes = 2 if dtype == torch.bfloat16 else 4
+    weights = num_params * param_bytes
+    main_copy = num_params * 4 if dtype == torch.bfloat16 else 0
+    grads = num_params * 4
+    adam = num_params * 8
+    m = cfg.model
+    s, b, h = m.seq_length, cfg.training.micro_batch_size, m.hidden_size
+    act_scale = 1.0 if dtype == torch.bfloat16 else 2.0
+    activations = m.num_layers * 34 * s * b * h * act_scale
+    logits = 8 * s * b * vocab_size
+    return [
+        f"memory estimate per GPU: weights {_size(weights)}, fp32 main params {_size(main_copy)},"
+        f" grads {_size(grads)}, Adam states {_size(adam)}, activations ~{_size(activations + logits)} per"
+        f" micro-batch (total ~{_size(weights + main_copy + grads + adam + activations + logits)})"
+    ]

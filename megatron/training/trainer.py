@@ -1,0 +1,306 @@
+"""The training loop: build everything from a Config, train to --train-iters, evaluate, checkpoint, log.
+
+Order of construction (each step needs the previous): process groups -> seeds -> tokenizer and padded vocabulary ->
+model (built in fp32 on the CPU from the seed, so every device and layout starts from the same weights, then moved
+and cast) -> FP8 state attached to its linears -> optimizer -> checkpoint loaded -> datasets positioned at the
+checkpoint's consumed samples.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+from megatron.checkpoint import check_model_state, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from megatron.config import Config
+from megatron.data import PretrainingSampler, build_datasets, build_tokenizer, padded_vocab_size
+from megatron.model import GPTModel, count_parameters
+from megatron.optim import MixedPrecisionAdamW, global_grad_norm, learning_rate
+from megatron.parallel import ParallelDims, allreduce_gradients, init_distributed
+
+from .flops import num_floating_point_operations, peak_tflops
+from .logger import TensorBoardWriter, print_rank_0, training_log_line, validation_log_lines
+from .memory import memory_estimate_lines
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iters: int = 0
+    nan_iters: int = 0
+    losses: dict[int, float] = field(default_factory=dict)
+    """lm loss of every iteration this process ran (global average), by iteration number."""
+    valid_losses: dict[int, float] = field(default_factory=dict)
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.device = init_distributed(cfg)
+        self.dims = ParallelDims.build(cfg)
+        set_seed(cfg.training.seed)
+        self.tokenizer = build_tokenizer(cfg.data)
+        self.vocab_size = padded_vocab_size(
+            self.tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size
+        )
+        self.dtype = torch.bfloat16 if cfg.precision.bf16 else torch.float32
+        self.model = GPTModel(cfg.model, self.vocab_size).to(self.device, self.dtype)
+        self.fp8 = None
+        if cfg.precision.fp8:
+            from megatron.fp8 import attach_fp8
+
+            self.fp8 = attach_fp8(self.model, cfg, self.dims.amax_group)
+        self.optimizer = MixedPrecisionAdamW(self.model, cfg.optimizer, fused=self.device.type == "cuda")
+        self.state = TrainState()
+        self._load()
+        self.datasets = build_datasets(cfg, self.tokenizer, self.vocab_size)
+        self.tensorboard = TensorBoardWriter(cfg.logging.tensorboard_dir)
+        self.flops_per_iter = num_floating_point_operations(
+            cfg.model, cfg.training.global_batch_size, self.vocab_size
+        )
+        self.peak = peak_tflops(self.device)
+        self._log_startup()
+
+    # ------------------------------------------------------------------ setup
+
+    def _log_startup(self) -> None:
+        cfg = self.cfg
+        print_rank_0("------------------------ arguments ------------------------")
+        for section, values in cfg.to_dict().items():
+            if isinstance(values, dict):
+                for key, value in sorted(values.items()):
+                    print_rank_0(f"  {key} {'.' * max(1, 40 - len(key))} {value}")
+        print_rank_0("-------------------- end of arguments ---------------------")
+        for note in cfg.notes:
+            print_rank_0(f"note: {note}")
+        print_rank_0(
+            f"> device: {self.device} ({torch.cuda.get_device_name(self.device) if self.device.type == 'cuda' else 'cpu'})"
+            f", world size {self.dims.world_size}, data-parallel size {self.dims.dp},"
+            f" {cfg.num_micro_batches} micro-batches of {cfg.training.micro_batch_size} per step"
+        )
+        print_rank_0(f"> padded vocab (size: {self.tokenizer.vocab_size}) with {self.vocab_size - self.tokenizer.vocab_size} dummy tokens (new size: {self.vocab_size})")
+        print_rank_0(f"> number of parameters: {count_parameters(self.model):,}")
+        for line in memory_estimate_lines(cfg, count_parameters(self.model), self.vocab_size, self.dtype):
+            print_rank_0(f"> {line}")
+        if self.fp8 is not None:
+            for line in self.fp8.describe():
+                print_rank_0(f"> fp8: {line}")
+        out_dir = cfg.logging.log_dir or cfg.checkpoint.save or cfg.logging.tensorboard_dir
+        if out_dir and self.dims.is_first_rank:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            (Path(out_dir) / "config.json").write_text(cfg.to_json() + "\n")
+        self.tensorboard.text("config", "```\n" + cfg.to_json() + "\n```")
+
+    def _load(self) -> None:
+        ckpt_cfg = self.cfg.checkpoint
+        if not ckpt_cfg.load:
+            return
+        state = load_checkpoint(ckpt_cfg.load)
+        if state is None:
+            print_rank_0(f"> no checkpoint found in {ckpt_cfg.load}: starting from scratch")
+            return
+        check_model_state(state["model"], self.model.state_dict(), ckpt_cfg.load)
+        self.model.load_state_dict(state["model"])
+        print_rank_0(f"> loaded checkpoint from {ckpt_cfg.load} at iteration {state['iteration']}")
+        if ckpt_cfg.finetune:
+            self.optimizer.reload_model_params()
+            return
+        self.state.iteration = state["iteration"]
+        self.state.consumed_samples = state["consumed_samples"]
+        self.state.skipped_iters = state.get("skipped_iters", 0)
+        self.state.nan_iters = state.get("nan_iters", 0)
+        if ckpt_cfg.no_load_optim:
+            self.optimizer.reload_model_params()
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if not ckpt_cfg.no_load_rng:
+            set_rng_state(state["rng"])
+        if self.fp8 is not None and state.get("fp8") is not None:
+            self.fp8.load_state_dict(state["fp8"])
+
+    def save(self) -> None:
+        state: dict[str, Any] = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": {"num_steps": self.state.iteration},
+            "rng": rng_state(),
+            "consumed_samples": self.state.consumed_samples,
+            "skipped_iters": self.state.skipped_iters,
+            "nan_iters": self.state.nan_iters,
+            "fp8": self.fp8.state_dict() if self.fp8 is not None else None,
+            "config": self.cfg.to_dict(),
+            "layout": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp},
+        }
+        path = save_checkpoint(
+            self.cfg.checkpoint.save, self.state.iteration, state, writer=self.dims.dp_rank == 0
+        )
+        print_rank_0(f"  successfully saved checkpoint at iteration {self.state.iteration:7d} to {path}")
+
+    def _loader(self, dataset: Dataset, consumed_samples: int) -> DataLoader:
+        sampler = PretrainingSampler(
+            len(dataset), consumed_samples, self.cfg.training.micro_batch_size, self.dims.dp_rank, self.dims.dp
+        )
+        return DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            num_workers=self.cfg.data.num_workers,
+            pin_memory=self.device.type == "cuda",
+            # A private generator: creating a loader must not draw from the global RNG (that would shift dropout
+            # between a resumed run and an uninterrupted one).
+            generator=torch.Generator(),
+        )
+
+    # ------------------------------------------------------------------ steps
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        per_token = self.model(
+            batch["tokens"], batch.get("position_ids"), batch.get("attention_mask"), labels=batch["labels"]
+        )
+        mask = batch["loss_mask"]
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def _average_over_dp(self, value: torch.Tensor) -> float:
+        if self.dims.dp_group is not None:
+            value = value.clone()
+            dist.all_reduce(value, group=self.dims.dp_group)
+            value /= self.dims.dp
+        return float(value)
+
+    def train_step(self, batches) -> tuple[float, float, bool]:
+        """One optimizer step over the micro-batches; returns (loss, grad norm, whether the step was applied)."""
+        self.model.train()
+        num_micro = self.cfg.num_micro_batches
+        total = torch.zeros((), device=self.device)
+        for _ in range(num_micro):
+            loss = self._loss(_to_device(next(batches), self.device))
+            (loss / num_micro).backward()
+            total += loss.detach().float()
+        fp8_finite = self.fp8.step() if self.fp8 is not None else True
+        allreduce_gradients(self.optimizer.grads(), self.dims.dp_group)
+        lr = learning_rate(self.state.iteration, self.cfg.optimizer)
+        if fp8_finite:
+            grad_norm, stepped = self.optimizer.step(lr, global_grad_norm)
+        else:
+            self.optimizer.zero_grad()
+            grad_norm, stepped = float("nan"), False
+        return self._average_over_dp(total / num_micro), grad_norm, stepped
+
+    @torch.no_grad()
+    def evaluate(self, dataset: Dataset | None, split: str = "validation") -> float | None:
+        if dataset is None or self.cfg.training.eval_iters == 0:
+            return None
+        self.model.eval()
+        batches = iter(self._loader(dataset, 0))
+        steps = self.cfg.training.eval_iters * self.cfg.num_micro_batches
+        total = torch.zeros((), device=self.device)
+        for _ in range(steps):
+            total += self._loss(_to_device(next(batches), self.device)).float()
+        loss = self._average_over_dp(total / steps)
+        print_rank_0(validation_log_lines(self.state.iteration, loss, split))
+        self.tensorboard.scalars({f"lm loss {split}": loss, f"lm loss {split} ppl": math.exp(min(20.0, loss))},
+                                 self.state.iteration)
+        return loss
+
+    def train(self) -> TrainState:
+        cfg, state = self.cfg, self.state
+        train_cfg, gbs = cfg.training, cfg.training.global_batch_size
+        batches = iter(self._loader(self.datasets.train, state.consumed_samples))
+        interval_time, interval_losses, interval_iters = 0.0, [], 0
+        saved_at = None
+        while state.iteration < train_cfg.train_iters:
+            start = time.perf_counter()
+            loss, grad_norm, stepped = self.train_step(batches)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            elapsed = time.perf_counter() - start
+            lr = learning_rate(state.iteration, cfg.optimizer)
+            state.iteration += 1
+            state.consumed_samples += gbs
+            if not stepped:
+                state.skipped_iters += 1
+                if not math.isfinite(grad_norm) or not math.isfinite(loss):
+                    state.nan_iters += 1
+            state.losses[state.iteration] = loss
+            interval_time += elapsed
+            interval_losses.append(loss)
+            interval_iters += 1
+            if state.iteration % cfg.logging.log_interval == 0 or state.iteration == train_cfg.train_iters:
+                self._log_interval(interval_time / interval_iters, interval_losses, lr, grad_norm)
+                interval_time, interval_losses, interval_iters = 0.0, [], 0
+            if state.iteration % train_cfg.eval_interval == 0 and state.iteration < train_cfg.train_iters:
+                state.valid_losses[state.iteration] = self.evaluate(self.datasets.valid)
+            save_interval = cfg.checkpoint.save_interval
+            if cfg.checkpoint.save and save_interval and state.iteration % save_interval == 0:
+                self.save()
+                saved_at = state.iteration
+            if train_cfg.exit_interval and state.iteration % train_cfg.exit_interval == 0:
+                print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval {train_cfg.exit_interval})")
+                break
+        if train_cfg.eval_iters > 0:
+            state.valid_losses[state.iteration] = self.evaluate(self.datasets.valid)
+            self.evaluate(self.datasets.test, "test")
+        if cfg.checkpoint.save and saved_at != state.iteration:
+            self.save()
+        self.tensorboard.close()
+        return state
+
+    def _log_interval(self, seconds_per_iter: float, losses: list[float], lr: float, grad_norm: float) -> None:
+        cfg, state = self.cfg, self.state
+        finite = [x for x in losses if math.isfinite(x)]
+        loss = sum(finite) / len(finite) if finite else float("nan")
+        tflops = self.flops_per_iter / seconds_per_iter / self.dims.world_size / 1e12
+        tokens_per_s = cfg.training.global_batch_size * cfg.model.seq_length / seconds_per_iter
+        mfu = tflops / self.peak if self.peak else None
+        print_rank_0(
+            training_log_line(
+                state.iteration, cfg.training.train_iters, state.consumed_samples, 1000 * seconds_per_iter,
+                tflops, tokens_per_s, mfu, lr, cfg.training.global_batch_size, loss, grad_norm,
+                state.skipped_iters, state.nan_iters,
+            )
+        )
+        scalars = {
+            "lm loss": loss,
+            "learning-rate": lr,
+            "grad-norm": grad_norm,
+            "iteration-time": seconds_per_iter,
+            "throughput/tflops-per-gpu": tflops,
+            "throughput/tokens-per-s": tokens_per_s,
+            "skipped-iterations": state.skipped_iters,
+        }
+        if mfu is not None:
+            scalars["throughput/mfu"] = mfu
+        if self.device.type == "cuda":
+            scalars["memory/max-allocated-gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.tensorboard.scalars(scalars, state.iteration)
+
+
+def pretrain(cfg: Config) -> TrainState:
+    """Build and train; the entry point of pretrain_gpt.py."""
+    trainer = Trainer(cfg)
+    state = trainer.train()
+    if trainer.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(trainer.device) / 2**30
+        print_rank_0(f"> peak memory allocated: {peak:.2f} GiB")
+    print_rank_0(json.dumps({"final_iteration": state.iteration, "final_lm_loss": state.losses.get(state.iteration)}))
+    return state

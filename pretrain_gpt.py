@@ -1,0 +1,34 @@
+"""Pretrain a GPT model. Megatron-LM compatible flags; `--help` lists them.
+
+    python pretrain_gpt.py --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 ...
+    torchrun --nproc-per-node 8 pretrain_gpt.py ...
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from megatron.config import parse_args
+from megatron.errors import UserError
+from megatron.parallel import world_size_from_env
+from megatron.training import pretrain
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_args(
+            argv,
+            world_size=world_size_from_env(),
+            device_type="cuda" if torch.cuda.is_available() else "cpu",
+        )
+        pretrain(cfg)
+    except UserError as exc:
+        print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""End-to-end CPU training: loss goes down, resume is exact, checkpoints survive crashes, bad checkpoints are
+refused with a clear message, and data parallelism trains the same model as one process."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron.checkpoint import CheckpointError, latest_iteration
+from megatron.config import parse_args
+from megatron.training import Trainer
+from tests.dist_utils import run_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = (
+    "--mock-data --vocab-size 128 --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32"
+    " --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 2 --log-interval 5 --eval-iters 1"
+    " --eval-interval 1000"
+)
+
+
+def train(flags: str, world_size: int = 1):
+    cfg = parse_args(f"{TINY} {flags}".split(), world_size=world_size)
+    return Trainer(cfg).train()
+
+
+def test_loss_decreases_and_log_line_is_megatron_format(capsys):
+    state = train("--train-iters 40 --hidden-dropout 0 --attention-dropout 0")
+    first, last = state.losses[1], state.losses[40]
+    assert last < first - 0.5, (first, last)
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "iteration       40/      40" in x)
+    pattern = (
+        r"iteration\s+40/\s+40 \| consumed samples:\s+320 \| elapsed time per iteration \(ms\): [\d.]+ \|"
+        r" throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| tokens/s: \d+ \| learning rate: [\d.]+E[+-]\d+ \|"
+        r" global batch size:\s+8 \| lm loss: \d\.\d{6}E[+-]\d\d \| loss scale: 1.0 \| grad norm: [\d.]+ \|"
+        r" number of skipped iterations:\s+0 \| number of nan iterations:\s+0 \|"
+    )
+    assert re.search(pattern, line), line
+    assert "validation loss at iteration 40" in out and "number of parameters" in out and "memory estimate" in out
+
+
+def test_resume_reproduces_uninterrupted_run_exactly(tmp_path):
+    # Dropout on: resuming must restore the RNG streams too, not only weights and optimizer.
+    full = train("--train-iters 20")
+    first = train(f"--train-iters 20 --exit-interval 10 --save {tmp_path} --save-interval 5")
+    assert latest_iteration(str(tmp_path)) == 10
+    resumed = train(f"--train-iters 20 --load {tmp_path}")
+    assert [first.losses[i] for i in range(1, 11)] == [full.losses[i] for i in range(1, 11)]
+    assert [resumed.losses[i] for i in range(11, 21)] == [full.losses[i] for i in range(11, 21)]
+    assert set(resumed.losses) == set(range(11, 21))
+
+
+def test_checkpoint_holds_everything(tmp_path):
+    train(f"--train-iters 4 --save {tmp_path}")
+    state = torch.load(tmp_path / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert {"model", "optimizer", "scheduler", "rng", "iteration", "consumed_samples", "config"} <= set(state)
+    assert state["iteration"] == 4 and state["consumed_samples"] == 32
+    assert state["config"]["model"]["hidden_size"] == 32
+    assert json.loads((tmp_path / "config.json").read_text())["training"]["train_iters"] == 4
+
+
+def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    train(f"--train-iters 4 --save {tmp_path}")
+    real_save = torch.save
+
+    def crash(obj, path, *args, **kwargs):
+        real_save(obj, path, *args, **kwargs)
+        with open(path, "r+b") as f:  # leave a half-written file behind, then die
+            f.truncate(100)
+        raise KeyboardInterrupt("killed mid-save")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train(f"--train-iters 8 --load {tmp_path} --save {tmp_path}")
+    monkeypatch.setattr(torch, "save", real_save)
+    assert latest_iteration(str(tmp_path)) == 4
+    resumed = train(f"--train-iters 6 --load {tmp_path}")  # the previous checkpoint still loads and trains on
+    assert set(resumed.losses) == {5, 6}
+    train(f"--train-iters 8 --load {tmp_path} --save {tmp_path}")  # a later save cleans up the debris
+    assert latest_iteration(str(tmp_path)) == 8
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_mismatched_checkpoint_lists_the_differences(tmp_path):
+    train(f"--train-iters 2 --save {tmp_path}")
+    with pytest.raises(CheckpointError) as info:
+        train(f"--train-iters 4 --load {tmp_path} --hidden-size 64 --untie-embeddings-and-output-weights")
+    message = str(info.value)
+    assert "output_layer.weight" in message
+    assert re.search(r"embedding.word_embeddings.weight: checkpoint \[\d+, 32\] vs model \[\d+, 64\]", message)
+    assert "\n" not in message
+
+
+def test_finetune_and_no_load_optim(tmp_path):
+    train(f"--train-iters 4 --save {tmp_path}")
+    fine = train(f"--train-iters 2 --load {tmp_path} --finetune")
+    assert set(fine.losses) == {1, 2}
+    no_optim = train(f"--train-iters 6 --load {tmp_path} --no-load-optim --no-load-rng")
+    assert set(no_optim.losses) == {5, 6}
+
+
+def test_bf16_mixed_precision_trains_with_fp32_main_params():
+    cfg = parse_args(f"{TINY} --train-iters 30 --bf16 --hidden-dropout 0 --attention-dropout 0".split())
+    trainer = Trainer(cfg)
+    assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+    assert all(m.dtype == torch.float32 for m in trainer.optimizer.main_params)
+    state = trainer.train()
+    assert state.losses[30] < state.losses[1] - 0.5
+
+
+def test_tensorboard_gets_the_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train(f"--train-iters 10 --tensorboard-dir {tmp_path}")
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm loss", "learning-rate", "grad-norm", "throughput/tokens-per-s", "lm loss validation"} <= tags
+    assert [e.step for e in events.Scalars("lm loss")] == [5, 10]
+
+
+def _data_parallel_body(rank, world_size, out_dir):
+    state = train("--train-iters 4 --hidden-dropout 0 --attention-dropout 0", world_size=world_size)
+    if rank == 0:
+        Path(out_dir, "dp.json").write_text(json.dumps(state.losses))
+
+
+def test_data_parallel_matches_single_process(tmp_path):
+    single = train("--train-iters 4 --hidden-dropout 0 --attention-dropout 0")
+    run_distributed(_data_parallel_body, world_size=2, args=(str(tmp_path),))
+    dp = {int(k): v for k, v in json.loads((tmp_path / "dp.json").read_text()).items()}
+    for it in range(1, 5):
+        assert dp[it] == pytest.approx(single.losses[it], rel=1e-5, abs=1e-6)
+
+
+def test_cli_errors_are_one_line_with_exit_code_2(capsys):
+    assert pretrain_gpt.main(["--mock-data", "--vocab-size", "64", "--hidden-size", "30"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pretrain_gpt.py: error:") and "--num-attention-heads" in err and "\n" not in err
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "pretrain_gpt.py",
+           *TINY.split(), "--train-iters", "3", "--save", str(tmp_path)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "data-parallel size 2" in result.stdout and "iteration        3/       3" in result.stdout
+    assert latest_iteration(str(tmp_path)) == 3
