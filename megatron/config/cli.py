@@ -55,9 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(
-    argv: Sequence[str] | None = None, *, world_size: int = 1, device_type: str = "cpu"
-) -> Config:
+def parse_args(argv: Sequence[str] | None = None, *, world_size: int = 1, device_type: str = "cpu") -> Config:
     """Parse flags into a finalized Config. Raises ConfigError (one line) on any bad value or combination."""
     namespace = build_parser().parse_args(argv)
     sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}

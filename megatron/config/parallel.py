@@ -13,6 +13,11 @@ class ParallelConfig:
     """Tensor-parallel degree (ranks that split each layer's weights)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel degree (ranks that split the layers into stages)."""
+    overlap_grad_reduce: bool = False
+    """Start each gradient bucket's data-parallel all-reduce during the last micro-batch's backward pass, as soon as
+    the bucket is complete, instead of after it."""
+    ddp_bucket_size: int = 40_000_000
+    """Gradient elements per data-parallel all-reduce bucket."""
     distributed_backend: str | None = option(None, choices=["nccl", "gloo"])
     """torch.distributed backend; defaults to nccl on CUDA and gloo on CPU."""
     distributed_timeout_minutes: int = 10
@@ -26,4 +31,5 @@ class ParallelConfig:
             "--tensor-model-parallel-size and --pipeline-model-parallel-size > 1 are not supported yet;"
             " use data parallelism (torchrun --nproc-per-node N) for now",
         )
+        require(self.ddp_bucket_size >= 1, "--ddp-bucket-size must be >= 1")
         require(self.distributed_timeout_minutes >= 1, "--distributed-timeout-minutes must be >= 1")

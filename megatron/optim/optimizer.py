@@ -1,10 +1,9 @@
 """AdamW with Megatron-LM's mixed precision, global-norm clipping and non-finite step skipping.
 
-With fp32 parameters (CPU default) the optimizer updates the model's parameters and their `.grad` directly.
-With bf16 parameters (`--bf16`) it keeps an fp32 *main* copy of every parameter and an fp32 `main_grad` beside each
-bf16 parameter: a post-accumulate-grad hook adds each micro-batch's bf16 gradient into `main_grad` and frees it, so
-gradient accumulation happens in fp32 and the bf16 gradient lives only briefly. After the step the main copy is cast
-back into the bf16 parameter once (not once per micro-batch).
+Gradients come from `param.main_grad`, the fp32 accumulation buffers of `megatron.parallel.GradientBuffers`
+(build those first). With fp32 parameters (CPU default) the optimizer updates the model's parameters directly.
+With bf16 parameters (`--bf16`) it keeps an fp32 *main* copy of every parameter, steps on that, and casts it back
+into the bf16 parameter once per step (not once per micro-batch).
 """
 
 from __future__ import annotations
@@ -27,23 +26,16 @@ class MixedPrecisionAdamW:
     def __init__(self, model: nn.Module, cfg: OptimizerConfig, fused: bool = False):
         self.cfg = cfg
         self.params = [p for p in model.parameters() if p.requires_grad]
+        if not all(hasattr(p, "main_grad") for p in self.params):
+            raise RuntimeError("build megatron.parallel.GradientBuffers for the model before its optimizer")
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
-        if self.mixed:
-            self.main_params = [p.detach().float().clone() for p in self.params]
-            for param in self.params:
-                param.main_grad = torch.zeros_like(param, dtype=torch.float32)
-                param.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
-        else:
-            self.main_params = self.params
+        self.main_params = [p.detach().float().clone() for p in self.params] if self.mixed else self.params
         main_of = {id(p): m for p, m in zip(self.params, self.main_params)}
         decay, no_decay = [], []
         for name, param in model.named_parameters():
             if param.requires_grad:
                 (no_decay if _no_weight_decay(name, param) else decay).append(main_of[id(param)])
-        groups = [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(
             [g for g in groups if g["params"]],
             lr=cfg.lr,
@@ -53,42 +45,29 @@ class MixedPrecisionAdamW:
         )
 
     def grads(self) -> list[torch.Tensor]:
-        """The fp32 gradients the step will use (model `.grad`, or `main_grad` in mixed precision)."""
-        if self.mixed:
-            return [p.main_grad for p in self.params]
-        for param in self.params:
-            if param.grad is None:  # a parameter this step did not touch still gets a (zero) gradient
-                param.grad = torch.zeros_like(param)
-        return [p.grad for p in self.params]
-
-    def zero_grad(self) -> None:
-        for param in self.params:
-            param.grad = None
-            if self.mixed:
-                param.main_grad.zero_()
+        """The fp32 gradients the step uses."""
+        return [p.main_grad for p in self.params]
 
     def step(self, lr: float, grad_norm_fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> tuple[float, bool]:
-        """Clip and take one AdamW step at `lr`; returns (grad norm, stepped). A non-finite norm skips the step."""
+        """Clip and take one AdamW step at `lr`; returns (grad norm, stepped). A non-finite norm skips the step.
+        The caller zeroes the gradient buffers afterwards."""
         grads = self.grads()
         norm = grad_norm_fn(grads)
         norm_value = float(norm)
         if not torch.isfinite(norm).item():
-            self.zero_grad()
             return norm_value, False
         if self.cfg.clip_grad > 0 and norm_value > self.cfg.clip_grad:
             torch._foreach_mul_(grads, self.cfg.clip_grad / (norm_value + 1e-6))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if self.mixed:
-            for main, grad in zip(self.main_params, grads):
-                main.grad = grad
+        for main, grad in zip(self.main_params, grads):
+            main.grad = grad
         self.optimizer.step()
+        for main in self.main_params:
+            main.grad = None
         if self.mixed:
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.main_params)
-            for main in self.main_params:
-                main.grad = None
-        self.zero_grad()
         return norm_value, True
 
     def state_dict(self) -> dict[str, Any]:
@@ -113,11 +92,6 @@ class MixedPrecisionAdamW:
             with torch.no_grad():
                 for main, param in zip(self.main_params, self.params):
                     main.copy_(param.float())
-
-
-def _accumulate_into_main_grad(param: torch.Tensor) -> None:
-    param.main_grad.add_(param.grad)
-    param.grad = None
 
 
 def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -107,9 +107,7 @@ class ParallelDims:
         pp_group = make([[at(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)])
         mp_group = make([[at(p, d, t) for p in range(pp) for t in range(tp)] for d in range(dp)])
         amax_group = make([[at(p, d, t) for d in range(dp) for t in range(tp)] for p in range(pp)])
-        embedding_group = make(
-            [sorted({at(0, d, t), at(pp - 1, d, t)}) for d in range(dp) for t in range(tp)]
-        )
+        embedding_group = make([sorted({at(0, d, t), at(pp - 1, d, t)}) for d in range(dp) for t in range(tp)])
         return cls(
             world_size=world,
             rank=rank,

@@ -26,7 +26,7 @@ from megatron.config import Config
 from megatron.data import PretrainingSampler, build_datasets, build_tokenizer, padded_vocab_size
 from megatron.model import GPTModel, count_parameters
 from megatron.optim import MixedPrecisionAdamW, global_grad_norm, learning_rate
-from megatron.parallel import ParallelDims, allreduce_gradients, init_distributed
+from megatron.parallel import GradientBuffers, ParallelDims, init_distributed
 
 from .flops import num_floating_point_operations, peak_tflops
 from .logger import TensorBoardWriter, print_rank_0, training_log_line, validation_log_lines
@@ -71,14 +71,15 @@ class Trainer:
             from megatron.fp8 import attach_fp8
 
             self.fp8 = attach_fp8(self.model, cfg, self.dims.amax_group)
+        self.grad_buffers = GradientBuffers(
+            self.model, self.dims.dp_group, cfg.parallel.overlap_grad_reduce, cfg.parallel.ddp_bucket_size
+        )
         self.optimizer = MixedPrecisionAdamW(self.model, cfg.optimizer, fused=self.device.type == "cuda")
         self.state = TrainState()
         self._load()
         self.datasets = build_datasets(cfg, self.tokenizer, self.vocab_size)
         self.tensorboard = TensorBoardWriter(cfg.logging.tensorboard_dir)
-        self.flops_per_iter = num_floating_point_operations(
-            cfg.model, cfg.training.global_batch_size, self.vocab_size
-        )
+        self.flops_per_iter = num_floating_point_operations(cfg.model, cfg.training.global_batch_size, self.vocab_size)
         self.peak = peak_tflops(self.device)
         self._log_startup()
 
@@ -87,19 +88,22 @@ class Trainer:
     def _log_startup(self) -> None:
         cfg = self.cfg
         print_rank_0("------------------------ arguments ------------------------")
-        for section, values in cfg.to_dict().items():
+        for values in cfg.to_dict().values():
             if isinstance(values, dict):
                 for key, value in sorted(values.items()):
                     print_rank_0(f"  {key} {'.' * max(1, 40 - len(key))} {value}")
         print_rank_0("-------------------- end of arguments ---------------------")
         for note in cfg.notes:
             print_rank_0(f"note: {note}")
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         print_rank_0(
-            f"> device: {self.device} ({torch.cuda.get_device_name(self.device) if self.device.type == 'cuda' else 'cpu'})"
-            f", world size {self.dims.world_size}, data-parallel size {self.dims.dp},"
+            f"> device: {self.device} ({name}), world size {self.dims.world_size}, data-parallel size {self.dims.dp},"
             f" {cfg.num_micro_batches} micro-batches of {cfg.training.micro_batch_size} per step"
         )
-        print_rank_0(f"> padded vocab (size: {self.tokenizer.vocab_size}) with {self.vocab_size - self.tokenizer.vocab_size} dummy tokens (new size: {self.vocab_size})")
+        print_rank_0(
+            f"> padded vocab (size: {self.tokenizer.vocab_size}) with"
+            f" {self.vocab_size - self.tokenizer.vocab_size} dummy tokens (new size: {self.vocab_size})"
+        )
         print_rank_0(f"> number of parameters: {count_parameters(self.model):,}")
         for line in memory_estimate_lines(cfg, count_parameters(self.model), self.vocab_size, self.dtype):
             print_rank_0(f"> {line}")
@@ -152,9 +156,7 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "layout": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp},
         }
-        path = save_checkpoint(
-            self.cfg.checkpoint.save, self.state.iteration, state, writer=self.dims.dp_rank == 0
-        )
+        path = save_checkpoint(self.cfg.checkpoint.save, self.state.iteration, state, writer=self.dims.dp_rank == 0)
         print_rank_0(f"  successfully saved checkpoint at iteration {self.state.iteration:7d} to {path}")
 
     def _loader(self, dataset: Dataset, consumed_samples: int) -> DataLoader:
@@ -192,18 +194,18 @@ class Trainer:
         self.model.train()
         num_micro = self.cfg.num_micro_batches
         total = torch.zeros((), device=self.device)
-        for _ in range(num_micro):
+        for micro in range(num_micro):
+            self.grad_buffers.is_last_micro_batch = micro == num_micro - 1
             loss = self._loss(_to_device(next(batches), self.device))
             (loss / num_micro).backward()
             total += loss.detach().float()
         fp8_finite = self.fp8.step() if self.fp8 is not None else True
-        allreduce_gradients(self.optimizer.grads(), self.dims.dp_group)
+        self.grad_buffers.finish()
         lr = learning_rate(self.state.iteration, self.cfg.optimizer)
+        grad_norm, stepped = float("nan"), False
         if fp8_finite:
             grad_norm, stepped = self.optimizer.step(lr, global_grad_norm)
-        else:
-            self.optimizer.zero_grad()
-            grad_norm, stepped = float("nan"), False
+        self.grad_buffers.zero()
         return self._average_over_dp(total / num_micro), grad_norm, stepped
 
     @torch.no_grad()
@@ -218,8 +220,9 @@ class Trainer:
             total += self._loss(_to_device(next(batches), self.device)).float()
         loss = self._average_over_dp(total / steps)
         print_rank_0(validation_log_lines(self.state.iteration, loss, split))
-        self.tensorboard.scalars({f"lm loss {split}": loss, f"lm loss {split} ppl": math.exp(min(20.0, loss))},
-                                 self.state.iteration)
+        self.tensorboard.scalars(
+            {f"lm loss {split}": loss, f"lm loss {split} ppl": math.exp(min(20.0, loss))}, self.state.iteration
+        )
         return loss
 
     def train(self) -> TrainState:
@@ -274,9 +277,19 @@ class Trainer:
         mfu = tflops / self.peak if self.peak else None
         print_rank_0(
             training_log_line(
-                state.iteration, cfg.training.train_iters, state.consumed_samples, 1000 * seconds_per_iter,
-                tflops, tokens_per_s, mfu, lr, cfg.training.global_batch_size, loss, grad_norm,
-                state.skipped_iters, state.nan_iters,
+                state.iteration,
+                cfg.training.train_iters,
+                state.consumed_samples,
+                1000 * seconds_per_iter,
+                tflops,
+                tokens_per_s,
+                mfu,
+                lr,
+                cfg.training.global_batch_size,
+                loss,
+                grad_norm,
+                state.skipped_iters,
+                state.nan_iters,
             )
         )
         scalars = {

@@ -110,7 +110,9 @@ def _pipeline_body(rank, world, num_micro):
         h = torch.tanh(mine(x if dims.is_first_stage else input_tensor))
         return (h - y).square().mean() / num_micro if dims.is_last_stage else h
 
-    losses = forward_backward_1f1b(stage_forward, iter(data), num_micro, dims, (3, 4), torch.float32, torch.device("cpu"))
+    losses = forward_backward_1f1b(
+        stage_forward, iter(data), num_micro, dims, (3, 4), torch.float32, torch.device("cpu")
+    )
     for got, want in zip([p.grad for p in mine.parameters()], ref_grads):
         torch.testing.assert_close(got, want)
     if dims.is_last_stage:

@@ -126,17 +126,21 @@ def test_tensorboard_gets_the_scalars(tmp_path):
 
 
 def _data_parallel_body(rank, world_size, out_dir):
-    state = train("--train-iters 4 --hidden-dropout 0 --attention-dropout 0", world_size=world_size)
-    if rank == 0:
-        Path(out_dir, "dp.json").write_text(json.dumps(state.losses))
+    for name, extra in (("dp", ""), ("dp_overlap", " --overlap-grad-reduce --ddp-bucket-size 2000")):
+        state = train("--train-iters 4 --hidden-dropout 0 --attention-dropout 0" + extra, world_size=world_size)
+        if rank == 0:
+            Path(out_dir, f"{name}.json").write_text(json.dumps(state.losses))
 
 
 def test_data_parallel_matches_single_process(tmp_path):
+    """DP=2 (each rank reads half of every global batch) and DP=2 with bucket all-reduce overlapping backward
+    train the same model as one process."""
     single = train("--train-iters 4 --hidden-dropout 0 --attention-dropout 0")
     run_distributed(_data_parallel_body, world_size=2, args=(str(tmp_path),))
-    dp = {int(k): v for k, v in json.loads((tmp_path / "dp.json").read_text()).items()}
-    for it in range(1, 5):
-        assert dp[it] == pytest.approx(single.losses[it], rel=1e-5, abs=1e-6)
+    for name in ("dp", "dp_overlap"):
+        dp = {int(k): v for k, v in json.loads((tmp_path / f"{name}.json").read_text()).items()}
+        for it in range(1, 5):
+            assert dp[it] == pytest.approx(single.losses[it], rel=1e-5, abs=1e-6), name
 
 
 def test_cli_errors_are_one_line_with_exit_code_2(capsys):
@@ -147,10 +151,27 @@ def test_cli_errors_are_one_line_with_exit_code_2(capsys):
 
 @pytest.mark.slow
 def test_torchrun_two_processes(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "pretrain_gpt.py",
-           *TINY.split(), "--train-iters", "3", "--save", str(tmp_path)]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "pretrain_gpt.py",
+        *TINY.split(),
+        "--train-iters",
+        "3",
+        "--save",
+        str(tmp_path),
+    ]
+    result = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "data-parallel size 2" in result.stdout and "iteration        3/       3" in result.stdout
     assert latest_iteration(str(tmp_path)) == 3

@@ -23,13 +23,11 @@ def build(flags: str, vocab: int = 128) -> GPTModel:
 def test_gpt2_parameter_count_closed_form():
     model = build(GPT2)
     v, h, layers, s, f = 128, 64, 3, 32, 256
-    per_layer = (
-        2 * h  # input LayerNorm (weight, bias) fused into linear_qkv
-        + h * 3 * h + 3 * h  # QKV
-        + h * h + h  # projection
-        + 2 * h  # pre-MLP LayerNorm fused into linear_fc1
-        + h * f + f + f * h + h  # MLP
-    )
+    norm = 2 * h  # LayerNorm weight and bias, fused into linear_qkv / linear_fc1
+    qkv = h * 3 * h + 3 * h
+    proj = h * h + h
+    mlp = (h * f + f) + (f * h + h)
+    per_layer = norm + qkv + proj + norm + mlp
     expected = v * h + s * h + layers * per_layer + 2 * h  # tied output layer adds nothing
     assert count_parameters(model) == expected
 

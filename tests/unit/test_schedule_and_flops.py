@@ -37,25 +37,30 @@ def test_decay_values(style, step, expected):
 
 
 def test_flops_gpt2_style_by_hand():
-    cfg = parse_args("--mock-data --vocab-size 1000 --num-layers 2 --hidden-size 64 --num-attention-heads 4"
-                     " --seq-length 32".split())
+    cfg = parse_args(
+        "--mock-data --vocab-size 1000 --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32".split()
+    )
     b, s, h, layers, v, f = 3, 32, 64, 2, 1024, 256
-    per_token_fwd = layers * (
-        2 * h * 3 * h  # QKV
-        + 2 * s * h * 2  # QK^T and AV, full (non-causal) s x s
-        + 2 * h * h  # projection
-        + 2 * h * f * 2  # fc1 + fc2
-    ) + 2 * h * v  # logits
+    per_token_fwd = (
+        layers
+        * (
+            2 * h * 3 * h  # QKV
+            + 2 * s * h * 2  # QK^T and AV, full (non-causal) s x s
+            + 2 * h * h  # projection
+            + 2 * h * f * 2  # fc1 + fc2
+        )
+        + 2 * h * v
+    )  # logits
     assert num_floating_point_operations(cfg.model, b, v) == pytest.approx(3 * b * s * per_token_fwd, rel=1e-12)
 
 
 def test_flops_llama_style_by_hand():
-    cfg = parse_args("--mock-data --vocab-size 1000 --num-layers 3 --hidden-size 128 --num-attention-heads 8"
-                     " --group-query-attention --num-query-groups 2 --swiglu --ffn-hidden-size 320 --seq-length 64"
-                     " --position-embedding-type rope".split())
+    cfg = parse_args(
+        "--mock-data --vocab-size 1000 --num-layers 3 --hidden-size 128 --num-attention-heads 8"
+        " --group-query-attention --num-query-groups 2 --swiglu --ffn-hidden-size 320 --seq-length 64"
+        " --position-embedding-type rope".split()
+    )
     b, s, h, layers, v, f, hn = 2, 64, 128, 3, 1024, 320, 16
     q, kv = 8 * hn, 2 * hn
-    per_token_fwd = layers * (
-        2 * h * (q + 2 * kv) + 2 * s * q * 2 + 2 * q * h + 2 * h * 2 * f + 2 * f * h
-    ) + 2 * h * v
+    per_token_fwd = layers * (2 * h * (q + 2 * kv) + 2 * s * q * 2 + 2 * q * h + 2 * h * 2 * f + 2 * f * h) + 2 * h * v
     assert num_floating_point_operations(cfg.model, b, v) == pytest.approx(3 * b * s * per_token_fwd, rel=1e-12)
