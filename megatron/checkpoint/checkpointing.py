@@ -3,7 +3,11 @@
     SAVE_DIR/
       latest_checkpointed_iteration.txt      the iteration number of the newest complete checkpoint
       iter_0000010/
+        metadata.json                        the parallel layout it was saved with (tp, pp, dp)
         mp_rank_00/model_optim_rng.pt        model, optimizer, scheduler, RNG, iteration, consumed samples, config
+        mp_rank_01/...                       (tensor-parallel rank 1; mp_rank_TT_PPP with pipeline stages)
+
+Each tensor x pipeline shard is written by the first data-parallel replica that holds it.
 
 Atomicity: a checkpoint is written into `iter_XXXXXXX.tmp`, flushed to disk, then renamed to `iter_XXXXXXX`
 (rename is atomic on POSIX file systems), and only after that is the `latest` pointer replaced (itself written to a
@@ -13,6 +17,7 @@ stale `.tmp` folder is removed by the next save.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -87,9 +92,17 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(root: str, iteration: int, state: dict[str, Any], writer: bool, shard: str = "mp_rank_00") -> Path:
+def save_checkpoint(
+    root: str,
+    iteration: int,
+    state: dict[str, Any],
+    writer: bool,
+    shard: str = "mp_rank_00",
+    layout: dict[str, int] | None = None,
+) -> Path:
     """Write `state` as iteration `iteration` under `root`. Only `writer` ranks write (one per model shard: the
     first data-parallel replica); every rank must call this, because of the barriers."""
+    layout = layout or {"tp": 1, "pp": 1, "dp": 1}
     root_path = Path(root)
     final = iteration_dir(root_path, iteration)
     tmp = final.with_name(final.name + ".tmp")
@@ -97,6 +110,7 @@ def save_checkpoint(root: str, iteration: int, state: dict[str, Any], writer: bo
         root_path.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        (tmp / "metadata.json").write_text(json.dumps({"layout": layout, "iteration": iteration}) + "\n")
     _barrier()
     if writer:
         (tmp / shard).mkdir(parents=True, exist_ok=True)
@@ -129,11 +143,25 @@ def latest_iteration(root: str) -> int | None:
     return int(text)
 
 
-def load_checkpoint(root: str, shard: str = "mp_rank_00") -> dict[str, Any] | None:
-    """The state of the newest checkpoint under `root`, or None when there is none."""
+def load_checkpoint(
+    root: str, shard: str = "mp_rank_00", layout: dict[str, int] | None = None
+) -> dict[str, Any] | None:
+    """The state of this rank's shard of the newest checkpoint under `root`, or None when there is none.
+    A checkpoint saved with another tensor or pipeline parallel size is refused (resharding is not supported yet);
+    a different data-parallel size is fine (replicas are identical)."""
     iteration = latest_iteration(root)
     if iteration is None:
         return None
+    metadata = iteration_dir(root, iteration) / "metadata.json"
+    if layout is not None and metadata.exists():
+        saved = json.loads(metadata.read_text())["layout"]
+        if (saved["tp"], saved["pp"]) != (layout["tp"], layout["pp"]):
+            raise CheckpointError(
+                f"checkpoint {root} (iteration {iteration}) was saved with tensor-parallel size {saved['tp']} and"
+                f" pipeline-parallel size {saved['pp']}, this run uses {layout['tp']} and {layout['pp']}: relaunch"
+                f" with --tensor-model-parallel-size {saved['tp']} --pipeline-model-parallel-size {saved['pp']}"
+                " (resharding checkpoints is not supported yet)"
+            )
     path = iteration_dir(root, iteration) / shard / "model_optim_rng.pt"
     if not path.exists():
         raise CheckpointError(f"{path} is missing: the checkpoint was saved with another parallel layout or is damaged")

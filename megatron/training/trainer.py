@@ -21,7 +21,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from megatron.checkpoint import check_model_state, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from megatron.checkpoint import (
+    check_model_state,
+    load_checkpoint,
+    model_parallel_name,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from megatron.config import Config
 from megatron.data import PretrainingSampler, build_datasets, build_tokenizer, padded_vocab_size
 from megatron.model import GPTModel, count_parameters
@@ -120,7 +127,7 @@ class Trainer:
         ckpt_cfg = self.cfg.checkpoint
         if not ckpt_cfg.load:
             return
-        state = load_checkpoint(ckpt_cfg.load)
+        state = load_checkpoint(ckpt_cfg.load, self._shard_name(), self._layout())
         if state is None:
             print_rank_0(f"> no checkpoint found in {ckpt_cfg.load}: starting from scratch")
             return
@@ -142,6 +149,12 @@ class Trainer:
             set_rng_state(state["rng"])
         if self.fp8 is not None and state.get("fp8") is not None:
             self.fp8.load_state_dict(state["fp8"])
+
+    def _layout(self) -> dict[str, int]:
+        return {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp}
+
+    def _shard_name(self) -> str:
+        return model_parallel_name(self.dims.tp_rank, self.dims.pp_rank, self.dims.pp)
 
     def save(self) -> None:
         state: dict[str, Any] = {
