@@ -4,7 +4,47 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import option, require
+from .base import ConfigError, option, require
+
+TOKENIZER_TYPES = [
+    "NullTokenizer",
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "HuggingFaceTokenizer",
+]
+
+
+def parse_blend(data_path: list[str]) -> list[tuple[float, str]]:
+    """`--data-path` as (weight, prefix) pairs with weights summing to 1: one prefix is weight 1, several prefixes
+    each follow their weight (`0.3 /data/a 0.7 /data/b`). Raises ValueError with a one-line cause and fix."""
+    if len(data_path) == 1:
+        return [(1.0, data_path[0])]
+    if len(data_path) % 2:
+        raise ValueError("--data-path with several prefixes takes weight/prefix pairs: `0.3 /data/a 0.7 /data/b`")
+    pairs = []
+    for weight, prefix in zip(data_path[::2], data_path[1::2]):
+        try:
+            value = float(weight)
+        except ValueError:
+            raise ValueError(f"--data-path: {weight!r} should be the weight of {prefix!r}: `0.3 /data/a`") from None
+        if not value > 0:
+            raise ValueError(f"--data-path: the weight of {prefix} must be > 0, got {weight}")
+        pairs.append((value, prefix))
+    total = sum(w for w, _ in pairs)
+    return [(w / total, p) for w, p in pairs]
+
+
+def parse_split(split: str) -> list[float]:
+    """`--split 969,30,1` as train/valid/test fractions summing to 1 (missing entries are 0)."""
+    try:
+        parts = [float(s) for s in split.replace("/", ",").split(",")]
+    except ValueError:
+        raise ValueError(f"--split {split!r}: give up to three comma-separated numbers, e.g. 969,30,1") from None
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"--split {split!r}: give up to three non-negative numbers with a positive sum, e.g. 969,30,1")
+    parts += [0.0] * (3 - len(parts))
+    return [p / sum(parts) for p in parts]
 
 
 @dataclass
@@ -12,17 +52,20 @@ class DataConfig:
     mock_data: bool = False
     """Train on a deterministic synthetic token stream instead of --data-path (no files needed)."""
     data_path: list[str] | None = option(None, nargs="+")
-    """Dataset prefix (path without .bin/.idx), or a weighted blend: `0.3 /data/a 0.7 /data/b`."""
+    """Dataset prefix (path without .bin/.idx, as written by tools/preprocess_data.py), or a weighted blend:
+    `0.3 /data/a 0.7 /data/b` (weights are normalized)."""
     split: str = "969,30,1"
-    """Train/validation/test proportions of --data-path, comma-separated."""
-    tokenizer_type: str = option(
-        "NullTokenizer",
-        choices=["NullTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"],
-    )
-    """Tokenizer: NullTokenizer (ids are the data; needs --vocab-size), GPT2BPETokenizer, SentencePieceTokenizer,
-    HuggingFaceTokenizer."""
+    """Train/validation/test proportions of the documents of every --data-path prefix, comma-separated."""
+    data_cache_path: str | None = None
+    """Directory for the cached sample-index arrays; defaults to `index-cache/` beside each dataset's files."""
+    tokenizer_type: str = option("NullTokenizer", choices=TOKENIZER_TYPES)
+    """Tokenizer: NullTokenizer (ids are the data; needs --vocab-size), GPT2BPETokenizer (--vocab-file,
+    --merge-file), SentencePieceTokenizer (Megatron's: adds <EOD> etc.; --tokenizer-model),
+    GPTSentencePieceTokenizer (the model's eos ends documents; --tokenizer-model), HuggingFaceTokenizer
+    (a tokenizer.json or its folder in --tokenizer-model)."""
     vocab_size: int | None = None
-    """Vocabulary size for NullTokenizer (the end-of-document id is vocab_size - 1)."""
+    """NullTokenizer's number of token ids N: ids 0..N-1 are tokens, N is the end-of-document id (N + 1 in all,
+    as in Megatron-LM)."""
     vocab_file: str | None = None
     """GPT-2 BPE vocabulary (vocab.json)."""
     merge_file: str | None = None
@@ -31,6 +74,14 @@ class DataConfig:
     """SentencePiece model file, or a tokenizer.json / folder for HuggingFaceTokenizer."""
     make_vocab_size_divisible_by: int = 128
     """Pad the model's vocabulary to a multiple of this (times the tensor-parallel size)."""
+    reset_position_ids: bool = False
+    """Restart position ids at 0 after every end-of-document token inside a sample."""
+    reset_attention_mask: bool = False
+    """Stop attention across documents inside a sample: each sample carries an attention_mask [1, s, s] (True =
+    the query may attend to the key; causal and block-diagonal by document)."""
+    eod_mask_loss: bool = False
+    """Exclude from the loss the positions whose input token is the end-of-document token (the prediction of the
+    next document's first token)."""
     num_workers: int = 0
     """Data-loader worker processes."""
 
@@ -42,8 +93,25 @@ class DataConfig:
             "no training data: pass --data-path PREFIX (or a weighted blend), or --mock-data",
         )
         require(not (self.mock_data and self.data_path), "--mock-data and --data-path exclude each other; pick one")
+        try:
+            if self.data_path:
+                parse_blend(self.data_path)
+            parse_split(self.split)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        self.check_tokenizer()
+
+    def check_tokenizer(self) -> None:
+        """The tokenizer flags alone (tools/preprocess_data.py checks them too)."""
         if self.tokenizer_type == "NullTokenizer":
             require(
-                self.vocab_size is not None and self.vocab_size >= 2,
-                "--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2)",
+                self.vocab_size is not None and self.vocab_size >= 1,
+                "--tokenizer-type NullTokenizer needs --vocab-size N (N >= 1 token ids; N is the end-of-document id)",
             )
+        elif self.tokenizer_type == "GPT2BPETokenizer":
+            require(
+                self.vocab_file is not None and self.merge_file is not None,
+                "--tokenizer-type GPT2BPETokenizer needs --vocab-file vocab.json and --merge-file merges.txt",
+            )
+        else:
+            require(self.tokenizer_model is not None, f"--tokenizer-type {self.tokenizer_type} needs --tokenizer-model")

@@ -1,0 +1,1 @@
+"""Small files and helpers shared by the tests."""

@@ -1,0 +1,60 @@
+"""Weighted blends: proportions hold in every prefix of the blend, the layout is deterministic, each dataset's
+samples are used in order, and `--data-path` blends build end to end (and reject malformed weight lists)."""
+
+import numpy as np
+import pytest
+
+from megatron.config import ConfigError
+from megatron.data import build_datasets, build_tokenizer
+from megatron.data.blended_dataset import BlendedDataset, blend_indices
+from tests.assets.data_helpers import config, write_documents
+
+
+@pytest.mark.parametrize("weights", [[0.2, 0.3, 0.5], [0.7, 0.3], [0.01, 0.99], [1 / 3] * 3, [0.05, 0.15, 0.3, 0.5]])
+def test_every_prefix_holds_the_proportions(weights):
+    n, k = 20_000, len(weights)
+    index = blend_indices(weights, n)
+    counts = np.cumsum(np.eye(k, dtype=np.int64)[index["dataset_index"]], axis=0)  # [n, k] counts per prefix
+    ideal = np.arange(1, n + 1)[:, None] * np.asarray(weights)[None, :]
+    assert np.abs(counts - ideal).max() <= (k + 1) / 2
+    for d in range(k):  # each dataset's samples are taken 0, 1, 2, ... in order
+        taken = index["dataset_sample_index"][index["dataset_index"] == d]
+        assert taken.tolist() == list(range(len(taken)))
+
+
+def test_layout_is_deterministic_and_independent_of_the_build_window():
+    whole = blend_indices([0.25, 0.75], 5000)
+    windowed = blend_indices([0.25, 0.75], 5000, chunk=7)
+    for name in whole:
+        np.testing.assert_array_equal(whole[name], windowed[name])
+    assert whole["dataset_index"][:8].tolist() == [1, 0, 1, 1, 1, 0, 1, 1]
+
+
+def test_data_path_blend_end_to_end(tmp_path):
+    a = write_documents(tmp_path / "a", [50] * 40)
+    b = write_documents(tmp_path / "b", [50] * 40, first_token=10_000)
+    cfg = config(
+        f"--data-path 1 {a} 3 {b} --data-cache-path {tmp_path / 'cache'} --vocab-size 20000 --seq-length 16"
+        " --micro-batch-size 4 --global-batch-size 8 --train-iters 25 --eval-iters 1 --split 90,10,0"
+    )
+    datasets = build_datasets(cfg, build_tokenizer(cfg.data), 20_096)
+    train = datasets.train
+    assert isinstance(train, BlendedDataset) and len(train) == 200 and datasets.test is None
+    from_b = [train[i]["tokens"][0].item() >= 10_000 for i in range(len(train))]
+    assert sum(from_b) == 150  # weights 1:3 normalized to 0.25 / 0.75
+    # Each component was sized to exactly what the blend draws from it (whole epochs).
+    assert len(train.datasets[0]) >= 50 and len(train.datasets[1]) >= 150
+    assert len(datasets.valid) == 8
+
+
+@pytest.mark.parametrize(
+    "data_path, message",
+    [
+        ("0.3 /a 0.7", "takes weight/prefix pairs"),
+        ("/a /b", r"'/a' should be the weight of '/b'"),
+        ("0.3 /a -1 /b", "the weight of /b must be > 0"),
+    ],
+)
+def test_malformed_blends_are_config_errors(data_path, message):
+    with pytest.raises(ConfigError, match=message):
+        config(f"--data-path {data_path} --vocab-size 10")
