@@ -24,6 +24,9 @@ class PrecisionConfig:
     """Delayed scaling: number of steps of amax history."""
     fp8_amax_compute_algo: str = option("most_recent", choices=["most_recent", "max"])
     """Delayed scaling: which amax of the history sets the scale."""
+    fp8_blockwise_fp32_scales: bool = False
+    """Blockwise recipe: keep each block's scale fp8_max / amax in full fp32 instead of rounding it down to a power
+    of two (the default, as Transformer Engine's NVTE_FP8_BLOCK_SCALING_FP32_SCALES=0)."""
     fp8_wgrad: bool = option(True, flag="--no-fp8-wgrad", action="store_false")
     """Compute the weight-gradient GEMM in FP8 (`--no-fp8-wgrad` keeps it in high precision)."""
     first_last_layers_bf16: bool = False
@@ -43,6 +46,10 @@ class PrecisionConfig:
         require(self.fp8_amax_history_len >= 1, "--fp8-amax-history-len must be >= 1")
         require(self.num_layers_at_start_in_bf16 >= 0, "--num-layers-at-start-in-bf16 must be >= 0")
         require(self.num_layers_at_end_in_bf16 >= 0, "--num-layers-at-end-in-bf16 must be >= 0")
+        require(
+            not self.fp8_blockwise_fp32_scales or (self.fp8 and self.fp8_recipe == "blockwise"),
+            "--fp8-blockwise-fp32-scales needs --fp8-recipe blockwise with --fp8-format e4m3|hybrid",
+        )
         require(
             not self.first_last_layers_bf16 or self.fp8,
             "--first-last-layers-bf16 needs FP8 on (--fp8-format e4m3|hybrid)",

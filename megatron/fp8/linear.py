@@ -1,0 +1,134 @@
+"""The FP8 linear layer: y = x W^T + b with its three GEMMs on quantized operands.
+
+    forward   y  = x . W^T                   A = q(x) along K,      B = q(W) along K        (fast accumulation)
+    backward  dx = dY . W                    A = q(dY) along N,     B = q(W^T) along N
+              dW = dY^T . x                  A = q(dY^T) along M,   B = q(x^T) along M
+              db = sum_M dY                  (high precision)
+
+What forward keeps for backward is FP8: q(x^T) (the wgrad operand, quantized along the tokens) and q(W^T), never
+a high-precision copy of x. With `--no-fp8-wgrad` the wgrad GEMM runs in high precision on the unquantized x and
+dY, so forward keeps x itself (that is the flag's cost).
+
+Weights are quantized once per optimizer step: the casts are cached on the layer's state and dropped by
+`Fp8Manager.step()` (or when the weight tensor is modified in place), so micro-batches after the first reuse them.
+
+Shapes: x may have any leading dimensions ([s, b, h] here); it is flattened to [M, K]. On CUDA, M is zero-padded to a
+multiple of 16 for `torch._scaled_mm` (zero rows change no amax and no product) and the padding is cut off again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .formats import Role
+from .gemm import fp8_gemm
+from .quantize import EAGER, Fp8Tensor, Kernels, quantize
+from .recipes import Recipe
+from .scaling import AmaxState
+
+
+class Fp8LinearState:
+    """The FP8 state of one linear layer, set as `linear.fp8` by `attach_fp8`; `Linear.forward` calls `linear`."""
+
+    def __init__(self, name: str, index: int, recipe: Recipe, amax: AmaxState, kernels: Kernels = EAGER):
+        self.name, self.index, self.recipe, self.amax, self.kernels = name, index, recipe, amax, kernels
+        self.enabled = True
+        self._weight_cache: tuple[Any, Fp8Tensor, Fp8Tensor] | None = None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K], weight [N, K], bias [N] -> [..., N] in x's dtype."""
+        if x.shape[-1] != weight.shape[1]:
+            raise ValueError(f"{self.name}: input has {x.shape[-1]} features, the weight expects {weight.shape[1]}")
+        out = _Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, self)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    def quantize(
+        self, t: torch.Tensor, role: Role, *, rows: bool = True, cols: bool = False
+    ) -> tuple[Fp8Tensor | None, Fp8Tensor | None]:
+        """q(t) along t's last dim (rows) and/or q(t^T) along t's first dim (cols), as the recipe says; records the
+        amax for the step."""
+        recipe = self.recipe
+        options: dict[str, Any] = {
+            "power_of_two": recipe.power_of_two(role),
+            "mx": recipe.mx,
+            "kernels": self.kernels,
+        }
+        if recipe.delayed:
+            assert self.amax.scale is not None
+            options["scale"] = self.amax.scale[self.index, role.value]
+        spec, dtype = recipe.block(role), recipe.dtype(role)
+        if recipe.transposable(role):
+            q, q_t = quantize(t, spec, dtype, transpose=cols, **options)
+            q = q if rows else None
+        else:
+            q = quantize(t, spec, dtype, **options)[0] if rows else None
+            q_t = quantize(t.t(), spec, dtype, **options)[0] if cols else None
+        for part in (q, q_t):
+            if part is not None:
+                self.amax.record(self.index, role, part.amax)
+        return q, q_t
+
+    def weight_operands(self, weight: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
+        """(q(W) along K for fprop, q(W^T) along N for dgrad), cached until the step ends or W changes."""
+        key = (weight.data_ptr(), weight._version, weight.dtype, self.amax.generation)
+        if self._weight_cache is not None and self._weight_cache[0] == key:
+            _, w_q, w_t = self._weight_cache
+            self.amax.record(self.index, Role.WEIGHT, w_q.amax)  # this step saw the weight too
+            return w_q, w_t
+        w_q, w_t = self.quantize(weight.detach(), Role.WEIGHT, rows=True, cols=True)
+        assert w_q is not None and w_t is not None
+        self._weight_cache = (key, w_q, w_t)
+        return w_q, w_t
+
+    def drop_weight_cache(self) -> None:
+        self._weight_cache = None
+
+
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = (-t.shape[0]) % multiple
+    return torch.nn.functional.pad(t, (0, 0, 0, extra)) if extra else t
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: Fp8LinearState):
+        recipe = state.recipe
+        tokens = x.shape[0]
+        x_padded = _pad_rows(x.detach(), 16) if x.is_cuda else x.detach()
+        weight_grad = ctx.needs_input_grad[1]
+        fp8_wgrad = weight_grad and recipe.fp8_wgrad
+        x_q, x_t = state.quantize(x_padded, Role.INPUT, rows=True, cols=fp8_wgrad)
+        w_q, w_t = state.weight_operands(weight)
+        assert x_q is not None
+        y = fp8_gemm(x_q, w_q, x.dtype, fast_accum=True, bias=bias)[:tokens]
+
+        ctx.state, ctx.tokens = state, tokens
+        ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, weight.dtype, bias is not None
+        ctx.w_t = w_t  # FP8, shared with the weight cache
+        ctx.x_t = x_t  # FP8 wgrad operand (None unless fp8 wgrad)
+        ctx.save_for_backward(x if weight_grad and not recipe.fp8_wgrad else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        state: Fp8LinearState = ctx.state
+        (x_high,) = ctx.saved_tensors
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dy = grad_out.reshape(ctx.tokens, -1)
+        dy_padded = _pad_rows(dy, 16) if dy.is_cuda else dy
+        fp8_wgrad = need_dw and ctx.x_t is not None
+        dy_q, dy_t = state.quantize(dy_padded, Role.GRAD, rows=need_dx, cols=fp8_wgrad)
+
+        dx = dw = db = None
+        if need_dx:
+            dx = fp8_gemm(dy_q, ctx.w_t, ctx.x_dtype)[: ctx.tokens]
+        if fp8_wgrad:
+            dw = fp8_gemm(dy_t, ctx.x_t, ctx.w_dtype)
+        elif need_dw:
+            dw = (dy.t().to(x_high.dtype) @ x_high).to(ctx.w_dtype)
+        if need_db and ctx.has_bias:
+            db = dy.float().sum(0).to(ctx.w_dtype)
+        ctx.x_t = ctx.w_t = None
+        return dx, dw, db, None

@@ -1,0 +1,182 @@
+"""Attach the FP8 engine to a built model, and the per-step manager the trainer drives.
+
+    manager = attach_fp8(model, cfg, amax_group)      # None when --fp8-format is absent
+    ...   forward / backward of every micro-batch  ...
+    if manager.step():                                # amax reduction + delayed-scaling update
+        optimizer.step()
+    else:
+        skipped_iterations += 1                       # an inf/NaN amax: nothing was updated
+
+FP8 covers the four linears of each transformer layer (linear_qkv, linear_proj, linear_fc1, linear_fc2), except the
+first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 layers under --first-last-layers-bf16
+(by global 1-based layer number). Embeddings, the output layer, norms and softmax stay in high precision.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.config import Config, ConfigError
+
+from .formats import Role
+from .gemm import describe_path
+from .linear import Fp8LinearState
+from .quantize import EAGER, KERNEL_NOTES, compiled_kernels
+from .recipes import Recipe
+from .scaling import AmaxState
+
+_KIND = {"delayed": "tensor", "tensorwise": "tensor", "rowwise": "row", "mxfp8": "mx"}
+
+
+def fp8_layer_numbers(cfg: Config) -> list[int]:
+    """1-based numbers of the transformer layers whose linears run in FP8."""
+    prec, layers = cfg.precision, cfg.model.num_layers
+    if not prec.first_last_layers_bf16:
+        return list(range(1, layers + 1))
+    first, last = prec.num_layers_at_start_in_bf16, prec.num_layers_at_end_in_bf16
+    return [n for n in range(1, layers + 1) if first < n <= layers - last]
+
+
+def attach_fp8(
+    model: nn.Module, cfg: Config, amax_group: dist.ProcessGroup | None = None, *, compile_kernels: bool | None = None
+) -> Fp8Manager | None:
+    """Give each covered linear an `Fp8LinearState` (as `linear.fp8`) and return the manager; None when FP8 is off
+    or the layers are Transformer Engine's.
+
+    Call it once the model is on its device (the amax state is allocated where the weights are).
+    compile_kernels: run the quantization passes through `quantize.compiled_kernels()` (Triton kernels for per-tensor
+    scaling, torch.compile for the rest); default on CUDA. Eager PyTorch on CPU, where compiling costs more than
+    it saves.
+    """
+    if not cfg.precision.fp8 or cfg.model.transformer_impl == "transformer_engine":
+        return None  # FP8 off, or Transformer Engine's layers run their own (megatron.fp8.te_recipe)
+    from megatron.model.layers import Linear  # late: megatron.model imports the config package too
+
+    recipe = Recipe.from_config(cfg.precision)
+    fp8_layers = set(fp8_layer_numbers(cfg))
+    targets: list[tuple[str, Linear]] = []
+    for name, module in model.named_modules():
+        number = getattr(module, "layer_number", None)
+        if number is None or number not in fp8_layers:
+            continue
+        for sub_name, sub in module.named_modules():
+            if isinstance(sub, Linear):
+                _check_shape(f"{name}.{sub_name}", sub)
+                targets.append((f"{name}.{sub_name}", sub))
+    if not targets:
+        raise ConfigError("FP8 is on but no transformer layer is left in FP8; lower --num-layers-at-*-in-bf16")
+    device = targets[0][1].weight.device
+    if compile_kernels is None:
+        compile_kernels = device.type == "cuda"
+    kernels = compiled_kernels() if compile_kernels else EAGER
+    amax = AmaxState(recipe, len(targets), device)
+    states = {}
+    for index, (name, linear) in enumerate(targets):
+        linear.fp8 = states[name] = Fp8LinearState(name, index, recipe, amax, kernels)
+    return Fp8Manager(recipe, states, amax, amax_group, cfg, compile_kernels, device)
+
+
+def _check_shape(name: str, linear: nn.Module) -> None:
+    out_features, in_features = linear.weight.shape
+    if in_features % 16 or out_features % 16:
+        raise ConfigError(
+            f"FP8 needs linear sizes divisible by 16 (FP8 GEMM alignment); {name} is {in_features}->{out_features}:"
+            " use multiples of 16 for --hidden-size, --ffn-hidden-size and --kv-channels x heads, or drop --fp8-format"
+        )
+
+
+class Fp8Manager:
+    """The FP8 linears of a model, their shared amax state, and the once-per-step update."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        states: dict[str, Fp8LinearState],
+        amax: AmaxState,
+        amax_group: dist.ProcessGroup | None,
+        cfg: Config,
+        compiled: bool,
+        device: torch.device,
+    ):
+        self.recipe, self.states, self.amax, self.amax_group = recipe, states, amax, amax_group
+        self.cfg, self.compiled, self.device = cfg, compiled, device
+
+    def step(self) -> bool:
+        """Once per optimizer step, after every micro-batch's backward: MAX-reduce this step's amaxes over the amax
+        group, update delayed scaling, drop the cached weight casts; False (nothing updated) on an inf/NaN amax."""
+        for state in self.states.values():
+            state.drop_weight_cache()
+        return self.amax.step(self.amax_group)
+
+    def forget_weight_casts(self) -> None:
+        """Requantize weights at the next forward (weights changed outside an optimizer step, or benchmarking)."""
+        for state in self.states.values():
+            state.drop_weight_cache()
+
+    def state_dict(self) -> dict:
+        """Delayed-scaling histories and scales (empty for the other recipes, which keep no state across steps)."""
+        return {"recipe": self.recipe.name, "linears": list(self.states), **self.amax.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("linears") != list(self.states):
+            raise ValueError(
+                "the checkpoint's FP8 linears differ from this model's (other --num-layers or"
+                " --first-last-layers-bf16 settings); resume with the checkpoint's flags"
+            )
+        self.amax.load_state_dict({k: v for k, v in state.items() if k in ("amax_history", "scale")})
+        self.forget_weight_casts()
+
+    def describe(self) -> list[str]:
+        """Startup log lines: the recipe, the GEMM path of each of the three GEMMs here, the layers in FP8."""
+        recipe, device = self.recipe, self.device
+        out_dtype = torch.bfloat16 if self.cfg.precision.bf16 else torch.float32
+        lines = [recipe.describe()]
+        lines += [f"FP8 {label} on {device.type}: {path}" for label, path in gemm_paths(recipe, device, out_dtype)]
+        if not recipe.fp8_wgrad:
+            lines.append("FP8 wgrad dY^T.x: high precision (--no-fp8-wgrad)")
+        kernels = "; ".join(["torch.compile (fused)", *KERNEL_NOTES]) if self.compiled else "eager PyTorch"
+        lines.append(f"FP8 quantization kernels: {kernels}")
+        numbers = fp8_layer_numbers(self.cfg)
+        kept = sorted(set(range(1, self.cfg.model.num_layers + 1)) - set(numbers))
+        lines.append(
+            f"FP8 linears: {len(self.states)} in transformer layers {_ranges(numbers)}"
+            + (f"; layers {_ranges(kept)} kept in high precision (--first-last-layers-bf16)" if kept else "")
+            + "; embeddings, output layer, norms and softmax in high precision"
+        )
+        group = f"{dist.get_world_size(self.amax_group)} ranks" if dist.is_initialized() else "this process"
+        use = "delayed-scaling update and inf/NaN check" if recipe.delayed else "inf/NaN check"
+        lines.append(f"FP8 amax reduction (MAX) over {group} once per step ({use})")
+        return lines
+
+
+def gemm_paths(recipe: Recipe, device: torch.device, out_dtype: torch.dtype) -> list[tuple[str, str]]:
+    """(GEMM, path) for the FP8 GEMMs of a linear layer under this recipe on this device (probing each once)."""
+    kind = {r: _kind(recipe, r) for r in Role}
+    dtype = {r: recipe.dtype(r) for r in Role}
+    gemms = [("fprop x.W^T", Role.INPUT, Role.WEIGHT), ("dgrad dY.W", Role.GRAD, Role.WEIGHT)]
+    if recipe.fp8_wgrad:
+        gemms.append(("wgrad dY^T.x", Role.GRAD, Role.INPUT))
+    # W^T has W's scaling kind: the same blocks transposed (tensor, 128x128) or W requantized along N
+    return [
+        (label, describe_path(device, kind[a], kind[b], dtype[a], dtype[b], out_dtype, label.startswith("fprop")))
+        for label, a, b in gemms
+    ]
+
+
+def _kind(recipe: Recipe, role: Role) -> str:
+    if recipe.name == "blockwise":
+        return "block" if role is Role.WEIGHT else "tile"
+    return _KIND[recipe.name]
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[1, 2, 3, 5] -> '1-3, 5'."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and runs[-1][1] == n - 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
