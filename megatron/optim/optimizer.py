@@ -48,11 +48,12 @@ class MixedPrecisionAdamW:
         """The fp32 gradients the step uses."""
         return [p.main_grad for p in self.params]
 
-    def step(self, lr: float, grad_norm_fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> tuple[float, bool]:
-        """Clip and take one AdamW step at `lr`; returns (grad norm, stepped). A non-finite norm skips the step.
-        The caller zeroes the gradient buffers afterwards."""
+    def step(self, lr: float, grad_norm_fn: Callable[[], torch.Tensor]) -> tuple[float, bool]:
+        """Clip and take one AdamW step at `lr`; returns (grad norm, stepped). `grad_norm_fn()` gives the global
+        gradient norm (it knows the parallel layout). A non-finite norm skips the step. The caller zeroes the
+        gradient buffers afterwards."""
         grads = self.grads()
-        norm = grad_norm_fn(grads)
+        norm = grad_norm_fn()
         norm_value = float(norm)
         if not torch.isfinite(norm).item():
             return norm_value, False
@@ -92,12 +93,3 @@ class MixedPrecisionAdamW:
             with torch.no_grad():
                 for main, param in zip(self.main_params, self.params):
                     main.copy_(param.float())
-
-
-def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm over all gradients (a replicated model needs no reduction across data-parallel ranks: their
-    gradients are already averaged). Returned as a 0-d fp32 tensor, possibly inf/nan."""
-    if not grads:
-        return torch.zeros(())
-    norms = torch._foreach_norm(grads)
-    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))

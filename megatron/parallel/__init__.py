@@ -2,5 +2,13 @@
 
 from .data_parallel import GradientBuffers
 from .dims import ParallelDims, init_distributed, world_size_from_env
+from .grads import grad_norm, reduce_model_parallel_grads
 
-__all__ = ["GradientBuffers", "ParallelDims", "init_distributed", "world_size_from_env"]
+__all__ = [
+    "GradientBuffers",
+    "ParallelDims",
+    "grad_norm",
+    "init_distributed",
+    "reduce_model_parallel_grads",
+    "world_size_from_env",
+]

@@ -32,8 +32,8 @@ from megatron.checkpoint import (
 from megatron.config import Config
 from megatron.data import PretrainingSampler, build_datasets, build_tokenizer, padded_vocab_size
 from megatron.model import GPTModel, count_parameters
-from megatron.optim import MixedPrecisionAdamW, global_grad_norm, learning_rate
-from megatron.parallel import GradientBuffers, ParallelDims, init_distributed
+from megatron.optim import MixedPrecisionAdamW, learning_rate
+from megatron.parallel import GradientBuffers, ParallelDims, grad_norm, init_distributed, reduce_model_parallel_grads
 
 from .flops import num_floating_point_operations, peak_tflops
 from .logger import TensorBoardWriter, print_rank_0, training_log_line, validation_log_lines
@@ -214,12 +214,14 @@ class Trainer:
             total += loss.detach().float()
         fp8_finite = self.fp8.step() if self.fp8 is not None else True
         self.grad_buffers.finish()
+        params = self.optimizer.params
+        reduce_model_parallel_grads(params, self.dims)
         lr = learning_rate(self.state.iteration, self.cfg.optimizer)
-        grad_norm, stepped = float("nan"), False
+        norm, stepped = float("nan"), False
         if fp8_finite:
-            grad_norm, stepped = self.optimizer.step(lr, global_grad_norm)
+            norm, stepped = self.optimizer.step(lr, lambda: grad_norm(params, self.dims))
         self.grad_buffers.zero()
-        return self._average_over_dp(total / num_micro), grad_norm, stepped
+        return self._average_over_dp(total / num_micro), norm, stepped
 
     @torch.no_grad()
     def evaluate(self, dataset: Dataset | None, split: str = "validation") -> float | None:

@@ -1,0 +1,54 @@
+"""Gradient bookkeeping across model-parallel ranks, driven by attributes the parallel layers set on parameters.
+
+param.sequence_parallel = True     replicated on the tensor-parallel ranks but fed a sequence *shard*
+                                   (norm weights, row-parallel biases under --sequence-parallel): each rank
+                                   holds a partial gradient, summed over the tensor-parallel group
+param.shared_embedding = True      the word embedding on the first stage and its tied copy on the last stage:
+                                   gradients summed over the embedding group so both stay equal
+param.grad_norm_duplicate = True   a copy whose gradient another rank already counts (replicated parameters
+                                   on tensor-parallel ranks > 0, the last stage's tied embedding): left out of
+                                   the gradient norm so that every element counts once
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .dims import ParallelDims
+
+
+def _all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
+    if not tensors or group is None:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def reduce_model_parallel_grads(params: list[nn.Parameter], dims: ParallelDims) -> None:
+    """Sum the partial gradients of sequence-parallel parameters over TP and tied embeddings over first/last
+    stage (call after the data-parallel reduction, before clipping)."""
+    if dims.tp > 1:
+        _all_reduce_coalesced([p.main_grad for p in params if getattr(p, "sequence_parallel", False)], dims.tp_group)
+    if dims.pp > 1:
+        shared = [p.main_grad for p in params if getattr(p, "shared_embedding", False)]
+        _all_reduce_coalesced(shared, dims.embedding_group)
+
+
+def grad_norm(params: list[nn.Parameter], dims: ParallelDims) -> torch.Tensor:
+    """Global L2 norm of the model's gradient: squares summed over this rank's non-duplicate parameters, then
+    over the model-parallel group (tensor x pipeline). Data-parallel replicas already hold averaged gradients."""
+    grads = [p.main_grad for p in params if not getattr(p, "grad_norm_duplicate", False)]
+    if grads:
+        norms = torch._foreach_norm(grads)
+        squares = torch.stack([n.float() for n in norms]).square().sum()
+    else:
+        squares = torch.zeros((), device=params[0].main_grad.device if params else "cpu")
+    if dims.mp_group is not None:
+        dist.all_reduce(squares, group=dims.mp_group)
+    return squares.sqrt()
