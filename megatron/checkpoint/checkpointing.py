@@ -173,6 +173,10 @@ def load_checkpoint(
 
 def check_model_state(checkpoint: dict[str, torch.Tensor], model: dict[str, torch.Tensor], source: str) -> None:
     """Raise CheckpointError listing every missing, unexpected and mis-shaped tensor."""
+    # Transformer Engine's `_extra_state` entries (pickled FP8 state whose size varies) exist only in TE models, and
+    # GPTModel reconciles them on load; the weights must match key for key.
+    checkpoint = {k: v for k, v in checkpoint.items() if not k.endswith("_extra_state")}
+    model = {k: v for k, v in model.items() if not k.endswith("_extra_state")}
     problems = []
     missing = sorted(set(model) - set(checkpoint))
     unexpected = sorted(set(checkpoint) - set(model))

@@ -85,10 +85,7 @@ class Config:
             opt.lr_warmup_iters <= opt.lr_decay_iters,
             f"--lr-warmup-iters ({opt.lr_warmup_iters}) must be <= --lr-decay-iters ({opt.lr_decay_iters})",
         )
-        require(
-            self.model.transformer_impl == "local",
-            "--transformer-impl transformer_engine is not available yet; use --transformer-impl local",
-        )
+        self._resolve_transformer_impl()
         if prec.fp8 and self.device_type == "cuda" and not prec.bf16:
             # FP8 GEMMs with fp32 weights would keep fp32 master copies *and* fp32 activations around the FP8 ops:
             # Megatron-LM silently does that. We imply bf16 instead and say so.
@@ -99,6 +96,37 @@ class Config:
                 prec.num_layers_at_start_in_bf16 + prec.num_layers_at_end_in_bf16 <= self.model.num_layers,
                 "--num-layers-at-start-in-bf16 + --num-layers-at-end-in-bf16 exceed --num-layers",
             )
+
+    def _resolve_transformer_impl(self) -> None:
+        """Default --transformer-impl (TE where it can run, else local, with a note saying why); an explicit
+        transformer_engine that cannot run, or FP8 settings TE cannot express, is a ConfigError."""
+        from megatron.fp8 import te_recipe  # late: megatron.fp8 imports this package
+
+        model, prec = self.model, self.precision
+        if model.transformer_impl is None:
+            if self.device_type != "cuda":
+                reason = "no CUDA device"
+            elif (error := te_recipe.te_import_error()) is not None:
+                reason = f"Transformer Engine does not import: {error}"
+            elif prec.fp8 and prec.fp8_recipe not in te_recipe.TE_RECIPES:
+                reason = f"--fp8-recipe {prec.fp8_recipe} has no Transformer Engine recipe"
+            else:
+                reason = None
+            model.transformer_impl = "local" if reason else "transformer_engine"
+            self.notes.append(
+                f"--transformer-impl local ({reason})"
+                if reason
+                else "--transformer-impl transformer_engine (CUDA with Transformer Engine; --transformer-impl local"
+                " for the pure-PyTorch layers)"
+            )
+        elif model.transformer_impl == "transformer_engine":
+            require(
+                self.device_type == "cuda",
+                "--transformer-impl transformer_engine needs a CUDA GPU; use --transformer-impl local",
+            )
+            te_recipe.require_te()
+        if model.transformer_impl == "transformer_engine":
+            te_recipe.check_te_config(model, self.training.micro_batch_size, prec)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form of the sections (what checkpoints and config.json hold)."""

@@ -50,9 +50,10 @@ class ModelConfig:
     """Dropout on the residual branches and the embeddings."""
     attention_dropout: float = 0.1
     """Dropout on the attention probabilities."""
-    transformer_impl: str = option("local", choices=["local", "transformer_engine"])
-    """Layer implementation: `local` (pure PyTorch, runs anywhere, emulates FP8 where needed) or
-    `transformer_engine` (NVIDIA Transformer Engine modules, CUDA only)."""
+    transformer_impl: str | None = option(None, choices=["local", "transformer_engine"])
+    """Layer implementation: `transformer_engine` (NVIDIA Transformer Engine modules: fused attention, native FP8
+    recipes; CUDA only) or `local` (pure PyTorch: runs anywhere, emulates FP8 recipes the GPU lacks). Default:
+    transformer_engine on a CUDA machine where Transformer Engine imports, else local (the log says which and why)."""
 
     def finalize(self) -> None:
         """Fill in the defaults that depend on other fields, then check the values."""
@@ -96,7 +97,7 @@ class ModelConfig:
                 f" ({self.seq_length})",
             )
         else:
-            require(self.kv_channels % 2 == 0, f"--position-embedding-type rope needs an even --kv-channels")
+            require(self.kv_channels % 2 == 0, "--position-embedding-type rope needs an even --kv-channels")
             require(0.0 < self.rotary_percent <= 1.0, "--rotary-percent must be in (0, 1]")
             require(self.rotary_base > 0, "--rotary-base must be > 0")
         require(self.norm_epsilon > 0, f"--norm-epsilon must be > 0, got {self.norm_epsilon}")

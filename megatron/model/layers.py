@@ -85,8 +85,19 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rotary_dim: int, base: float):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.rotary_dim, self.base = rotary_dim, base
+        self.register_buffer("inv_freq", self._inv_freq(torch.device("cpu")), persistent=False)
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device=device) / self.rotary_dim
+        return (1.0 / self.base**exponents).float()
+
+    def _apply(self, fn, recurse=True):
+        # `model.to(torch.bfloat16)` casts every floating buffer; a bf16 inv_freq moves the angle at position 4096 by
+        # about 0.5 rad. Take only the device from the cast and recompute the frequencies in fp32.
+        super()._apply(fn, recurse)
+        self.inv_freq = self._inv_freq(self.inv_freq.device)
+        return self
 
     def forward(self, seq_len: int, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Angles [s, 1, 1, d] (or [s, b, 1, d] for per-sample position ids [b, s])."""

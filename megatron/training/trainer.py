@@ -72,9 +72,11 @@ class Trainer:
             self.tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size
         )
         self.dtype = torch.bfloat16 if cfg.precision.bf16 else torch.float32
-        self.model = GPTModel(cfg.model, self.vocab_size).to(self.device, self.dtype)
+        self.model = GPTModel(
+            cfg.model, self.vocab_size, precision=cfg.precision, amax_group=self.dims.amax_group
+        ).to(self.device, self.dtype)
         self.fp8 = None
-        if cfg.precision.fp8:
+        if cfg.precision.fp8 and cfg.model.transformer_impl == "local":  # TE runs its FP8 inside the model
             from megatron.fp8 import attach_fp8
 
             self.fp8 = attach_fp8(self.model, cfg, self.dims.amax_group)
@@ -117,6 +119,8 @@ class Trainer:
         if self.fp8 is not None:
             for line in self.fp8.describe():
                 print_rank_0(f"> fp8: {line}")
+        for line in self.model.describe():
+            print_rank_0(f"> {line}")
         out_dir = cfg.logging.log_dir or cfg.checkpoint.save or cfg.logging.tensorboard_dir
         if out_dir and self.dims.is_first_rank:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -189,9 +193,9 @@ class Trainer:
     # ------------------------------------------------------------------ steps
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        per_token = self.model(
-            batch["tokens"], batch.get("position_ids"), batch.get("attention_mask"), labels=batch["labels"]
-        )
+        # Position ids are 0..s-1 unless --reset-position-ids; None spares the model a host-device sync per micro-batch.
+        position_ids = batch.get("position_ids") if self.cfg.data.reset_position_ids else None
+        per_token = self.model(batch["tokens"], position_ids, batch.get("attention_mask"), labels=batch["labels"])
         mask = batch["loss_mask"]
         return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 

@@ -1,0 +1,256 @@
+"""Throughput benchmark: `pretrain_gpt.py` on one GPU with mock data, for named model presets and precision configs.
+
+    python scripts/benchmark.py                                    # every preset x every config
+    python scripts/benchmark.py --presets llama-1b --configs te-bf16 te-delayed
+    python scripts/benchmark.py --profile llama-1b te-bf16         # where the GPU time goes (torch.profiler)
+
+Each (preset, config) is a separate `pretrain_gpt.py` process; the table reports the last Megatron log line's
+tokens/s, TFLOP/s/GPU and MFU (an average over the final --log-interval iterations, so the first iterations' warm-up
+(cuDNN plans, Triton and torch.compile kernels) is excluded) and the run's peak allocated memory. A config that fails
+(no Transformer Engine, a recipe this GPU cannot run, an engine not built yet) becomes a row saying why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+COMMON = (
+    "--mock-data --tokenizer-type NullTokenizer --position-embedding-type rope --normalization RMSNorm --swiglu"
+    " --disable-bias-linear --untie-embeddings-and-output-weights --group-query-attention --hidden-dropout 0"
+    " --attention-dropout 0 --bf16 --lr 1e-4 --min-lr 1e-5 --eval-iters 0"
+)
+# --vocab-size 31999 with the NullTokenizer is a vocabulary of 32000 (31999 ids + end-of-document), not padded.
+PRESETS = {
+    "llama-1b": "--num-layers 16 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 32"
+    " --num-query-groups 8 --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 2"
+    " --global-batch-size 16 --vocab-size 31999",
+    "llama-8b-4l": "--num-layers 4 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32"
+    " --num-query-groups 8 --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1"
+    " --global-batch-size 8 --vocab-size 31999",
+}
+TE = "--transformer-impl transformer_engine"
+LOCAL = "--transformer-impl local"
+CONFIGS = {
+    "te-bf16": TE,
+    "te-delayed": f"{TE} --fp8-format hybrid --fp8-recipe delayed",
+    "te-tensorwise": f"{TE} --fp8-format hybrid --fp8-recipe tensorwise",
+    "te-blockwise": f"{TE} --fp8-format e4m3 --fp8-recipe blockwise",
+    "local-bf16": LOCAL,
+    "local-delayed": f"{LOCAL} --fp8-format hybrid --fp8-recipe delayed",
+    "local-tensorwise": f"{LOCAL} --fp8-format hybrid --fp8-recipe tensorwise",
+    "local-rowwise": f"{LOCAL} --fp8-format hybrid --fp8-recipe rowwise",
+    "local-blockwise": f"{LOCAL} --fp8-format e4m3 --fp8-recipe blockwise",
+    "local-mxfp8": f"{LOCAL} --fp8-format e4m3 --fp8-recipe mxfp8",
+}
+
+_FIELDS = {
+    "ms_per_iter": r"elapsed time per iteration \(ms\): ([\d.]+)",
+    "tflops": r"throughput per GPU \(TFLOP/s/GPU\): ([\d.]+)",
+    "tokens_per_s": r"tokens/s: ([\d.]+)",
+    "mfu": r"MFU: ([\d.]+)%",
+    "loss": r"lm loss: ([\d.E+-]+)",
+}
+
+
+@dataclass
+class Result:
+    preset: str
+    config: str
+    tokens_per_s: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    ms_per_iter: float | None = None
+    loss: float | None = None
+    peak_gib: float | None = None
+    error: str | None = None
+
+
+def parse_log(text: str) -> dict[str, float]:
+    """Numbers from the last Megatron iteration line and the peak-memory line of a pretrain_gpt.py log."""
+    lines = [line for line in text.splitlines() if " iteration " in line and "tokens/s:" in line]
+    out: dict[str, float] = {}
+    if lines:
+        for name, pattern in _FIELDS.items():
+            match = re.search(pattern, lines[-1])
+            if match:
+                out[name] = float(match.group(1))
+    peak = re.search(r"peak memory allocated: ([\d.]+) GiB", text)
+    if peak:
+        out["peak_gib"] = float(peak.group(1))
+    return out
+
+
+def failure_reason(text: str, returncode: int) -> str:
+    """The one line that says why a run failed: our one-line error, else the exception line of a traceback."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith("pretrain_gpt.py: error:"):
+            return line.removeprefix("pretrain_gpt.py: error:").strip()
+    for line in reversed(lines):
+        if re.match(r"^[\w.]+(Error|Exception)\b", line):
+            return line
+    return f"exit code {returncode}: {lines[-1] if lines else 'no output'}"[:300]
+
+
+def command(preset: str, config: str, iters: int, log_interval: int) -> list[str]:
+    flags = f"{COMMON} {PRESETS[preset]} {CONFIGS[config]} --train-iters {iters} --log-interval {log_interval}"
+    return [sys.executable, str(ROOT / "pretrain_gpt.py"), *flags.split()]
+
+
+def run(preset: str, config: str, iters: int, log_interval: int, timeout: int, log_dir: Path | None) -> Result:
+    cmd = command(preset, config, iters, log_interval)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        text, code = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        text = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        text, code = text + f"\ntimed out after {timeout} s", -1
+    if log_dir is not None:
+        (log_dir / f"{preset}.{config}.log").write_text(" ".join(cmd) + "\n" + text)
+    numbers = parse_log(text)
+    if code != 0 or "tokens_per_s" not in numbers:
+        return Result(preset, config, error=failure_reason(text, code))
+    return Result(preset, config, **numbers)
+
+
+def table(results: list[Result]) -> str:
+    """Markdown table; speed-ups are against the same preset's te-bf16 row (else local-bf16)."""
+    rows = [
+        "| preset | config | tokens/s | TFLOP/s/GPU | MFU | vs bf16 | peak GiB | ms/iter | loss |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        if r.error:
+            rows.append(f"| {r.preset} | {r.config} | failed: {r.error.replace('|', '/')} | | | | | | |")
+            continue
+        base = next((b for b in results if b.preset == r.preset and b.config == "te-bf16" and not b.error), None)
+        base = base or next((b for b in results if b.preset == r.preset and b.config == "local-bf16"), None)
+        speedup = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base and base.tokens_per_s else ""
+        mfu = f"{r.mfu:.1f}%" if r.mfu is not None else ""
+        rows.append(
+            f"| {r.preset} | {r.config} | {r.tokens_per_s / 1e3:.1f}k | {r.tflops:.0f} | {mfu} | {speedup}"
+            f" | {r.peak_gib:.1f} | {r.ms_per_iter:.0f} | {r.loss:.3f} |"
+        )
+    return "\n".join(rows)
+
+
+KERNEL_CATEGORIES = [  # first match wins: cuDNN attention kernels also contain "sm90" and "wgmma"
+    ("attention", r"flash|fmha|sdpa|attn|attention"),
+    ("GEMM", r"gemm|nvjet|cutlass|xmma|sm90_|wgmma|cublas"),
+    ("FP8 cast/transpose/amax", r"quantiz|(?<!no)cast|transpose|amax|fp8|dequant"),
+    ("norm", r"norm"),
+    ("RoPE", r"rope|rotary"),
+    ("SwiGLU/GELU", r"swiglu|silu|gelu|glu"),
+    ("cross entropy", r"cross_entropy|softmax|nll"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("memcpy/memset", r"memcpy|memset"),
+    ("other (elementwise, reductions)", r""),
+]
+
+
+def profile(argv: list[str], steps: int, warmup: int = 2) -> str:
+    """Build the trainer for `argv`, time `steps` optimizer steps, then profile as many with torch.profiler, and
+    report GPU kernel time by category, the top kernels, and how much of the step the GPU was busy."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from megatron.config import parse_args
+    from megatron.training.trainer import Trainer
+
+    trainer = Trainer(parse_args(argv, device_type="cuda"))
+    batches = iter(trainer._loader(trainer.datasets.train, 0))
+    for _ in range(warmup):
+        trainer.train_step(batches)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step(batches)
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            trainer.train_step(batches)
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            time_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+            kernels[event.key] = kernels.get(event.key, 0.0) + time_us / 1e3 / steps
+    busy = sum(kernels.values())
+    by_category: dict[str, float] = {}
+    for name, ms in kernels.items():
+        category = next(c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name, re.IGNORECASE))
+        by_category[category] = by_category.get(category, 0.0) + ms
+    lines = [
+        f"{environment()}; {' '.join(argv)}",
+        f"step {wall_ms:.1f} ms (unprofiled), GPU kernels {busy:.1f} ms per step ({100 * busy / wall_ms:.1f}% busy)",
+        "",
+        "| category | ms/step | share of kernel time |",
+        "|---|---:|---:|",
+    ]
+    for category, ms in sorted(by_category.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {category} | {ms:.1f} | {100 * ms / busy:.1f}% |")
+    lines += ["", "| top kernels | ms/step |", "|---|---:|"]
+    for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:15]:
+        lines.append(f"| {name[:110]} | {ms:.1f} |")
+    return "\n".join(lines)
+
+
+def environment() -> str:
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    try:
+        import transformer_engine
+
+        te = transformer_engine.__version__
+    except Exception:  # not installed, or not importable here
+        te = "not importable"
+    return f"{device}, torch {torch.__version__}, Transformer Engine {te}, {time.strftime('%Y-%m-%d')}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--iters", type=int, default=10, help="training iterations per run")
+    parser.add_argument("--log-interval", type=int, default=5, help="the reported numbers average the last interval")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per run before it counts as failed")
+    parser.add_argument("--log-dir", type=Path, help="keep each run's full log here")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--profile", nargs=2, metavar=("PRESET", "CONFIG"), help="profile one run instead")
+    parser.add_argument("--profile-steps", type=int, default=2)
+    args = parser.parse_args()
+    if args.profile:
+        preset, config = args.profile
+        flags = f"{COMMON} {PRESETS[preset]} {CONFIGS[config]} --train-iters 100 --log-interval 100"
+        print(profile(flags.split(), steps=args.profile_steps))
+        return 0
+    if args.log_dir:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for preset in args.presets:
+        for config in args.configs:
+            result = run(preset, config, args.iters, args.log_interval, args.timeout, args.log_dir)
+            results.append(result)
+            print(json.dumps(asdict(result)), flush=True)
+    print(f"\n{environment()}\n")
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""The Transformer Engine backend's CPU-side logic: default implementation choice, recipe mapping (against a
+stand-in for `transformer_engine.common.recipe`), startup errors, and checkpoint keys across implementations."""
+
+import enum
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+
+from megatron.config import ConfigError, parse_args
+from megatron.fp8 import te_recipe
+from megatron.fp8.te_recipe import check_recipe_on_gpu, te_fp8_layer_numbers
+from megatron.model import GPTModel
+
+BASE = "--mock-data --vocab-size 128 --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32"
+
+
+class _Format(enum.Enum):
+    E4M3 = "E4M3"
+    HYBRID = "HYBRID"
+
+
+@dataclass(frozen=True)
+class _QParams:
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+
+
+@dataclass
+class _DelayedScaling:
+    fp8_format: Any = _Format.HYBRID
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+
+
+@dataclass
+class _CurrentScaling:
+    fp8_format: Any = _Format.HYBRID
+
+
+@dataclass
+class _BlockScaling:
+    fp8_format: Any = _Format.E4M3
+    fp8_quant_fwd_inp: Any = _QParams(power_2_scale=True)
+    fp8_quant_fwd_weight: Any = _QParams(power_2_scale=True)
+    fp8_quant_bwd_grad: Any = _QParams(power_2_scale=True)
+
+
+@dataclass
+class _MXFP8:
+    fp8_format: Any = _Format.E4M3
+
+
+class _OverrideLinearPrecision(NamedTuple):
+    fprop: bool = False
+    dgrad: bool = False
+    wgrad: bool = False
+
+
+@dataclass
+class _OldDelayedScaling(_DelayedScaling):
+    override_linear_precision: Any = _OverrideLinearPrecision()
+
+
+TE2 = SimpleNamespace(
+    Format=_Format,
+    QParams=_QParams,
+    DelayedScaling=_DelayedScaling,
+    Float8CurrentScaling=_CurrentScaling,
+    Float8BlockScaling=_BlockScaling,
+    MXFP8BlockScaling=_MXFP8,
+)
+"""Like TE 2.20: no override_linear_precision."""
+TE1 = SimpleNamespace(
+    **{**vars(TE2), "DelayedScaling": _OldDelayedScaling}, _OverrideLinearPrecision=_OverrideLinearPrecision
+)
+"""Like earlier TE releases, whose recipes took override_linear_precision."""
+
+
+def parse(extra: str = "", **kwargs):
+    return parse_args(f"{BASE} {extra}".split(), **kwargs)
+
+
+@pytest.fixture
+def te_present(monkeypatch):
+    """Pretend Transformer Engine imports (the config only asks te_import_error)."""
+    monkeypatch.setattr(te_recipe, "te_import_error", lambda: None)
+
+
+def test_default_impl_is_local_without_cuda_and_says_so():
+    cfg = parse()
+    assert cfg.model.transformer_impl == "local"
+    assert any("--transformer-impl local (no CUDA device)" in n for n in cfg.notes)
+
+
+def test_default_impl_on_cuda_depends_on_te(monkeypatch, te_present):
+    cfg = parse(device_type="cuda")
+    assert cfg.model.transformer_impl == "transformer_engine"
+    assert cfg.finalize().model.transformer_impl == "transformer_engine"  # idempotent
+    # rowwise has no TE recipe: the default picks the local engine instead of failing
+    rowwise = parse("--fp8-format hybrid --fp8-recipe rowwise", device_type="cuda")
+    assert rowwise.model.transformer_impl == "local" and any("rowwise" in n for n in rowwise.notes)
+    monkeypatch.setattr(te_recipe, "te_import_error", lambda: "ModuleNotFoundError: No module named 'x'")
+    cfg = parse(device_type="cuda")
+    assert cfg.model.transformer_impl == "local"
+    assert any("Transformer Engine does not import" in n for n in cfg.notes)
+
+
+@pytest.mark.parametrize(
+    "extra, device, te, expected",
+    [
+        ("--transformer-impl transformer_engine", "cpu", True, "needs a CUDA GPU; use --transformer-impl local"),
+        ("--transformer-impl transformer_engine", "cuda", False, "does not import"),
+        (
+            "--transformer-impl transformer_engine --fp8-format hybrid --fp8-recipe rowwise",
+            "cuda",
+            True,
+            "--fp8-recipe rowwise has no Transformer Engine recipe; use --transformer-impl local",
+        ),
+        (
+            "--transformer-impl transformer_engine --fp8-format e4m3 --micro-batch-size 1 --seq-length 36",
+            "cuda",
+            True,
+            "is 36; change --seq-length",
+        ),
+        (
+            "--transformer-impl transformer_engine --fp8-format e4m3 --hidden-size 72 --num-attention-heads 4",
+            "cuda",
+            True,
+            "--hidden-size is 72; change --hidden-size",
+        ),
+        ("--transformer-impl transformer_engine --fp8-format e4m3 --ffn-hidden-size 100", "cuda", True, "--ffn"),
+        (
+            "--transformer-impl transformer_engine --fp8-format e4m3 --fp8-recipe mxfp8 --ffn-hidden-size 240",
+            "cuda",
+            True,
+            "multiples of 32: --ffn-hidden-size is 240",
+        ),
+    ],
+)
+def test_startup_errors_are_one_line_naming_the_flag(monkeypatch, extra, device, te, expected):
+    monkeypatch.setattr(te_recipe, "te_import_error", lambda: None if te else "ImportError: no TE here")
+    with pytest.raises(ConfigError) as info:
+        parse(extra, device_type=device)
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_fp8_shapes_that_fit_pass(te_present):
+    cfg = parse("--transformer-impl transformer_engine --fp8-format hybrid --micro-batch-size 1", device_type="cuda")
+    assert cfg.model.transformer_impl == "transformer_engine" and cfg.precision.bf16
+
+
+def test_recipe_mapping():
+    delayed = te_recipe.te_recipe(
+        parse(
+            "--fp8-format hybrid --fp8-recipe delayed --fp8-margin 1 --fp8-amax-history-len 16"
+            " --fp8-amax-compute-algo max"
+        ).precision,
+        TE2,
+    )
+    assert delayed == _DelayedScaling(_Format.HYBRID, margin=1, amax_history_len=16, amax_compute_algo="max")
+    assert te_recipe.te_recipe(parse("--fp8-format e4m3 --fp8-recipe tensorwise").precision, TE2) == _CurrentScaling(
+        _Format.E4M3
+    )
+    block = te_recipe.te_recipe(parse("--fp8-format e4m3 --fp8-recipe blockwise").precision, TE2)
+    assert isinstance(block, _BlockScaling) and block.fp8_quant_fwd_weight.power_2_scale
+    fp32 = te_recipe.te_recipe(
+        parse("--fp8-format e4m3 --fp8-recipe blockwise --fp8-blockwise-fp32-scales").precision, TE2
+    )
+    assert not any(
+        q.power_2_scale for q in (fp32.fp8_quant_fwd_inp, fp32.fp8_quant_fwd_weight, fp32.fp8_quant_bwd_grad)
+    )
+    assert te_recipe.te_recipe(parse("--fp8-format hybrid --fp8-recipe mxfp8").precision, TE2) == _MXFP8(_Format.HYBRID)
+    with pytest.raises(ConfigError, match="--transformer-impl local"):
+        te_recipe.te_recipe(parse("--fp8-format hybrid --fp8-recipe rowwise").precision, TE2)
+
+
+def test_no_fp8_wgrad_maps_to_override_or_is_refused():
+    precision = parse("--fp8-format hybrid --no-fp8-wgrad").precision
+    old = te_recipe.te_recipe(precision, TE1)
+    assert old.override_linear_precision == _OverrideLinearPrecision(fprop=False, dgrad=False, wgrad=True)
+    with pytest.raises(ConfigError, match="--no-fp8-wgrad.*--transformer-impl local"):
+        te_recipe.te_recipe(precision, TE2)
+
+
+def test_gpu_capability_check_names_gpu_recipe_and_alternative():
+    with pytest.raises(ConfigError) as info:
+        check_recipe_on_gpu("mxfp8", (9, 0), "NVIDIA H100 80GB HBM3")
+    message = str(info.value)
+    for part in ("--fp8-recipe mxfp8", "10.0", "NVIDIA H100 80GB HBM3", "is 9.0", "--fp8-recipe blockwise", "local"):
+        assert part in message
+    check_recipe_on_gpu("mxfp8", (10, 0), "NVIDIA B200")
+    check_recipe_on_gpu("blockwise", (9, 0), "NVIDIA H100", "13.0")
+    with pytest.raises(ConfigError, match="CUDA >= 12.9"):
+        check_recipe_on_gpu("blockwise", (9, 0), "NVIDIA H100", "12.4")
+    with pytest.raises(ConfigError, match="8.9.*NVIDIA A100.*--transformer-impl local"):
+        check_recipe_on_gpu("delayed", (8, 0), "NVIDIA A100")
+    check_recipe_on_gpu("tensorwise", (8, 9), "NVIDIA L40S")
+
+
+def test_fp8_layer_numbers():
+    precision = parse("--fp8-format hybrid --first-last-layers-bf16 --num-layers-at-end-in-bf16 2").precision
+    assert te_fp8_layer_numbers(4, precision) == {2}
+    assert te_fp8_layer_numbers(4, parse("--fp8-format hybrid").precision) == {1, 2, 3, 4}
+    assert te_fp8_layer_numbers(4, parse().precision) == set()
+
+
+def test_local_model_loads_a_state_dict_with_te_extra_state():
+    cfg = parse()
+    torch.manual_seed(0)
+    source = GPTModel(cfg.model, 128)
+    state = source.state_dict()
+    state["decoder.layers.0.self_attention.linear_qkv._extra_state"] = torch.zeros(0, dtype=torch.uint8)
+    state["decoder.layers.1.self_attention.core_attention._extra_state"] = None
+    torch.manual_seed(1)
+    target = GPTModel(cfg.model, 128)
+    target.load_state_dict(state)  # strict: only the TE extra state is dropped
+    tokens = torch.randint(0, 128, (2, 32))
+    torch.testing.assert_close(target.eval()(tokens), source.eval()(tokens), rtol=0, atol=0)
+    del state["decoder.layers.0.mlp.linear_fc2.weight"]
+    with pytest.raises(RuntimeError, match="linear_fc2.weight"):
+        target.load_state_dict(state)
