@@ -72,9 +72,9 @@ class Trainer:
             self.tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size
         )
         self.dtype = torch.bfloat16 if cfg.precision.bf16 else torch.float32
-        self.model = GPTModel(
-            cfg.model, self.vocab_size, precision=cfg.precision, amax_group=self.dims.amax_group
-        ).to(self.device, self.dtype)
+        self.model = GPTModel(cfg.model, self.vocab_size, precision=cfg.precision, amax_group=self.dims.amax_group).to(
+            self.device, self.dtype
+        )
         self.fp8 = None
         if cfg.precision.fp8 and cfg.model.transformer_impl == "local":  # TE runs its FP8 inside the model
             from megatron.fp8 import attach_fp8
