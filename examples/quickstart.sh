@@ -10,8 +10,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+PYTHON=${PYTHON:-$(command -v python || command -v python3)}
 DATA_DIR=${DATA_DIR:-data}
-PREFIX=$(python tools/build_default_corpus.py --output-dir "$DATA_DIR")
+PREFIX=$("$PYTHON" tools/build_default_corpus.py --output-dir "$DATA_DIR")
 ASSETS=megatron/data/assets
 
 DATA=(
@@ -19,7 +20,7 @@ DATA=(
     --tokenizer-type GPT2BPETokenizer --vocab-file "$ASSETS/stdlib-bpe-vocab.json"
     --merge-file "$ASSETS/stdlib-bpe-merges.txt"
 )
-if python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     MODEL=(
         --num-layers 8 --hidden-size 512 --num-attention-heads 8 --seq-length 512 --micro-batch-size 16
         --global-batch-size 32 --train-iters 300 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 30 --num-workers 2
@@ -32,6 +33,6 @@ else
     )
 fi
 
-python pretrain_gpt.py "${DATA[@]}" "${MODEL[@]}" \
+"$PYTHON" pretrain_gpt.py "${DATA[@]}" "${MODEL[@]}" \
     --lr-decay-style cosine --hidden-dropout 0 --attention-dropout 0 \
     --eval-interval 100 --eval-iters 4 --log-interval 20 "$@"
