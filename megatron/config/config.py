@@ -86,6 +86,7 @@ class Config:
             f"--lr-warmup-iters ({opt.lr_warmup_iters}) must be <= --lr-decay-iters ({opt.lr_decay_iters})",
         )
         self._resolve_transformer_impl()
+        self._check_parallel_layout()
         if prec.fp8 and self.device_type == "cuda" and not prec.bf16:
             # FP8 GEMMs with fp32 weights would keep fp32 master copies *and* fp32 activations around the FP8 ops:
             # Megatron-LM silently does that. We imply bf16 instead and say so.
@@ -95,6 +96,36 @@ class Config:
             require(
                 prec.num_layers_at_start_in_bf16 + prec.num_layers_at_end_in_bf16 <= self.model.num_layers,
                 "--num-layers-at-start-in-bf16 + --num-layers-at-end-in-bf16 exceed --num-layers",
+            )
+
+    def _check_parallel_layout(self) -> None:
+        """Shapes that tensor and pipeline parallelism must be able to split."""
+        from megatron.parallel.pipeline import stage_layer_numbers  # the one place that splits layers
+
+        par, model = self.parallel, self.model
+        tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+        if tp > 1 or pp > 1:
+            require(
+                model.transformer_impl == "local",
+                "--transformer-impl transformer_engine with --tensor-model-parallel-size or"
+                " --pipeline-model-parallel-size > 1 is not supported yet; use --transformer-impl local",
+            )
+        if tp > 1:
+            for flag, value in (
+                ("--num-attention-heads", model.num_attention_heads),
+                ("--num-query-groups", model.num_query_groups),
+                ("--ffn-hidden-size", model.ffn_hidden_size),
+            ):
+                require(value % tp == 0, f"{flag} ({value}) must be divisible by --tensor-model-parallel-size ({tp})")
+            if par.sequence_parallel:
+                require(
+                    model.seq_length % tp == 0,
+                    f"--seq-length ({model.seq_length}) must be divisible by --tensor-model-parallel-size ({tp})"
+                    " with --sequence-parallel",
+                )
+        if pp > 1:
+            stage_layer_numbers(
+                model.num_layers, pp, 0, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
             )
 
     def _resolve_transformer_impl(self) -> None:

@@ -13,9 +13,17 @@ class ParallelConfig:
     """Tensor-parallel degree (ranks that split each layer's weights)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel degree (ranks that split the layers into stages)."""
+    sequence_parallel: bool = False
+    """Split the regions between tensor-parallel GEMMs (norms, dropout, residual adds) along the sequence over the
+    tensor-parallel ranks: all-gather before the column-parallel GEMMs, reduce-scatter after the row-parallel ones."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """Transformer layers on the first pipeline stage (uneven split); the rest are divided evenly."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """Transformer layers on the last pipeline stage (uneven split); the rest are divided evenly."""
     overlap_grad_reduce: bool = False
     """Start each gradient bucket's data-parallel all-reduce during the last micro-batch's backward pass, as soon as
-    the bucket is complete, instead of after it."""
+    the bucket is complete, instead of after it (with pipeline parallelism the buckets are reduced after the
+    schedule)."""
     ddp_bucket_size: int = 40_000_000
     """Gradient elements per data-parallel all-reduce bucket."""
     distributed_backend: str | None = option(None, choices=["nccl", "gloo"])
@@ -27,9 +35,16 @@ class ParallelConfig:
         require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size must be >= 1")
         require(self.pipeline_model_parallel_size >= 1, "--pipeline-model-parallel-size must be >= 1")
         require(
-            self.tensor_model_parallel_size == 1 and self.pipeline_model_parallel_size == 1,
-            "--tensor-model-parallel-size and --pipeline-model-parallel-size > 1 are not supported yet;"
-            " use data parallelism (torchrun --nproc-per-node N) for now",
+            not self.sequence_parallel or self.tensor_model_parallel_size > 1,
+            "--sequence-parallel needs --tensor-model-parallel-size > 1",
         )
+        for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+            value = getattr(self, name)
+            flag = "--" + name.replace("_", "-")
+            require(value is None or value >= 1, f"{flag} must be >= 1")
+            require(
+                value is None or self.pipeline_model_parallel_size > 1,
+                f"{flag} needs --pipeline-model-parallel-size > 1",
+            )
         require(self.ddp_bucket_size >= 1, "--ddp-bucket-size must be >= 1")
         require(self.distributed_timeout_minutes >= 1, "--distributed-timeout-minutes must be >= 1")

@@ -54,9 +54,11 @@ class AmaxState:
         cell.copy_(torch.maximum(cell, amax.float()))
 
     def step(self, group: dist.ProcessGroup | None = None) -> bool:
-        """Reduce this step's amaxes, update delayed scaling if they are all finite; True when they were."""
+        """Reduce this step's amaxes over `group`, update delayed scaling if they are all finite; True when they
+        were. `group=None` means this process alone (as in `ParallelDims`), not torch's default world group: the
+        ranks of other pipeline stages hold other layers, whose amaxes must not be mixed in."""
         amax = torch.nan_to_num(self.seen, nan=float("inf"), posinf=float("inf"))
-        if dist.is_available() and dist.is_initialized():
+        if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         self.seen.zero_()
         self.generation += 1  # weights change after every step: earlier weight casts are stale

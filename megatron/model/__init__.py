@@ -1,5 +1,5 @@
 """GPT model and its layers."""
 
-from .gpt import GPTModel, count_parameters
+from .gpt import GPTModel, Stage, count_parameters
 
-__all__ = ["GPTModel", "count_parameters"]
+__all__ = ["GPTModel", "Stage", "count_parameters"]

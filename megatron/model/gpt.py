@@ -18,6 +18,7 @@ them and left empty when a TE model loads a local checkpoint.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,20 +27,76 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig, PrecisionConfig
+from megatron.parallel.tensor_parallel import (
+    NO_TP,
+    TensorParallel,
+    copy_to_tp,
+    gather_from_sp,
+    gather_from_tp,
+    reduce_from_tp,
+    scatter_to_sp,
+    vocab_parallel_cross_entropy,
+)
 
 from .layers import Norm, RotaryEmbedding
 from .transformer import TransformerLayer
 
 
-class Embedding(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab_size: int, dtype: torch.dtype | None):
+@dataclass(frozen=True)
+class Stage:
+    """The part of the model a pipeline stage holds: global layer numbers (1-based), and whether it embeds the
+    tokens (first stage) and computes the loss (last stage). One stage holds everything."""
+
+    layer_numbers: tuple[int, ...]
+    pre_process: bool = True
+    post_process: bool = True
+
+    @classmethod
+    def whole(cls, num_layers: int) -> Stage:
+        return cls(tuple(range(1, num_layers + 1)))
+
+
+@contextlib.contextmanager
+def _seeded(seed: int):
+    """Draw a module's initial weights from its own seed (CPU generator), so that the weights do not depend on which
+    other modules this rank builds: every pipeline or tensor-parallel layout starts from the same model."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Word embeddings [V, h], rows split over the tensor-parallel ranks; each rank looks up the tokens in its
+    range and the partial results are all-reduced (the others contribute zeros)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, init_std: float, dtype, tp: TensorParallel):
         super().__init__()
-        self.word_embeddings = nn.Embedding(vocab_size, cfg.hidden_size, dtype=dtype)
-        nn.init.normal_(self.word_embeddings.weight, mean=0.0, std=cfg.init_method_std)
+        self.tp, self.vocab_local = tp, vocab_size // tp.size
+        self.vocab_start = tp.rank * self.vocab_local
+        full = torch.empty(vocab_size, hidden_size, dtype=torch.float32).normal_(0.0, init_std)
+        self.weight = nn.Parameter(tp.shard(full, 0).to(dtype or torch.float32))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(tokens, self.weight)
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_local)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.tp.group)
+
+
+class Embedding(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, vocab_size: int, dtype: torch.dtype | None, tp: TensorParallel, positions: bool = True
+    ):
+        super().__init__()
+        self.tp = tp
+        self.word_embeddings = VocabParallelEmbedding(vocab_size, cfg.hidden_size, cfg.init_method_std, dtype, tp)
         self.position_embeddings = None
-        if cfg.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, dtype=dtype)
-            nn.init.normal_(self.position_embeddings.weight, mean=0.0, std=cfg.init_method_std)
+        if positions and cfg.position_embedding_type == "learned_absolute":
+            full = torch.empty(cfg.max_position_embeddings, cfg.hidden_size).normal_(0.0, cfg.init_method_std)
+            self.position_embeddings = nn.Embedding(*full.shape, _weight=full.to(dtype or torch.float32))
+            self.position_embeddings.weight.grad_norm_duplicate = tp.rank > 0
         self.dropout = cfg.hidden_dropout
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -47,20 +104,28 @@ class Embedding(nn.Module):
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids)
         x = x.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.tp.sequence_parallel:
+            x = scatter_to_sp(x, self.tp.group)  # [s/tp, b, h]
         return F.dropout(x, self.dropout, self.training)
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None, te_fp8: Any = None):
+    def __init__(self, cfg: ModelConfig, dtype, te_fp8: Any, tp: TensorParallel, stage: Stage, base_seed: int):
         super().__init__()
-        if cfg.transformer_impl == "transformer_engine":
-            from .te_layers import TETransformerLayer
+        layers = []
+        for number in stage.layer_numbers:
+            with _seeded(base_seed + number):
+                if cfg.transformer_impl == "transformer_engine":
+                    from .te_layers import TETransformerLayer
 
-            layers = [TETransformerLayer(cfg, i + 1, dtype, te_fp8) for i in range(cfg.num_layers)]
-        else:
-            layers = [TransformerLayer(cfg, i + 1, dtype) for i in range(cfg.num_layers)]
+                    layers.append(TETransformerLayer(cfg, number, dtype, te_fp8))
+                else:
+                    layers.append(TransformerLayer(cfg, number, dtype, tp))
+        # Indices are stage-local (as in Megatron-Core); each layer's `layer_number` is its global number.
         self.layers = nn.ModuleList(layers)
-        self.final_layernorm = Norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, dtype)
+        self.final_layernorm = (
+            Norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, dtype, tp) if stage.post_process else None
+        )
 
 
 class GPTModel(nn.Module):
@@ -72,6 +137,8 @@ class GPTModel(nn.Module):
         *,
         precision: PrecisionConfig | None = None,
         amax_group: dist.ProcessGroup | None = None,
+        tp: TensorParallel = NO_TP,
+        stage: Stage | None = None,
     ):
         """`vocab_size` is the padded vocabulary (see `megatron.data.padded_vocab_size`).
 
@@ -79,27 +146,46 @@ class GPTModel(nn.Module):
         inside the model: precision gives the TE recipe and the layers kept out of FP8, amax_group the ranks whose
         FP8 amaxes are max-reduced together (tensor x data parallel; None in one process). The TE layers are built
         on the current CUDA device; the rest where the local model is built (the CPU, then moved). The local
-        implementation gets its FP8 from `megatron.fp8.attach_fp8` after construction."""
+        implementation gets its FP8 from `megatron.fp8.attach_fp8` after construction.
+
+        `tp` splits the layers over tensor-parallel ranks and `stage` picks this pipeline stage's part; the defaults
+        build the whole model in one process. Initial weights depend only on the global RNG state at construction
+        (one draw gives a base seed; each module then uses its own), not on the layout."""
         super().__init__()
-        self.cfg, self.vocab_size = cfg, vocab_size
+        stage = stage or Stage.whole(cfg.num_layers)
+        self.cfg, self.vocab_size, self.tp, self.stage = cfg, vocab_size, tp, stage
+        base_seed = int(torch.randint(0, 2**31 - 1, (1,)))
         self.uses_te = cfg.transformer_impl == "transformer_engine"
         self.te_fp8 = None
         if self.uses_te:
             from .te_layers import build_te_fp8
 
             self.te_fp8 = build_te_fp8(cfg, precision, amax_group)
-        self.embedding = Embedding(cfg, vocab_size, dtype)
+        tied = not cfg.untie_embeddings_and_output_weights
+        self.embedding = None
+        if stage.pre_process or (tied and stage.post_process):
+            # The last stage of a pipeline keeps its own copy of tied word embeddings for the output layer; the
+            # trainer sums the two copies' gradients, so they stay equal.
+            with _seeded(base_seed):
+                self.embedding = Embedding(cfg, vocab_size, dtype, tp, positions=stage.pre_process)
+            if tied and not (stage.pre_process and stage.post_process):
+                self.embedding.word_embeddings.weight.shared_embedding = True
+                self.embedding.word_embeddings.weight.grad_norm_duplicate = not stage.pre_process
         self.rotary = None
         if cfg.position_embedding_type == "rope":
             self.rotary = RotaryEmbedding(int(cfg.kv_channels * cfg.rotary_percent), cfg.rotary_base)
-        self.decoder = Decoder(cfg, dtype, self.te_fp8)
+        self.decoder = Decoder(cfg, dtype, self.te_fp8, tp, stage, base_seed)
         self.output_layer = None
-        if cfg.untie_embeddings_and_output_weights:
-            self.output_layer = nn.Linear(cfg.hidden_size, vocab_size, bias=False, dtype=dtype)
-            nn.init.normal_(self.output_layer.weight, mean=0.0, std=cfg.init_method_std)
+        if not tied and stage.post_process:
+            with _seeded(base_seed + cfg.num_layers + 1):
+                full = torch.empty(vocab_size, cfg.hidden_size).normal_(0.0, cfg.init_method_std)
+            self.output_layer = nn.Linear(cfg.hidden_size, vocab_size // tp.size, bias=False, dtype=dtype)
+            with torch.no_grad():
+                self.output_layer.weight.copy_(tp.shard(full, 0))
         self.register_load_state_dict_pre_hook(_reconcile_extra_state)
 
     def output_weight(self) -> torch.Tensor:
+        """[V/tp, h]: this rank's vocabulary rows of the output layer (the word embeddings when tied)."""
         return self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
 
     def forward(
@@ -108,14 +194,17 @@ class GPTModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens, position_ids, labels: [b, s]; attention_mask: bool [b, 1, s, s], True where a query may attend
-        (None: causal). Returns logits [b, s, V], or the per-token loss [b, s] (fp32) when labels are given."""
+        (None: causal); hidden: the previous pipeline stage's output (stages after the first).
+        Returns logits [b, s, V], or the per-token loss [b, s] (fp32) when labels are given; a stage other than the
+        last returns its output activations [s, b, h] ([s/tp, b, h] with sequence parallelism)."""
         b, s = tokens.shape
         given = position_ids is not None
         if not given:
             position_ids = torch.arange(s, device=tokens.device).expand(b, s)
-        x = self.embedding(tokens, position_ids)  # [s, b, h]
+        x = self.embedding(tokens, position_ids) if self.stage.pre_process else hidden  # [s, b, h]
         rotary = None
         if self.rotary is not None:
             # Comparing given ids with 0..s-1 reads a device tensor on the host: a synchronization that drains the
@@ -125,16 +214,18 @@ class GPTModel(nn.Module):
         with self.te_fp8.stack() if self.te_fp8 is not None else contextlib.nullcontext():
             for layer in self.decoder.layers:
                 x = layer(x, rotary, attention_mask)
+        if not self.stage.post_process:
+            return x
         x = self.decoder.final_layernorm(x)
-        logits = F.linear(x, self.output_weight())  # [s, b, V]
+        x = gather_from_sp(x, self.tp.group) if self.tp.sequence_parallel else copy_to_tp(x, self.tp.group)
+        logits = F.linear(x, self.output_weight())  # [s, b, V/tp]
         if labels is None:
-            return logits.transpose(0, 1)
+            return gather_from_tp(logits, self.tp.group).transpose(0, 1)
         if self.uses_te:
             from .te_layers import te_cross_entropy
 
             return te_cross_entropy(logits, labels)
-        loss = F.cross_entropy(logits.transpose(0, 1).float().reshape(b * s, -1), labels.reshape(-1), reduction="none")
-        return loss.view(b, s)
+        return vocab_parallel_cross_entropy(logits.transpose(0, 1), labels, self.tp.group)
 
     def describe(self) -> list[str]:
         """Startup log lines about the layer implementation (none for the local one)."""

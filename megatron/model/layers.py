@@ -8,6 +8,11 @@ parameter names and layouts identical lets a checkpoint move between `--transfor
 Every matrix multiply of a transformer layer goes through `Linear.forward`, where the FP8 engine hooks in: when a
 linear's `fp8` attribute holds a quantization state (set by `megatron.fp8` after the model is built), the GEMMs run
 on FP8 operands; otherwise it is a plain `F.linear`.
+
+Tensor parallelism is declared at construction, as in TE (`parallel_mode`): a `column` linear holds a slice of the
+output rows (its input is copied to, or with sequence parallelism all-gathered from, the tensor-parallel ranks), a
+`row` linear holds a slice of the input columns (its partial outputs are all-reduced, or reduce-scattered along the
+sequence). Weights are drawn at full size and sliced, so every layout starts from the single-process weights.
 """
 
 from __future__ import annotations
@@ -18,6 +23,22 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from megatron.parallel.tensor_parallel import (
+    NO_TP,
+    TensorParallel,
+    copy_to_tp,
+    gather_from_sp,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+)
+
+
+def mark_replicated(param: nn.Parameter, tp: TensorParallel) -> None:
+    """A parameter every tensor-parallel rank holds whole: counted once in the gradient norm, and (when it sees only
+    a sequence shard) its partial gradients summed over the group (see megatron.parallel.grads)."""
+    param.grad_norm_duplicate = tp.rank > 0
+    param.sequence_parallel = tp.sequence_parallel and tp.size > 1
 
 
 def normalize(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, eps: float) -> torch.Tensor:
@@ -30,50 +51,95 @@ def normalize(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 class Norm(nn.Module):
     """A standalone LayerNorm / RMSNorm (TE's `te.LayerNorm` / `te.RMSNorm`: parameters `weight`, `bias`)."""
 
-    def __init__(self, hidden_size: int, kind: str, eps: float, dtype: torch.dtype | None = None):
+    def __init__(
+        self, hidden_size: int, kind: str, eps: float, dtype: torch.dtype | None = None, tp: TensorParallel = NO_TP
+    ):
         super().__init__()
         self.kind, self.eps = kind, eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype)) if kind == "LayerNorm" else None
+        for param in self.parameters():
+            mark_replicated(param, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return normalize(x, self.weight, self.bias, self.kind, self.eps)
 
 
 class Linear(nn.Module):
-    """y = x W^T + b with W: [out, in]. `fp8` is the FP8 engine's per-layer state (None: high precision)."""
+    """y = x W^T + b with W: [out, in], optionally split over tensor-parallel ranks (`parallel_mode` "column" or
+    "row"; `parts`: number of stacked matrices in W sliced separately, 2 for SwiGLU's [gate; up]).
+    `fp8` is the FP8 engine's per-layer state (None: high precision)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, init_std: float, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        init_std: float,
+        dtype=None,
+        *,
+        parallel_mode: str | None = None,
+        tp: TensorParallel = NO_TP,
+        parts: int = 1,
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        self.parallel_mode, self.tp, self.parts = parallel_mode, tp, parts
+        split = tp.size if parallel_mode else 1
+        out_local = out_features // split if parallel_mode == "column" else out_features
+        in_local = in_features // split if parallel_mode == "row" else in_features
+        self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_local, dtype=dtype)) if bias else None
+        if self.bias is not None and parallel_mode != "column":
+            mark_replicated(self.bias, tp)  # added after the reduction: whole on every rank
         self.init_std = init_std
         self.fp8: Any = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
+        full = torch.empty(self.out_features, self.in_features, dtype=torch.float32).normal_(0.0, self.init_std)
+        if self.parallel_mode == "column":
+            full = self.tp.shard(full, 0, self.parts)
+        elif self.parallel_mode == "row":
+            full = self.tp.shard(full, 1)
+        with torch.no_grad():
+            self.weight.copy_(full)
+            if self.bias is not None:
+                self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        column, row, tp = self.parallel_mode == "column", self.parallel_mode == "row", self.tp
+        if column:
+            x = gather_from_sp(x, tp.group) if tp.sequence_parallel else copy_to_tp(x, tp.group)
+        bias = None if row else self.bias
         if self.fp8 is not None and self.fp8.enabled:
-            return self.fp8.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            y = self.fp8.linear(x, self.weight, bias)
+        else:
+            y = F.linear(x, self.weight, bias)
+        if row:
+            y = reduce_scatter_to_sp(y, tp.group) if tp.sequence_parallel else reduce_from_tp(y, tp.group)
+            if self.bias is not None:
+                y = y + self.bias
+        return y
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+        mode = f", {self.parallel_mode}-parallel over {self.tp.size}" if self.parallel_mode and self.tp.size > 1 else ""
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}{mode}"
 
 
 class LayerNormLinear(Linear):
     """Norm of the input fused into a linear (TE's `te.LayerNormLinear`)."""
 
-    def __init__(self, in_features, out_features, bias, init_std, norm: str, eps: float, dtype=None):
-        super().__init__(in_features, out_features, bias, init_std, dtype)
+    def __init__(self, in_features, out_features, bias, init_std, norm: str, eps: float, dtype=None, **parallel):
+        """`parallel`: Linear's parallel_mode / tp / parts. The norm runs before the column-parallel gather, on
+        the sequence shard under --sequence-parallel."""
+        super().__init__(in_features, out_features, bias, init_std, dtype, **parallel)
         self.norm_kind, self.eps = norm, eps
         self.layer_norm_weight = nn.Parameter(torch.ones(in_features, dtype=dtype))
         self.layer_norm_bias = nn.Parameter(torch.zeros(in_features, dtype=dtype)) if norm == "LayerNorm" else None
+        for param in (self.layer_norm_weight, self.layer_norm_bias):
+            if param is not None:
+                mark_replicated(param, self.tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(normalize(x, self.layer_norm_weight, self.layer_norm_bias, self.norm_kind, self.eps))

@@ -5,7 +5,8 @@
     layers.N.mlp.linear_fc1              (pre-MLP norm fused in; gate and up stacked for SwiGLU)
     layers.N.mlp.linear_fc2
 
-Activations are [s, b, h] (sequence first), as in Megatron-Core and TE.
+Activations are [s, b, h] (sequence first), as in Megatron-Core and TE; with --sequence-parallel the residual
+stream between the tensor-parallel GEMMs is a sequence shard [s/tp, b, h].
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.parallel.tensor_parallel import NO_TP, TensorParallel
 
 from .layers import LayerNormLinear, Linear, apply_rotary, init_std_of_output
 
@@ -26,24 +28,41 @@ class SelfAttention(nn.Module):
     heads, then its key head, then its value head (so a tensor-parallel shard holds whole groups).
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None, tp: TensorParallel = NO_TP):
         super().__init__()
-        self.num_heads, self.num_groups, self.head_dim = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+        # Tensor parallelism splits whole query groups (and their heads) over the ranks.
+        self.num_heads, self.num_groups = cfg.num_attention_heads // tp.size, cfg.num_query_groups // tp.size
+        self.head_dim = cfg.kv_channels
         self.dropout = cfg.attention_dropout
-        qkv_size = (self.num_heads + 2 * self.num_groups) * self.head_dim
+        qkv_size = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.head_dim
         self.linear_qkv = LayerNormLinear(
-            cfg.hidden_size, qkv_size, cfg.add_bias, cfg.init_method_std, cfg.normalization, cfg.norm_epsilon, dtype
+            cfg.hidden_size,
+            qkv_size,
+            cfg.add_bias,
+            cfg.init_method_std,
+            cfg.normalization,
+            cfg.norm_epsilon,
+            dtype,
+            parallel_mode="column",
+            tp=tp,
         )
         self.linear_proj = Linear(
-            self.num_heads * self.head_dim, cfg.hidden_size, cfg.add_bias, init_std_of_output(cfg), dtype
+            cfg.num_attention_heads * self.head_dim,
+            cfg.hidden_size,
+            cfg.add_bias,
+            init_std_of_output(cfg),
+            dtype,
+            parallel_mode="row",
+            tp=tp,
         )
 
     def forward(
         self, x: torch.Tensor, rotary: torch.Tensor | None, attention_mask: torch.Tensor | None
     ) -> torch.Tensor:
-        s, b, _ = x.shape
         heads_per_group = self.num_heads // self.num_groups
-        mixed = self.linear_qkv(x).view(s, b, self.num_groups, (heads_per_group + 2) * self.head_dim)
+        mixed = self.linear_qkv(x)  # [s, b, local qkv]: the full sequence, also when x is a sequence shard
+        s, b = mixed.shape[:2]
+        mixed = mixed.view(s, b, self.num_groups, (heads_per_group + 2) * self.head_dim)
         q, k, v = mixed.split([heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
         q = q.reshape(s, b, self.num_heads, self.head_dim)  # [s, b, np, hn]
         if rotary is not None:
@@ -65,14 +84,31 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     """h -> ffn -> h with GELU, or SwiGLU (linear_fc1 outputs [gate; up], 2*ffn wide)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None, tp: TensorParallel = NO_TP):
         super().__init__()
         self.swiglu = cfg.swiglu
         fc1_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
         self.linear_fc1 = LayerNormLinear(
-            cfg.hidden_size, fc1_out, cfg.add_bias, cfg.init_method_std, cfg.normalization, cfg.norm_epsilon, dtype
+            cfg.hidden_size,
+            fc1_out,
+            cfg.add_bias,
+            cfg.init_method_std,
+            cfg.normalization,
+            cfg.norm_epsilon,
+            dtype,
+            parallel_mode="column",
+            tp=tp,
+            parts=2 if cfg.swiglu else 1,
         )
-        self.linear_fc2 = Linear(cfg.ffn_hidden_size, cfg.hidden_size, cfg.add_bias, init_std_of_output(cfg), dtype)
+        self.linear_fc2 = Linear(
+            cfg.ffn_hidden_size,
+            cfg.hidden_size,
+            cfg.add_bias,
+            init_std_of_output(cfg),
+            dtype,
+            parallel_mode="row",
+            tp=tp,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)
@@ -87,11 +123,11 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """x + drop(attn(norm(x))), then + drop(mlp(norm(.))); the norms live inside linear_qkv and linear_fc1."""
 
-    def __init__(self, cfg: ModelConfig, layer_number: int, dtype: torch.dtype | None):
+    def __init__(self, cfg: ModelConfig, layer_number: int, dtype: torch.dtype | None, tp: TensorParallel = NO_TP):
         super().__init__()
         self.layer_number = layer_number  # 1-based, global across pipeline stages
-        self.self_attention = SelfAttention(cfg, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.self_attention = SelfAttention(cfg, dtype, tp)
+        self.mlp = MLP(cfg, dtype, tp)
         self.hidden_dropout = cfg.hidden_dropout
 
     def forward(

@@ -121,3 +121,54 @@ def forward_backward_1f1b(
         output_grad = channel.recv_backward()
         channel.send_backward(_backward(inputs.pop(0), outputs.pop(0), output_grad))
     return losses
+
+
+def stage_layer_numbers(
+    num_layers: int, pp: int, pp_rank: int, first: int | None = None, last: int | None = None
+) -> tuple[int, ...]:
+    """Global (1-based) layer numbers of pipeline stage `pp_rank`: `first` / `last` layers on the first / last
+    stage when given, the remaining layers split evenly over the other stages. Raises ConfigError naming the flags
+    when the layers cannot be split that way."""
+    from megatron.config import ConfigError
+
+    counts = [None] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    rest = num_layers - sum(c for c in counts if c is not None)
+    free = counts.count(None)
+    if rest < 0 or (free and rest % free) or (not free and rest):
+        raise ConfigError(
+            f"--num-layers ({num_layers}) cannot be split over --pipeline-model-parallel-size ({pp}) with"
+            f" --decoder-first-pipeline-num-layers {first} and --decoder-last-pipeline-num-layers {last}:"
+            " the layers left must divide evenly over the other stages"
+        )
+    counts = [c if c is not None else rest // free for c in counts]
+    if min(counts) < 1:
+        raise ConfigError(
+            f"--num-layers ({num_layers}) leaves an empty pipeline stage with --pipeline-model-parallel-size ({pp})"
+        )
+    start = sum(counts[:pp_rank])
+    return tuple(range(start + 1, start + counts[pp_rank] + 1))
+
+
+def forward_only(
+    stage_forward: Callable[[Any, torch.Tensor | None], torch.Tensor],
+    batches: Iterator[Any],
+    num_micro_batches: int,
+    dims: ParallelDims,
+    activation_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """Forward passes only (evaluation): each stage receives, computes and sends on; losses on the last stage."""
+    channel = _Channel(dims, activation_shape, dtype, device)
+    losses = []
+    for _ in range(num_micro_batches):
+        output = stage_forward(next(batches), channel.recv_forward())
+        if dims.is_last_stage:
+            losses.append(output.detach())
+        else:
+            channel.send_forward(output)
+    return losses

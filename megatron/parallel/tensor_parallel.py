@@ -16,8 +16,31 @@ With a None group (or one rank) every function is the identity.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """What a layer needs to know about tensor parallelism: its group, its rank and whether the regions between
+    the tensor-parallel GEMMs (norms, dropout, residuals) are split along the sequence (--sequence-parallel)."""
+
+    group: dist.ProcessGroup | None = None
+    size: int = 1
+    rank: int = 0
+    sequence_parallel: bool = False
+
+    def shard(self, full: torch.Tensor, dim: int, parts: int = 1) -> torch.Tensor:
+        """This rank's slice of `full` along `dim`. With parts > 1 (SwiGLU's [gate; up]) each of the parts is
+        sliced and the slices are stacked again, so the shard is [gate_r; up_r]."""
+        if self.size == 1:
+            return full
+        return torch.cat([p.chunk(self.size, dim)[self.rank] for p in full.chunk(parts, dim)], dim).contiguous()
+
+
+NO_TP = TensorParallel()
 
 
 def _size(group) -> int:

@@ -31,9 +31,11 @@ from megatron.checkpoint import (
 )
 from megatron.config import Config
 from megatron.data import PretrainingSampler, build_datasets, build_tokenizer, padded_vocab_size
-from megatron.model import GPTModel, count_parameters
+from megatron.model import GPTModel, Stage, count_parameters
 from megatron.optim import MixedPrecisionAdamW, learning_rate
 from megatron.parallel import GradientBuffers, ParallelDims, grad_norm, init_distributed, reduce_model_parallel_grads
+from megatron.parallel.pipeline import forward_backward_1f1b, forward_only, stage_layer_numbers
+from megatron.parallel.tensor_parallel import TensorParallel
 
 from .flops import num_floating_point_operations, peak_tflops
 from .logger import TensorBoardWriter, print_rank_0, training_log_line, validation_log_lines
@@ -72,17 +74,33 @@ class Trainer:
             self.tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size
         )
         self.dtype = torch.bfloat16 if cfg.precision.bf16 else torch.float32
-        self.model = GPTModel(cfg.model, self.vocab_size, precision=cfg.precision, amax_group=self.dims.amax_group).to(
-            self.device, self.dtype
+        dims, par = self.dims, cfg.parallel
+        self.tp = TensorParallel(dims.tp_group, dims.tp, dims.tp_rank, par.sequence_parallel)
+        layers = stage_layer_numbers(
+            cfg.model.num_layers,
+            dims.pp,
+            dims.pp_rank,
+            par.decoder_first_pipeline_num_layers,
+            par.decoder_last_pipeline_num_layers,
         )
+        self.stage = Stage(layers, pre_process=dims.is_first_stage, post_process=dims.is_last_stage)
+        self.model = GPTModel(
+            cfg.model,
+            self.vocab_size,
+            precision=cfg.precision,
+            amax_group=dims.amax_group,
+            tp=self.tp,
+            stage=self.stage,
+        ).to(self.device, self.dtype)
         self.fp8 = None
         if cfg.precision.fp8 and cfg.model.transformer_impl == "local":  # TE runs its FP8 inside the model
             from megatron.fp8 import attach_fp8
 
             self.fp8 = attach_fp8(self.model, cfg, self.dims.amax_group)
-        self.grad_buffers = GradientBuffers(
-            self.model, self.dims.dp_group, cfg.parallel.overlap_grad_reduce, cfg.parallel.ddp_bucket_size
-        )
+        # Under the pipeline schedule the last micro-batch's backward is not the last backward of the step on every
+        # stage, so the buckets are reduced after the schedule there.
+        overlap = par.overlap_grad_reduce and dims.pp == 1
+        self.grad_buffers = GradientBuffers(self.model, dims.dp_group, overlap, par.ddp_bucket_size)
         self.optimizer = MixedPrecisionAdamW(self.model, cfg.optimizer, fused=self.device.type == "cuda")
         self.state = TrainState()
         self._load()
@@ -171,9 +189,16 @@ class Trainer:
             "nan_iters": self.state.nan_iters,
             "fp8": self.fp8.state_dict() if self.fp8 is not None else None,
             "config": self.cfg.to_dict(),
-            "layout": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp},
+            "layout": self._layout(),
         }
-        path = save_checkpoint(self.cfg.checkpoint.save, self.state.iteration, state, writer=self.dims.dp_rank == 0)
+        path = save_checkpoint(
+            self.cfg.checkpoint.save,
+            self.state.iteration,
+            state,
+            writer=self.dims.is_checkpoint_writer,
+            shard=self._shard_name(),
+            layout=self._layout(),
+        )
         print_rank_0(f"  successfully saved checkpoint at iteration {self.state.iteration:7d} to {path}")
 
     def _loader(self, dataset: Dataset, consumed_samples: int) -> DataLoader:
@@ -192,12 +217,32 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
-    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _loss(self, batch: dict[str, torch.Tensor], hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The micro-batch's mean loss over its unmasked tokens (on a pipeline stage before the last: its output)."""
         # Position ids are 0..s-1 unless --reset-position-ids; None spares the model a host-device sync per micro-batch.
         position_ids = batch.get("position_ids") if self.cfg.data.reset_position_ids else None
-        per_token = self.model(batch["tokens"], position_ids, batch.get("attention_mask"), labels=batch["labels"])
+        out = self.model(
+            batch["tokens"], position_ids, batch.get("attention_mask"), labels=batch["labels"], hidden=hidden
+        )
+        if not self.stage.post_process:
+            return out
         mask = batch["loss_mask"]
-        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        return (out * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def _pipeline(self, batches, num_micro: int, train: bool) -> torch.Tensor:
+        """Mean loss over the micro-batches, through the pipeline stages; every stage returns it."""
+
+        def stage_forward(batch, hidden):
+            out = self._loss(_to_device(batch, self.device), hidden)
+            return out / num_micro if self.stage.post_process else out
+
+        s, h = self.cfg.model.seq_length, self.cfg.model.hidden_size
+        shape = (s // self.dims.tp if self.tp.sequence_parallel else s, self.cfg.training.micro_batch_size, h)
+        schedule = forward_backward_1f1b if train else forward_only
+        losses = schedule(stage_forward, batches, num_micro, self.dims, shape, self.dtype, self.device)
+        total = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.device)
+        dist.all_reduce(total, group=self.dims.pp_group)  # the loss lives on the last stage
+        return total
 
     def _average_over_dp(self, value: torch.Tensor) -> float:
         if self.dims.dp_group is not None:
@@ -211,11 +256,14 @@ class Trainer:
         self.model.train()
         num_micro = self.cfg.num_micro_batches
         total = torch.zeros((), device=self.device)
-        for micro in range(num_micro):
-            self.grad_buffers.is_last_micro_batch = micro == num_micro - 1
-            loss = self._loss(_to_device(next(batches), self.device))
-            (loss / num_micro).backward()
-            total += loss.detach().float()
+        if self.dims.pp > 1:
+            total = self._pipeline(batches, num_micro, train=True) * num_micro
+        else:
+            for micro in range(num_micro):
+                self.grad_buffers.is_last_micro_batch = micro == num_micro - 1
+                loss = self._loss(_to_device(next(batches), self.device))
+                (loss / num_micro).backward()
+                total += loss.detach().float()
         fp8_finite = self.fp8.step() if self.fp8 is not None else True
         self.grad_buffers.finish()
         params = self.optimizer.params
@@ -234,10 +282,13 @@ class Trainer:
         self.model.eval()
         batches = iter(self._loader(dataset, 0))
         steps = self.cfg.training.eval_iters * self.cfg.num_micro_batches
-        total = torch.zeros((), device=self.device)
-        for _ in range(steps):
-            total += self._loss(_to_device(next(batches), self.device)).float()
-        loss = self._average_over_dp(total / steps)
+        if self.dims.pp > 1:
+            loss = self._average_over_dp(self._pipeline(batches, steps, train=False))
+        else:
+            total = torch.zeros((), device=self.device)
+            for _ in range(steps):
+                total += self._loss(_to_device(next(batches), self.device)).float()
+            loss = self._average_over_dp(total / steps)
         print_rank_0(validation_log_lines(self.state.iteration, loss, split))
         self.tensorboard.scalars(
             {f"lm loss {split}": loss, f"lm loss {split} ppl": math.exp(min(20.0, loss))}, self.state.iteration

@@ -25,7 +25,8 @@ def _body(rank: int, world_size: int) -> None:
     for index in range(2):
         for role in Role:
             state.record(index, role, mine[index, role.value])
-    assert state.step() is True
+    world = dist.group.WORLD
+    assert state.step(world) is True
     expected = torch.tensor([[4.0, 2.0, 3.0], [0.5, 0.5, 8.0]])
     assert torch.equal(state.history[0], expected), state.history[0]
     assert torch.equal(state.scale, (448.0 / expected.double()).float())  # fp32 division, correctly rounded
@@ -36,12 +37,12 @@ def _body(rank: int, world_size: int) -> None:
     # A NaN on rank 1 only (a gloo MAX could drop it): both ranks report the step non-finite, change nothing.
     before = state.history.clone(), state.scale.clone()
     state.record(0, Role.GRAD, torch.tensor(math.nan if rank == 1 else 1.0))
-    assert state.step() is False
+    assert state.step(world) is False
     assert torch.equal(state.history, before[0]) and torch.equal(state.scale, before[1])
 
     # An inf on rank 0 only, in a different cell: same answer on both ranks.
     state.record(1, Role.INPUT, torch.tensor(math.inf if rank == 0 else 1.0))
-    assert state.step() is False
+    assert state.step(world) is False
 
     # The amax group argument is honoured (a group of both ranks here).
     group = dist.new_group([0, 1])
@@ -49,6 +50,11 @@ def _body(rank: int, world_size: int) -> None:
     assert state.step(group) is True
     assert float(state.history[0, 0, 0]) == 16.0 and float(state.history[1, 0, 0]) == 4.0
     assert float(state.scale[0, 0]) == 448.0 / 16.0  # algo max over [16, 4]
+
+    # No group: this process alone (another pipeline stage's amaxes belong to other layers).
+    state.record(0, Role.INPUT, torch.tensor(32.0 if rank == 1 else 2.0))
+    assert state.step(None) is True
+    assert float(state.history[0, 0, 0]) == (32.0 if rank == 1 else 2.0)
 
 
 def test_amax_reduction_on_two_ranks():

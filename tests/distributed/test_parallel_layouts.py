@@ -1,0 +1,185 @@
+"""Every parallel layout trains the single-process model: same losses, same gradients (gathered from the shards),
+in fp32 and with FP8; checkpoints saved under a layout resume exactly under it.
+
+Tolerances: fp32 layouts differ from one process only by summation order (losses rel 1e-5; gradients 1e-3 of each
+tensor's largest element: after two Adam steps, which divide by sqrt of tiny second moments, rounding differences in
+the weights reach about 1e-4 relative in the third step's gradients). With FP8 (delayed scaling, hybrid format) the
+amaxes are max-reduced over tensor x data parallel ranks of a stage, so every shard is quantized with the
+single-process scale and the difference is again summation order, amplified where a value lands near an FP8
+rounding boundary: losses rel 1e-3, gradients 2e-2 of each tensor's largest element.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.config import ConfigError, parse_args
+from megatron.model.gpt import VocabParallelEmbedding
+from megatron.model.layers import Linear
+from megatron.training import Trainer
+from tests.dist_utils import run_distributed
+
+BASE = (
+    "--mock-data --vocab-size 127 --make-vocab-size-divisible-by 64 --num-layers 4 --hidden-size 32"
+    " --num-attention-heads 4 --group-query-attention --num-query-groups 2 --seq-length 16 --swiglu"
+    " --ffn-hidden-size 64 --position-embedding-type rope --normalization RMSNorm --micro-batch-size 2"
+    " --global-batch-size 8 --lr 1e-2 --hidden-dropout 0 --attention-dropout 0 --eval-iters 1 --eval-interval 1000"
+    " --log-interval 100 --transformer-impl local"
+)
+GPT2 = BASE.replace(" --swiglu", "").replace(" --position-embedding-type rope --normalization RMSNorm", "")
+FP8 = " --fp8-format hybrid --fp8-recipe delayed"
+STEPS = 3
+
+LAYOUTS_2 = {
+    "tp2": "--tensor-model-parallel-size 2",
+    "tp2_sp": "--tensor-model-parallel-size 2 --sequence-parallel",
+    "pp2": "--pipeline-model-parallel-size 2",
+    "pp2_uneven": "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1",
+    "dp2": "",
+}
+LAYOUTS_4 = {
+    "tp2_pp2": "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2",
+    "tp2_dp2": "--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce --ddp-bucket-size 3000",
+}
+
+
+def _shard_specs(model) -> dict[str, tuple[int | None, int]]:
+    """For each parameter: (dimension its tensor-parallel shards are split along or None if replicated, parts)."""
+    specs = {}
+    for mod_name, module in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        if isinstance(module, Linear) and module.parallel_mode:
+            column = module.parallel_mode == "column"
+            specs[prefix + "weight"] = (0 if column else 1, module.parts)
+            if module.bias is not None:
+                specs[prefix + "bias"] = (0 if column else None, module.parts)
+        elif isinstance(module, VocabParallelEmbedding) or mod_name == "output_layer":
+            specs[prefix + "weight"] = (0, 1)
+    return specs
+
+
+def _global_name(name: str, model) -> str:
+    """Stage-local layer index -> global layer index."""
+    if name.startswith("decoder.layers."):
+        index, rest = name[len("decoder.layers.") :].split(".", 1)
+        return f"decoder.layers.{model.decoder.layers[int(index)].layer_number - 1}.{rest}"
+    return name
+
+
+def _record(flags: str, world_size: int) -> dict:
+    """Train STEPS iterations; return losses, each step's gradients (before clipping) and shard metadata."""
+    trainer = Trainer(parse_args(f"{flags} --train-iters {STEPS}".split(), world_size=world_size))
+    model, grads = trainer.model, []
+    inner = trainer.optimizer.step
+
+    def step(lr, grad_norm_fn):
+        grads.append({_global_name(n, model): p.main_grad.clone() for n, p in model.named_parameters()})
+        return inner(lr, grad_norm_fn)
+
+    trainer.optimizer.step = step
+    state = trainer.train()
+    specs = {_global_name(n, model): spec for n, spec in _shard_specs(model).items()}
+    dims = trainer.dims
+    return {
+        "losses": [state.losses[i] for i in range(1, STEPS + 1)],
+        "valid": state.valid_losses[STEPS],
+        "grads": grads,
+        "specs": specs,
+        "coords": (dims.tp_rank, dims.pp_rank, dims.dp_rank),
+    }
+
+
+def _resume_check(flags: str, world_size: int, ckpt: str) -> None:
+    full = Trainer(parse_args(f"{flags} --train-iters 4".split(), world_size=world_size)).train()
+    Trainer(
+        parse_args(f"{flags} --train-iters 4 --exit-interval 2 --save {ckpt}".split(), world_size=world_size)
+    ).train()
+    resumed = Trainer(parse_args(f"{flags} --train-iters 4 --load {ckpt}".split(), world_size=world_size)).train()
+    assert [resumed.losses[i] for i in (3, 4)] == [full.losses[i] for i in (3, 4)]
+
+
+def _layouts_body(rank, world_size, out_dir, layouts, fp8_layouts, resume_layouts):
+    for name, extra in layouts.items():
+        torch.save(_record(f"{BASE} {extra}", world_size), Path(out_dir, f"{name}.rank{rank}.pt"))
+        if name in fp8_layouts:
+            torch.save(_record(f"{BASE} {extra}{FP8}", world_size), Path(out_dir, f"{name}_fp8.rank{rank}.pt"))
+        if name in resume_layouts:
+            _resume_check(f"{GPT2} {extra}", world_size, str(Path(out_dir, f"ckpt_{name}")))
+
+
+def _assemble(records: list[dict]) -> dict:
+    """Rebuild full-size gradients from the data-parallel-rank-0 shards of every tensor x pipeline rank."""
+    records = [r for r in records if r["coords"][2] == 0]
+    steps = []
+    for step in range(STEPS):
+        full = {}
+        by_name: dict[str, list[tuple[int, torch.Tensor, tuple]]] = {}
+        for rec in records:
+            for name, grad in rec["grads"][step].items():
+                by_name.setdefault(name, []).append((rec["coords"], grad, rec["specs"].get(name, (None, 1))))
+        for name, shards in by_name.items():
+            dim, parts = shards[0][2]
+            first_stage = min(c[1] for c, _, _ in shards)  # a tied embedding's first-stage copy
+            shards = sorted((c[0], g) for c, g, _ in shards if c[1] == first_stage)
+            if dim is None:
+                full[name] = shards[0][1]
+            else:
+                pieces = [g.chunk(parts, dim) for _, g in shards]
+                full[name] = torch.cat([torch.cat([p[i] for p in pieces], dim) for i in range(parts)], dim)
+        steps.append(full)
+    return {"losses": records[0]["losses"], "valid": records[0]["valid"], "grads": steps}
+
+
+def _compare(got: dict, want: dict, loss_rtol: float, grad_rtol: float, label: str) -> None:
+    assert got["losses"] == pytest.approx(want["losses"], rel=loss_rtol), label
+    assert got["valid"] == pytest.approx(want["valid"], rel=loss_rtol), label
+    for step, (g_step, w_step) in enumerate(zip(got["grads"], want["grads"])):
+        assert set(g_step) == set(w_step), (label, set(g_step) ^ set(w_step))
+        for name, expected in w_step.items():
+            scale = expected.abs().max().item() + 1e-12
+            error = (g_step[name] - expected).abs().max().item()
+            assert error <= grad_rtol * scale, f"{label} step {step + 1} {name}: error {error:.3g}, scale {scale:.3g}"
+
+
+def _check(tmp_path, layouts, fp8_layouts, world_size):
+    reference = {}
+    for suffix in ("", FP8):
+        reference[suffix] = _record(BASE + suffix, 1)
+    for name in layouts:
+        for suffix, tag, tols in (("", "", (1e-5, 1e-3)), (FP8, "_fp8", (1e-3, 2e-2))):
+            if tag and name not in fp8_layouts:
+                continue
+            records = [torch.load(p, weights_only=False) for p in sorted(tmp_path.glob(f"{name}{tag}.rank*.pt"))]
+            assert len(records) == world_size
+            _compare(_assemble(records), reference[suffix], *tols, label=name + tag)
+
+
+def test_two_rank_layouts_match_single_process(tmp_path):
+    fp8 = {"tp2_sp", "pp2"}
+    resume = {"tp2", "pp2"}
+    run_distributed(_layouts_body, world_size=2, args=(str(tmp_path), LAYOUTS_2, fp8, resume))
+    _check(tmp_path, LAYOUTS_2, fp8, 2)
+
+
+def test_four_rank_layouts_match_single_process(tmp_path):
+    fp8 = {"tp2_pp2"}
+    run_distributed(_layouts_body, world_size=4, args=(str(tmp_path), LAYOUTS_4, fp8, {"tp2_pp2"}))
+    _check(tmp_path, LAYOUTS_4, fp8, 4)
+
+
+@pytest.mark.parametrize(
+    "flags, world_size, message",
+    [
+        ("--tensor-model-parallel-size 3", 3, "--num-attention-heads (4) must be divisible"),
+        ("--tensor-model-parallel-size 4", 4, "--num-query-groups (2) must be divisible"),
+        ("--pipeline-model-parallel-size 3", 3, "--num-layers (4) cannot be split"),
+        ("--tensor-model-parallel-size 2", 3, "world size 3 is not divisible"),
+        ("--sequence-parallel", 2, "--sequence-parallel needs --tensor-model-parallel-size"),
+        ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 4", 2, "empty pipeline stage"),
+    ],
+)
+def test_impossible_layouts_fail_at_startup(flags, world_size, message):
+    with pytest.raises(ConfigError) as info:
+        parse_args(f"{BASE} {flags}".split(), world_size=world_size)
+    assert message in str(info.value) and "\n" not in str(info.value)
