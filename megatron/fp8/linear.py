@@ -21,10 +21,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .formats import Role
 from .gemm import fp8_gemm
-from .quantize import EAGER, Fp8Tensor, Kernels, quantize
+from .quantize import EAGER, Fp8Tensor, Kernels, quantize, scale_from_amax
 from .recipes import Recipe
 from .scaling import AmaxState
 
@@ -32,8 +33,19 @@ from .scaling import AmaxState
 class Fp8LinearState:
     """The FP8 state of one linear layer, set as `linear.fp8` by `attach_fp8`; `Linear.forward` calls `linear`."""
 
-    def __init__(self, name: str, index: int, recipe: Recipe, amax: AmaxState, kernels: Kernels = EAGER):
+    def __init__(
+        self,
+        name: str,
+        index: int,
+        recipe: Recipe,
+        amax: AmaxState,
+        kernels: Kernels = EAGER,
+        tp_group: dist.ProcessGroup | None = None,
+    ):
+        """`tp_group`: the tensor-parallel ranks holding the other shards of this linear. With the tensorwise recipe
+        each operand's current amax is max-reduced over it, so a sharded tensor gets one scale, as in one process."""
         self.name, self.index, self.recipe, self.amax, self.kernels = name, index, recipe, amax, kernels
+        self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
         self.enabled = True
         self._weight_cache: tuple[Any, Fp8Tensor, Fp8Tensor] | None = None
 
@@ -58,6 +70,10 @@ class Fp8LinearState:
         if recipe.delayed:
             assert self.amax.scale is not None
             options["scale"] = self.amax.scale[self.index, role.value]
+        elif recipe.name == "tensorwise" and self.tp_group is not None:
+            current = t.abs().amax().float()
+            dist.all_reduce(current, op=dist.ReduceOp.MAX, group=self.tp_group)
+            options["scale"] = scale_from_amax(current, recipe.dtype(role), recipe.power_of_two(role))
         spec, dtype = recipe.block(role), recipe.dtype(role)
         if recipe.transposable(role):
             q, q_t = quantize(t, spec, dtype, transpose=cols, **options)

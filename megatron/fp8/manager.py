@@ -74,7 +74,8 @@ def attach_fp8(
     amax = AmaxState(recipe, len(targets), device)
     states = {}
     for index, (name, linear) in enumerate(targets):
-        linear.fp8 = states[name] = Fp8LinearState(name, index, recipe, amax, kernels)
+        tp_group = linear.tp.group if linear.parallel_mode else None
+        linear.fp8 = states[name] = Fp8LinearState(name, index, recipe, amax, kernels, tp_group)
     return Fp8Manager(recipe, states, amax, amax_group, cfg, compile_kernels, device)
 
 
