@@ -21,6 +21,24 @@ from megatron.parallel.tensor_parallel import NO_TP, TensorParallel
 from .layers import LayerNormLinear, Linear, apply_rotary, init_std_of_output
 
 
+def norm_column_linear(
+    cfg: ModelConfig, out_features: int, dtype: torch.dtype | None, tp: TensorParallel, parts: int = 1
+) -> LayerNormLinear:
+    """The layer's input norm fused into a column-parallel linear from the residual stream (linear_qkv, linear_fc1)."""
+    return LayerNormLinear(
+        cfg.hidden_size,
+        out_features,
+        cfg.add_bias,
+        cfg.init_method_std,
+        cfg.normalization,
+        cfg.norm_epsilon,
+        dtype,
+        parallel_mode="column",
+        tp=tp,
+        parts=parts,
+    )
+
+
 class SelfAttention(nn.Module):
     """Causal multi-head / grouped-query attention.
 
@@ -35,17 +53,7 @@ class SelfAttention(nn.Module):
         self.head_dim = cfg.kv_channels
         self.dropout = cfg.attention_dropout
         qkv_size = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.head_dim
-        self.linear_qkv = LayerNormLinear(
-            cfg.hidden_size,
-            qkv_size,
-            cfg.add_bias,
-            cfg.init_method_std,
-            cfg.normalization,
-            cfg.norm_epsilon,
-            dtype,
-            parallel_mode="column",
-            tp=tp,
-        )
+        self.linear_qkv = norm_column_linear(cfg, qkv_size, dtype, tp)
         self.linear_proj = Linear(
             cfg.num_attention_heads * self.head_dim,
             cfg.hidden_size,
@@ -88,18 +96,7 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = cfg.swiglu
         fc1_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
-        self.linear_fc1 = LayerNormLinear(
-            cfg.hidden_size,
-            fc1_out,
-            cfg.add_bias,
-            cfg.init_method_std,
-            cfg.normalization,
-            cfg.norm_epsilon,
-            dtype,
-            parallel_mode="column",
-            tp=tp,
-            parts=2 if cfg.swiglu else 1,
-        )
+        self.linear_fc1 = norm_column_linear(cfg, fc1_out, dtype, tp, parts=2 if cfg.swiglu else 1)
         self.linear_fc2 = Linear(
             cfg.ffn_hidden_size,
             cfg.hidden_size,
