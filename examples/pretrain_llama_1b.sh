@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GPUS=${GPUS:-$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")}
-DATA=${DATA:---mock-data --tokenizer-type NullTokenizer --vocab-size 32000}
+DATA=${DATA:---mock-data --tokenizer-type NullTokenizer --vocab-size 31999}
 
 MODEL=(
   --num-layers 16 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 32
