@@ -2,10 +2,10 @@
 
 Weights and optimizer: parameter bytes (2 in bf16, 4 in fp32) + fp32 main copy (bf16 only) + fp32 gradient
 (accumulation buffer) + two fp32 Adam moments.
-Activations of one micro-batch without recomputation, Korthikanti et al. (2022): per layer
-s * b * h * (34 + 5 * a * s / h) bytes for 16-bit activations; SDPA's fused kernels do not keep the a * s * s
-attention matrix, so we drop that term and count the 34 * s * b * h part, plus the fp32 logits (4 * s * b * V * 2
-for the logits and their gradient).
+Activations of one micro-batch without recomputation, Korthikanti et al. (2022), for 16-bit activations: per layer
+s * b * h * (34 + 5 * a * s / h) bytes; SDPA's fused kernels do not keep the a * s * s attention matrix, so we drop
+that term. With tensor parallelism t that is s * b * h * (10 + 24 / t), and 34 * s * b * h / t with sequence
+parallelism; only this pipeline stage's layers count. Plus the fp32 logits and their gradient (8 * s * b * V / t).
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ def _size(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
-def memory_estimate_lines(cfg: Config, num_params: int, vocab_size: int, dtype: torch.dtype) -> list[str]:
+def memory_estimate_lines(
+    cfg: Config, num_params: int, vocab_size: int, dtype: torch.dtype, num_layers: int | None = None
+) -> list[str]:
+    """`num_params`: this rank's parameters; `num_layers`: this pipeline stage's layers (default: all)."""
     param_bytes = 2 if dtype == torch.bfloat16 else 4
     weights = num_params * param_bytes
     main_copy = num_params * 4 if dtype == torch.bfloat16 else 0
@@ -28,8 +31,11 @@ def memory_estimate_lines(cfg: Config, num_params: int, vocab_size: int, dtype: 
     m = cfg.model
     s, b, h = m.seq_length, cfg.training.micro_batch_size, m.hidden_size
     act_scale = 1.0 if dtype == torch.bfloat16 else 2.0
-    activations = m.num_layers * 34 * s * b * h * act_scale
-    logits = 8 * s * b * vocab_size
+    tp = cfg.parallel.tensor_model_parallel_size
+    per_layer = 34 / tp if cfg.parallel.sequence_parallel else 10 + 24 / tp
+    layers = m.num_layers if num_layers is None else num_layers
+    activations = layers * per_layer * s * b * h * act_scale
+    logits = 8 * s * b * vocab_size / tp
     return [
         f"memory estimate per GPU: weights {_size(weights)}, fp32 main params {_size(main_copy)},"
         f" grads {_size(grads)}, Adam states {_size(adam)}, activations ~{_size(activations + logits)} per"

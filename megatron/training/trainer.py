@@ -131,8 +131,13 @@ class Trainer:
             f"> padded vocab (size: {self.tokenizer.vocab_size}) with"
             f" {self.vocab_size - self.tokenizer.vocab_size} dummy tokens (new size: {self.vocab_size})"
         )
-        print_rank_0(f"> number of parameters: {count_parameters(self.model):,}")
-        for line in memory_estimate_lines(cfg, count_parameters(self.model), self.vocab_size, self.dtype):
+        params = count_parameters(self.model)
+        if self.dims.tp * self.dims.pp > 1:
+            print_rank_0(f"> number of parameters on (tensor, pipeline) model parallel rank (0, 0): {params:,}")
+        else:
+            print_rank_0(f"> number of parameters: {params:,}")
+        layers = len(self.stage.layer_numbers)
+        for line in memory_estimate_lines(cfg, params, self.vocab_size, self.dtype, layers):
             print_rank_0(f"> {line}")
         if self.fp8 is not None:
             for line in self.fp8.describe():
