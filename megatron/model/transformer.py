@@ -39,6 +39,13 @@ def norm_column_linear(
     )
 
 
+def row_linear(cfg: ModelConfig, in_features: int, dtype: torch.dtype | None, tp: TensorParallel) -> Linear:
+    """A row-parallel linear back into the residual stream (linear_proj, linear_fc2), with Megatron's scaled init."""
+    return Linear(
+        in_features, cfg.hidden_size, cfg.add_bias, init_std_of_output(cfg), dtype, parallel_mode="row", tp=tp
+    )
+
+
 class SelfAttention(nn.Module):
     """Causal multi-head / grouped-query attention.
 
@@ -54,15 +61,7 @@ class SelfAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         qkv_size = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.head_dim
         self.linear_qkv = norm_column_linear(cfg, qkv_size, dtype, tp)
-        self.linear_proj = Linear(
-            cfg.num_attention_heads * self.head_dim,
-            cfg.hidden_size,
-            cfg.add_bias,
-            init_std_of_output(cfg),
-            dtype,
-            parallel_mode="row",
-            tp=tp,
-        )
+        self.linear_proj = row_linear(cfg, cfg.num_attention_heads * self.head_dim, dtype, tp)
 
     def forward(
         self, x: torch.Tensor, rotary: torch.Tensor | None, attention_mask: torch.Tensor | None
@@ -97,15 +96,7 @@ class MLP(nn.Module):
         self.swiglu = cfg.swiglu
         fc1_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
         self.linear_fc1 = norm_column_linear(cfg, fc1_out, dtype, tp, parts=2 if cfg.swiglu else 1)
-        self.linear_fc2 = Linear(
-            cfg.ffn_hidden_size,
-            cfg.hidden_size,
-            cfg.add_bias,
-            init_std_of_output(cfg),
-            dtype,
-            parallel_mode="row",
-            tp=tp,
-        )
+        self.linear_fc2 = row_linear(cfg, cfg.ffn_hidden_size, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)
