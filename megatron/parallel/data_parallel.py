@@ -87,9 +87,6 @@ class GradientBuffers:
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
 
-    def grads(self) -> list[torch.Tensor]:
-        return [p.main_grad for b in self.buckets for p in b.params]
-
     def zero(self) -> None:
         for bucket in self.buckets:
             bucket.data.zero_()

@@ -49,10 +49,6 @@ class ParallelDims:
     """Global ranks of this rank's pipeline, stage by stage (point-to-point peers)."""
 
     @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
     def is_first_rank(self) -> bool:
         return self.rank == 0
 

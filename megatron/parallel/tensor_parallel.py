@@ -6,7 +6,6 @@ Each function is a collective in the forward pass and its adjoint in the backwar
     copy_to_tp          identity          | all-reduce          (input of a column-parallel linear)
     reduce_from_tp      all-reduce        | identity            (output of a row-parallel linear)
     gather_from_tp      all-gather (last) | split (last)        (column-parallel output, gathered)
-    scatter_to_tp       split (last)      | all-gather (last)
     gather_from_sp      all-gather (dim0) | reduce-scatter      (sequence-parallel region -> tensor-parallel)
     reduce_scatter_to_sp reduce-scatter   | all-gather (dim0)   (tensor-parallel -> sequence-parallel region)
     scatter_to_sp       split (dim0)      | all-gather (dim0)   (enter the sequence-parallel region)
@@ -114,17 +113,6 @@ class _GatherFromTP(torch.autograd.Function):
         return _split(grad, -1, ctx.group), None
 
 
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, -1, ctx.group), None
-
-
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -168,10 +156,6 @@ def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
 
 def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _GatherFromTP.apply(x, group) if _size(group) > 1 else x
-
-
-def scatter_to_tp(x: torch.Tensor, group) -> torch.Tensor:
-    return _ScatterToTP.apply(x, group) if _size(group) > 1 else x
 
 
 def gather_from_sp(x: torch.Tensor, group) -> torch.Tensor:
