@@ -170,17 +170,18 @@ def profile(argv: list[str], steps: int, warmup: int = 2) -> str:
 
     trainer = Trainer(parse_args(argv, device_type="cuda"))
     batches = iter(trainer._loader(trainer.datasets.train, 0))
+    lr = trainer.cfg.optimizer.lr  # the profile times steps; the schedule's value does not matter here
     for _ in range(warmup):
-        trainer.train_step(batches)
+        trainer.train_step(batches, lr)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
-        trainer.train_step(batches)
+        trainer.train_step(batches, lr)
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - start) * 1e3 / steps
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            trainer.train_step(batches)
+            trainer.train_step(batches, lr)
         torch.cuda.synchronize()
     kernels: dict[str, float] = {}
     for event in prof.key_averages():

@@ -92,6 +92,11 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _is_first_rank() -> bool:
+    """Rank 0 creates and renames the checkpoint folder and moves the `latest` pointer."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def save_checkpoint(
     root: str,
     iteration: int,
@@ -106,7 +111,7 @@ def save_checkpoint(
     root_path = Path(root)
     final = iteration_dir(root_path, iteration)
     tmp = final.with_name(final.name + ".tmp")
-    if dist.get_rank() == 0 if dist.is_initialized() else True:
+    if _is_first_rank():
         root_path.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -117,7 +122,7 @@ def save_checkpoint(
         payload = dict(state, iteration=iteration, checkpoint_version=CHECKPOINT_VERSION)
         torch.save(payload, tmp / shard / "model_optim_rng.pt")
     _barrier()
-    if dist.get_rank() == 0 if dist.is_initialized() else True:
+    if _is_first_rank():
         _fsync_tree(tmp)
         if final.exists():  # re-saving an iteration: move the old copy aside first, drop it once the new is in place
             old = final.with_name(final.name + ".old")

@@ -256,8 +256,8 @@ class Trainer:
             value /= self.dims.dp
         return float(value)
 
-    def train_step(self, batches) -> tuple[float, float, bool]:
-        """One optimizer step over the micro-batches; returns (loss, grad norm, whether the step was applied)."""
+    def train_step(self, batches, lr: float) -> tuple[float, float, bool]:
+        """One optimizer step at `lr` over the micro-batches; returns (loss, grad norm, whether it was applied)."""
         self.model.train()
         num_micro = self.cfg.num_micro_batches
         total = torch.zeros((), device=self.device)
@@ -273,7 +273,6 @@ class Trainer:
         self.grad_buffers.finish()
         params = self.optimizer.params
         reduce_model_parallel_grads(params, self.dims)
-        lr = learning_rate(self.state.iteration, self.cfg.optimizer)
         norm, stepped = float("nan"), False
         if fp8_finite:
             norm, stepped = self.optimizer.step(lr, lambda: grad_norm(params, self.dims))
@@ -307,24 +306,24 @@ class Trainer:
         interval_time, interval_losses, interval_iters = 0.0, [], 0
         saved_at = None
         while state.iteration < train_cfg.train_iters:
+            lr = learning_rate(state.iteration, cfg.optimizer)
             start = time.perf_counter()
-            loss, grad_norm, stepped = self.train_step(batches)
+            loss, norm, stepped = self.train_step(batches, lr)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - start
-            lr = learning_rate(state.iteration, cfg.optimizer)
             state.iteration += 1
             state.consumed_samples += gbs
             if not stepped:
                 state.skipped_iters += 1
-                if not math.isfinite(grad_norm) or not math.isfinite(loss):
+                if not math.isfinite(norm) or not math.isfinite(loss):
                     state.nan_iters += 1
             state.losses[state.iteration] = loss
             interval_time += elapsed
             interval_losses.append(loss)
             interval_iters += 1
             if state.iteration % cfg.logging.log_interval == 0 or state.iteration == train_cfg.train_iters:
-                self._log_interval(interval_time / interval_iters, interval_losses, lr, grad_norm)
+                self._log_interval(interval_time / interval_iters, interval_losses, lr, norm)
                 interval_time, interval_losses, interval_iters = 0.0, [], 0
             if state.iteration % train_cfg.eval_interval == 0 and state.iteration < train_cfg.train_iters:
                 state.valid_losses[state.iteration] = self.evaluate(self.datasets.valid)
@@ -343,7 +342,7 @@ class Trainer:
         self.tensorboard.close()
         return state
 
-    def _log_interval(self, seconds_per_iter: float, losses: list[float], lr: float, grad_norm: float) -> None:
+    def _log_interval(self, seconds_per_iter: float, losses: list[float], lr: float, norm: float) -> None:
         cfg, state = self.cfg, self.state
         finite = [x for x in losses if math.isfinite(x)]
         loss = sum(finite) / len(finite) if finite else float("nan")
@@ -362,7 +361,7 @@ class Trainer:
                 lr,
                 cfg.training.global_batch_size,
                 loss,
-                grad_norm,
+                norm,
                 state.skipped_iters,
                 state.nan_iters,
             )
@@ -370,7 +369,7 @@ class Trainer:
         scalars = {
             "lm loss": loss,
             "learning-rate": lr,
-            "grad-norm": grad_norm,
+            "grad-norm": norm,
             "iteration-time": seconds_per_iter,
             "throughput/tflops-per-gpu": tflops,
             "throughput/tokens-per-s": tokens_per_s,
