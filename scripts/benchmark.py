@@ -1,8 +1,15 @@
-"""Throughput benchmark: `pretrain_gpt.py` on one GPU with mock data, for named model presets and precision configs.
+"""Throughput benchmark: `pretrain_gpt.py` with mock data, for named model presets, precision configs and parallel
+layouts (one GPU by default; several through torchrun on one host).
 
-    python scripts/benchmark.py                                    # every preset x every config
+    python scripts/benchmark.py                                    # every preset x every config, one GPU
     python scripts/benchmark.py --presets llama-1b --configs te-bf16 te-delayed
+    python scripts/benchmark.py --presets llama-1b --configs te-delayed --layouts 1gpu dp2 tp2 pp2
     python scripts/benchmark.py --profile llama-1b te-bf16         # where the GPU time goes (torch.profiler)
+
+Every layout keeps the preset's global batch, so a layout's tokens/s per GPU against the one-GPU row is its scaling
+efficiency on the same work (strong scaling; with data parallelism each rank runs fewer micro-batches per step).
+`--weak-scaling` multiplies the global batch by the data-parallel size instead (each GPU runs as many micro-batches
+per step as one GPU does).
 
 Each (preset, config) is a separate `pretrain_gpt.py` process; the table reports the last Megatron log line's
 tokens/s, TFLOP/s/GPU and MFU (an average over the final --log-interval iterations, so the first iterations' warm-up
@@ -43,6 +50,7 @@ LOCAL = "--transformer-impl local"
 CONFIGS = {
     "te-bf16": TE,
     "te-delayed": f"{TE} --fp8-format hybrid --fp8-recipe delayed",
+    "te-delayed-fp8params": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather",
     "te-tensorwise": f"{TE} --fp8-format hybrid --fp8-recipe tensorwise",
     "te-blockwise": f"{TE} --fp8-format e4m3 --fp8-recipe blockwise",
     "local-bf16": LOCAL,
@@ -51,6 +59,16 @@ CONFIGS = {
     "local-rowwise": f"{LOCAL} --fp8-format hybrid --fp8-recipe rowwise",
     "local-blockwise": f"{LOCAL} --fp8-format e4m3 --fp8-recipe blockwise",
     "local-mxfp8": f"{LOCAL} --fp8-format e4m3 --fp8-recipe mxfp8",
+}
+
+LAYOUTS = {  # name: (GPUs, flags)
+    "1gpu": (1, ""),
+    "dp2": (2, "--overlap-grad-reduce"),
+    "tp2": (2, "--tensor-model-parallel-size 2 --sequence-parallel"),
+    "pp2": (2, "--pipeline-model-parallel-size 2"),
+    "tp2_pp2": (4, "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2"),
+    "tp2_dp2": (4, "--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce"),
+    "dp4": (4, "--overlap-grad-reduce"),
 }
 
 _FIELDS = {
@@ -66,6 +84,8 @@ _FIELDS = {
 class Result:
     preset: str
     config: str
+    layout: str = "1gpu"
+    gpus: int = 1
     tokens_per_s: float | None = None
     tflops: float | None = None
     mfu: float | None = None
@@ -102,14 +122,43 @@ def failure_reason(text: str, returncode: int) -> str:
     return f"exit code {returncode}: {lines[-1] if lines else 'no output'}"[:300]
 
 
-def command(preset: str, config: str, iters: int, log_interval: int) -> list[str]:
-    flags = f"{COMMON} {PRESETS[preset]} {CONFIGS[config]} --train-iters {iters} --log-interval {log_interval}"
-    return [sys.executable, str(ROOT / "pretrain_gpt.py"), *flags.split()]
+def _flag(flags: str, name: str, default: int = 1) -> int:
+    match = re.search(rf"{name} (\d+)", flags)
+    return int(match.group(1)) if match else default
 
 
-def run(preset: str, config: str, iters: int, log_interval: int, timeout: int, log_dir: Path | None) -> Result:
-    cmd = command(preset, config, iters, log_interval)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def command(
+    preset: str, config: str, iters: int, log_interval: int, layout: str = "1gpu", weak: bool = False
+) -> list[str]:
+    """The launch command; `weak`: multiply the preset's global batch by the data-parallel size (each GPU then runs
+    as many micro-batches per step as one GPU does: weak scaling)."""
+    gpus, layout_flags = LAYOUTS[layout]
+    flags = f"{COMMON} {PRESETS[preset]} {CONFIGS[config]} {layout_flags} --train-iters {iters}"
+    flags += f" --log-interval {log_interval}"
+    if weak:
+        model_parallel = _flag(layout_flags, "--tensor-model-parallel-size") * _flag(
+            layout_flags, "--pipeline-model-parallel-size"
+        )
+        flags += f" --global-batch-size {_flag(PRESETS[preset], '--global-batch-size') * gpus // model_parallel}"
+    launcher = [sys.executable]
+    if gpus > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"]
+    return [*launcher, str(ROOT / "pretrain_gpt.py"), *flags.split()]
+
+
+def run(
+    preset: str,
+    config: str,
+    iters: int,
+    log_interval: int,
+    timeout: int,
+    log_dir: Path | None,
+    layout: str = "1gpu",
+    weak: bool = False,
+) -> Result:
+    cmd = command(preset, config, iters, log_interval, layout, weak)
+    # NVLink SHARP (multicast) off: some hosts lend GPUs without it configured, and NCCL then hangs at start-up.
+    env = {"NCCL_NVLS_ENABLE": "0", **os.environ, "PYTHONUNBUFFERED": "1"}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
         text, code = proc.stdout + proc.stderr, proc.returncode
@@ -117,30 +166,42 @@ def run(preset: str, config: str, iters: int, log_interval: int, timeout: int, l
         text = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         text, code = text + f"\ntimed out after {timeout} s", -1
     if log_dir is not None:
-        (log_dir / f"{preset}.{config}.log").write_text(" ".join(cmd) + "\n" + text)
+        (log_dir / f"{preset}.{config}.{layout}.log").write_text(" ".join(cmd) + "\n" + text)
     numbers = parse_log(text)
+    gpus = LAYOUTS[layout][0]
     if code != 0 or "tokens_per_s" not in numbers:
-        return Result(preset, config, error=failure_reason(text, code))
-    return Result(preset, config, **numbers)
+        return Result(preset, config, layout, gpus, error=failure_reason(text, code))
+    return Result(preset, config, layout, gpus, **numbers)
 
 
 def table(results: list[Result]) -> str:
-    """Markdown table; speed-ups are against the same preset's te-bf16 row (else local-bf16)."""
+    """Markdown table. "vs bf16": against the same preset and layout's te-bf16 row (else local-bf16); "scaling":
+    tokens/s per GPU against the same preset and config on one GPU."""
     rows = [
-        "| preset | config | tokens/s | TFLOP/s/GPU | MFU | vs bf16 | peak GiB | ms/iter | loss |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| preset | config | layout | tokens/s | tokens/s/GPU | TFLOP/s/GPU | MFU | vs bf16 | scaling | peak GiB"
+        " | ms/iter | loss |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def find(preset: str, config: str, layout: str) -> Result | None:
+        return next(
+            (b for b in results if (b.preset, b.config, b.layout) == (preset, config, layout) and not b.error), None
+        )
+
     for r in results:
         if r.error:
-            rows.append(f"| {r.preset} | {r.config} | failed: {r.error.replace('|', '/')} | | | | | | |")
+            rows.append(f"| {r.preset} | {r.config} | {r.layout} | failed: {r.error.replace('|', '/')} |" + " |" * 8)
             continue
-        base = next((b for b in results if b.preset == r.preset and b.config == "te-bf16" and not b.error), None)
-        base = base or next((b for b in results if b.preset == r.preset and b.config == "local-bf16"), None)
+        base = find(r.preset, "te-bf16", r.layout) or find(r.preset, "local-bf16", r.layout)
         speedup = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base and base.tokens_per_s else ""
+        single = find(r.preset, r.config, "1gpu")
+        per_gpu = r.tokens_per_s / r.gpus
+        scaling = f"{100 * per_gpu / single.tokens_per_s:.0f}%" if single and r.gpus > 1 else ""
         mfu = f"{r.mfu:.1f}%" if r.mfu is not None else ""
         rows.append(
-            f"| {r.preset} | {r.config} | {r.tokens_per_s / 1e3:.1f}k | {r.tflops:.0f} | {mfu} | {speedup}"
-            f" | {r.peak_gib:.1f} | {r.ms_per_iter:.0f} | {r.loss:.3f} |"
+            f"| {r.preset} | {r.config} | {r.layout} | {r.tokens_per_s / 1e3:.1f}k | {per_gpu / 1e3:.1f}k"
+            f" | {r.tflops:.0f} | {mfu} | {speedup} | {scaling} | {r.peak_gib:.1f} | {r.ms_per_iter:.0f}"
+            f" | {r.loss:.3f} |"
         )
     return "\n".join(rows)
 
@@ -225,6 +286,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--layouts", nargs="+", default=["1gpu"], choices=list(LAYOUTS))
+    parser.add_argument("--weak-scaling", action="store_true", help="global batch x data-parallel size")
     parser.add_argument("--iters", type=int, default=10, help="training iterations per run")
     parser.add_argument("--log-interval", type=int, default=5, help="the reported numbers average the last interval")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per run before it counts as failed")
@@ -243,9 +306,12 @@ def main() -> int:
     results = []
     for preset in args.presets:
         for config in args.configs:
-            result = run(preset, config, args.iters, args.log_interval, args.timeout, args.log_dir)
-            results.append(result)
-            print(json.dumps(asdict(result)), flush=True)
+            for layout in args.layouts:
+                result = run(
+                    preset, config, args.iters, args.log_interval, args.timeout, args.log_dir, layout, args.weak_scaling
+                )
+                results.append(result)
+                print(json.dumps(asdict(result)), flush=True)
     print(f"\n{environment()}\n")
     print(table(results))
     if args.json:

@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks (CPU processes). Several checks per spawn: each spawn costs seconds on 2 cores.
+"""Run a function on N gloo ranks (CPU processes), or N NCCL ranks with one GPU each. Several checks per spawn: each
+spawn costs seconds on 2 cores.
 
     def _body(rank, world_size, tmp):   # runs in every rank, torch.distributed already initialized
         ...
@@ -14,17 +15,27 @@ import os
 import tempfile
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, fn: Callable, world_size: int, store_path: str, error_dir: str, args: tuple) -> None:
+def _entry(
+    rank: int, fn: Callable, world_size: int, store_path: str, error_dir: str, args: tuple, backend: str
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    device = None
+    if backend == "nccl":  # the trainer picks its GPU from LOCAL_RANK; NCCL needs it set before the group starts
+        os.environ["LOCAL_RANK"] = str(rank)
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    # A rank that fails leaves the others waiting in a collective: time out in minutes, not NCCL's default ten.
+    timeout = timedelta(minutes=2)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, device_id=device, timeout=timeout)
     try:
         fn(rank, world_size, *args)
     except BaseException:
@@ -35,14 +46,18 @@ def _entry(rank: int, fn: Callable, world_size: int, store_path: str, error_dir:
         dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, args: tuple = ()) -> None:
-    """Spawn `world_size` processes running fn(rank, world_size, *args) under a gloo process group."""
+def run_distributed(fn: Callable, world_size: int, args: tuple = (), backend: str = "gloo") -> None:
+    """Spawn `world_size` processes running fn(rank, world_size, *args) under a gloo (or NCCL: rank r on GPU r)
+    process group."""
     with tempfile.TemporaryDirectory() as tmp:
         store_path, error_dir = os.path.join(tmp, "store"), os.path.join(tmp, "errors")
         os.makedirs(error_dir)
         try:
             mp.start_processes(
-                _entry, args=(fn, world_size, store_path, error_dir, args), nprocs=world_size, start_method="spawn"
+                _entry,
+                args=(fn, world_size, store_path, error_dir, args, backend),
+                nprocs=world_size,
+                start_method="spawn",
             )
         except Exception as exc:
             reports = [open(os.path.join(error_dir, f)).read() for f in sorted(os.listdir(error_dir))]

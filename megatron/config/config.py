@@ -85,8 +85,8 @@ class Config:
             opt.lr_warmup_iters <= opt.lr_decay_iters,
             f"--lr-warmup-iters ({opt.lr_warmup_iters}) must be <= --lr-decay-iters ({opt.lr_decay_iters})",
         )
-        self._resolve_transformer_impl()
         self._check_parallel_layout()
+        self._resolve_transformer_impl()  # after the layout: TE's shape rules apply to the tensor-parallel shards
         if prec.fp8 and self.device_type == "cuda" and not prec.bf16:
             # FP8 GEMMs with fp32 weights would keep fp32 master copies *and* fp32 activations around the FP8 ops:
             # Megatron-LM silently does that. We imply bf16 instead and say so.
@@ -104,12 +104,6 @@ class Config:
 
         par, model = self.parallel, self.model
         tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-        if tp > 1 or pp > 1:
-            require(
-                model.transformer_impl == "local",
-                "--transformer-impl transformer_engine with --tensor-model-parallel-size or"
-                " --pipeline-model-parallel-size > 1 is not supported yet; use --transformer-impl local",
-            )
         if tp > 1:
             for flag, value in (
                 ("--num-attention-heads", model.num_attention_heads),
@@ -156,8 +150,12 @@ class Config:
                 "--transformer-impl transformer_engine needs a CUDA GPU; use --transformer-impl local",
             )
             te_recipe.require_te()
+        require(
+            model.transformer_impl == "transformer_engine" or not prec.fp8_param_gather,
+            "--fp8-param-gather needs --transformer-impl transformer_engine (the local engine keeps bf16 weights)",
+        )
         if model.transformer_impl == "transformer_engine":
-            te_recipe.check_te_config(model, self.training.micro_batch_size, prec)
+            te_recipe.check_te_config(model, self.training.micro_batch_size, prec, self.parallel)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form of the sections (what checkpoints and config.json hold)."""

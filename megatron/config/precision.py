@@ -29,6 +29,12 @@ class PrecisionConfig:
     of two (the default, as Transformer Engine's NVTE_FP8_BLOCK_SCALING_FP32_SCALES=0)."""
     fp8_wgrad: bool = option(True, flag="--no-fp8-wgrad", action="store_false")
     """Compute the weight-gradient GEMM in FP8 (`--no-fp8-wgrad` keeps it in high precision)."""
+    fp8_param_gather: bool = False
+    """Keep the FP8 transformer layers' weights only in FP8 (Transformer Engine's quantized parameters): no bf16
+    copy and no per-step cast; the optimizer's fp32 main parameters are the master copy, quantized straight into the
+    weights after each step. Saves 2 bytes per weight (plus the FP8 copies TE would otherwise cache). Megatron-LM's
+    name; with data-parallel replicas (no distributed optimizer yet) there is no parameter all-gather to run in FP8.
+    Checkpoints hold the weights dequantized, so they load anywhere. Needs --transformer-impl transformer_engine."""
     first_last_layers_bf16: bool = False
     """Keep the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 layers out of FP8."""
     num_layers_at_start_in_bf16: int = 1
@@ -50,6 +56,7 @@ class PrecisionConfig:
             not self.fp8_blockwise_fp32_scales or (self.fp8 and self.fp8_recipe == "blockwise"),
             "--fp8-blockwise-fp32-scales needs --fp8-recipe blockwise with --fp8-format e4m3|hybrid",
         )
+        require(self.fp8 or not self.fp8_param_gather, "--fp8-param-gather needs FP8 on (--fp8-format e4m3|hybrid)")
         require(
             not self.first_last_layers_bf16 or self.fp8,
             "--first-last-layers-bf16 needs FP8 on (--fp8-format e4m3|hybrid)",

@@ -30,6 +30,7 @@ import torch
 
 from megatron.config.base import ConfigError, require
 from megatron.config.model import ModelConfig
+from megatron.config.parallel import ParallelConfig
 from megatron.config.precision import PrecisionConfig
 
 TE_RECIPES = {
@@ -140,26 +141,38 @@ def check_te_recipe_name(precision: PrecisionConfig) -> None:
     )
 
 
-def check_te_fp8_shapes(model: ModelConfig, micro_batch_size: int, precision: PrecisionConfig) -> None:
+def check_te_fp8_shapes(
+    model: ModelConfig, micro_batch_size: int, precision: PrecisionConfig, parallel: ParallelConfig | None = None
+) -> None:
     """TE's FP8 GEMMs take [tokens, features] operands in both orientations (x and x^T, dY and dY^T) and assert that
-    both dimensions are multiples of 16 (32 for mxfp8, its block size): check every linear's sizes up front."""
+    both dimensions are multiples of 16 (32 for mxfp8, its block size): check every linear's sizes up front. Under
+    tensor parallelism the GEMMs see this rank's shard of the features, and with sequence parallelism TE quantizes
+    this rank's sequence shard before gathering it, so those are the sizes checked."""
     if not precision.fp8:
         return
+    tp = parallel.tensor_model_parallel_size if parallel else 1
+    sp = bool(parallel and parallel.sequence_parallel)
     multiple = 32 if precision.fp8_recipe == "mxfp8" else 16
     rule = f"Transformer Engine's FP8 GEMMs ({precision.fp8_recipe}) need multiples of {multiple}"
-    tokens = micro_batch_size * model.seq_length
+    tokens = micro_batch_size * model.seq_length // (tp if sp else 1)
     require(
         tokens % multiple == 0,
-        f"{rule}: --micro-batch-size x --seq-length is {tokens}; change --seq-length or --micro-batch-size",
+        f"{rule}: --micro-batch-size x --seq-length{' / tensor-parallel size' if sp else ''} is {tokens}; change"
+        " --seq-length or --micro-batch-size",
     )
     heads, groups, head_dim = model.num_attention_heads, model.num_query_groups, model.kv_channels
-    sizes = [  # (what, size, the flag to change)
+    per_rank = " / tensor-parallel size" if tp > 1 else ""
+    sizes = [  # (what, size on this rank, the flag to change)
         ("--hidden-size", model.hidden_size, "--hidden-size"),
-        ("--ffn-hidden-size", model.ffn_hidden_size, "--ffn-hidden-size"),
-        ("--kv-channels x --num-attention-heads", head_dim * heads, "--kv-channels or --num-attention-heads"),
+        (f"--ffn-hidden-size{per_rank}", model.ffn_hidden_size // tp, "--ffn-hidden-size"),
         (
-            "--kv-channels x (--num-attention-heads + 2 x --num-query-groups)",
-            head_dim * (heads + 2 * groups),
+            f"--kv-channels x --num-attention-heads{per_rank}",
+            head_dim * heads // tp,
+            "--kv-channels or --num-attention-heads",
+        ),
+        (
+            f"--kv-channels x (--num-attention-heads + 2 x --num-query-groups){per_rank}",
+            head_dim * (heads + 2 * groups) // tp,
             "--kv-channels or --num-query-groups",
         ),
     ]
@@ -207,10 +220,12 @@ def check_te_fp8_on_this_gpu(precision: PrecisionConfig, device: torch.device | 
     require(available, f"--fp8-recipe {recipe} on {name}: Transformer Engine says {reason!r}; {_ALTERNATIVE[recipe]}")
 
 
-def check_te_config(model: ModelConfig, micro_batch_size: int, precision: PrecisionConfig) -> None:
+def check_te_config(
+    model: ModelConfig, micro_batch_size: int, precision: PrecisionConfig, parallel: ParallelConfig | None = None
+) -> None:
     """Flag-only checks for --transformer-impl transformer_engine (no GPU, no TE import needed)."""
     check_te_recipe_name(precision)
-    check_te_fp8_shapes(model, micro_batch_size, precision)
+    check_te_fp8_shapes(model, micro_batch_size, precision, parallel)
 
 
 def describe_te_recipe(recipe: Any, fp8_layers: set[int], num_layers: int) -> str:

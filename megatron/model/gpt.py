@@ -38,7 +38,7 @@ from megatron.parallel.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
-from .layers import Norm, RotaryEmbedding
+from .layers import Norm, RotaryEmbedding, mark_tensor_parallel
 from .transformer import TransformerLayer
 
 
@@ -75,6 +75,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp.rank * self.vocab_local
         full = torch.empty(vocab_size, hidden_size, dtype=torch.float32).normal_(0.0, init_std)
         self.weight = nn.Parameter(tp.shard(full, 0).to(dtype or torch.float32))
+        mark_tensor_parallel(self.weight, 0)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -118,7 +119,13 @@ class Decoder(nn.Module):
                 if cfg.transformer_impl == "transformer_engine":
                     from .te_layers import TETransformerLayer
 
-                    layers.append(TETransformerLayer(cfg, number, dtype, te_fp8))
+                    if te_fp8 is not None and te_fp8.fp8_params:
+                        # FP8 weights are built as TE tensors whose nominal dtype must be the model's (bf16), so
+                        # the trainer's later .to(bf16) leaves them alone instead of dequantizing them.
+                        with te_fp8.param_init(number):
+                            layers.append(TETransformerLayer(cfg, number, torch.bfloat16, te_fp8, tp))
+                    else:
+                        layers.append(TETransformerLayer(cfg, number, dtype, te_fp8, tp))
                 else:
                     layers.append(TransformerLayer(cfg, number, dtype, tp))
         # Indices are stage-local (as in Megatron-Core); each layer's `layer_number` is its global number.
@@ -182,7 +189,9 @@ class GPTModel(nn.Module):
             self.output_layer = nn.Linear(cfg.hidden_size, vocab_size // tp.size, bias=False, dtype=dtype)
             with torch.no_grad():
                 self.output_layer.weight.copy_(tp.shard(full, 0))
+            mark_tensor_parallel(self.output_layer.weight, 0)
         self.register_load_state_dict_pre_hook(_reconcile_extra_state)
+        self._register_state_dict_hook(_dequantize_fp8_params)
 
     def output_weight(self) -> torch.Tensor:
         """[V/tp, h]: this rank's vocabulary rows of the output layer (the word embeddings when tied)."""
@@ -224,7 +233,7 @@ class GPTModel(nn.Module):
         if self.uses_te:
             from .te_layers import te_cross_entropy
 
-            return te_cross_entropy(logits, labels)
+            return te_cross_entropy(logits, labels, self.tp.group)
         return vocab_parallel_cross_entropy(logits.transpose(0, 1), labels, self.tp.group)
 
     def describe(self) -> list[str]:
@@ -254,6 +263,16 @@ def _reconcile_extra_state(module: nn.Module, state_dict: dict, prefix: str, *ar
         del state_dict[key]
     for key in ours - state_dict.keys():
         state_dict[key] = None
+
+
+def _dequantize_fp8_params(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """State-dict hook: FP8 parameters (--fp8-param-gather, TE quantized tensors) are saved as their high-precision
+    values, so a checkpoint holds plain tensors that the local model (and a machine without TE) loads. Loading one
+    quantizes again; the optimizer's fp32 main parameters, saved alongside, keep the full precision for resuming.
+    Parameters themselves (`state_dict(keep_vars=True)`) are left as they are."""
+    for key, value in state_dict.items():
+        if callable(getattr(value, "quantize_", None)) and not isinstance(value, nn.Parameter):
+            state_dict[key] = value.dequantize()
 
 
 def count_parameters(model: nn.Module) -> int:

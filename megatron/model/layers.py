@@ -41,6 +41,14 @@ def mark_replicated(param: nn.Parameter, tp: TensorParallel) -> None:
     param.sequence_parallel = tp.sequence_parallel and tp.size > 1
 
 
+def mark_tensor_parallel(param: nn.Parameter, dim: int, parts: int = 1) -> None:
+    """A parameter split over the tensor-parallel ranks along `dim`, with the attributes Megatron-LM and TE set
+    (`tensor_model_parallel`, `partition_dim`, `partition_stride`) plus `partition_parts`: how many stacked matrices
+    were sliced separately (2 for SwiGLU's [gate; up]). Tests gather shards by them, whatever the implementation."""
+    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
+    param.partition_parts = parts
+
+
 def normalize(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, eps: float) -> torch.Tensor:
     """LayerNorm ((x - mean) / std * w + b) or RMSNorm (x / rms * w) over the last dimension."""
     if kind == "LayerNorm":
@@ -90,7 +98,11 @@ class Linear(nn.Module):
         in_local = in_features // split if parallel_mode == "row" else in_features
         self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_local, dtype=dtype)) if bias else None
-        if self.bias is not None and parallel_mode != "column":
+        if parallel_mode:
+            mark_tensor_parallel(self.weight, 0 if parallel_mode == "column" else 1, parts)
+        if self.bias is not None and parallel_mode == "column":
+            mark_tensor_parallel(self.bias, 0, parts)
+        elif self.bias is not None:
             mark_replicated(self.bias, tp)  # added after the reduction: whole on every rank
         self.init_std = init_std
         self.fp8: Any = None

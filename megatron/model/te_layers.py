@@ -15,6 +15,7 @@ What this layer does that the local one does not, and why:
   * FP8 GEMMs through `te.autocast` (TEFp8Autocast) with the recipe built in megatron/fp8/te_recipe.py.
   * RoPE by TE's fused kernel, applied to strided views of the QKV GEMM's output: no split copies.
   * SwiGLU as one TE kernel each way.
+  * with --fp8-param-gather, FP8-only weights (TE's quantized parameters; see `TEFp8Autocast.param_init`).
   * fused wgrad accumulation: when a weight carries the fp32 `main_grad` of `megatron.parallel.GradientBuffers`,
     TE's weight-gradient GEMM accumulates into it in place (fp32 output, no bf16 gradient, no separate add). It
     then sets `weight.grad_added_to_main_grad = True` and returns a placeholder gradient, so the buffers'
@@ -47,8 +48,9 @@ from megatron.fp8.te_recipe import (
     te_recipe,
     te_version,
 )
+from megatron.parallel.tensor_parallel import NO_TP, TensorParallel
 
-from .layers import apply_rotary, init_std_of_output
+from .layers import apply_rotary, init_std_of_output, mark_replicated
 
 
 def _te() -> Any:
@@ -57,18 +59,73 @@ def _te() -> Any:
     return te
 
 
-def cpu_normal_init(std: float) -> Callable[[torch.Tensor], None]:
-    """A TE `init_method` that draws N(0, std) from the CPU generator in fp32 and copies it to the (GPU) weight.
+def sharded_normal_init(std: float, tp: TensorParallel, dim: int, parts: int = 1) -> Callable[[torch.Tensor], None]:
+    """A TE `init_method` for a weight that is this rank's tensor-parallel shard along `dim`: draw the full matrix
+    N(0, std) from the CPU generator in fp32, as the local `Linear` does, and copy this rank's slice (`parts`: stacked
+    matrices sliced separately, 2 for SwiGLU's [gate; up]) to the (GPU) weight.
 
-    The local model draws each weight the same way, in the same order (linear_qkv, linear_proj, linear_fc1,
-    linear_fc2 of layer 1, then layer 2, ...), so with the same seed both implementations start from identical
-    weights, and a TE run reproduces a local run's start."""
+    TE calls each module's init in construction order (linear_qkv, linear_proj, linear_fc1, linear_fc2), the order
+    the local layer draws in, so with the same seed both implementations, under any layout, start from identical
+    weights."""
 
     def init(weight: torch.Tensor) -> None:
+        shape = list(weight.shape)
+        shape[dim] *= tp.size
+        full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std)
         with torch.no_grad():
-            weight.copy_(torch.empty(weight.shape, dtype=torch.float32).normal_(0.0, std))
+            weight.copy_(tp.shard(full, dim, parts))
 
     return init
+
+
+def te_linear(
+    cfg: ModelConfig,
+    in_features: int,
+    out_features: int,
+    parallel_mode: str,
+    std: float,
+    tp: TensorParallel,
+    params_dtype: torch.dtype,
+    device: torch.device,
+    *,
+    norm: bool = False,
+    parts: int = 1,
+) -> nn.Module:
+    """A TE linear of the layer: `te.LayerNormLinear` (norm=True: the layer's input norm fused in; linear_qkv,
+    linear_fc1) or `te.Linear`, column- or row-parallel over `tp` through TE's own arguments (TE all-gathers and
+    reduce-scatters along the sequence with --sequence-parallel, as the local layers do).
+
+    `parts`: stacked matrices sharded separately (2 for SwiGLU's [gate; up]), see `mark_te_params`."""
+    te = _te()
+    common: dict[str, Any] = dict(
+        bias=cfg.add_bias,
+        init_method=sharded_normal_init(std, tp, 0 if parallel_mode == "column" else 1, parts),
+        params_dtype=params_dtype,
+        device=device,
+        parallel_mode=parallel_mode,
+        tp_group=tp.group,
+        tp_size=tp.size,
+        sequence_parallel=tp.sequence_parallel,
+    )
+    if norm:
+        module = te.LayerNormLinear(
+            in_features, out_features, eps=cfg.norm_epsilon, normalization=cfg.normalization, **common
+        )
+    else:
+        module = te.Linear(in_features, out_features, **common)
+    mark_te_params(module, tp, parts)
+    return module
+
+
+def mark_te_params(module: nn.Module, tp: TensorParallel, parts: int = 1) -> None:
+    """TE marks its sharded parameters (`tensor_model_parallel`, `partition_dim`) and its sequence-parallel ones;
+    add what the local layers record: `partition_parts` on column-parallel shards and the replicated marking on the
+    rest (norm weights, row-parallel biases), so the gradient norm counts those once (megatron.parallel.grads)."""
+    for param in module.parameters():
+        if getattr(param, "tensor_model_parallel", False):
+            param.partition_parts = parts if param.partition_dim == 0 else 1
+        else:
+            mark_replicated(param, tp)
 
 
 class TEFp8Autocast:
@@ -82,8 +139,19 @@ class TEFp8Autocast:
     would run that reduction at every layer's exit: L collectives per pass, each rolling all histories once more.
     """
 
-    def __init__(self, recipe: Any, amax_group: dist.ProcessGroup | None, fp8_layers: set[int]):
+    def __init__(
+        self, recipe: Any, amax_group: dist.ProcessGroup | None, fp8_layers: set[int], fp8_params: bool = False
+    ):
         self.recipe, self.amax_group, self.fp8_layers = recipe, amax_group, fp8_layers
+        self.fp8_params = fp8_params
+        """--fp8-param-gather: the FP8 layers' weights are built as TE quantized tensors (see `param_init`)."""
+
+    def param_init(self, layer_number: int) -> Any:
+        """The context a layer is built in: with --fp8-param-gather and the layer in FP8, TE creates its linear
+        weights as FP8 tensors of this recipe (`quantized_model_init`); each keeps its high-precision initial value
+        on the CPU until the optimizer has taken it as its fp32 main parameter (`get_high_precision_init_val`)."""
+        enabled = self.fp8_params and layer_number in self.fp8_layers
+        return _te().quantized_model_init(enabled=enabled, recipe=self.recipe, preserve_high_precision_init_val=enabled)
 
     def stack(self) -> Any:
         return _te().autocast(enabled=True, recipe=self.recipe, amax_reduction_group=self.amax_group)
@@ -92,6 +160,75 @@ class TEFp8Autocast:
         return _te().autocast(
             enabled=layer_number in self.fp8_layers, recipe=self.recipe, amax_reduction_group=self.amax_group
         )
+
+
+class TESelfAttention(nn.Module):
+    """Causal grouped-query attention; linear_qkv's output is laid out per query group as in the local layer."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_number: int,
+        params_dtype: torch.dtype,
+        device: torch.device,
+        tp: TensorParallel = NO_TP,
+    ):
+        super().__init__()
+        te = _te()
+        # This rank's heads and query groups (tensor parallelism splits whole groups, as in the local layer).
+        self.num_heads, self.num_groups = cfg.num_attention_heads // tp.size, cfg.num_query_groups // tp.size
+        self.head_dim = cfg.kv_channels
+        qkv_size = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.head_dim
+        self.linear_qkv = te_linear(
+            cfg, cfg.hidden_size, qkv_size, "column", cfg.init_method_std, tp, params_dtype, device, norm=True
+        )
+        self.core_attention = te.DotProductAttention(
+            cfg.num_attention_heads,  # TE takes the totals and divides by the tensor-parallel size
+            self.head_dim,
+            num_gqa_groups=cfg.num_query_groups,
+            attention_dropout=cfg.attention_dropout,
+            qkv_format="sbhd",
+            attn_mask_type="causal",
+            layer_number=layer_number,
+            tp_group=tp.group,
+            tp_size=tp.size,
+            sequence_parallel=tp.sequence_parallel,
+        )
+        from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
+
+        self._rope = apply_rotary_pos_emb
+        self.linear_proj = te_linear(
+            cfg, cfg.num_attention_heads * self.head_dim, cfg.hidden_size, "row", init_std_of_output(cfg), tp,
+            params_dtype, device,
+        )  # fmt: skip
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        first_microbatch: bool | None,
+    ) -> torch.Tensor:
+        groups, per_group, hn = self.num_groups, self.num_heads // self.num_groups, self.head_dim
+        mixed = self.linear_qkv(x, is_first_microbatch=first_microbatch)
+        s, b = mixed.shape[:2]  # the full sequence, also when x is a sequence-parallel shard
+        # [s, b, ng * (np/ng + 2) * hn] -> [s, b*ng, (np/ng + 2) * hn]: batch and group merge into one strided dim,
+        # so q, k and v below are 4-D views with uniform strides that TE's RoPE kernel reads in place.
+        mixed = mixed.view(s, b * groups, (per_group + 2) * hn)
+        q, k, v = mixed.split([per_group * hn, hn, hn], dim=-1)
+        q = q.unflatten(-1, (per_group, hn))  # [s, b*ng, np/ng, hn]
+        k, v = k.unflatten(1, (b, groups)), v.unflatten(1, (b, groups))  # [s, b, ng, hn]
+        if rotary is not None and rotary.shape[1] == 1:
+            q = self._rope(q, rotary, tensor_format="sbhd", fused=True)
+            k = self._rope(k, rotary, tensor_format="sbhd", fused=True)
+        q = q.reshape(s, b, self.num_heads, hn)  # a view after RoPE (its output is contiguous), else one copy
+        if rotary is not None and rotary.shape[1] != 1:  # per-sample positions: TE's kernel takes [s, 1, 1, d]
+            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        if attention_mask is None:
+            out = self.core_attention(q, k, v)  # [s, b, np * hn]
+        else:  # TE masks where the mask is True; ours marks where a query may attend
+            out = self.core_attention(q, k, v, attention_mask=~attention_mask, attn_mask_type="arbitrary")
+        return self.linear_proj(out, is_first_microbatch=first_microbatch)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -113,99 +250,23 @@ class _SwiGLU(torch.autograd.Function):
         return tex.dswiglu(grad.contiguous(), x, None)
 
 
-class TESelfAttention(nn.Module):
-    """Causal grouped-query attention; linear_qkv's output is laid out per query group as in the local layer."""
-
-    def __init__(self, cfg: ModelConfig, layer_number: int, params_dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        te = _te()
-        self.num_heads, self.num_groups, self.head_dim = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
-        qkv_size = (self.num_heads + 2 * self.num_groups) * self.head_dim
-        self.linear_qkv = te.LayerNormLinear(
-            cfg.hidden_size,
-            qkv_size,
-            eps=cfg.norm_epsilon,
-            bias=cfg.add_bias,
-            normalization=cfg.normalization,
-            init_method=cpu_normal_init(cfg.init_method_std),
-            params_dtype=params_dtype,
-            device=device,
-        )
-        self.core_attention = te.DotProductAttention(
-            self.num_heads,
-            self.head_dim,
-            num_gqa_groups=self.num_groups,
-            attention_dropout=cfg.attention_dropout,
-            qkv_format="sbhd",
-            attn_mask_type="causal",
-            layer_number=layer_number,
-        )
-        from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
-
-        self._rope = apply_rotary_pos_emb
-        self.linear_proj = te.Linear(
-            self.num_heads * self.head_dim,
-            cfg.hidden_size,
-            bias=cfg.add_bias,
-            init_method=cpu_normal_init(init_std_of_output(cfg)),
-            params_dtype=params_dtype,
-            device=device,
-        )
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rotary: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
-        first_microbatch: bool | None,
-    ) -> torch.Tensor:
-        s, b, _ = x.shape
-        groups, per_group, hn = self.num_groups, self.num_heads // self.num_groups, self.head_dim
-        mixed = self.linear_qkv(x, is_first_microbatch=first_microbatch)
-        # [s, b, ng * (np/ng + 2) * hn] -> [s, b*ng, (np/ng + 2) * hn]: batch and group merge into one strided dim,
-        # so q, k and v below are 4-D views with uniform strides that TE's RoPE kernel reads in place.
-        mixed = mixed.view(s, b * groups, (per_group + 2) * hn)
-        q, k, v = mixed.split([per_group * hn, hn, hn], dim=-1)
-        q = q.unflatten(-1, (per_group, hn))  # [s, b*ng, np/ng, hn]
-        k, v = k.unflatten(1, (b, groups)), v.unflatten(1, (b, groups))  # [s, b, ng, hn]
-        if rotary is not None and rotary.shape[1] == 1:
-            q = self._rope(q, rotary, tensor_format="sbhd", fused=True)
-            k = self._rope(k, rotary, tensor_format="sbhd", fused=True)
-        q = q.reshape(s, b, self.num_heads, hn)  # a view after RoPE (its output is contiguous), else one copy
-        if rotary is not None and rotary.shape[1] != 1:  # per-sample positions: TE's kernel takes [s, 1, 1, d]
-            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
-        if attention_mask is None:
-            out = self.core_attention(q, k, v)  # [s, b, np * hn]
-        else:  # TE masks where the mask is True; ours marks where a query may attend
-            out = self.core_attention(q, k, v, attention_mask=~attention_mask, attn_mask_type="arbitrary")
-        return self.linear_proj(out, is_first_microbatch=first_microbatch)
-
-
 class TEMLP(nn.Module):
-    """h -> ffn -> h with GELU, or SwiGLU (linear_fc1 outputs [gate; up], 2*ffn wide)."""
+    """h -> ffn -> h with GELU, or SwiGLU (linear_fc1 outputs [gate; up], 2*ffn wide).
 
-    def __init__(self, cfg: ModelConfig, params_dtype: torch.dtype, device: torch.device):
+    Not `te.LayerNormMLP`: measured on an H100 (llama-1b, FP8 delayed) it ran the same kernel time (685-688 against
+    688-690 ms per step), because on Hopper TE still runs dSwiGLU and the FP8 cast of its output as two kernels,
+    and it would need its parameter names (fc1_weight, ...) mapped to these keys."""
+
+    def __init__(self, cfg: ModelConfig, params_dtype: torch.dtype, device: torch.device, tp: TensorParallel = NO_TP):
         super().__init__()
-        te = _te()
         self.swiglu = cfg.swiglu
         fc1_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
-        self.linear_fc1 = te.LayerNormLinear(
-            cfg.hidden_size,
-            fc1_out,
-            eps=cfg.norm_epsilon,
-            bias=cfg.add_bias,
-            normalization=cfg.normalization,
-            init_method=cpu_normal_init(cfg.init_method_std),
-            params_dtype=params_dtype,
-            device=device,
-        )
-        self.linear_fc2 = te.Linear(
-            cfg.ffn_hidden_size,
-            cfg.hidden_size,
-            bias=cfg.add_bias,
-            init_method=cpu_normal_init(init_std_of_output(cfg)),
-            params_dtype=params_dtype,
-            device=device,
+        self.linear_fc1 = te_linear(
+            cfg, cfg.hidden_size, fc1_out, "column", cfg.init_method_std, tp, params_dtype, device, norm=True,
+            parts=2 if cfg.swiglu else 1,
+        )  # fmt: skip
+        self.linear_fc2 = te_linear(
+            cfg, cfg.ffn_hidden_size, cfg.hidden_size, "row", init_std_of_output(cfg), tp, params_dtype, device
         )
 
     def forward(self, x: torch.Tensor, first_microbatch: bool | None) -> torch.Tensor:
@@ -223,18 +284,20 @@ class TETransformerLayer(nn.Module):
         layer_number: int,
         params_dtype: torch.dtype | None = None,
         fp8: TEFp8Autocast | None = None,
+        tp: TensorParallel = NO_TP,
     ):
         super().__init__()
         params_dtype = params_dtype or torch.float32
         device = torch.device("cuda", torch.cuda.current_device())
         self.layer_number = layer_number  # 1-based, global across pipeline stages
-        self.self_attention = TESelfAttention(cfg, layer_number, params_dtype, device)
-        self.mlp = TEMLP(cfg, params_dtype, device)
+        self.self_attention = TESelfAttention(cfg, layer_number, params_dtype, device, tp)
+        self.mlp = TEMLP(cfg, params_dtype, device, tp)
         self.hidden_dropout = cfg.hidden_dropout
         self.fp8 = fp8
         self._weights_version: int | None = None
 
-    def linears(self) -> tuple[nn.Module, ...]:
+    def te_modules(self) -> tuple[nn.Module, ...]:
+        """The TE modules holding this layer's linear weights."""
         return (
             self.self_attention.linear_qkv,
             self.self_attention.linear_proj,
@@ -253,7 +316,7 @@ class TETransformerLayer(nn.Module):
         zero then anyway)."""
         if not (self.training and torch.is_grad_enabled()):
             return None
-        version = sum(linear.weight._version for linear in self.linears())
+        version = sum(module.weight._version for module in self.te_modules())
         first = version != self._weights_version
         self._weights_version = version
         return first
@@ -261,10 +324,10 @@ class TETransformerLayer(nn.Module):
     def _sync_wgrad_fusion(self) -> None:
         """Fuse wgrad accumulation into main_grad exactly for the weights that have one (see the module docstring):
         a model used without gradient buffers (tests, inference) keeps ordinary `.grad`s."""
-        for linear in self.linears():
-            fuse = hasattr(linear.weight, "main_grad")
-            if linear.fuse_wgrad_accumulation != fuse:
-                linear.fuse_wgrad_accumulation = fuse
+        for module in self.te_modules():
+            fuse = hasattr(module.weight, "main_grad")
+            if module.fuse_wgrad_accumulation != fuse:
+                module.fuse_wgrad_accumulation = fuse
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.hidden_dropout, self.training) if self.hidden_dropout > 0 else x
@@ -286,11 +349,16 @@ class TETransformerLayer(nn.Module):
         return x + self._dropout(self.mlp(x, first))
 
 
-def te_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token loss [b, s] (fp32) from logits [s, b, V] and labels [b, s] with TE's fused kernel: it reads the bf16
-    logits once and writes the gradient into their storage in backward, where the plain path materializes fp32
-    copies of the logits (V floats per token) for log-softmax and for its gradient."""
-    loss = _te().parallel_cross_entropy(logits, labels.t().contiguous(), overwrite_input=True)  # [s, b]
+def te_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, tp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Per-token loss [b, s] (fp32) from logits [s, b, V/tp] (this rank's vocabulary slice) and labels [b, s] with
+    TE's fused kernel: it reads the bf16 logits once and writes the gradient into their storage in backward, where
+    the plain path materializes fp32 copies of the logits (V floats per token) for log-softmax and for its gradient.
+    Over a tensor-parallel group it exchanges only per-token maxima and sums, as vocab-parallel cross-entropy does."""
+    loss = _te().parallel_cross_entropy(
+        logits, labels.t().contiguous(), dist_process_group=tp_group, overwrite_input=True
+    )  # [s, b]
     return loss.t()
 
 
@@ -308,7 +376,12 @@ def build_te_fp8(
     check_te_fp8_on_this_gpu(precision)
     fp8_layers = te_fp8_layer_numbers(cfg.num_layers, precision)
     require(bool(fp8_layers), "FP8 is on but no transformer layer is left in FP8; lower --num-layers-at-*-in-bf16")
-    return TEFp8Autocast(te_recipe(precision), amax_group, fp8_layers)
+    recipe = te_recipe(precision)
+    if amax_group is None and hasattr(recipe, "reduce_amax"):
+        # Nothing to reduce with. TE would otherwise all-reduce the amaxes over the *world* group whenever
+        # torch.distributed is up: across pipeline stages, whose layers and timing differ, that hangs.
+        recipe.reduce_amax = False
+    return TEFp8Autocast(recipe, amax_group, fp8_layers, precision.fp8_param_gather)
 
 
 def describe_te(model: nn.Module) -> list[str]:
@@ -319,5 +392,6 @@ def describe_te(model: nn.Module) -> list[str]:
     ]
     fp8 = getattr(model, "te_fp8", None)
     if fp8 is not None:
-        lines.append(describe_te_recipe(fp8.recipe, fp8.fp8_layers, len(model.decoder.layers)))
+        stage = {layer.layer_number for layer in model.decoder.layers}  # this pipeline stage's layers
+        lines.append(describe_te_recipe(fp8.recipe, fp8.fp8_layers & stage, len(stage)))
     return lines

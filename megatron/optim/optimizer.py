@@ -17,6 +17,23 @@ from torch import nn
 from megatron.config import OptimizerConfig
 
 
+def is_fp8_param(param: torch.Tensor) -> bool:
+    """A Transformer Engine quantized parameter (--fp8-param-gather): it is written by quantizing a value into it."""
+    return callable(getattr(param, "quantize_", None))
+
+
+def _initial_main_value(param: torch.Tensor) -> torch.Tensor:
+    """The fp32 main copy's starting value: an FP8 parameter's high-precision initial value (kept on the CPU by TE
+    until now, then released), as the FP8 value has lost precision; otherwise the parameter itself."""
+    if is_fp8_param(param):
+        initial = param.get_high_precision_init_val() if hasattr(param, "get_high_precision_init_val") else None
+        if initial is None:
+            return param.dequantize().float()
+        param.clear_high_precision_init_val()
+        return initial.to(param.device, torch.float32)
+    return param.detach().float().clone()
+
+
 def _no_weight_decay(name: str, param: nn.Parameter) -> bool:
     """Biases and norm weights (every 1-D parameter) are not decayed, as in Megatron-LM."""
     return param.ndim == 1 or name.endswith(".bias")
@@ -29,7 +46,9 @@ class MixedPrecisionAdamW:
         if not all(hasattr(p, "main_grad") for p in self.params):
             raise RuntimeError("build megatron.parallel.GradientBuffers for the model before its optimizer")
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
-        self.main_params = [p.detach().float().clone() for p in self.params] if self.mixed else self.params
+        self.main_params = [_initial_main_value(p) for p in self.params] if self.mixed else self.params
+        self._fp8 = [(p, m) for p, m in zip(self.params, self.main_params) if is_fp8_param(p)]
+        self._plain = [(p, m) for p, m in zip(self.params, self.main_params) if not is_fp8_param(p)]
         main_of = {id(p): m for p, m in zip(self.params, self.main_params)}
         decay, no_decay = [], []
         for name, param in model.named_parameters():
@@ -66,10 +85,19 @@ class MixedPrecisionAdamW:
         self.optimizer.step()
         for main in self.main_params:
             main.grad = None
-        if self.mixed:
-            with torch.no_grad():
-                torch._foreach_copy_(self.params, self.main_params)
+        self._copy_main_to_model()
         return norm_value, True
+
+    def _copy_main_to_model(self) -> None:
+        """Model parameters <- fp32 main parameters: one batched copy (cast) for bf16 ones; FP8 ones quantize the
+        main value straight into their FP8 data (and, on Hopper, its transpose) with their recipe's scale."""
+        if not self.mixed:
+            return
+        with torch.no_grad():
+            if self._plain:
+                torch._foreach_copy_([p for p, _ in self._plain], [m for _, m in self._plain])
+            for param, main in self._fp8:
+                param.quantize_(main)
 
     def state_dict(self) -> dict[str, Any]:
         state = {"optimizer": self.optimizer.state_dict()}
@@ -83,13 +111,13 @@ class MixedPrecisionAdamW:
             if "main_params" not in state:
                 raise ValueError("the checkpoint's optimizer has no fp32 main parameters (saved without --bf16?)")
             with torch.no_grad():
-                for main, saved, param in zip(self.main_params, state["main_params"], self.params):
+                for main, saved in zip(self.main_params, state["main_params"]):
                     main.copy_(saved)
-                    param.copy_(saved)
+            self._copy_main_to_model()
 
     def reload_model_params(self) -> None:
         """Refresh the fp32 main copies from the model (after loading model weights without optimizer state)."""
         if self.mixed:
             with torch.no_grad():
                 for main, param in zip(self.main_params, self.params):
-                    main.copy_(param.float())
+                    main.copy_(param.dequantize() if is_fp8_param(param) else param)

@@ -387,7 +387,10 @@ def pretrain(cfg: Config) -> TrainState:
     trainer = Trainer(cfg)
     state = trainer.train()
     if trainer.device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(trainer.device) / 2**30
-        print_rank_0(f"> peak memory allocated: {peak:.2f} GiB")
+        peak = torch.tensor(torch.cuda.max_memory_allocated(trainer.device) / 2**30, device=trainer.device)
+        if dist.is_initialized():  # the busiest rank (pipeline stages and vocabulary shards differ)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        where = " (the most on any rank)" if dist.is_initialized() else ""
+        print_rank_0(f"> peak memory allocated: {peak.item():.2f} GiB{where}")
     print_rank_0(json.dumps({"final_iteration": state.iteration, "final_lm_loss": state.losses.get(state.iteration)}))
     return state

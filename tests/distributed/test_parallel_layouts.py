@@ -15,8 +15,6 @@ import pytest
 import torch
 
 from megatron.config import ConfigError, parse_args
-from megatron.model.gpt import VocabParallelEmbedding
-from megatron.model.layers import Linear
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 
@@ -48,18 +46,13 @@ LAYOUTS_4 = {
 
 
 def _shard_specs(model) -> dict[str, tuple[int | None, int]]:
-    """For each parameter: (dimension its tensor-parallel shards are split along or None if replicated, parts)."""
-    specs = {}
-    for mod_name, module in model.named_modules():
-        prefix = f"{mod_name}." if mod_name else ""
-        if isinstance(module, Linear) and module.parallel_mode:
-            column = module.parallel_mode == "column"
-            specs[prefix + "weight"] = (0 if column else 1, module.parts)
-            if module.bias is not None:
-                specs[prefix + "bias"] = (0 if column else None, module.parts)
-        elif isinstance(module, VocabParallelEmbedding) or mod_name == "output_layer":
-            specs[prefix + "weight"] = (0, 1)
-    return specs
+    """For each sharded parameter: (dimension its tensor-parallel shards are split along, parts), from the
+    attributes the local and TE layers set alike (megatron.model.layers.mark_tensor_parallel); others are whole."""
+    return {
+        name: (param.partition_dim, getattr(param, "partition_parts", 1))
+        for name, param in model.named_parameters()
+        if getattr(param, "tensor_model_parallel", False)
+    }
 
 
 def _global_name(name: str, model) -> str:
@@ -70,9 +63,16 @@ def _global_name(name: str, model) -> str:
     return name
 
 
+def _parse(flags: str, world_size: int):
+    """The TE runs of tests/gpu need a CUDA config; everything else runs on the CPU."""
+    return parse_args(
+        flags.split(), world_size=world_size, device_type="cuda" if "transformer_engine" in flags else "cpu"
+    )
+
+
 def _record(flags: str, world_size: int) -> dict:
     """Train STEPS iterations; return losses, each step's gradients (before clipping) and shard metadata."""
-    trainer = Trainer(parse_args(f"{flags} --train-iters {STEPS}".split(), world_size=world_size))
+    trainer = Trainer(_parse(f"{flags} --train-iters {STEPS}", world_size))
     model, grads = trainer.model, []
     inner = trainer.optimizer.step
 
@@ -93,25 +93,29 @@ def _record(flags: str, world_size: int) -> dict:
     }
 
 
-def _resume_check(flags: str, world_size: int, ckpt: str) -> None:
-    full = Trainer(parse_args(f"{flags} --train-iters 4".split(), world_size=world_size)).train()
-    Trainer(
-        parse_args(f"{flags} --train-iters 4 --exit-interval 2 --save {ckpt}".split(), world_size=world_size)
-    ).train()
-    resumed = Trainer(parse_args(f"{flags} --train-iters 4 --load {ckpt}".split(), world_size=world_size)).train()
-    assert [resumed.losses[i] for i in (3, 4)] == [full.losses[i] for i in (3, 4)]
+def _resume_check(flags: str, world_size: int, ckpt: str, rel: float = 0.0) -> None:
+    full = Trainer(_parse(f"{flags} --train-iters 4", world_size)).train()
+    Trainer(_parse(f"{flags} --train-iters 4 --exit-interval 2 --save {ckpt}", world_size)).train()
+    resumed = Trainer(_parse(f"{flags} --train-iters 4 --load {ckpt}", world_size)).train()
+    expected = [full.losses[i] for i in (3, 4)]
+    assert [resumed.losses[i] for i in (3, 4)] == (pytest.approx(expected, rel=rel) if rel else expected)
 
 
-def _layouts_body(rank, world_size, out_dir, layouts, fp8_layouts, resume_layouts, tensorwise_layouts=()):
+def _layouts_body(
+    rank, world_size, out_dir, layouts, fp8_layouts, resume_layouts, tensorwise_layouts=(), impl="", resume_rel=0.0
+):
+    """Record every layout (and its FP8 variants) on this rank; `impl` is appended to the flags (the GPU tests
+    pass --transformer-impl transformer_engine)."""
+    base, gpt2 = f"{BASE} {impl}", f"{GPT2} {impl}"
     for name, extra in layouts.items():
-        torch.save(_record(f"{BASE} {extra}", world_size), Path(out_dir, f"{name}.rank{rank}.pt"))
+        torch.save(_record(f"{base} {extra}", world_size), Path(out_dir, f"{name}.rank{rank}.pt"))
         if name in fp8_layouts:
-            torch.save(_record(f"{BASE} {extra}{FP8}", world_size), Path(out_dir, f"{name}_fp8.rank{rank}.pt"))
+            torch.save(_record(f"{base} {extra}{FP8}", world_size), Path(out_dir, f"{name}_fp8.rank{rank}.pt"))
         if name in tensorwise_layouts:
             path = Path(out_dir, f"{name}_tensorwise.rank{rank}.pt")
-            torch.save(_record(f"{BASE} {extra}{TENSORWISE}", world_size), path)
+            torch.save(_record(f"{base} {extra}{TENSORWISE}", world_size), path)
         if name in resume_layouts:
-            _resume_check(f"{GPT2} {extra}", world_size, str(Path(out_dir, f"ckpt_{name}")))
+            _resume_check(f"{gpt2} {extra}", world_size, str(Path(out_dir, f"ckpt_{name}")), resume_rel)
 
 
 def _assemble(records: list[dict]) -> dict:
@@ -148,21 +152,26 @@ def _compare(got: dict, want: dict, loss_rtol: float, grad_rtol: float, label: s
             assert error <= grad_rtol * scale, f"{label} step {step + 1} {name}: error {error:.3g}, scale {scale:.3g}"
 
 
-def _check(tmp_path, layouts, fp8_layouts, world_size, tensorwise_layouts=()):
+def _check(
+    tmp_path, layouts, fp8_layouts, world_size, tensorwise_layouts=(), impl="", tols=((1e-5, 1e-3), (1e-3, 2e-2))
+):
+    """Compare every recorded layout with the single-process run; tols: (loss rtol, gradient rtol) without and with
+    FP8."""
     reference = {}
-    for suffix in ("", FP8, TENSORWISE):
-        reference[suffix] = _record(BASE + suffix, 1)
+    for suffix, wanted in (("", layouts), (FP8, fp8_layouts), (TENSORWISE, tensorwise_layouts)):
+        if wanted:
+            reference[suffix] = _record(f"{BASE} {impl}{suffix}", 1)
     for name in layouts:
-        for suffix, tag, tols, wanted in (
-            ("", "", (1e-5, 1e-3), layouts),
-            (FP8, "_fp8", (1e-3, 2e-2), fp8_layouts),
-            (TENSORWISE, "_tensorwise", (1e-3, 2e-2), tensorwise_layouts),
+        for suffix, tag, tol, wanted in (
+            ("", "", tols[0], layouts),
+            (FP8, "_fp8", tols[1], fp8_layouts),
+            (TENSORWISE, "_tensorwise", tols[1], tensorwise_layouts),
         ):
             if name not in wanted:
                 continue
             records = [torch.load(p, weights_only=False) for p in sorted(tmp_path.glob(f"{name}{tag}.rank*.pt"))]
             assert len(records) == world_size
-            _compare(_assemble(records), reference[suffix], *tols, label=name + tag)
+            _compare(_assemble(records), reference[suffix], *tol, label=name + tag)
 
 
 def test_two_rank_layouts_match_single_process(tmp_path):

@@ -115,7 +115,7 @@ def test_wgrad_fusion_into_main_grad_matches_plain_accumulation():
         for batch in data[2 * step : 2 * step + 2]:  # two micro-batches per step
             te(batch["tokens"], labels=batch["labels"]).mean().backward()
             reference(batch["tokens"], labels=batch["labels"]).mean().backward()
-        assert all(linear.fuse_wgrad_accumulation for layer in te.decoder.layers for linear in layer.linears())
+        assert all(module.fuse_wgrad_accumulation for layer in te.decoder.layers for module in layer.te_modules())
         ref_grads = dict(reference.named_parameters())
         for name, param in te.named_parameters():  # a gradient added twice (TE and the hook) or never would fail
             assert rel_err(param.main_grad, ref_grads[name].grad) < 1e-2, (step, name)
@@ -130,7 +130,15 @@ RECIPES = [
     ("tensorwise", "--fp8-format hybrid"),
     ("blockwise", "--fp8-format e4m3"),
     ("mxfp8", "--fp8-format e4m3"),
+    ("delayed", "--fp8-format hybrid --fp8-amax-history-len 4 --fp8-param-gather --first-last-layers-bf16"),
+    ("tensorwise", "--fp8-format hybrid --fp8-param-gather"),
+    ("blockwise", "--fp8-format e4m3 --fp8-param-gather"),
 ]
+
+
+def fp8_weights(layer) -> list[bool]:
+    """Per linear weight of a layer: is it a TE quantized (FP8) tensor?"""
+    return [callable(getattr(m.weight, "quantize_", None)) for m in layer.te_modules()]
 
 
 def train(flags: str, steps: int = 60) -> tuple[list[float], GPTModel]:
@@ -169,6 +177,47 @@ def test_each_supported_recipe_trains(recipe, extra, bf16_progress):
     assert progress(losses) > 0.7 * bf16_progress > 0, (progress(losses), bf16_progress, losses)
     in_fp8 = [layer.self_attention.linear_qkv.fp8 for layer in model.decoder.layers]
     assert in_fp8 == ([False, True, False] if "first-last" in extra else [True, True, True])
+    fp8_params = [all(fp8_weights(layer)) for layer in model.decoder.layers]
+    assert fp8_params == [i and "--fp8-param-gather" in extra for i in in_fp8]
+    assert not any(any(fp8_weights(layer)) for layer, fp8 in zip(model.decoder.layers, fp8_params) if not fp8)
+
+
+def test_fp8_params_save_plain_weights_that_the_local_model_loads():
+    fp8 = "--fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather --bf16"
+    te = build(LLAMA, "transformer_engine", fp8, seed=1)
+    assert all(all(fp8_weights(layer)) for layer in te.decoder.layers)
+    state = te.state_dict()
+    assert not any(callable(getattr(v, "quantize_", None)) for v in state.values())
+    local = build(LLAMA, "local", seed=2)
+    local.load_state_dict(state)
+    again = build(LLAMA, "transformer_engine", fp8, seed=3)
+    again.load_state_dict(local.state_dict())  # quantized again on load
+    tokens = batches()[0]["tokens"]
+    with torch.no_grad():
+        torch.testing.assert_close(again.eval()(tokens), te.eval()(tokens), rtol=0, atol=0)
+        assert rel_err(local.eval()(tokens), te(tokens)) < 5e-2
+
+
+def test_fp8_params_hold_less_memory_than_bf16_weights():
+    """FP8 weights take 2 bytes each on Hopper (the data and its transpose), as bf16 ones do; the saving is the FP8
+    copies TE caches from bf16 weights for the step, so compare after a training forward and backward."""
+
+    def weight_bytes(flags: str) -> int:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        model = build(LLAMA, "transformer_engine", flags)
+        batch = batches()[0]
+        model(batch["tokens"], labels=batch["labels"]).mean().backward()
+        torch.cuda.synchronize()
+        used = torch.cuda.memory_allocated() - before
+        del model, batch
+        return used
+
+    flags = "--fp8-format hybrid --fp8-recipe delayed --bf16"
+    for extra in ("", " --fp8-param-gather"):  # first runs allocate one-time workspaces (cuBLAS, TE): not counted
+        weight_bytes(flags + extra)
+    bf16, fp8 = weight_bytes(flags), weight_bytes(flags + " --fp8-param-gather")
+    assert fp8 < bf16, (fp8, bf16)
 
 
 def test_fp8_weight_casts_cached_within_a_step_and_refreshed_after_an_update():

@@ -139,18 +139,39 @@ def test_default_impl_on_cuda_depends_on_te(monkeypatch, te_present):
             True,
             "multiples of 32: --ffn-hidden-size is 240",
         ),
+        (  # ffn 32 fits, but each of 4 tensor-parallel ranks' GEMMs sees a quarter of it
+            "--transformer-impl transformer_engine --fp8-format e4m3 --ffn-hidden-size 32"
+            " --tensor-model-parallel-size 4",
+            "cuda",
+            True,
+            "--ffn-hidden-size / tensor-parallel size is 8; change --ffn-hidden-size",
+        ),
+        (  # sequence parallelism quantizes each rank's sequence shard: 1 x 32 / 4 = 8 tokens
+            "--transformer-impl transformer_engine --fp8-format e4m3 --micro-batch-size 1 --ffn-hidden-size 64"
+            " --tensor-model-parallel-size 4 --sequence-parallel",
+            "cuda",
+            True,
+            "--seq-length / tensor-parallel size is 8; change --seq-length",
+        ),
     ],
 )
 def test_startup_errors_are_one_line_naming_the_flag(monkeypatch, extra, device, te, expected):
     monkeypatch.setattr(te_recipe, "te_import_error", lambda: None if te else "ImportError: no TE here")
     with pytest.raises(ConfigError) as info:
-        parse(extra, device_type=device)
+        parse(extra, device_type=device, world_size=4 if "parallel-size 4" in extra else 1)
     assert expected in str(info.value) and "\n" not in str(info.value)
 
 
 def test_fp8_shapes_that_fit_pass(te_present):
     cfg = parse("--transformer-impl transformer_engine --fp8-format hybrid --micro-batch-size 1", device_type="cuda")
     assert cfg.model.transformer_impl == "transformer_engine" and cfg.precision.bf16
+
+
+def test_te_takes_every_parallel_layout(te_present):
+    layout = "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2"
+    cfg = parse(f"--transformer-impl transformer_engine --fp8-format hybrid {layout}", world_size=8, device_type="cuda")
+    assert cfg.model.transformer_impl == "transformer_engine"
+    assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size) == (2, 2)
 
 
 def test_recipe_mapping():
@@ -223,3 +244,20 @@ def test_local_model_loads_a_state_dict_with_te_extra_state():
     del state["decoder.layers.0.mlp.linear_fc2.weight"]
     with pytest.raises(RuntimeError, match="linear_fc2.weight"):
         target.load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ("--fp8-param-gather", "--fp8-param-gather needs FP8 on"),
+        (
+            "--fp8-param-gather --fp8-format hybrid --transformer-impl local",
+            "--fp8-param-gather needs --transformer-impl transformer_engine",
+        ),
+    ],
+)
+def test_fp8_param_gather_needs_fp8_and_te(te_present, extra, expected):
+    with pytest.raises(ConfigError, match=expected):
+        parse(extra, device_type="cuda")
+    cfg = parse("--fp8-param-gather --fp8-format hybrid --transformer-impl transformer_engine", device_type="cuda")
+    assert cfg.precision.fp8_param_gather

@@ -1,0 +1,58 @@
+"""scripts/benchmark.py without a GPU: the command lines it launches and the table it prints."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark.py"
+spec = importlib.util.spec_from_file_location("benchmark", SCRIPT)
+benchmark = importlib.util.module_from_spec(spec)
+sys.modules.setdefault("benchmark", benchmark)  # dataclasses look their module up there
+spec.loader.exec_module(benchmark)
+
+
+def test_multi_gpu_layouts_launch_torchrun_with_the_layout_flags():
+    one = benchmark.command("llama-1b", "te-delayed", 10, 5)
+    assert "torch.distributed.run" not in one and one[1].endswith("pretrain_gpt.py")
+    tp2 = benchmark.command("llama-1b", "te-delayed", 10, 5, "tp2")
+    assert "--nproc-per-node=2" in tp2
+    assert tp2[tp2.index("--tensor-model-parallel-size") + 1] == "2" and "--sequence-parallel" in tp2
+    weak = benchmark.command("llama-1b", "te-delayed", 10, 5, "tp2_dp2", weak=True)
+    assert weak[len(weak) - 1 - weak[::-1].index("--global-batch-size") + 1] == "32"  # the last one wins: 16 x dp 2
+
+
+def test_table_reports_speedup_and_scaling():
+    def result(config, layout, gpus, tokens):
+        return benchmark.Result(
+            "llama-1b", config, layout, gpus, tokens, tflops=1, mfu=1, ms_per_iter=1, loss=1, peak_gib=1
+        )
+
+    rows = benchmark.table(
+        [
+            result("te-bf16", "1gpu", 1, 1000.0),
+            result("te-delayed", "1gpu", 1, 1300.0),
+            result("te-delayed", "dp2", 2, 2470.0),
+            benchmark.Result("llama-1b", "te-delayed", "tp2", 2, error="some error"),
+        ]
+    ).splitlines()
+    assert "| 1.30x |" in rows[3]
+    assert "| 1.2k |" in rows[4] and "| 95% |" in rows[4]  # 2470 / 2 per GPU against 1300
+    assert "failed: some error" in rows[5]
+
+
+def test_parse_log_reads_the_last_iteration_line_and_peak_memory():
+    log = (
+        " iteration 5/10 | elapsed time per iteration (ms): 10.0 | throughput per GPU (TFLOP/s/GPU): 1.00 |"
+        " tokens/s: 100 | lm loss: 9.0E+00 |\n"
+        " iteration 10/10 | elapsed time per iteration (ms): 8.0 | throughput per GPU (TFLOP/s/GPU): 2.00 |"
+        " tokens/s: 200 | MFU: 5.0% | lm loss: 8.0E+00 |\n"
+        "> peak memory allocated: 3.25 GiB (the most on any rank)\n"
+    )
+    assert benchmark.parse_log(log) == {
+        "ms_per_iter": 8.0,
+        "tflops": 2.0,
+        "tokens_per_s": 200.0,
+        "mfu": 5.0,
+        "loss": 8.0,
+        "peak_gib": 3.25,
+    }
