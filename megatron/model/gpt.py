@@ -38,7 +38,7 @@ from megatron.parallel.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
-from .layers import Norm, RotaryEmbedding, mark_tensor_parallel
+from .layers import Norm, RotaryEmbedding, is_fp8_param, mark_tensor_parallel
 from .transformer import TransformerLayer
 
 
@@ -119,13 +119,13 @@ class Decoder(nn.Module):
                 if cfg.transformer_impl == "transformer_engine":
                     from .te_layers import TETransformerLayer
 
-                    if te_fp8 is not None and te_fp8.fp8_params:
-                        # FP8 weights are built as TE tensors whose nominal dtype must be the model's (bf16), so
-                        # the trainer's later .to(bf16) leaves them alone instead of dequantizing them.
-                        with te_fp8.param_init(number):
-                            layers.append(TETransformerLayer(cfg, number, torch.bfloat16, te_fp8, tp))
-                    else:
-                        layers.append(TETransformerLayer(cfg, number, dtype, te_fp8, tp))
+                    # FP8 weights are built as TE tensors whose nominal dtype must be the model's (bf16), so the
+                    # trainer's later .to(bf16) leaves them alone instead of dequantizing them.
+                    fp8_params = te_fp8 is not None and te_fp8.fp8_params
+                    with te_fp8.param_init(number) if fp8_params else contextlib.nullcontext():
+                        layers.append(
+                            TETransformerLayer(cfg, number, torch.bfloat16 if fp8_params else dtype, te_fp8, tp)
+                        )
                 else:
                     layers.append(TransformerLayer(cfg, number, dtype, tp))
         # Indices are stage-local (as in Megatron-Core); each layer's `layer_number` is its global number.
@@ -271,7 +271,7 @@ def _dequantize_fp8_params(module: nn.Module, state_dict: dict, prefix: str, loc
     quantizes again; the optimizer's fp32 main parameters, saved alongside, keep the full precision for resuming.
     Parameters themselves (`state_dict(keep_vars=True)`) are left as they are."""
     for key, value in state_dict.items():
-        if callable(getattr(value, "quantize_", None)) and not isinstance(value, nn.Parameter):
+        if is_fp8_param(value) and not isinstance(value, nn.Parameter):
             state_dict[key] = value.dequantize()
 
 

@@ -49,6 +49,12 @@ def mark_tensor_parallel(param: nn.Parameter, dim: int, parts: int = 1) -> None:
     param.partition_parts = parts
 
 
+def is_fp8_param(param: torch.Tensor) -> bool:
+    """A Transformer Engine quantized parameter (--fp8-param-gather): it is written by quantizing a value into it
+    (`quantize_`) and read back with `dequantize`."""
+    return callable(getattr(param, "quantize_", None))
+
+
 def normalize(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, eps: float) -> torch.Tensor:
     """LayerNorm ((x - mean) / std * w + b) or RMSNorm (x / rms * w) over the last dimension."""
     if kind == "LayerNorm":

@@ -15,11 +15,7 @@ import torch
 from torch import nn
 
 from megatron.config import OptimizerConfig
-
-
-def is_fp8_param(param: torch.Tensor) -> bool:
-    """A Transformer Engine quantized parameter (--fp8-param-gather): it is written by quantizing a value into it."""
-    return callable(getattr(param, "quantize_", None))
+from megatron.model.layers import is_fp8_param
 
 
 def _initial_main_value(param: torch.Tensor) -> torch.Tensor:

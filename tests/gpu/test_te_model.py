@@ -16,6 +16,7 @@ from megatron.config import ConfigError, parse_args
 from megatron.data.mock import MockGPTDataset
 from megatron.fp8.te_recipe import te_import_error
 from megatron.model import GPTModel
+from megatron.model.layers import is_fp8_param
 from megatron.optim import MixedPrecisionAdamW
 from megatron.parallel import GradientBuffers
 
@@ -100,7 +101,7 @@ def test_checkpoint_round_trip_te_local_te(extra, tol):
     (no TE tensors), which are quantized again on load."""
     te = build(LLAMA, "transformer_engine", extra, seed=1)
     state = te.state_dict()
-    assert not any(callable(getattr(v, "quantize_", None)) for v in state.values())
+    assert not any(is_fp8_param(v) for v in state.values())
     local = build(LLAMA, "local", seed=2)
     local.load_state_dict(state)  # TE's _extra_state entries are dropped
     again = build(LLAMA, "transformer_engine", extra, seed=3)
@@ -148,7 +149,7 @@ RECIPES = [
 
 def fp8_weights(layer) -> list[bool]:
     """Per linear weight of a layer: is it a TE quantized (FP8) tensor?"""
-    return [callable(getattr(m.weight, "quantize_", None)) for m in layer.te_modules()]
+    return [is_fp8_param(m.weight) for m in layer.te_modules()]
 
 
 def train(flags: str, steps: int = 60) -> tuple[list[float], GPTModel]:
