@@ -4,12 +4,14 @@ layouts (one GPU by default; several through torchrun on one host).
     python scripts/benchmark.py                                    # every preset x every config, one GPU
     python scripts/benchmark.py --presets llama-1b --configs te-bf16 te-delayed
     python scripts/benchmark.py --presets llama-1b --configs te-delayed --layouts 1gpu dp2 tp2 pp2
+    python scripts/benchmark.py --presets llama-1b --configs te-bf16 te-delayed --cuda-graphs
     python scripts/benchmark.py --profile llama-1b te-bf16         # where the GPU time goes (torch.profiler)
 
 Every layout keeps the preset's global batch, so a layout's tokens/s per GPU against the one-GPU row is its scaling
 efficiency on the same work (strong scaling; with data parallelism each rank runs fewer micro-batches per step).
 `--weak-scaling` multiplies the global batch by the data-parallel size instead (each GPU runs as many micro-batches
-per step as one GPU does).
+per step as one GPU does). `--cuda-graphs` runs the Transformer Engine configs with their layers captured as CUDA
+graphs (--cuda-graph-impl transformer_engine); those rows are named `<config>+graphs`.
 
 Each (preset, config) is a separate `pretrain_gpt.py` process; the table reports the last Megatron log line's
 tokens/s, TFLOP/s/GPU and MFU (an average over the final --log-interval iterations, so the first iterations' warm-up
@@ -51,6 +53,7 @@ CONFIGS = {
     "te-bf16": TE,
     "te-delayed": f"{TE} --fp8-format hybrid --fp8-recipe delayed",
     "te-delayed-fp8params": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather",
+    "te-delayed-fp8attn": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-dot-product-attention",
     "te-tensorwise": f"{TE} --fp8-format hybrid --fp8-recipe tensorwise",
     "te-blockwise": f"{TE} --fp8-format e4m3 --fp8-recipe blockwise",
     "local-bf16": LOCAL,
@@ -60,6 +63,8 @@ CONFIGS = {
     "local-blockwise": f"{LOCAL} --fp8-format e4m3 --fp8-recipe blockwise",
     "local-mxfp8": f"{LOCAL} --fp8-format e4m3 --fp8-recipe mxfp8",
 }
+
+GRAPHS = "+graphs"  # suffix of a config run with --cuda-graph-impl transformer_engine
 
 LAYOUTS = {  # name: (GPUs, flags)
     "1gpu": (1, ""),
@@ -131,9 +136,12 @@ def command(
     preset: str, config: str, iters: int, log_interval: int, layout: str = "1gpu", weak: bool = False
 ) -> list[str]:
     """The launch command; `weak`: multiply the preset's global batch by the data-parallel size (each GPU then runs
-    as many micro-batches per step as one GPU does: weak scaling)."""
+    as many micro-batches per step as one GPU does: weak scaling). A config named `<config>+graphs` adds
+    --cuda-graph-impl transformer_engine."""
     gpus, layout_flags = LAYOUTS[layout]
-    flags = f"{COMMON} {PRESETS[preset]} {CONFIGS[config]} {layout_flags} --train-iters {iters}"
+    graphs = " --cuda-graph-impl transformer_engine" if config.endswith(GRAPHS) else ""
+    config = config.removesuffix(GRAPHS)
+    flags = f"{COMMON} {PRESETS[preset]} {CONFIGS[config]}{graphs} {layout_flags} --train-iters {iters}"
     flags += f" --log-interval {log_interval}"
     if weak:
         model_parallel = _flag(layout_flags, "--tensor-model-parallel-size") * _flag(
@@ -166,7 +174,8 @@ def run(
         text = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         text, code = text + f"\ntimed out after {timeout} s", -1
     if log_dir is not None:
-        (log_dir / f"{preset}.{config}.{layout}.log").write_text(" ".join(cmd) + "\n" + text)
+        name = f"{preset}.{config.replace(GRAPHS, '-graphs')}.{layout}.log"  # no '+' in file names
+        (log_dir / name).write_text(" ".join(cmd) + "\n" + text)
     numbers = parse_log(text)
     gpus = LAYOUTS[layout][0]
     if code != 0 or "tokens_per_s" not in numbers:
@@ -192,7 +201,8 @@ def table(results: list[Result]) -> str:
         if r.error:
             rows.append(f"| {r.preset} | {r.config} | {r.layout} | failed: {r.error.replace('|', '/')} |" + " |" * 8)
             continue
-        base = find(r.preset, "te-bf16", r.layout) or find(r.preset, "local-bf16", r.layout)
+        graphs = GRAPHS if r.config.endswith(GRAPHS) else ""  # like against like
+        base = find(r.preset, "te-bf16" + graphs, r.layout) or find(r.preset, "local-bf16", r.layout)
         speedup = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base and base.tokens_per_s else ""
         single = find(r.preset, r.config, "1gpu")
         per_gpu = r.tokens_per_s / r.gpus
@@ -288,6 +298,7 @@ def main() -> int:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--layouts", nargs="+", default=["1gpu"], choices=list(LAYOUTS))
     parser.add_argument("--weak-scaling", action="store_true", help="global batch x data-parallel size")
+    parser.add_argument("--cuda-graphs", action="store_true", help="TE configs with their layers as CUDA graphs")
     parser.add_argument("--iters", type=int, default=10, help="training iterations per run")
     parser.add_argument("--log-interval", type=int, default=5, help="the reported numbers average the last interval")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per run before it counts as failed")
@@ -298,14 +309,16 @@ def main() -> int:
     args = parser.parse_args()
     if args.profile:
         preset, config = args.profile
-        flags = f"{COMMON} {PRESETS[preset]} {CONFIGS[config]} --train-iters 100 --log-interval 100"
-        print(profile(flags.split(), steps=args.profile_steps))
+        flags = command(preset, config + (GRAPHS if args.cuda_graphs else ""), 100, 100)[2:]
+        print(profile(flags, steps=args.profile_steps))
         return 0
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     results = []
     for preset in args.presets:
         for config in args.configs:
+            if args.cuda_graphs and config.startswith("te-"):
+                config += GRAPHS
             for layout in args.layouts:
                 result = run(
                     preset, config, args.iters, args.log_interval, args.timeout, args.log_dir, layout, args.weak_scaling

@@ -11,6 +11,8 @@ An exception in any rank fails the test with that rank's traceback.
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import os
 import tempfile
 import traceback
@@ -30,6 +32,9 @@ def _entry(
     store = dist.FileStore(store_path, world_size)
     device = None
     if backend == "nccl":  # the trainer picks its GPU from LOCAL_RANK; NCCL needs it set before the group starts
+        # A hang outside a collective (those time out below) would otherwise end silently at the caller's timeout:
+        # print every rank's stack and exit after this long (seconds; the environment may shorten it).
+        faulthandler.dump_traceback_later(float(os.environ.get("DIST_TEST_HANG_DUMP_S", 480)), exit=True)
         os.environ["LOCAL_RANK"] = str(rank)
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
@@ -43,6 +48,9 @@ def _entry(
             f.write(traceback.format_exc())
         raise
     finally:
+        # CUDA graphs that captured NCCL collectives (--cuda-graph-impl) hold their communicators: NCCL's destroy
+        # waits for those graphs, which reference cycles (layer -> graphed forward -> layer) would keep alive.
+        gc.collect()
         dist.destroy_process_group()
 
 

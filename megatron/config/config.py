@@ -154,8 +154,34 @@ class Config:
             model.transformer_impl == "transformer_engine" or not prec.fp8_param_gather,
             "--fp8-param-gather needs --transformer-impl transformer_engine (the local engine keeps bf16 weights)",
         )
+        require(
+            model.transformer_impl == "transformer_engine" or not prec.fp8_dot_product_attention,
+            "--fp8-dot-product-attention needs --transformer-impl transformer_engine (the local attention runs in"
+            " bf16)",
+        )
         if model.transformer_impl == "transformer_engine":
             te_recipe.check_te_config(model, self.training.micro_batch_size, prec, self.parallel)
+        self._check_cuda_graphs()
+
+    def _check_cuda_graphs(self) -> None:
+        if self.training.cuda_graph_impl == "none":
+            return
+        flag = "--cuda-graph-impl transformer_engine"
+        require(
+            self.model.transformer_impl == "transformer_engine",
+            f"{flag} graphs Transformer Engine layers; add --transformer-impl transformer_engine or drop the flag",
+        )
+        require(
+            self.parallel.pipeline_model_parallel_size == 1,
+            f"{flag} needs --pipeline-model-parallel-size 1: the 1F1B schedule keeps several micro-batches in flight"
+            " per layer, and a layer's graph holds one micro-batch's activations",
+        )
+        for name in ("reset_position_ids", "reset_attention_mask"):
+            require(
+                not getattr(self.data, name),
+                f"{flag} captures fixed shapes without an attention mask or per-sample positions; drop"
+                f" --{name.replace('_', '-')} or the CUDA graphs",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form of the sections (what checkpoints and config.json hold)."""

@@ -35,6 +35,11 @@ class PrecisionConfig:
     weights after each step. Saves 2 bytes per weight (plus the FP8 copies TE would otherwise cache). Megatron-LM's
     name; with data-parallel replicas (no distributed optimizer yet) there is no parameter all-gather to run in FP8.
     Checkpoints hold the weights dequantized, so they load anywhere. Needs --transformer-impl transformer_engine."""
+    fp8_dot_product_attention: bool = False
+    """Run attention's batched GEMMs (QK^T and softmax x V, forward and backward) in FP8 as well: Transformer
+    Engine's `fp8_dpa` (cuDNN's FP8 fused attention; a beta feature of TE). Attention is about a quarter of an FP8
+    llama-1b step when it stays in bf16. Needs --transformer-impl transformer_engine and --fp8-recipe delayed (the
+    FP8 attention TE runs on Hopper)."""
     first_last_layers_bf16: bool = False
     """Keep the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 layers out of FP8."""
     num_layers_at_start_in_bf16: int = 1
@@ -57,6 +62,15 @@ class PrecisionConfig:
             "--fp8-blockwise-fp32-scales needs --fp8-recipe blockwise with --fp8-format e4m3|hybrid",
         )
         require(self.fp8 or not self.fp8_param_gather, "--fp8-param-gather needs FP8 on (--fp8-format e4m3|hybrid)")
+        require(
+            self.fp8 or not self.fp8_dot_product_attention,
+            "--fp8-dot-product-attention needs FP8 on (--fp8-format e4m3|hybrid)",
+        )
+        require(
+            self.fp8_recipe == "delayed" or not self.fp8_dot_product_attention,
+            f"--fp8-dot-product-attention needs --fp8-recipe delayed (got {self.fp8_recipe}): Transformer Engine runs"
+            " FP8 attention with delayed scaling",
+        )
         require(
             not self.first_last_layers_bf16 or self.fp8,
             "--first-last-layers-bf16 needs FP8 on (--fp8-format e4m3|hybrid)",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import require
+from .base import option, require
 
 
 @dataclass
@@ -25,6 +25,13 @@ class TrainingConfig:
     exit_interval: int | None = None
     """Stop (after saving a checkpoint when --save is set) at the first iteration divisible by this value; the
     learning-rate schedule still follows --train-iters, so a later --load continues the same run."""
+    cuda_graph_impl: str = option("none", choices=["none", "transformer_engine"])
+    """CUDA graphs. `transformer_engine`: before the first step, capture each transformer layer's forward and
+    backward once with Transformer Engine's `make_graphed_callables`, then replay them, so that a layer costs one
+    launch each way instead of the hundreds of kernel launches and the Python of its TE modules; FP8 weights are
+    still cast once per step. For models whose step waits on the host (small layers, tensor parallelism). Needs
+    --transformer-impl transformer_engine, one pipeline stage and fixed shapes (no --reset-position-ids or
+    --reset-attention-mask); the captured activations stay allocated. `none`: run eagerly."""
 
     def finalize(self) -> None:
         require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")

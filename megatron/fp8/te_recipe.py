@@ -112,6 +112,8 @@ def te_recipe(precision: PrecisionConfig, recipe_module: Any = None) -> Any:
         )
     if not precision.fp8_wgrad:
         kwargs["override_linear_precision"] = _wgrad_in_high_precision(cls, recipe_module)
+    if precision.fp8_dot_product_attention:
+        kwargs["fp8_dpa"] = True
     recipe = cls(**kwargs)
     if precision.fp8_recipe == "blockwise" and precision.fp8_blockwise_fp32_scales:
         # TE reads the scale kind from three QParams set when the class is defined (from an environment variable),
@@ -197,6 +199,16 @@ def check_recipe_on_gpu(
             f"--fp8-recipe blockwise with Transformer Engine needs CUDA >= 12.9, this build of torch has"
             f" {cuda_version} ({gpu_name}): {_ALTERNATIVE['blockwise']}",
         )
+
+
+def check_fp8_attention_on_gpu(head_dim: int, capability: tuple[int, int], gpu_name: str) -> None:
+    """cuDNN's FP8 fused attention, TE's only FP8 attention for training on Hopper, takes heads of 128 there (TE
+    2.20, cuDNN 9.14); without this check the first forward fails with "no dot product attention backend"."""
+    require(
+        tuple(capability) >= (10, 0) or head_dim == 128,
+        f"--fp8-dot-product-attention on {gpu_name} (compute capability {capability[0]}.{capability[1]}) needs a head"
+        f" size of 128 (cuDNN's FP8 attention on Hopper); the head size (--kv-channels) is {head_dim}: drop the flag",
+    )
 
 
 def check_te_fp8_on_this_gpu(precision: PrecisionConfig, device: torch.device | None = None) -> None:

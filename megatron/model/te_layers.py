@@ -29,6 +29,7 @@ transformer_engine is imported inside functions only: importing this module on a
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,7 @@ from torch import nn
 from megatron.config import ModelConfig, PrecisionConfig
 from megatron.config.base import require
 from megatron.fp8.te_recipe import (
+    check_fp8_attention_on_gpu,
     check_te_fp8_on_this_gpu,
     check_te_recipe_name,
     describe_te_recipe,
@@ -295,6 +297,7 @@ class TETransformerLayer(nn.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.fp8 = fp8
         self._weights_version: int | None = None
+        self._graphed: Callable[..., torch.Tensor] | None = None  # see `use_graph`
 
     def te_modules(self) -> tuple[nn.Module, ...]:
         """The TE modules holding this layer's linear weights."""
@@ -328,18 +331,25 @@ class TETransformerLayer(nn.Module):
             fuse = hasattr(module.weight, "main_grad")
             if module.fuse_wgrad_accumulation != fuse:
                 module.fuse_wgrad_accumulation = fuse
+                module.weight.fused_wgrad_accumulation = fuse  # for the gradient buffers' hook (data_parallel.py)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.hidden_dropout, self.training) if self.hidden_dropout > 0 else x
+
+    def use_graph(self, graphed: Callable[..., torch.Tensor]) -> None:
+        """Run training forwards (and so their backwards) through `graphed(x, *rotary, is_first_microbatch=...)`,
+        this layer captured as a CUDA graph (megatron/model/cuda_graphs.py); evaluation stays eager."""
+        self._graphed = graphed
 
     def forward(
         self, x: torch.Tensor, rotary: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         self._sync_wgrad_fusion()
         first = self._first_microbatch()
-        if self.fp8 is None:
-            return self._forward(x, rotary, attention_mask, first)
-        with self.fp8.layer(self.layer_number):
+        with self.fp8.layer(self.layer_number) if self.fp8 is not None else contextlib.nullcontext():
+            if self._graphed is not None and first is not None and attention_mask is None:
+                # TE's replay reads `is_first_microbatch` to decide whether the FP8 weight casts run again.
+                return self._graphed(x, *(() if rotary is None else (rotary,)), is_first_microbatch=first)
             return self._forward(x, rotary, attention_mask, first)
 
     def _forward(
@@ -374,6 +384,8 @@ def build_te_fp8(
         return None
     check_te_recipe_name(precision)  # (shapes against TE's GEMM rules are checked when the flags are parsed)
     check_te_fp8_on_this_gpu(precision)
+    if precision.fp8_dot_product_attention:
+        check_fp8_attention_on_gpu(cfg.kv_channels, torch.cuda.get_device_capability(), torch.cuda.get_device_name())
     fp8_layers = te_fp8_layer_numbers(cfg.num_layers, precision)
     require(bool(fp8_layers), "FP8 is on but no transformer layer is left in FP8; lower --num-layers-at-*-in-bf16")
     recipe = te_recipe(precision)

@@ -3,7 +3,9 @@
 Every trainable parameter gets `param.main_grad`: an fp32 view into a contiguous bucket. A post-accumulate-grad
 hook adds each micro-batch's gradient into it and frees `param.grad`, so accumulation over micro-batches happens in
 fp32 whatever the parameter dtype, and the optimizer reads one flat buffer. (Transformer Engine's fused wgrad
-accumulation writes into `main_grad` itself and sets `param.grad_added_to_main_grad`; the hook then only frees.)
+accumulation writes into `main_grad` itself and sets `param.grad_added_to_main_grad`, or, for weights that always
+take that path, `param.fused_wgrad_accumulation`: a CUDA-graph replay runs no Python to set the former. The hook
+then only frees.)
 
 Data parallelism averages the buckets over the data-parallel group once per optimizer step, never on the
 accumulation steps: either all at the end (`finish()`), or — with `--overlap-grad-reduce` — each bucket's
@@ -13,6 +15,9 @@ order backward produces gradients.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -40,7 +45,9 @@ class GradientBuffers:
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.overlap = overlap and self.dp > 1
         self.is_last_micro_batch = True
+        self._paused = False
         params = [p for p in model.parameters() if p.requires_grad]
+        self.params = params
         self.buckets: list[_Bucket] = []
         current: list[nn.Parameter] = []
         for param in reversed(params):
@@ -61,7 +68,10 @@ class GradientBuffers:
                 param.register_post_accumulate_grad_hook(self._on_grad)
 
     def _on_grad(self, param: nn.Parameter) -> None:
-        if param.grad is not None and not param.grad_added_to_main_grad:
+        if self._paused:
+            return
+        fused = param.grad_added_to_main_grad or getattr(param, "fused_wgrad_accumulation", False)
+        if param.grad is not None and not fused:
             param.main_grad.add_(param.grad)
         param.grad = None
         param.grad_added_to_main_grad = False
@@ -86,6 +96,23 @@ class GradientBuffers:
                 bucket.work = None
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Gradients computed inside are thrown away: the hook leaves `param.grad` as it is (CUDA-graph capture
+        reads it to find the parameters that get gradients) and neither accumulates nor starts a reduction. On exit
+        every `param.grad` is cleared and every buffer zeroed (fused wgrad GEMMs wrote into them)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+            for param in self.params:
+                param.grad = None
+                param.grad_added_to_main_grad = False
+            for bucket in self.buckets:
+                bucket.pending = len(bucket.params)
+            self.zero()
 
     def zero(self) -> None:
         for bucket in self.buckets:

@@ -109,6 +109,8 @@ class Trainer:
         self.flops_per_iter = num_floating_point_operations(cfg.model, cfg.training.global_batch_size, self.vocab_size)
         self.peak = peak_tflops(self.device)
         self._log_startup()
+        if cfg.training.cuda_graph_impl == "transformer_engine":
+            self._capture_cuda_graphs()
 
     # ------------------------------------------------------------------ setup
 
@@ -149,6 +151,17 @@ class Trainer:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             (Path(out_dir) / "config.json").write_text(cfg.to_json() + "\n")
         self.tensorboard.text("config", "```\n" + cfg.to_json() + "\n```")
+
+    def _capture_cuda_graphs(self) -> None:
+        """After the checkpoint is loaded (the graphs read the weights and FP8 state in place, wherever they came
+        from) and before the first step; the capture's warm-up gradients are thrown away."""
+        from megatron.model.cuda_graphs import capture_te_layer_graphs
+
+        self.model.train()
+        with self.grad_buffers.paused():
+            seconds = capture_te_layer_graphs(self.model, self.cfg.training.micro_batch_size, self.dtype)
+        layers = len(self.stage.layer_numbers)
+        print_rank_0(f"> captured CUDA graphs of {layers} transformer layers (forward and backward) in {seconds:.1f} s")
 
     def _load(self) -> None:
         ckpt_cfg = self.cfg.checkpoint

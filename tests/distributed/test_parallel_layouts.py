@@ -77,7 +77,7 @@ def _record(flags: str, world_size: int) -> dict:
     inner = trainer.optimizer.step
 
     def step(lr, grad_norm_fn):
-        grads.append({_global_name(n, model): p.main_grad.clone() for n, p in model.named_parameters()})
+        grads.append({_global_name(n, model): p.main_grad.cpu().clone() for n, p in model.named_parameters()})
         return inner(lr, grad_norm_fn)
 
     trainer.optimizer.step = step

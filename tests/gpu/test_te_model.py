@@ -142,6 +142,7 @@ RECIPES = [
     ("blockwise", "--fp8-format e4m3"),
     ("mxfp8", "--fp8-format e4m3"),
     ("delayed", "--fp8-format hybrid --fp8-amax-history-len 4 --fp8-param-gather --first-last-layers-bf16"),
+    ("delayed", "--fp8-format hybrid --fp8-amax-history-len 4 --fp8-dot-product-attention --kv-channels 128"),
     ("tensorwise", "--fp8-format hybrid --fp8-param-gather"),
     ("blockwise", "--fp8-format e4m3 --fp8-param-gather"),
 ]
@@ -185,6 +186,9 @@ def test_each_supported_recipe_trains(recipe, extra, bf16_progress):
         pytest.skip("mxfp8 needs compute capability 10.0 (see test_mxfp8_refused_on_hopper)")
     losses, model = train(f"--fp8-recipe {recipe} {extra} --bf16")
     assert all(torch.isfinite(torch.tensor(losses))), losses
+    if "--kv-channels" in extra:  # another model shape: its own bf16 baseline
+        shape = extra[extra.index("--kv-channels") :]
+        bf16_progress = progress(train(f"--bf16 {shape}")[0])
     assert progress(losses) > 0.7 * bf16_progress > 0, (progress(losses), bf16_progress, losses)
     in_fp8 = [layer.self_attention.linear_qkv.fp8 for layer in model.decoder.layers]
     assert in_fp8 == ([False, True, False] if "first-last" in extra else [True, True, True])
@@ -244,3 +248,11 @@ def test_importing_te_creates_no_cuda_context():
     code = "import transformer_engine.pytorch, torch; print(torch.cuda.is_initialized())"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.stdout.strip().splitlines()[-1] == "False", result.stderr[-2000:]
+
+
+def test_fp8_attention_with_heads_of_64_refused_on_hopper():
+    if torch.cuda.get_device_capability() >= (10, 0):
+        pytest.skip("the head-size rule is Hopper's")
+    fp8 = "--fp8-format hybrid --fp8-recipe delayed --bf16 --fp8-dot-product-attention --kv-channels 64"
+    with pytest.raises(ConfigError, match="needs a head size of 128"):
+        build(LLAMA, "transformer_engine", fp8)

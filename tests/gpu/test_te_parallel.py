@@ -3,10 +3,15 @@ single-GPU TE model: the CPU layout tests (tests/distributed/test_parallel_layou
 --transformer-impl transformer_engine.
 
 Tolerances: fp32 runs differ from one GPU by summation order and by TE picking other GEMM kernels for the shard
-shapes (losses rel 1e-4, gradients 1e-2 of each tensor's largest element); FP8 runs (delayed, hybrid) are bf16 runs
-with FP8 GEMMs, amaxes max-reduced over tensor x data ranks (losses rel 1e-2, gradients 1e-1). Save and resume under
-TE tensor parallelism reproduces the uninterrupted run's losses to rel 1e-5 (GPU reductions need not be bitwise
-repeatable).
+shapes (losses rel 1e-4, gradients 3e-2 of each tensor's largest element: after two Adam steps TP=2 + SP measured
+1.14e-2 on one fc2 weight); FP8 runs (delayed, hybrid) are bf16 runs
+with FP8 GEMMs, amaxes max-reduced over tensor x data ranks (losses rel 1e-2, gradients 5e-1). The gradients are
+loose because the first step quantizes with TE's initial scale of 1: this small model's gradients (1e-5..1e-3) then
+sit in e5m2's subnormal range, where one rounding step is most of the value. Measured, worst element against one
+GPU over three steps: eager DP=2 0.39, DP=2 graphed 0.32, TP=2 + SP 0.13, one GPU graphed against eager 0.15 (the
+losses agree to 1e-4). A shard assembled wrongly or a missing reduction is off by the whole value or more.
+Save and resume under TE tensor parallelism reproduces the uninterrupted run's losses to rel 1e-5 (GPU reductions
+need not be bitwise repeatable).
 """
 
 import pytest
@@ -17,7 +22,7 @@ from tests.dist_utils import run_distributed
 from tests.distributed.test_parallel_layouts import LAYOUTS_2, LAYOUTS_4, _check, _layouts_body
 
 TE = "--transformer-impl transformer_engine"
-TOLS = ((1e-4, 1e-2), (1e-2, 1e-1))
+TOLS = ((1e-4, 3e-2), (1e-2, 5e-1))
 
 
 def _gpus() -> int:
@@ -30,17 +35,32 @@ pytestmark = [
 ]
 
 
+GRAPHS = " --cuda-graph-impl transformer_engine"
 # Tensor + sequence parallelism and the pipeline (DP is plain data parallelism around the same TE layers, covered on
-# the CPU); each also with FP8, and a save/resume under TE tensor parallelism.
-LAYOUTS_GPU = {name: LAYOUTS_2[name] for name in ("tp2_sp", "pp2")}
+# the CPU), each also with FP8; a save/resume under TE tensor parallelism; and the CUDA-graphed layers under TP + SP
+# and under overlapped DP (gradient hooks firing after each layer's backward replay). One spawn per group, so a
+# failure or a hang names its group.
+GROUPS_2 = {
+    "tp2_sp": ({"tp2_sp": LAYOUTS_2["tp2_sp"]}, {"tp2_sp"}),
+    "pp2": ({"pp2": LAYOUTS_2["pp2"]}, set()),
+    "graphs": (
+        {
+            "tp2_sp_graphs": LAYOUTS_2["tp2_sp"] + GRAPHS,
+            "dp2_graphs": "--overlap-grad-reduce --ddp-bucket-size 3000" + GRAPHS,
+        },
+        set(),
+    ),
+}
 
 
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs (device kind nvidia-h200-x2)")
-def test_te_two_gpu_layouts_match_one_gpu(tmp_path):
-    fp8, resume = set(LAYOUTS_GPU), {"tp2_sp"}
-    args = (str(tmp_path), LAYOUTS_GPU, fp8, resume, (), TE, 1e-5)
+@pytest.mark.parametrize("group", list(GROUPS_2))
+def test_te_two_gpu_layouts_match_one_gpu(tmp_path, group):
+    layouts, resume = GROUPS_2[group]
+    fp8 = set(layouts)
+    args = (str(tmp_path), layouts, fp8, resume, (), TE, 1e-5)
     run_distributed(_layouts_body, world_size=2, args=args, backend="nccl")
-    _check(tmp_path, LAYOUTS_GPU, fp8, 2, impl=TE, tols=TOLS)
+    _check(tmp_path, layouts, fp8, 2, impl=TE, tols=TOLS)
 
 
 @pytest.mark.skipif(_gpus() < 4, reason="needs 4 GPUs (device kind nvidia-h200-x4)")

@@ -17,6 +17,8 @@ def test_multi_gpu_layouts_launch_torchrun_with_the_layout_flags():
     tp2 = benchmark.command("llama-1b", "te-delayed", 10, 5, "tp2")
     assert "--nproc-per-node=2" in tp2
     assert tp2[tp2.index("--tensor-model-parallel-size") + 1] == "2" and "--sequence-parallel" in tp2
+    graphs = benchmark.command("llama-1b", "te-delayed+graphs", 10, 5, "tp2")
+    assert graphs[graphs.index("--cuda-graph-impl") + 1] == "transformer_engine" and "--fp8-recipe" in graphs
     weak = benchmark.command("llama-1b", "te-delayed", 10, 5, "tp2_dp2", weak=True)
     assert weak[len(weak) - 1 - weak[::-1].index("--global-batch-size") + 1] == "32"  # the last one wins: 16 x dp 2
 
@@ -33,8 +35,11 @@ def test_table_reports_speedup_and_scaling():
             result("te-delayed", "1gpu", 1, 1300.0),
             result("te-delayed", "dp2", 2, 2470.0),
             benchmark.Result("llama-1b", "te-delayed", "tp2", 2, error="some error"),
+            result("te-bf16+graphs", "1gpu", 1, 1100.0),
+            result("te-delayed+graphs", "1gpu", 1, 1540.0),
         ]
     ).splitlines()
+    assert "| 1.40x |" in rows[7]  # against te-bf16+graphs, not te-bf16
     assert "| 1.30x |" in rows[3]
     assert "| 1.2k |" in rows[4] and "| 95% |" in rows[4]  # 2470 / 2 per GPU against 1300
     assert "failed: some error" in rows[5]

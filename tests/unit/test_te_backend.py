@@ -11,7 +11,7 @@ import torch
 
 from megatron.config import ConfigError, parse_args
 from megatron.fp8 import te_recipe
-from megatron.fp8.te_recipe import check_recipe_on_gpu, te_fp8_layer_numbers
+from megatron.fp8.te_recipe import check_fp8_attention_on_gpu, check_recipe_on_gpu, te_fp8_layer_numbers
 from megatron.model import GPTModel
 
 BASE = "--mock-data --vocab-size 128 --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32"
@@ -261,3 +261,68 @@ def test_fp8_param_gather_needs_fp8_and_te(te_present, extra, expected):
         parse(extra, device_type="cuda")
     cfg = parse("--fp8-param-gather --fp8-format hybrid --transformer-impl transformer_engine", device_type="cuda")
     assert cfg.precision.fp8_param_gather
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ("--transformer-impl local", "graphs Transformer Engine layers; add --transformer-impl transformer_engine"),
+        ("--pipeline-model-parallel-size 2", "needs --pipeline-model-parallel-size 1"),
+        ("--reset-position-ids", "drop --reset-position-ids or the CUDA graphs"),
+        ("--reset-attention-mask", "drop --reset-attention-mask or the CUDA graphs"),
+    ],
+)
+def test_cuda_graphs_need_te_one_stage_and_fixed_shapes(te_present, extra, expected):
+    graphs = "--cuda-graph-impl transformer_engine"
+    if "local" not in extra:
+        extra += " --transformer-impl transformer_engine"
+    with pytest.raises(ConfigError) as info:
+        parse(f"{graphs} {extra}", device_type="cuda", world_size=2)
+    assert expected in str(info.value) and "\n" not in str(info.value)
+    cfg = parse(
+        f"{graphs} --transformer-impl transformer_engine --tensor-model-parallel-size 2",
+        world_size=2,
+        device_type="cuda",
+    )
+    assert cfg.training.cuda_graph_impl == "transformer_engine"
+    with pytest.raises(ConfigError, match="invalid choice: 'local'"):  # Megatron-Core's own graphs: not offered
+        parse("--cuda-graph-impl local")
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ("--transformer-impl transformer_engine", "--fp8-dot-product-attention needs FP8 on"),
+        (
+            "--transformer-impl transformer_engine --fp8-format hybrid --fp8-recipe tensorwise",
+            "--fp8-dot-product-attention needs --fp8-recipe delayed (got tensorwise)",
+        ),
+        ("--transformer-impl local --fp8-format hybrid", "--fp8-dot-product-attention needs --transformer-impl"),
+    ],
+)
+def test_fp8_attention_needs_te_and_delayed_scaling(te_present, extra, expected):
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        parse(f"--fp8-dot-product-attention {extra}", device_type="cuda")
+    cfg = parse(
+        "--fp8-dot-product-attention --fp8-format hybrid --transformer-impl transformer_engine", device_type="cuda"
+    )
+    assert cfg.precision.fp8_dot_product_attention
+
+
+def test_fp8_attention_maps_to_fp8_dpa(te_present):
+    @dataclass
+    class DelayedWithDpa(_DelayedScaling):
+        fp8_dpa: bool = False
+
+    module = SimpleNamespace(**{**vars(TE2), "DelayedScaling": DelayedWithDpa})
+    te = "--transformer-impl transformer_engine --fp8-format hybrid"
+    cfg = parse(f"{te} --fp8-dot-product-attention", device_type="cuda")
+    assert te_recipe.te_recipe(cfg.precision, module).fp8_dpa
+    assert not te_recipe.te_recipe(parse(te, device_type="cuda").precision, module).fp8_dpa
+
+
+def test_fp8_attention_head_size_on_hopper():
+    check_fp8_attention_on_gpu(128, (9, 0), "NVIDIA H100")
+    check_fp8_attention_on_gpu(64, (10, 0), "NVIDIA B200")
+    with pytest.raises(ConfigError, match=r"needs a head size of 128 .* \(--kv-channels\) is 64: drop the flag"):
+        check_fp8_attention_on_gpu(64, (9, 0), "NVIDIA H100")
