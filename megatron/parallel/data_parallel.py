@@ -94,6 +94,9 @@ class GradientBuffers:
             for bucket in self.buckets:
                 bucket.work.wait()
                 bucket.work = None
+        self._reset_pending()
+
+    def _reset_pending(self) -> None:
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
 
@@ -110,8 +113,7 @@ class GradientBuffers:
             for param in self.params:
                 param.grad = None
                 param.grad_added_to_main_grad = False
-            for bucket in self.buckets:
-                bucket.pending = len(bucket.params)
+            self._reset_pending()
             self.zero()
 
     def zero(self) -> None:

@@ -4,14 +4,14 @@ single-GPU TE model: the CPU layout tests (tests/distributed/test_parallel_layou
 
 Tolerances: fp32 runs differ from one GPU by summation order and by TE picking other GEMM kernels for the shard
 shapes (losses rel 1e-4, gradients 3e-2 of each tensor's largest element: after two Adam steps TP=2 + SP measured
-1.14e-2 on one fc2 weight); FP8 runs (delayed, hybrid) are bf16 runs
-with FP8 GEMMs, amaxes max-reduced over tensor x data ranks (losses rel 1e-2, gradients 5e-1). The gradients are
-loose because the first step quantizes with TE's initial scale of 1: this small model's gradients (1e-5..1e-3) then
-sit in e5m2's subnormal range, where one rounding step is most of the value. Measured, worst element against one
-GPU over three steps: eager DP=2 0.39, DP=2 graphed 0.32, TP=2 + SP 0.13, one GPU graphed against eager 0.15 (the
-losses agree to 1e-4). A shard assembled wrongly or a missing reduction is off by the whole value or more.
-Save and resume under TE tensor parallelism reproduces the uninterrupted run's losses to rel 1e-5 (GPU reductions
-need not be bitwise repeatable).
+1.14e-2 on one fc2 weight); FP8 runs (delayed, hybrid) are bf16 runs with FP8 GEMMs, amaxes max-reduced over tensor
+x data ranks (losses rel 1e-2, gradients 5e-1). The gradients are loose because the first step quantizes with TE's
+initial scale of 1: this small model's gradients (1e-5..1e-3) then sit in e5m2's subnormal range, where one rounding
+step is most of the value. Measured, worst element against one GPU over three steps: eager DP=2 0.39, DP=2 graphed
+0.32, one GPU graphed against eager 0.15 (the losses agree to 1e-4); TP=2 + SP at least 0.11 eager and 0.13
+graphed (the first elements over the earlier tolerance). A shard assembled wrongly or a
+missing reduction is off by the whole value or more. Save and resume under TE tensor parallelism reproduces the
+uninterrupted run's losses to rel 1e-5 (GPU reductions need not be bitwise repeatable).
 """
 
 import pytest
