@@ -230,7 +230,7 @@ KERNEL_CATEGORIES = [  # first match wins: cuDNN attention kernels also contain 
 ]
 
 
-def profile(argv: list[str], steps: int, warmup: int = 2) -> str:
+def profile(argv: list[str], steps: int, warmup: int = 2, top: int = 15) -> str:
     """Build the trainer for `argv`, time `steps` optimizer steps, then profile as many with torch.profiler, and
     report GPU kernel time by category, the top kernels, and how much of the step the GPU was busy."""
     import torch
@@ -274,7 +274,7 @@ def profile(argv: list[str], steps: int, warmup: int = 2) -> str:
     for category, ms in sorted(by_category.items(), key=lambda kv: -kv[1]):
         lines.append(f"| {category} | {ms:.1f} | {100 * ms / busy:.1f}% |")
     lines += ["", "| top kernels | ms/step |", "|---|---:|"]
-    for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:15]:
+    for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"| {name[:110]} | {ms:.1f} |")
     return "\n".join(lines)
 
@@ -306,11 +306,12 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--profile", nargs=2, metavar=("PRESET", "CONFIG"), help="profile one run instead")
     parser.add_argument("--profile-steps", type=int, default=2)
+    parser.add_argument("--profile-top", type=int, default=15, help="how many kernels the profile lists")
     args = parser.parse_args()
     if args.profile:
         preset, config = args.profile
         flags = command(preset, config + (GRAPHS if args.cuda_graphs else ""), 100, 100)[2:]
-        print(profile(flags, steps=args.profile_steps))
+        print(profile(flags, steps=args.profile_steps, top=args.profile_top))
         return 0
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)

@@ -13,8 +13,9 @@ TE adds one `_extra_state` entry per TE module (its FP8 scaling state); GPTModel
 
 What this layer does that the local one does not, and why:
   * FP8 GEMMs through `te.autocast` (TEFp8Autocast) with the recipe built in megatron/fp8/te_recipe.py.
-  * RoPE by TE's fused kernel, applied to strided views of the QKV GEMM's output: no split copies.
-  * SwiGLU as one TE kernel each way.
+  * RoPE by TE's fused QKV kernel on the QKV GEMM's packed output: no split copies, no concatenation in backward.
+  * SwiGLU as one TE kernel each way; under delayed scaling those kernels write the FP8 operands of the MLP's
+    linears directly (`_SwiGLU`).
   * with --fp8-param-gather, FP8-only weights (TE's quantized parameters; see `TEFp8Autocast.param_init`).
   * fused wgrad accumulation: when a weight carries the fp32 `main_grad` of `megatron.parallel.GradientBuffers`,
     TE's weight-gradient GEMM accumulates into it in place (fp32 output, no bf16 gradient, no separate add). It
@@ -196,9 +197,9 @@ class TESelfAttention(nn.Module):
             tp_size=tp.size,
             sequence_parallel=tp.sequence_parallel,
         )
-        from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
+        from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
 
-        self._rope = apply_rotary_pos_emb
+        self._qkv_rope = apply_fused_qkv_rotary_pos_emb
         self.linear_proj = te_linear(
             cfg, cfg.num_attention_heads * self.head_dim, cfg.hidden_size, "row", init_std_of_output(cfg), tp,
             params_dtype, device,
@@ -214,18 +215,18 @@ class TESelfAttention(nn.Module):
         groups, per_group, hn = self.num_groups, self.num_heads // self.num_groups, self.head_dim
         mixed = self.linear_qkv(x, is_first_microbatch=first_microbatch)
         s, b = mixed.shape[:2]  # the full sequence, also when x is a sequence-parallel shard
-        # [s, b, ng * (np/ng + 2) * hn] -> [s, b*ng, (np/ng + 2) * hn]: batch and group merge into one strided dim,
-        # so q, k and v below are 4-D views with uniform strides that TE's RoPE kernel reads in place.
-        mixed = mixed.view(s, b * groups, (per_group + 2) * hn)
-        q, k, v = mixed.split([per_group * hn, hn, hn], dim=-1)
-        q = q.unflatten(-1, (per_group, hn))  # [s, b*ng, np/ng, hn]
-        k, v = k.unflatten(1, (b, groups)), v.unflatten(1, (b, groups))  # [s, b, ng, hn]
         if rotary is not None and rotary.shape[1] == 1:
-            q = self._rope(q, rotary, tensor_format="sbhd", fused=True)
-            k = self._rope(k, rotary, tensor_format="sbhd", fused=True)
-        q = q.reshape(s, b, self.num_heads, hn)  # a view after RoPE (its output is contiguous), else one copy
-        if rotary is not None and rotary.shape[1] != 1:  # per-sample positions: TE's kernel takes [s, 1, 1, d]
-            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+            # One TE kernel each way: RoPE on q and k of the packed output, q, k and v written out contiguous
+            # ([s, b, np, hn], [s, b, ng, hn] x 2); its backward writes the packed gradient directly, where
+            # separate RoPE calls on views of `mixed` end in a concatenation of the three gradients.
+            packed = mixed.view(s, b, groups, (per_group + 2) * hn)
+            q, k, v = self._qkv_rope(packed, rotary, rotary, [per_group * hn, hn, hn], tensor_format="sbhd")
+        else:
+            # [s, b, ng * (np/ng + 2) * hn] -> [s, b, ng, (np/ng + 2) * hn] -> q, k, v views
+            q, k, v = mixed.view(s, b, groups, (per_group + 2) * hn).split([per_group * hn, hn, hn], dim=-1)
+            q = q.reshape(s, b, self.num_heads, hn)  # one copy (q is strided within each group's row)
+            if rotary is not None:  # per-sample positions: TE's kernels take [s, 1, 1, d] angles only
+                q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         if attention_mask is None:
             out = self.core_attention(q, k, v)  # [s, b, np * hn]
         else:  # TE masks where the mask is True; ours marks where a query may attend
@@ -235,29 +236,34 @@ class TESelfAttention(nn.Module):
 
 class _SwiGLU(torch.autograd.Function):
     """silu(gate) * up over x = [gate; up] (last dimension), with TE's fused forward and backward kernels (TE's gated
-    activations gate the first half, as Megatron-Core and the local MLP do)."""
+    activations gate the first half, as Megatron-Core and the local MLP do).
+
+    Given TE quantizers (see `TEMLP._fp8_quantizers`), the kernels write FP8 directly: the forward linear_fc2's input,
+    the backward linear_fc1's output gradient. Those TE modules then take the FP8 tensors as they are instead of
+    reading a bf16 tensor back to cast it (a bf16 write and read of each tensor saved)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, out_quantizer: Any, grad_quantizer: Any) -> torch.Tensor:
         import transformer_engine_torch as tex
 
         ctx.save_for_backward(x)
-        return tex.swiglu(x, None)
+        ctx.grad_quantizer = grad_quantizer
+        return tex.swiglu(x, out_quantizer)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         import transformer_engine_torch as tex
 
         (x,) = ctx.saved_tensors
-        return tex.dswiglu(grad.contiguous(), x, None)
+        return tex.dswiglu(grad.contiguous(), x, ctx.grad_quantizer), None, None
 
 
 class TEMLP(nn.Module):
     """h -> ffn -> h with GELU, or SwiGLU (linear_fc1 outputs [gate; up], 2*ffn wide).
 
     Not `te.LayerNormMLP`: measured on an H100 (llama-1b, FP8 delayed) it ran the same kernel time (685-688 against
-    688-690 ms per step), because on Hopper TE still runs dSwiGLU and the FP8 cast of its output as two kernels,
-    and it would need its parameter names (fc1_weight, ...) mapped to these keys."""
+    688-690 ms per step), because on Hopper it runs dSwiGLU and the FP8 cast of its output as two kernels, which
+    `_SwiGLU` fuses here, and it would need its parameter names (fc1_weight, ...) mapped to these keys."""
 
     def __init__(self, cfg: ModelConfig, params_dtype: torch.dtype, device: torch.device, tp: TensorParallel = NO_TP):
         super().__init__()
@@ -271,10 +277,46 @@ class TEMLP(nn.Module):
             cfg, cfg.ffn_hidden_size, cfg.hidden_size, "row", init_std_of_output(cfg), tp, params_dtype, device
         )
 
+    def _fp8_quantizers(self) -> tuple[Any, Any]:
+        """(linear_fc2's input quantizer, linear_fc1's output-gradient quantizer) for `_SwiGLU` to quantize with, or
+        (None, None) for bf16 outputs.
+
+        Only under delayed scaling: its per-tensor scales are known before the kernel runs (they come from the amax
+        history), and the kernel records the amax into the same history the TE module would have. Current and block
+        scaling need the whole tensor's (or block's) amax first, so TE casts those separately anyway. The quantizers
+        are shallow copies of the modules' own: they share the scale and amax tensors TE itself quantizes with."""
+        from transformer_engine.pytorch.constants import FP8BwdTensorIdx, FP8FwdTensorIdx
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+        if not FP8GlobalStateManager.is_fp8_enabled():
+            return None, None
+        recipe = FP8GlobalStateManager.get_fp8_recipe()
+        if not recipe.delayed():
+            return None, None
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        # linear_fc2 sets up its FP8 state (scales, amax history, quantizers) at the start of its forward, which
+        # has not run yet: do it now, so the very first micro-batch takes this path as every other one does
+        # (TE's own forward then finds it done; the amaxes still join the reduction there).
+        fc2.init_fp8_metadata()
+        if not all(m.fp8_initialized and m.fp8_meta.get("recipe") == recipe for m in (fc1, fc2)):
+            return None, None  # not expected: linear_fc1 ran under this recipe a moment ago
+        out_quantizer = fc2.quantizers["scaling_fwd"][FP8FwdTensorIdx.GEMM1_INPUT].copy()
+        # Row-wise data only, as linear_fc2 keeps of an input it casts itself: its wgrad transposes it in backward.
+        out_quantizer.set_usage(rowwise=True, columnwise=False)
+        grad_quantizer = fc1.quantizers["scaling_bwd"][FP8BwdTensorIdx.GRAD_OUTPUT1].copy()
+        grad_quantizer.set_usage(rowwise=True, columnwise=True)  # dgrad and wgrad GEMMs, as linear_fc1 asks for
+        for quantizer in (out_quantizer, grad_quantizer):
+            quantizer.internal = False  # torch.Tensor subclasses (Float8Tensor), which autograd passes along
+        return out_quantizer, grad_quantizer
+
     def forward(self, x: torch.Tensor, first_microbatch: bool | None) -> torch.Tensor:
-        h = self.linear_fc1(x, is_first_microbatch=first_microbatch)
-        h = _SwiGLU.apply(h) if self.swiglu else F.gelu(h)
-        return self.linear_fc2(h, is_first_microbatch=first_microbatch)
+        # 2-D tokens x features through the MLP: TE's reshape of an FP8 tensor to 2-D drops its transpose, and
+        # linear_fc1's backward reshapes its output gradient (FP8 from `_SwiGLU`) so.
+        shape = x.shape
+        h = self.linear_fc1(x.reshape(-1, shape[-1]), is_first_microbatch=first_microbatch)
+        h = _SwiGLU.apply(h, *self._fp8_quantizers()) if self.swiglu else F.gelu(h)
+        out = self.linear_fc2(h, is_first_microbatch=first_microbatch)
+        return out.view(*shape[:-1], out.shape[-1])
 
 
 class TETransformerLayer(nn.Module):

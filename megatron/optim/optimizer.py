@@ -63,26 +63,35 @@ class MixedPrecisionAdamW:
         """The fp32 gradients the step uses."""
         return [p.main_grad for p in self.params]
 
-    def step(self, lr: float, grad_norm_fn: Callable[[], torch.Tensor]) -> tuple[float, bool]:
-        """Clip and take one AdamW step at `lr`; returns (grad norm, stepped). `grad_norm_fn()` gives the global
-        gradient norm (it knows the parallel layout). A non-finite norm skips the step. The caller zeroes the
-        gradient buffers afterwards."""
+    def step(self, lr: float, grad_norm_fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip and take one AdamW step at `lr`; returns (grad norm, stepped) as 0-dim tensors on the gradients'
+        device. `grad_norm_fn()` gives the global gradient norm (it knows the parallel layout). A non-finite norm
+        skips the step. The caller zeroes the gradient buffers afterwards.
+
+        With the fused AdamW (GPUs) nothing here waits for the GPU: the kernel divides the gradients by the device
+        tensor max(1, norm / clip) and skips the update when told the norm is not finite (`grad_scale` and
+        `found_inf`, the hooks torch's GradScaler uses). Reading the norm on the host instead would stall the
+        launch queue behind the whole backward pass and leave the GPU idle while the update is being launched."""
         grads = self.grads()
         norm = grad_norm_fn()
-        norm_value = float(norm)
-        if not torch.isfinite(norm).item():
-            return norm_value, False
-        if self.cfg.clip_grad > 0 and norm_value > self.cfg.clip_grad:
-            torch._foreach_mul_(grads, self.cfg.clip_grad / (norm_value + 1e-6))
+        finite = torch.isfinite(norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         for main, grad in zip(self.main_params, grads):
             main.grad = grad
-        self.optimizer.step()
+        if self.optimizer.defaults["fused"]:
+            if self.cfg.clip_grad > 0:
+                self.optimizer.grad_scale = ((norm.float() + 1e-6) / self.cfg.clip_grad).clamp(min=1.0)
+            self.optimizer.found_inf = (~finite).float()
+            self.optimizer.step()
+        elif finite:  # the unfused AdamW takes no found_inf: decide on the host (CPU runs have no queue to stall)
+            if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
+                torch._foreach_mul_(grads, self.cfg.clip_grad / (float(norm) + 1e-6))
+            self.optimizer.step()
         for main in self.main_params:
             main.grad = None
         self._copy_main_to_model()
-        return norm_value, True
+        return norm, finite
 
     def _copy_main_to_model(self) -> None:
         """Model parameters <- fp32 main parameters: one batched copy (cast) for bf16 ones; FP8 ones quantize the

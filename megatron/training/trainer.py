@@ -286,11 +286,14 @@ class Trainer:
         self.grad_buffers.finish()
         params = self.optimizer.params
         reduce_model_parallel_grads(params, self.dims)
-        norm, stepped = float("nan"), False
+        norm, stepped = torch.tensor(float("nan")), torch.tensor(False)
         if fp8_finite:
             norm, stepped = self.optimizer.step(lr, lambda: grad_norm(params, self.dims))
         self.grad_buffers.zero()
-        return self._average_over_dp(total / num_micro), norm, stepped
+        # The host waits for the GPU only here, with the whole step queued (the loss first; norm and the skip
+        # decision are ready by then).
+        loss = self._average_over_dp(total / num_micro)
+        return loss, float(norm), bool(stepped)
 
     @torch.no_grad()
     def evaluate(self, dataset: Dataset | None, split: str = "validation") -> float | None:

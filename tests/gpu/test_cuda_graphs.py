@@ -60,7 +60,7 @@ def train(extra: str, graphs: bool, steps: int = 4) -> tuple[list[float], list[f
         norm, _ = optimizer.step(1e-3, lambda: grad_norm(optimizer))
         buffers.zero()
         losses.append(total)
-        norms.append(norm)
+        norms.append(float(norm))
     return losses, norms, model
 
 
