@@ -260,6 +260,7 @@ def profile(argv: list[str], steps: int, warmup: int = 2, top: int = 15) -> str:
             time_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
             kernels[event.key] = kernels.get(event.key, 0.0) + time_us / 1e3 / steps
     busy = sum(kernels.values())
+    idle_long, idle_short = _idle_between_kernels(prof.events(), torch.autograd.DeviceType.CUDA)
     by_category: dict[str, float] = {}
     for name, ms in kernels.items():
         category = next(c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name, re.IGNORECASE))
@@ -267,6 +268,8 @@ def profile(argv: list[str], steps: int, warmup: int = 2, top: int = 15) -> str:
     lines = [
         f"{environment()}; {' '.join(argv)}",
         f"step {wall_ms:.1f} ms (unprofiled), GPU kernels {busy:.1f} ms per step ({100 * busy / wall_ms:.1f}% busy)",
+        f"GPU idle between kernels (profiled steps): {idle_long / steps:.1f} ms per step in gaps over 20 us (the host"
+        f" behind), {idle_short / steps:.1f} ms in shorter ones (launch latency)",
         "",
         "| category | ms/step | share of kernel time |",
         "|---|---:|---:|",
@@ -277,6 +280,23 @@ def profile(argv: list[str], steps: int, warmup: int = 2, top: int = 15) -> str:
     for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"| {name[:110]} | {ms:.1f} |")
     return "\n".join(lines)
+
+
+def _idle_between_kernels(events: list, cuda: object) -> tuple[float, float]:
+    """GPU idle time (ms) inside the profiled window: gaps between one kernel's end and the next one's start, split
+    at 20 us. Long gaps are the GPU waiting on the host (a synchronization, slow launches); short ones are the
+    latency between back-to-back kernels, which only fewer kernels reduce."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == cuda)
+    long_us = short_us = 0.0
+    end = spans[0][1] if spans else 0.0
+    for start, stop in spans[1:]:
+        gap = start - end
+        if gap > 20:
+            long_us += gap
+        elif gap > 0:
+            short_us += gap
+        end = max(end, stop)
+    return long_us / 1e3, short_us / 1e3
 
 
 def environment() -> str:

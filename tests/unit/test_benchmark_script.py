@@ -61,3 +61,14 @@ def test_parse_log_reads_the_last_iteration_line_and_peak_memory():
         "loss": 8.0,
         "peak_gib": 3.25,
     }
+
+
+def test_idle_between_kernels_splits_long_and_short_gaps():
+    from types import SimpleNamespace
+
+    def event(start, end, device="cuda"):
+        return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), device_type=device)
+
+    # kernels at 0-100, 90-150 (overlapping), 155-200 (5 us gap), 300-400 (100 us gap); a host event is ignored
+    events = [event(0, 100), event(90, 150), event(155, 200), event(300, 400), event(150, 300, device="cpu")]
+    assert benchmark._idle_between_kernels(events, "cuda") == (0.1, 0.005)
