@@ -282,9 +282,10 @@ class TEMLP(nn.Module):
         (None, None) for bf16 outputs.
 
         Only under delayed scaling: its per-tensor scales are known before the kernel runs (they come from the amax
-        history), and the kernel records the amax into the same history the TE module would have. Current and block
-        scaling need the whole tensor's (or block's) amax first, so TE casts those separately anyway. The quantizers
-        are shallow copies of the modules' own: they share the scale and amax tensors TE itself quantizes with."""
+        history), and the kernel records the amax into the same history the TE module would have. Current scaling
+        needs the whole tensor's amax before it can scale, and TE casts Hopper's blockwise recipe separately; MXFP8
+        (Blackwell) could take this path too but is left on TE's own cast until it can be tested on such a GPU. The
+        quantizers are shallow copies of the modules' own: they share the scale and amax tensors TE quantizes with."""
         from transformer_engine.pytorch.constants import FP8BwdTensorIdx, FP8FwdTensorIdx
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
