@@ -6,6 +6,7 @@ layouts (one GPU by default; several through torchrun on one host).
     python scripts/benchmark.py --presets llama-1b --configs te-delayed --layouts 1gpu dp2 tp2 pp2
     python scripts/benchmark.py --presets llama-1b --configs te-bf16 te-delayed --cuda-graphs
     python scripts/benchmark.py --profile llama-1b te-bf16         # where the GPU time goes (torch.profiler)
+    python scripts/benchmark.py --profile llama-1b te-delayed --layouts dp2   # ... on rank 0 of two GPUs
 
 Every layout keeps the preset's global batch, so a layout's tokens/s per GPU against the one-GPU row is its scaling
 efficiency on the same work (strong scaling; with data parallelism each rank runs fewer micro-batches per step).
@@ -69,7 +70,9 @@ GRAPHS = "+graphs"  # suffix of a config run with --cuda-graph-impl transformer_
 LAYOUTS = {  # name: (GPUs, flags)
     "1gpu": (1, ""),
     "dp2": (2, "--overlap-grad-reduce"),
+    "dp2_distopt": (2, "--overlap-grad-reduce --use-distributed-optimizer"),
     "tp2": (2, "--tensor-model-parallel-size 2 --sequence-parallel"),
+    "tp2_overlap": (2, "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"),
     "pp2": (2, "--pipeline-model-parallel-size 2"),
     "tp2_pp2": (4, "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2"),
     "tp2_dp2": (4, "--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce"),
@@ -132,11 +135,11 @@ def _flag(flags: str, name: str, default: int = 1) -> int:
     return int(match.group(1)) if match else default
 
 
-def command(
+def train_flags(
     preset: str, config: str, iters: int, log_interval: int, layout: str = "1gpu", weak: bool = False
 ) -> list[str]:
-    """The launch command; `weak`: multiply the preset's global batch by the data-parallel size (each GPU then runs
-    as many micro-batches per step as one GPU does: weak scaling). A config named `<config>+graphs` adds
+    """pretrain_gpt.py's flags; `weak`: multiply the preset's global batch by the data-parallel size (each GPU then
+    runs as many micro-batches per step as one GPU does: weak scaling). A config named `<config>+graphs` adds
     --cuda-graph-impl transformer_engine."""
     gpus, layout_flags = LAYOUTS[layout]
     graphs = " --cuda-graph-impl transformer_engine" if config.endswith(GRAPHS) else ""
@@ -148,10 +151,32 @@ def command(
             layout_flags, "--pipeline-model-parallel-size"
         )
         flags += f" --global-batch-size {_flag(PRESETS[preset], '--global-batch-size') * gpus // model_parallel}"
-    launcher = [sys.executable]
-    if gpus > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"]
-    return [*launcher, str(ROOT / "pretrain_gpt.py"), *flags.split()]
+    return flags.split()
+
+
+def launcher(gpus: int) -> list[str]:
+    """This Python, through torchrun on one host for several GPUs."""
+    if gpus == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"]
+
+
+def command(
+    preset: str, config: str, iters: int, log_interval: int, layout: str = "1gpu", weak: bool = False
+) -> list[str]:
+    """The launch command of one benchmark run (see `train_flags`)."""
+    flags = train_flags(preset, config, iters, log_interval, layout, weak)
+    return [*launcher(LAYOUTS[layout][0]), str(ROOT / "pretrain_gpt.py"), *flags]
+
+
+def run_env(layout: str) -> dict[str, str]:
+    """The environment of a run: NVLink SHARP (multicast) off, as some hosts lend GPUs without it configured (NCCL
+    then hangs at start-up; TE's userbuffers follow it); CUDA_DEVICE_MAX_CONNECTIONS=1 for --tp-comm-overlap, as
+    Megatron-LM runs it."""
+    env = {"NCCL_NVLS_ENABLE": "0", **os.environ, "PYTHONUNBUFFERED": "1"}
+    if "--tp-comm-overlap" in LAYOUTS[layout][1]:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    return env
 
 
 def run(
@@ -165,10 +190,8 @@ def run(
     weak: bool = False,
 ) -> Result:
     cmd = command(preset, config, iters, log_interval, layout, weak)
-    # NVLink SHARP (multicast) off: some hosts lend GPUs without it configured, and NCCL then hangs at start-up.
-    env = {"NCCL_NVLS_ENABLE": "0", **os.environ, "PYTHONUNBUFFERED": "1"}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env(layout), cwd=ROOT)
         text, code = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
         text = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -216,7 +239,9 @@ def table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
+COMMUNICATION = r"nccl|userbuffer|PtoP"  # NCCL kernels, TE userbuffers kernels, peer-to-peer copies
 KERNEL_CATEGORIES = [  # first match wins: cuDNN attention kernels also contain "sm90" and "wgmma"
+    ("communication", COMMUNICATION),
     ("attention", r"flash|fmha|sdpa|attn|attention"),
     ("GEMM", r"gemm|nvjet|cutlass|xmma|sm90_|wgmma|cublas"),
     ("FP8 cast/transpose/amax", r"quantiz|(?<!no)cast|transpose|amax|fp8|dequant"),
@@ -232,14 +257,16 @@ KERNEL_CATEGORIES = [  # first match wins: cuDNN attention kernels also contain 
 
 def profile(argv: list[str], steps: int, warmup: int = 2, top: int = 15) -> str:
     """Build the trainer for `argv`, time `steps` optimizer steps, then profile as many with torch.profiler, and
-    report GPU kernel time by category, the top kernels, and how much of the step the GPU was busy."""
+    report GPU kernel time by category, the top kernels, and how much of the step the GPU was busy. Under torchrun
+    every rank profiles and the report is rank 0's."""
     import torch
 
     sys.path.insert(0, str(ROOT))
     from megatron.config import parse_args
     from megatron.training.trainer import Trainer
 
-    trainer = Trainer(parse_args(argv, device_type="cuda"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = Trainer(parse_args(argv, world_size=world_size, device_type="cuda"))
     batches = iter(trainer._loader(trainer.datasets.train, 0))
     lr = trainer.cfg.optimizer.lr  # the profile times steps; the schedule's value does not matter here
     for _ in range(warmup):
@@ -254,48 +281,85 @@ def profile(argv: list[str], steps: int, warmup: int = 2, top: int = 15) -> str:
         for _ in range(steps):
             trainer.train_step(batches, lr)
         torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
     kernels: dict[str, float] = {}
     for event in prof.key_averages():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        if event.device_type == cuda:
             time_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
             kernels[event.key] = kernels.get(event.key, 0.0) + time_us / 1e3 / steps
-    busy = sum(kernels.values())
-    idle_long, idle_short = _idle_between_kernels(prof.events(), torch.autograd.DeviceType.CUDA)
+    total = sum(kernels.values())
+    spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == cuda]
+    busy = _length(_union([(a, b) for a, b, _ in spans])) / 1e3 / steps
+    idle_long, idle_short = _idle_between_kernels(spans)
     by_category: dict[str, float] = {}
     for name, ms in kernels.items():
         category = next(c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name, re.IGNORECASE))
         by_category[category] = by_category.get(category, 0.0) + ms
     lines = [
         f"{environment()}; {' '.join(argv)}",
-        f"step {wall_ms:.1f} ms (unprofiled), GPU kernels {busy:.1f} ms per step ({100 * busy / wall_ms:.1f}% busy)",
+        f"step {wall_ms:.1f} ms (unprofiled), GPU busy {busy:.1f} ms per step ({100 * busy / wall_ms:.1f}%),"
+        f" kernels {total:.1f} ms (more than busy where kernels run concurrently)",
         f"GPU idle between kernels (profiled steps): {idle_long / steps:.1f} ms per step in gaps over 20 us (the host"
         f" behind), {idle_short / steps:.1f} ms in shorter ones (launch latency)",
-        "",
-        "| category | ms/step | share of kernel time |",
-        "|---|---:|---:|",
     ]
+    if by_category.get("communication"):
+        exposed = _exposed_communication(spans) / 1e3 / steps
+        lines.append(
+            f"communication: {by_category['communication']:.1f} ms of kernels and copies per step, {exposed:.1f} ms"
+            " of it with no other kernel running (exposed)"
+        )
+    lines += ["", "| category | ms/step | share of kernel time |", "|---|---:|---:|"]
     for category, ms in sorted(by_category.items(), key=lambda kv: -kv[1]):
-        lines.append(f"| {category} | {ms:.1f} | {100 * ms / busy:.1f}% |")
+        lines.append(f"| {category} | {ms:.1f} | {100 * ms / total:.1f}% |")
     lines += ["", "| top kernels | ms/step |", "|---|---:|"]
     for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"| {name[:110]} | {ms:.1f} |")
     return "\n".join(lines)
 
 
-def _idle_between_kernels(events: list, cuda: object) -> tuple[float, float]:
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint, sorted intervals covering `spans`."""
+    merged: list[tuple[float, float]] = []
+    for start, stop in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+        else:
+            merged.append((start, stop))
+    return merged
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(stop - start for start, stop in intervals)
+
+
+def _exposed_communication(spans: list[tuple[float, float, str]]) -> float:
+    """Time (us) in which a communication kernel or copy runs and no other kernel does: what overlapping the
+    communication with computation has not hidden."""
+    comm = _union([(a, b) for a, b, name in spans if re.search(COMMUNICATION, name, re.IGNORECASE)])
+    compute = _union([(a, b) for a, b, name in spans if not re.search(COMMUNICATION, name, re.IGNORECASE)])
+    hidden, j = 0.0, 0
+    for start, stop in comm:
+        while j < len(compute) and compute[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(compute) and compute[k][0] < stop:
+            hidden += min(stop, compute[k][1]) - max(start, compute[k][0])
+            k += 1
+    return _length(comm) - hidden
+
+
+def _idle_between_kernels(spans: list[tuple[float, float, str]]) -> tuple[float, float]:
     """GPU idle time (ms) inside the profiled window: gaps between one kernel's end and the next one's start, split
     at 20 us. Long gaps are the GPU waiting on the host (a synchronization, slow launches); short ones are the
     latency between back-to-back kernels, which only fewer kernels reduce."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == cuda)
+    intervals = _union([(a, b) for a, b, _ in spans])
     long_us = short_us = 0.0
-    end = spans[0][1] if spans else 0.0
-    for start, stop in spans[1:]:
+    for (_, end), (start, _) in zip(intervals, intervals[1:]):
         gap = start - end
         if gap > 20:
             long_us += gap
-        elif gap > 0:
+        else:
             short_us += gap
-        end = max(end, stop)
     return long_us / 1e3, short_us / 1e3
 
 
@@ -330,8 +394,17 @@ def main() -> int:
     args = parser.parse_args()
     if args.profile:
         preset, config = args.profile
-        flags = command(preset, config + (GRAPHS if args.cuda_graphs else ""), 100, 100)[2:]
-        print(profile(flags, steps=args.profile_steps, top=args.profile_top))
+        if len(args.layouts) != 1:
+            parser.error("--profile profiles one layout: pass one --layouts value")
+        layout = args.layouts[0]
+        gpus = LAYOUTS[layout][0]
+        if gpus > 1 and "LOCAL_RANK" not in os.environ:  # profile every rank under torchrun, report rank 0's
+            cmd = [*launcher(gpus), str(Path(__file__).resolve()), *sys.argv[1:]]
+            return subprocess.run(cmd, env=run_env(layout), cwd=ROOT).returncode
+        flags = train_flags(preset, config + (GRAPHS if args.cuda_graphs else ""), 100, 100, layout)
+        report = profile(flags, steps=args.profile_steps, top=args.profile_top)
+        if os.environ.get("RANK", "0") == "0":
+            print(report)
         return 0
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,8 @@
         metadata.json                        the parallel layout it was saved with (tp, pp, dp)
         mp_rank_00/model_optim_rng.pt        model, optimizer, scheduler, RNG, iteration, consumed samples, config
         mp_rank_01/...                       (tensor-parallel rank 1; mp_rank_TT_PPP with pipeline stages)
+        mp_rank_00/optim_dp_rank_000.pt      with --use-distributed-optimizer: each data-parallel rank's optimizer
+                                             shard (model_optim_rng.pt then holds no optimizer state)
 
 Each tensor x pipeline shard is written by the first data-parallel replica that holds it.
 
@@ -104,9 +106,12 @@ def save_checkpoint(
     writer: bool,
     shard: str = "mp_rank_00",
     layout: dict[str, int] | None = None,
+    rank_files: dict[str, Any] | None = None,
 ) -> Path:
     """Write `state` as iteration `iteration` under `root`. Only `writer` ranks write (one per model shard: the
-    first data-parallel replica); every rank must call this, because of the barriers."""
+    first data-parallel replica); every rank must call this, because of the barriers. `rank_files`: file name ->
+    state that this rank writes into its shard's folder whether or not it is the writer (per-rank optimizer
+    shards)."""
     layout = layout or {"tp": 1, "pp": 1, "dp": 1}
     root_path = Path(root)
     final = iteration_dir(root_path, iteration)
@@ -121,6 +126,9 @@ def save_checkpoint(
         (tmp / shard).mkdir(parents=True, exist_ok=True)
         payload = dict(state, iteration=iteration, checkpoint_version=CHECKPOINT_VERSION)
         torch.save(payload, tmp / shard / "model_optim_rng.pt")
+    for name, rank_state in (rank_files or {}).items():
+        (tmp / shard).mkdir(parents=True, exist_ok=True)
+        torch.save(rank_state, tmp / shard / name)
     _barrier()
     if _is_first_rank():
         _fsync_tree(tmp)
@@ -170,6 +178,22 @@ def load_checkpoint(
     path = iteration_dir(root, iteration) / shard / "model_optim_rng.pt"
     if not path.exists():
         raise CheckpointError(f"{path} is missing: the checkpoint was saved with another parallel layout or is damaged")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a truncated or foreign file
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+
+
+def load_rank_file(root: str, shard: str, name: str) -> Any:
+    """A per-rank file (see `save_checkpoint`'s `rank_files`) of the newest checkpoint under `root`."""
+    iteration = latest_iteration(root)
+    path = iteration_dir(root, iteration if iteration is not None else 0) / shard / name
+    if not path.exists():
+        raise CheckpointError(
+            f"{path} is missing: the checkpoint holds no distributed-optimizer shard for this rank (saved without"
+            " --use-distributed-optimizer or with a smaller data-parallel size); relaunch with the saved run's"
+            " settings, or add --no-load-optim to start the optimizer afresh from the saved weights"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # a truncated or foreign file

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,6 +160,26 @@ class Config:
             "--fp8-dot-product-attention needs --transformer-impl transformer_engine (the local attention runs in"
             " bf16)",
         )
+        require(
+            not (self.optimizer.use_distributed_optimizer and prec.fp8_param_gather),
+            "--use-distributed-optimizer with --fp8-param-gather: the distributed optimizer gathers bf16 or fp32"
+            " weights, not FP8 ones yet; drop one of the two flags",
+        )
+        require(
+            model.transformer_impl == "transformer_engine" or not self.parallel.tp_comm_overlap,
+            "--tp-comm-overlap uses Transformer Engine's userbuffers; add --transformer-impl transformer_engine or"
+            " drop the flag",
+        )
+        require(
+            not (self.parallel.tp_comm_overlap and prec.fp8 and prec.fp8_recipe == "blockwise"),
+            "--tp-comm-overlap with --fp8-recipe blockwise: Transformer Engine's userbuffers gather per-tensor or"
+            " MXFP8 FP8 data only; use --fp8-recipe delayed or tensorwise, or drop --tp-comm-overlap",
+        )
+        if self.parallel.tp_comm_overlap and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+            self.notes.append(
+                "--tp-comm-overlap without CUDA_DEVICE_MAX_CONNECTIONS=1: the GPU may start a GEMM before the"
+                " communication it should overlap (Megatron-LM sets it to 1)"
+            )
         if model.transformer_impl == "transformer_engine":
             te_recipe.check_te_config(model, self.training.micro_batch_size, prec, self.parallel)
         self._check_cuda_graphs()

@@ -31,6 +31,11 @@ class OptimizerConfig:
     """Adam's epsilon."""
     clip_grad: float = 1.0
     """Clip the global gradient L2 norm to this value; 0 turns clipping off."""
+    use_distributed_optimizer: bool = False
+    """Shard the optimizer over the data-parallel ranks (Megatron-LM's distributed optimizer, ZeRO-1): each rank
+    keeps the fp32 main parameters and Adam moments of 1/dp of every gradient bucket and updates only those;
+    gradients are reduce-scattered instead of all-reduced and the updated parameters all-gathered. Checkpoints then
+    hold one optimizer file per data-parallel rank."""
 
     def finalize(self) -> None:
         require(self.lr >= 0, f"--lr must be >= 0, got {self.lr}")

@@ -16,6 +16,14 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Split the regions between tensor-parallel GEMMs (norms, dropout, residual adds) along the sequence over the
     tensor-parallel ranks: all-gather before the column-parallel GEMMs, reduce-scatter after the row-parallel ones."""
+    tp_comm_overlap: bool = False
+    """Overlap the sequence-parallel all-gathers and reduce-scatters with the GEMMs that consume or produce them,
+    through Transformer Engine's userbuffers (chunked GEMMs interleaved with peer-to-peer copies between the
+    tensor-parallel GPUs of one node). Needs --transformer-impl transformer_engine and --sequence-parallel; set
+    CUDA_DEVICE_MAX_CONNECTIONS=1 as Megatron-LM asks. Where NCCL's NVLink multicast is off (NCCL_NVLS_ENABLE=0),
+    the userbuffers skip multicast too (UB_SKIPMC=1)."""
+    tp_comm_bootstrap_backend: str = option("nccl", choices=["nccl", "gloo"])
+    """torch.distributed backend that exchanges the userbuffers' memory handles at startup (--tp-comm-overlap)."""
     decoder_first_pipeline_num_layers: int | None = None
     """Transformer layers on the first pipeline stage (uneven split); the rest are divided evenly."""
     decoder_last_pipeline_num_layers: int | None = None
@@ -37,6 +45,11 @@ class ParallelConfig:
         require(
             not self.sequence_parallel or self.tensor_model_parallel_size > 1,
             "--sequence-parallel needs --tensor-model-parallel-size > 1",
+        )
+        require(
+            not self.tp_comm_overlap or self.sequence_parallel,
+            "--tp-comm-overlap overlaps the sequence-parallel collectives with the GEMMs: add --sequence-parallel"
+            " (and --tensor-model-parallel-size > 1)",
         )
         for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
             value = getattr(self, name)

@@ -93,13 +93,24 @@ def te_linear(
     *,
     norm: bool = False,
     parts: int = 1,
+    ub_name: str,
 ) -> nn.Module:
     """A TE linear of the layer: `te.LayerNormLinear` (norm=True: the layer's input norm fused in; linear_qkv,
     linear_fc1) or `te.Linear`, column- or row-parallel over `tp` through TE's own arguments (TE all-gathers and
     reduce-scatters along the sequence with --sequence-parallel, as the local layers do).
 
-    `parts`: stacked matrices sharded separately (2 for SwiGLU's [gate; up]), see `mark_te_params`."""
+    `parts`: stacked matrices sharded separately (2 for SwiGLU's [gate; up]), see `mark_te_params`. `ub_name`: the
+    GEMM's name among TE's userbuffers ("qkv", "proj", "fc1", "fc2"); with --tp-comm-overlap the column-parallel
+    linears gather their input inside the forward GEMM and overlap their backward's all-gather and reduce-scatter
+    with the dgrad and wgrad GEMMs (bulk), and the row-parallel ones reduce-scatter inside the forward GEMM and
+    gather the output gradient inside the dgrad GEMM (Megatron-LM's defaults)."""
     te = _te()
+    column = parallel_mode == "column"
+    overlap = (
+        dict(ub_name=ub_name, ub_overlap_ag=True, ub_overlap_rs=not column, ub_bulk_dgrad=column, ub_bulk_wgrad=column)
+        if tp.comm_overlap
+        else {}
+    )
     common: dict[str, Any] = dict(
         bias=cfg.add_bias,
         init_method=sharded_normal_init(std, tp, 0 if parallel_mode == "column" else 1, parts),
@@ -109,6 +120,7 @@ def te_linear(
         tp_group=tp.group,
         tp_size=tp.size,
         sequence_parallel=tp.sequence_parallel,
+        **overlap,
     )
     if norm:
         module = te.LayerNormLinear(
@@ -183,8 +195,9 @@ class TESelfAttention(nn.Module):
         self.head_dim = cfg.kv_channels
         qkv_size = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.head_dim
         self.linear_qkv = te_linear(
-            cfg, cfg.hidden_size, qkv_size, "column", cfg.init_method_std, tp, params_dtype, device, norm=True
-        )
+            cfg, cfg.hidden_size, qkv_size, "column", cfg.init_method_std, tp, params_dtype, device, norm=True,
+            ub_name="qkv",
+        )  # fmt: skip
         self.core_attention = te.DotProductAttention(
             cfg.num_attention_heads,  # TE takes the totals and divides by the tensor-parallel size
             self.head_dim,
@@ -202,7 +215,7 @@ class TESelfAttention(nn.Module):
         self._qkv_rope = apply_fused_qkv_rotary_pos_emb
         self.linear_proj = te_linear(
             cfg, cfg.num_attention_heads * self.head_dim, cfg.hidden_size, "row", init_std_of_output(cfg), tp,
-            params_dtype, device,
+            params_dtype, device, ub_name="proj",
         )  # fmt: skip
 
     def forward(
@@ -271,11 +284,12 @@ class TEMLP(nn.Module):
         fc1_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
         self.linear_fc1 = te_linear(
             cfg, cfg.hidden_size, fc1_out, "column", cfg.init_method_std, tp, params_dtype, device, norm=True,
-            parts=2 if cfg.swiglu else 1,
+            parts=2 if cfg.swiglu else 1, ub_name="fc1",
         )  # fmt: skip
         self.linear_fc2 = te_linear(
-            cfg, cfg.ffn_hidden_size, cfg.hidden_size, "row", init_std_of_output(cfg), tp, params_dtype, device
-        )
+            cfg, cfg.ffn_hidden_size, cfg.hidden_size, "row", init_std_of_output(cfg), tp, params_dtype, device,
+            ub_name="fc2",
+        )  # fmt: skip
 
     def _fp8_quantizers(self) -> tuple[Any, Any]:
         """(linear_fc2's input quantizer, linear_fc1's output-gradient quantizer) for `_SwiGLU` to quantize with, or

@@ -4,6 +4,10 @@ Gradients come from `param.main_grad`, the fp32 accumulation buffers of `megatro
 (build those first). With fp32 parameters (CPU default) the optimizer updates the model's parameters directly.
 With bf16 parameters (`--bf16`) it keeps an fp32 *main* copy of every parameter, steps on that, and casts it back
 into the bf16 parameter once per step (not once per micro-batch).
+
+With sharded buffers (`--use-distributed-optimizer`) the same holds for the flattened *pieces* of the parameters
+that lie in this data-parallel rank's shard of each bucket: main copies, Adam moments, the update and the
+gradient-norm contribution cover those pieces only, and the buffers all-gather the updated parameters.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from torch import nn
 
 from megatron.config import OptimizerConfig
 from megatron.model.layers import is_fp8_param
+from megatron.parallel import GradientBuffers, counts_in_grad_norm
 
 
 def _initial_main_value(param: torch.Tensor) -> torch.Tensor:
@@ -36,23 +41,40 @@ def _no_weight_decay(name: str, param: nn.Parameter) -> bool:
 
 
 class MixedPrecisionAdamW:
-    def __init__(self, model: nn.Module, cfg: OptimizerConfig, fused: bool = False):
+    def __init__(
+        self, model: nn.Module, cfg: OptimizerConfig, fused: bool = False, buffers: GradientBuffers | None = None
+    ):
+        """`buffers`: the model's gradient buffers; needed when they are sharded (the distributed optimizer)."""
         self.cfg = cfg
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not all(hasattr(p, "main_grad") for p in self.params):
             raise RuntimeError("build megatron.parallel.GradientBuffers for the model before its optimizer")
+        self.buffers = buffers if buffers is not None and buffers.sharded else None
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
-        self.main_params = [_initial_main_value(p) for p in self.params] if self.mixed else self.params
-        self._fp8 = [(p, m) for p, m in zip(self.params, self.main_params) if is_fp8_param(p)]
-        self._plain = [(p, m) for p, m in zip(self.params, self.main_params) if not is_fp8_param(p)]
-        main_of = {id(p): m for p, m in zip(self.params, self.main_params)}
-        decay, no_decay = [], []
-        for name, param in model.named_parameters():
-            if param.requires_grad:
-                (no_decay if _no_weight_decay(name, param) else decay).append(main_of[id(param)])
+        if self.buffers is None:
+            owned = self.params
+            self._grads = [p.main_grad for p in self.params]
+            self.main_params = [_initial_main_value(p) for p in self.params] if self.mixed else self.params
+            targets = self.params
+        else:
+            # This rank's pieces: flat views of the parameters, of their gradients, and fp32 copies (bf16) or the
+            # views themselves (fp32) to step on.
+            self.pieces = [(p, r) for p in self.params if (r := self.buffers.owned_range(p)) is not None]
+            owned = [p for p, _ in self.pieces]
+            targets = [p.detach().view(-1)[a:b] for p, (a, b) in self.pieces]
+            self._grads = [p.main_grad.view(-1)[a:b] for p, (a, b) in self.pieces]
+            self.main_params = [t.float().clone() for t in targets] if self.mixed else targets
+        self._counted = [g for p, g in zip(owned, self._grads) if counts_in_grad_norm(p)]
+        self._fp8 = [(p, m) for p, m in zip(targets, self.main_params) if is_fp8_param(p)]
+        self._plain = [(p, m) for p, m in zip(targets, self.main_params) if not is_fp8_param(p)]
+        decay_of = {id(p): not _no_weight_decay(name, p) for name, p in model.named_parameters()}
+        decay = [m for p, m in zip(owned, self.main_params) if decay_of[id(p)]]
+        no_decay = [m for p, m in zip(owned, self.main_params) if not decay_of[id(p)]]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        # A rank whose shards hold only padding has nothing to step on; torch's optimizers refuse an empty list.
         self.optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]],
+            groups or [{"params": [torch.zeros(0, device=self.params[0].device)]}],
             lr=cfg.lr,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
@@ -60,8 +82,12 @@ class MixedPrecisionAdamW:
         )
 
     def grads(self) -> list[torch.Tensor]:
-        """The fp32 gradients the step uses."""
-        return [p.main_grad for p in self.params]
+        """The fp32 gradients the step uses (this rank's pieces with the distributed optimizer)."""
+        return self._grads
+
+    def norm_grads(self) -> list[torch.Tensor]:
+        """The gradients this rank contributes to the global norm (see `megatron.parallel.grad_norm`)."""
+        return self._counted
 
     def step(self, lr: float, grad_norm_fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip and take one AdamW step at `lr`; returns (grad norm, stepped) as 0-dim tensors on the gradients'
@@ -95,22 +121,37 @@ class MixedPrecisionAdamW:
 
     def _copy_main_to_model(self) -> None:
         """Model parameters <- fp32 main parameters: one batched copy (cast) for bf16 ones; FP8 ones quantize the
-        main value straight into their FP8 data (and, on Hopper, its transpose) with their recipe's scale."""
-        if not self.mixed:
-            return
-        with torch.no_grad():
-            if self._plain:
-                torch._foreach_copy_([p for p, _ in self._plain], [m for _, m in self._plain])
-            for param, main in self._fp8:
-                param.quantize_(main)
+        main value straight into their FP8 data (and, on Hopper, its transpose) with their recipe's scale. Sharded,
+        every rank then gathers the others' updated pieces."""
+        if self.mixed:
+            with torch.no_grad():
+                if self._plain:
+                    torch._foreach_copy_([p for p, _ in self._plain], [m for _, m in self._plain])
+                for param, main in self._fp8:
+                    param.quantize_(main)
+        if self.buffers is not None:
+            self.buffers.gather_params()
+
+    def shard_layout(self) -> list[tuple[int, int, int]] | None:
+        """(parameter index, start, stop) of each piece this rank steps on; None when not sharded. A checkpoint's
+        optimizer state fits only the same layout (same data-parallel size and buckets)."""
+        if self.buffers is None:
+            return None
+        index = {id(p): i for i, p in enumerate(self.params)}
+        return [(index[id(p)], a, b) for p, (a, b) in self.pieces]
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"optimizer": self.optimizer.state_dict()}
+        state = {"optimizer": self.optimizer.state_dict(), "shard_layout": self.shard_layout()}
         if self.mixed:
             state["main_params"] = [m.clone() for m in self.main_params]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("shard_layout") != self.shard_layout():
+            raise ValueError(
+                "the checkpoint's optimizer state is sharded differently (saved with another data-parallel size,"
+                " --ddp-bucket-size or --use-distributed-optimizer setting)"
+            )
         self.optimizer.load_state_dict(state["optimizer"])
         if self.mixed:
             if "main_params" not in state:
@@ -124,5 +165,5 @@ class MixedPrecisionAdamW:
         """Refresh the fp32 main copies from the model (after loading model weights without optimizer state)."""
         if self.mixed:
             with torch.no_grad():
-                for main, param in zip(self.main_params, self.params):
+                for param, main in self._plain + self._fp8:
                     main.copy_(param.dequantize() if is_fp8_param(param) else param)

@@ -2,13 +2,15 @@
 
 from .data_parallel import GradientBuffers
 from .dims import ParallelDims, init_distributed, world_size_from_env
-from .grads import grad_norm, reduce_model_parallel_grads
+from .grads import counts_in_grad_norm, grad_norm, reduce_sequence_parallel_grads, reduce_tied_embedding_grads
 
 __all__ = [
     "GradientBuffers",
     "ParallelDims",
+    "counts_in_grad_norm",
     "grad_norm",
     "init_distributed",
-    "reduce_model_parallel_grads",
+    "reduce_sequence_parallel_grads",
+    "reduce_tied_embedding_grads",
     "world_size_from_env",
 ]

@@ -12,6 +12,12 @@ accumulation steps: either all at the end (`finish()`), or — with `--overlap-g
 all-reduce starts asynchronously during the last micro-batch's backward as soon as all of its gradients are in,
 overlapping communication with the rest of the backward pass. Buckets are filled in reverse parameter order, the
 order backward produces gradients.
+
+With the distributed optimizer (`shard=True`) each bucket is split into dp equal, contiguous shards (padded to a
+multiple of dp); data-parallel rank r owns shard r. The buckets are reduce-scattered instead of all-reduced, so
+only the owned shard of `main_grad` holds the average afterwards (the rest is stale), and the parameters live in
+a bucket-shaped buffer of their own (`param.data` is a view into it) so that the optimizer, having updated the
+owned shard, all-gathers every bucket's parameters in one collective (`gather_params()`).
 """
 
 from __future__ import annotations
@@ -23,11 +29,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# torch 2.13 renamed the single-tensor collectives; the device image's torch 2.11 has the old names only.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# Shards are whole multiples of this many elements (512 bytes of fp32), so each starts aligned.
+_SHARD_ALIGN = 128
+
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], device: torch.device):
+    def __init__(self, params: list[nn.Parameter], device: torch.device, shards: int = 1):
         self.params = params
-        self.data = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
+        numel = sum(p.numel() for p in params)
+        if shards > 1:
+            unit = shards * _SHARD_ALIGN
+            numel = -(-numel // unit) * unit
+        self.data = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.param_data: torch.Tensor | None = None  # the distributed optimizer's parameter buffer
         self.pending = len(params)
         self.work: dist.Work | None = None
 
@@ -39,10 +57,17 @@ class GradientBuffers:
         dp_group: dist.ProcessGroup | None,
         overlap: bool = False,
         bucket_size: int = 40_000_000,
+        shard: bool = False,
     ):
-        """`bucket_size`: elements per bucket (Megatron-LM's default is 40M)."""
+        """`bucket_size`: elements per bucket (Megatron-LM's default is 40M); `shard`: for the distributed
+        optimizer (see the module docstring)."""
         self.group = dp_group
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
+        self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
+        self.sharded = shard
+        # NCCL averages inside the all-reduce; gloo has no AVG, so its buckets are divided first. On a GPU the
+        # division would be one more pass over every gradient byte, on the compute stream, during the backward.
+        self._nccl_avg = self.dp > 1 and dist.get_backend(dp_group) == "nccl"
         self.overlap = overlap and self.dp > 1
         self.is_last_micro_batch = True
         self._paused = False
@@ -53,19 +78,53 @@ class GradientBuffers:
         for param in reversed(params):
             current.append(param)
             if sum(p.numel() for p in current) >= bucket_size:
-                self.buckets.append(_Bucket(current, param.device))
+                self.buckets.append(_Bucket(current, param.device, self.dp if shard else 1))
                 current = []
         if current:
-            self.buckets.append(_Bucket(current, current[0].device))
-        self._bucket_of = {}
+            self.buckets.append(_Bucket(current, current[0].device, self.dp if shard else 1))
+        self._bucket_of: dict[nn.Parameter, _Bucket] = {}
+        self._offset_of: dict[nn.Parameter, int] = {}
         for bucket in self.buckets:
             offset = 0
             for param in bucket.params:
                 param.main_grad = bucket.data[offset : offset + param.numel()].view_as(param)
                 param.grad_added_to_main_grad = False
+                self._bucket_of[param], self._offset_of[param] = bucket, offset
                 offset += param.numel()
-                self._bucket_of[param] = bucket
                 param.register_post_accumulate_grad_hook(self._on_grad)
+            if shard:
+                self._move_params_into_buffer(bucket)
+
+    def _move_params_into_buffer(self, bucket: _Bucket) -> None:
+        dtypes = {p.dtype for p in bucket.params}
+        if len(dtypes) != 1 or any(type(p.data) is not torch.Tensor for p in bucket.params):
+            raise ValueError(
+                "the distributed optimizer gathers plain tensors of one dtype per bucket, got"
+                f" {sorted(map(str, dtypes))} (FP8 parameters are not supported with --use-distributed-optimizer)"
+            )
+        bucket.param_data = torch.zeros(bucket.data.numel(), dtype=dtypes.pop(), device=bucket.data.device)
+        with torch.no_grad():
+            for param in bucket.params:
+                offset = self._offset_of[param]
+                view = bucket.param_data[offset : offset + param.numel()].view_as(param)
+                view.copy_(param.data)
+                param.data = view
+
+    def _shard(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a bucket-sized flat tensor."""
+        size = flat.numel() // self.dp
+        return flat[self.dp_rank * size : (self.dp_rank + 1) * size]
+
+    def owned_range(self, param: nn.Parameter) -> tuple[int, int] | None:
+        """The [start, stop) range of `param`'s flattened elements that lie in this rank's shard (all of them when
+        not sharded), or None when none do."""
+        if not self.sharded:
+            return 0, param.numel()
+        bucket, offset = self._bucket_of[param], self._offset_of[param]
+        size = bucket.data.numel() // self.dp
+        start = max(offset, self.dp_rank * size)
+        stop = min(offset + param.numel(), (self.dp_rank + 1) * size)
+        return (start - offset, stop - offset) if start < stop else None
 
     def _on_grad(self, param: nn.Parameter) -> None:
         if self._paused:
@@ -82,8 +141,13 @@ class GradientBuffers:
                 self._start(bucket)
 
     def _start(self, bucket: _Bucket) -> None:
-        bucket.data.div_(self.dp)
-        bucket.work = dist.all_reduce(bucket.data, group=self.group, async_op=True)
+        op = dist.ReduceOp.AVG if self._nccl_avg else dist.ReduceOp.SUM
+        if not self._nccl_avg:
+            bucket.data.div_(self.dp)
+        if self.sharded:  # in place: this rank's shard of the bucket receives the average
+            bucket.work = _reduce_scatter(self._shard(bucket.data), bucket.data, op, group=self.group, async_op=True)
+        else:
+            bucket.work = dist.all_reduce(bucket.data, op, group=self.group, async_op=True)
 
     def finish(self) -> None:
         """Complete the data-parallel average of every bucket (call after the last micro-batch's backward)."""
@@ -95,6 +159,13 @@ class GradientBuffers:
                 bucket.work.wait()
                 bucket.work = None
         self._reset_pending()
+
+    def gather_params(self) -> None:
+        """After the distributed optimizer has written its shard of every bucket's parameters: all-gather them, so
+        every rank holds the whole updated model."""
+        if self.sharded and self.dp > 1:
+            for bucket in self.buckets:
+                _all_gather(bucket.param_data, self._shard(bucket.param_data), group=self.group)
 
     def _reset_pending(self) -> None:
         for bucket in self.buckets:

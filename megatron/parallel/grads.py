@@ -30,25 +30,42 @@ def _all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
         offset += t.numel()
 
 
-def reduce_model_parallel_grads(params: list[nn.Parameter], dims: ParallelDims) -> None:
-    """Sum the partial gradients of sequence-parallel parameters over TP and tied embeddings over first/last
-    stage (call after the data-parallel reduction, before clipping)."""
-    if dims.tp > 1:
-        _all_reduce_coalesced([p.main_grad for p in params if getattr(p, "sequence_parallel", False)], dims.tp_group)
+def reduce_tied_embedding_grads(params: list[nn.Parameter], dims: ParallelDims) -> None:
+    """Sum the tied embedding's gradient over its first- and last-stage copies. Call before the data-parallel
+    reduction: the distributed optimizer shards the two stages' buckets differently, so afterwards the parts of
+    the two copies that hold the average need not line up (the sum commutes with the data-parallel average)."""
     if dims.pp > 1:
         shared = [p.main_grad for p in params if getattr(p, "shared_embedding", False)]
         _all_reduce_coalesced(shared, dims.embedding_group)
 
 
-def grad_norm(params: list[nn.Parameter], dims: ParallelDims) -> torch.Tensor:
-    """Global L2 norm of the model's gradient: squares summed over this rank's non-duplicate parameters, then
-    over the model-parallel group (tensor x pipeline). Data-parallel replicas already hold averaged gradients."""
-    grads = [p.main_grad for p in params if not getattr(p, "grad_norm_duplicate", False)]
+def reduce_sequence_parallel_grads(params: list[nn.Parameter], dims: ParallelDims) -> None:
+    """Sum the partial gradients of sequence-parallel parameters over the tensor-parallel group (call after the
+    data-parallel reduction, before clipping; tensor-parallel peers shard their buckets alike)."""
+    if dims.tp > 1:
+        _all_reduce_coalesced([p.main_grad for p in params if getattr(p, "sequence_parallel", False)], dims.tp_group)
+
+
+def counts_in_grad_norm(param: nn.Parameter) -> bool:
+    """False for copies whose gradient another rank already counts (see the module docstring)."""
+    return not getattr(param, "grad_norm_duplicate", False)
+
+
+def grad_norm(
+    grads: list[torch.Tensor], dims: ParallelDims, sharded: bool = False, device: torch.device | None = None
+) -> torch.Tensor:
+    """Global L2 norm of the model's gradient from this rank's part of it (`grads`: the gradients of its
+    parameters that `counts_in_grad_norm`, or with the distributed optimizer (`sharded`) their parts in this rank's
+    shard): squares summed here, then over the model-parallel group (tensor x pipeline), and over the data-parallel
+    group when each replica holds a different shard. `device`: where the sum lives when this rank has no
+    gradients."""
     if grads:
         norms = torch._foreach_norm(grads)
         squares = torch.stack([n.float() for n in norms]).square().sum()
     else:
-        squares = torch.zeros((), device=params[0].main_grad.device if params else "cpu")
+        squares = torch.zeros((), device=device)
+    if sharded and dims.dp_group is not None:
+        dist.all_reduce(squares, group=dims.dp_group)
     if dims.mp_group is not None:
         dist.all_reduce(squares, group=dims.mp_group)
     return squares.sqrt()

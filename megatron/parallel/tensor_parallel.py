@@ -24,12 +24,14 @@ import torch.distributed as dist
 @dataclass(frozen=True)
 class TensorParallel:
     """What a layer needs to know about tensor parallelism: its group, its rank and whether the regions between
-    the tensor-parallel GEMMs (norms, dropout, residuals) are split along the sequence (--sequence-parallel)."""
+    the tensor-parallel GEMMs (norms, dropout, residuals) are split along the sequence (--sequence-parallel), and
+    whether the TE layers overlap those collectives with their GEMMs (--tp-comm-overlap)."""
 
     group: dist.ProcessGroup | None = None
     size: int = 1
     rank: int = 0
     sequence_parallel: bool = False
+    comm_overlap: bool = False
 
     def shard(self, full: torch.Tensor, dim: int, parts: int = 1) -> torch.Tensor:
         """This rank's slice of `full` along `dim`. With parts > 1 (SwiGLU's [gate; up]) each of the parts is

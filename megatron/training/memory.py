@@ -1,7 +1,7 @@
 """A start-of-run memory estimate, per GPU (Megatron-LM's accounting, before fragmentation and workspaces).
 
 Weights and optimizer: parameter bytes (2 in bf16, 4 in fp32) + fp32 main copy (bf16 only) + fp32 gradient
-(accumulation buffer) + two fp32 Adam moments.
+(accumulation buffer) + two fp32 Adam moments; the distributed optimizer keeps 1/dp of the main copy and moments.
 Activations of one micro-batch without recomputation, Korthikanti et al. (2022), for 16-bit activations: per layer
 s * b * h * (34 + 5 * a * s / h) bytes; SDPA's fused kernels do not keep the a * s * s attention matrix, so we drop
 that term. With tensor parallelism t that is s * b * h * (10 + 24 / t), and 34 * s * b * h / t with sequence
@@ -25,9 +25,10 @@ def memory_estimate_lines(
     """`num_params`: this rank's parameters; `num_layers`: this pipeline stage's layers (default: all)."""
     param_bytes = 2 if dtype == torch.bfloat16 else 4
     weights = num_params * param_bytes
-    main_copy = num_params * 4 if dtype == torch.bfloat16 else 0
+    shards = cfg.data_parallel_size if cfg.optimizer.use_distributed_optimizer else 1
+    main_copy = num_params * 4 / shards if dtype == torch.bfloat16 else 0
     grads = num_params * 4
-    adam = num_params * 8
+    adam = num_params * 8 / shards
     m = cfg.model
     s, b, h = m.seq_length, cfg.training.micro_batch_size, m.hidden_size
     act_scale = 1.0 if dtype == torch.bfloat16 else 2.0

@@ -22,8 +22,10 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from megatron.checkpoint import (
+    CheckpointError,
     check_model_state,
     load_checkpoint,
+    load_rank_file,
     model_parallel_name,
     rng_state,
     save_checkpoint,
@@ -33,7 +35,14 @@ from megatron.config import Config
 from megatron.data import PretrainingSampler, build_datasets, build_tokenizer, padded_vocab_size
 from megatron.model import GPTModel, Stage, count_parameters
 from megatron.optim import MixedPrecisionAdamW, learning_rate
-from megatron.parallel import GradientBuffers, ParallelDims, grad_norm, init_distributed, reduce_model_parallel_grads
+from megatron.parallel import (
+    GradientBuffers,
+    ParallelDims,
+    grad_norm,
+    init_distributed,
+    reduce_sequence_parallel_grads,
+    reduce_tied_embedding_grads,
+)
 from megatron.parallel.pipeline import forward_backward_1f1b, forward_only, stage_layer_numbers
 from megatron.parallel.tensor_parallel import TensorParallel
 
@@ -75,7 +84,11 @@ class Trainer:
         )
         self.dtype = torch.bfloat16 if cfg.precision.bf16 else torch.float32
         dims, par = self.dims, cfg.parallel
-        self.tp = TensorParallel(dims.tp_group, dims.tp, dims.tp_rank, par.sequence_parallel)
+        self.tp = TensorParallel(dims.tp_group, dims.tp, dims.tp_rank, par.sequence_parallel, par.tp_comm_overlap)
+        if par.tp_comm_overlap:  # TE's userbuffers must exist before the TE modules that use them are built
+            from megatron.model.te_comm_overlap import initialize_userbuffers
+
+            initialize_userbuffers(cfg, dims.tp)
         layers = stage_layer_numbers(
             cfg.model.num_layers,
             dims.pp,
@@ -100,8 +113,11 @@ class Trainer:
         # Under the pipeline schedule the last micro-batch's backward is not the last backward of the step on every
         # stage, so the buckets are reduced after the schedule there.
         overlap = par.overlap_grad_reduce and dims.pp == 1
-        self.grad_buffers = GradientBuffers(self.model, dims.dp_group, overlap, par.ddp_bucket_size)
-        self.optimizer = MixedPrecisionAdamW(self.model, cfg.optimizer, fused=self.device.type == "cuda")
+        sharded = cfg.optimizer.use_distributed_optimizer
+        self.grad_buffers = GradientBuffers(self.model, dims.dp_group, overlap, par.ddp_bucket_size, sharded)
+        self.optimizer = MixedPrecisionAdamW(
+            self.model, cfg.optimizer, fused=self.device.type == "cuda", buffers=self.grad_buffers
+        )
         self.state = TrainState()
         self._load()
         self.datasets = build_datasets(cfg, self.tokenizer, self.vocab_size)
@@ -184,11 +200,38 @@ class Trainer:
         if ckpt_cfg.no_load_optim:
             self.optimizer.reload_model_params()
         else:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self._load_optimizer(state)
         if not ckpt_cfg.no_load_rng:
             set_rng_state(state["rng"])
         if self.fp8 is not None and state.get("fp8") is not None:
             self.fp8.load_state_dict(state["fp8"])
+
+    def _optimizer_file(self) -> str:
+        """This data-parallel rank's optimizer shard in a checkpoint (--use-distributed-optimizer)."""
+        return f"optim_dp_rank_{self.dims.dp_rank:03d}.pt"
+
+    def _load_optimizer(self, state: dict[str, Any]) -> None:
+        load = self.cfg.checkpoint.load
+        fix = "relaunch with the saved run's settings, or add --no-load-optim to start the optimizer afresh"
+        if self.grad_buffers.sharded:
+            saved = load_rank_file(load, self._shard_name(), self._optimizer_file())
+            if saved["dp"] != self.dims.dp:
+                raise CheckpointError(
+                    f"checkpoint {load}: its distributed-optimizer state was saved with data-parallel size"
+                    f" {saved['dp']}, this run has {self.dims.dp}; {fix}"
+                )
+            optimizer_state = saved["optimizer"]
+        else:
+            optimizer_state = state["optimizer"]
+            if optimizer_state is None:
+                raise CheckpointError(
+                    f"checkpoint {load}: its optimizer state is sharded (saved with --use-distributed-optimizer);"
+                    f" add --use-distributed-optimizer with the same data-parallel size, or {fix}"
+                )
+        try:
+            self.optimizer.load_state_dict(optimizer_state)
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint {load}: {exc}; {fix}") from exc
 
     def _layout(self) -> dict[str, int]:
         return {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp}
@@ -197,9 +240,11 @@ class Trainer:
         return model_parallel_name(self.dims.tp_rank, self.dims.pp_rank, self.dims.pp)
 
     def save(self) -> None:
+        sharded = self.grad_buffers.sharded  # then each data-parallel rank saves its optimizer shard
+        optimizer_state = self.optimizer.state_dict()
         state: dict[str, Any] = {
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": None if sharded else optimizer_state,
             "scheduler": {"num_steps": self.state.iteration},
             "rng": rng_state(),
             "consumed_samples": self.state.consumed_samples,
@@ -216,6 +261,7 @@ class Trainer:
             writer=self.dims.is_checkpoint_writer,
             shard=self._shard_name(),
             layout=self._layout(),
+            rank_files={self._optimizer_file(): {"optimizer": optimizer_state, "dp": self.dims.dp}} if sharded else {},
         )
         print_rank_0(f"  successfully saved checkpoint at iteration {self.state.iteration:7d} to {path}")
 
@@ -283,12 +329,15 @@ class Trainer:
                 (loss / num_micro).backward()
                 total += loss.detach().float()
         fp8_finite = self.fp8.step() if self.fp8 is not None else True
+        params, sharded = self.optimizer.params, self.grad_buffers.sharded
+        reduce_tied_embedding_grads(params, self.dims)
         self.grad_buffers.finish()
-        params = self.optimizer.params
-        reduce_model_parallel_grads(params, self.dims)
+        reduce_sequence_parallel_grads(params, self.dims)
         norm, stepped = torch.tensor(float("nan")), torch.tensor(False)
         if fp8_finite:
-            norm, stepped = self.optimizer.step(lr, lambda: grad_norm(params, self.dims))
+            norm, stepped = self.optimizer.step(
+                lr, lambda: grad_norm(self.optimizer.norm_grads(), self.dims, sharded, self.device)
+            )
         self.grad_buffers.zero()
         # The host waits for the GPU only here, with the whole step queued (the loss first; norm and the skip
         # decision are ready by then).

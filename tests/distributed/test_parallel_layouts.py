@@ -70,14 +70,26 @@ def _parse(flags: str, world_size: int):
     )
 
 
+def _owned_grad(param, buffers) -> torch.Tensor:
+    """The parameter's averaged gradient where this rank holds it: all of it, or with the distributed optimizer its
+    pieces in this rank's shard (zeros elsewhere; the data-parallel ranks' parts add up to the whole)."""
+    grad = param.main_grad.detach().cpu().clone()
+    if buffers.sharded:
+        owned = torch.zeros_like(grad).view(-1)
+        if (piece := buffers.owned_range(param)) is not None:
+            owned[piece[0] : piece[1]] = grad.view(-1)[piece[0] : piece[1]]
+        grad = owned.view_as(grad)
+    return grad
+
+
 def _record(flags: str, world_size: int) -> dict:
     """Train STEPS iterations; return losses, each step's gradients (before clipping) and shard metadata."""
     trainer = Trainer(_parse(f"{flags} --train-iters {STEPS}", world_size))
-    model, grads = trainer.model, []
+    model, grads, buffers = trainer.model, [], trainer.grad_buffers
     inner = trainer.optimizer.step
 
     def step(lr, grad_norm_fn):
-        grads.append({_global_name(n, model): p.main_grad.cpu().clone() for n, p in model.named_parameters()})
+        grads.append({_global_name(n, model): _owned_grad(p, buffers) for n, p in model.named_parameters()})
         return inner(lr, grad_norm_fn)
 
     trainer.optimizer.step = step
@@ -90,6 +102,7 @@ def _record(flags: str, world_size: int) -> dict:
         "grads": grads,
         "specs": specs,
         "coords": (dims.tp_rank, dims.pp_rank, dims.dp_rank),
+        "sharded": buffers.sharded,
     }
 
 
@@ -119,7 +132,16 @@ def _layouts_body(
 
 
 def _assemble(records: list[dict]) -> dict:
-    """Rebuild full-size gradients from the data-parallel-rank-0 shards of every tensor x pipeline rank."""
+    """Rebuild full-size gradients from the data-parallel-rank-0 shards of every tensor x pipeline rank (with the
+    distributed optimizer: the sum of the data-parallel ranks' parts)."""
+    if records[0].get("sharded"):
+        for rec in records:
+            if rec["coords"][2] == 0:
+                replicas = [r for r in records if r["coords"][:2] == rec["coords"][:2]]
+                rec["grads"] = [
+                    {name: sum(r["grads"][step][name] for r in replicas) for name in rec["grads"][step]}
+                    for step in range(STEPS)
+                ]
     records = [r for r in records if r["coords"][2] == 0]
     steps = []
     for step in range(STEPS):

@@ -19,7 +19,7 @@ import torch
 
 from megatron.fp8.te_recipe import te_import_error
 from tests.dist_utils import run_distributed
-from tests.distributed.test_parallel_layouts import LAYOUTS_2, LAYOUTS_4, _check, _layouts_body
+from tests.distributed.test_parallel_layouts import BASE, FP8, LAYOUTS_2, LAYOUTS_4, _check, _layouts_body, _record
 
 TE = "--transformer-impl transformer_engine"
 TOLS = ((1e-4, 3e-2), (1e-2, 5e-1))
@@ -38,7 +38,8 @@ pytestmark = [
 GRAPHS = " --cuda-graph-impl transformer_engine"
 # Tensor + sequence parallelism and the pipeline (DP is plain data parallelism around the same TE layers, covered on
 # the CPU), each also with FP8; a save/resume under TE tensor parallelism; and the CUDA-graphed layers under TP + SP
-# and under overlapped DP (gradient hooks firing after each layer's backward replay). One spawn per group, so a
+# and under overlapped DP (gradient hooks firing after each layer's backward replay), also with the distributed
+# optimizer (parameters moved into its gather buffer before the graphs capture them). One spawn per group, so a
 # failure or a hang names its group.
 GROUPS_2 = {
     "tp2_sp": ({"tp2_sp": LAYOUTS_2["tp2_sp"]}, {"tp2_sp"}),
@@ -47,6 +48,7 @@ GROUPS_2 = {
         {
             "tp2_sp_graphs": LAYOUTS_2["tp2_sp"] + GRAPHS,
             "dp2_graphs": "--overlap-grad-reduce --ddp-bucket-size 3000" + GRAPHS,
+            "dp2_distopt_graphs": "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000" + GRAPHS,
         },
         set(),
     ),
@@ -68,3 +70,53 @@ def test_te_four_gpu_layouts_match_one_gpu(tmp_path):
     fp8 = set(LAYOUTS_4)
     run_distributed(_layouts_body, world_size=4, args=(str(tmp_path), LAYOUTS_4, fp8, set(), (), TE), backend="nccl")
     _check(tmp_path, LAYOUTS_4, fp8, 4, impl=TE, tols=TOLS)
+
+
+# --tp-comm-overlap (TE userbuffers) changes how the sequence-parallel collectives run, not what they compute: the
+# same TP=2 + SP run with and without it. A model large enough for the userbuffers' chunked GEMMs (FP8 GEMMs need
+# 16-row chunks: 128 x 2 tokens split 4 ways). Measured on two H200s: losses and gradients bitwise identical in
+# every variant (the chunks multiply the same rows, and a sum of two partials does not depend on its order); the
+# tolerances leave room for other GEMM kernels on other GPUs, far below what a wrong chunk or a lost reduction costs.
+UB_MODEL = (
+    BASE.replace("--hidden-size 32", "--hidden-size 128")
+    .replace("--ffn-hidden-size 64", "--ffn-hidden-size 256")
+    .replace("--seq-length 16", "--seq-length 128")
+    .replace("--num-layers 4", "--num-layers 2")
+    .replace("--transformer-impl local", TE)
+    + " --tensor-model-parallel-size 2 --sequence-parallel"
+)
+UB_VARIANTS = {
+    "bf16": " --bf16",
+    "delayed": FP8,
+    "tensorwise": " --fp8-format hybrid --fp8-recipe tensorwise --lr 1e-3",
+    "delayed_graphs": FP8 + GRAPHS,
+}
+UB_TOLS = (1e-5, 1e-3)
+
+
+def _ub_body(rank, world_size, out_dir):
+    from transformer_engine.pytorch.module import base as te_base
+
+    for name, extra in UB_VARIANTS.items():
+        for overlap in ("", " --tp-comm-overlap"):
+            record = _record(UB_MODEL + extra + overlap, world_size)
+            torch.save(record, f"{out_dir}/{name}{'_ub' if overlap else ''}.rank{rank}.pt")
+    te_base.destroy_ub()
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs (device kind nvidia-h200-x2)")
+def test_tp_comm_overlap_trains_as_nccl_collectives_do(tmp_path):
+    run_distributed(_ub_body, world_size=2, args=(str(tmp_path),), backend="nccl")
+    loss_rtol, grad_rtol = UB_TOLS
+    for name in UB_VARIANTS:
+        for rank in range(2):
+            want = torch.load(tmp_path / f"{name}.rank{rank}.pt", weights_only=False)
+            got = torch.load(tmp_path / f"{name}_ub.rank{rank}.pt", weights_only=False)
+            worst = 0.0
+            for step, (g_step, w_step) in enumerate(zip(got["grads"], want["grads"])):
+                for param, expected in w_step.items():
+                    error = (g_step[param] - expected).abs().max().item() / (expected.abs().max().item() + 1e-12)
+                    worst = max(worst, error)
+                    assert error <= grad_rtol, f"{name} rank {rank} step {step + 1} {param}: {error:.3g}"
+            print(f"{name} rank {rank}: losses {got['losses']} vs {want['losses']}, worst gradient {worst:.3g}")
+            assert got["losses"] == pytest.approx(want["losses"], rel=loss_rtol), name

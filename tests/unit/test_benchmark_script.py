@@ -21,6 +21,10 @@ def test_multi_gpu_layouts_launch_torchrun_with_the_layout_flags():
     assert graphs[graphs.index("--cuda-graph-impl") + 1] == "transformer_engine" and "--fp8-recipe" in graphs
     weak = benchmark.command("llama-1b", "te-delayed", 10, 5, "tp2_dp2", weak=True)
     assert weak[len(weak) - 1 - weak[::-1].index("--global-batch-size") + 1] == "32"  # the last one wins: 16 x dp 2
+    overlap = benchmark.command("llama-1b", "te-delayed", 10, 5, "tp2_overlap")
+    assert "--tp-comm-overlap" in overlap and "--sequence-parallel" in overlap
+    assert benchmark.run_env("tp2_overlap")["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert benchmark.run_env("dp2")["NCCL_NVLS_ENABLE"] == "0"
 
 
 def test_table_reports_speedup_and_scaling():
@@ -64,11 +68,22 @@ def test_parse_log_reads_the_last_iteration_line_and_peak_memory():
 
 
 def test_idle_between_kernels_splits_long_and_short_gaps():
-    from types import SimpleNamespace
+    # kernels at 0-100, 90-150 (overlapping), 155-200 (5 us gap), 300-400 (100 us gap)
+    spans = [(0, 100, "a"), (90, 150, "b"), (155, 200, "c"), (300, 400, "d")]
+    assert benchmark._idle_between_kernels(spans) == (0.1, 0.005)
 
-    def event(start, end, device="cuda"):
-        return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), device_type=device)
 
-    # kernels at 0-100, 90-150 (overlapping), 155-200 (5 us gap), 300-400 (100 us gap); a host event is ignored
-    events = [event(0, 100), event(90, 150), event(155, 200), event(300, 400), event(150, 300, device="cpu")]
-    assert benchmark._idle_between_kernels(events, "cuda") == (0.1, 0.005)
+def test_exposed_communication_is_communication_time_no_other_kernel_covers():
+    # an all-reduce at 50-250 under GEMMs at 0-100 and 120-200: exposed 100-120 and 200-250; a reduce-scatter at
+    # 300-340 alone; a peer-to-peer copy at 400-420 under a GEMM; two communication kernels overlapping count once
+    spans = [
+        (0, 100, "sm90_gemm"),
+        (50, 250, "ncclDevKernel_AllReduce_Sum_f32_RING_LL"),
+        (60, 90, "ncclDevKernel_AllReduce_Sum_f32_RING_LL"),
+        (120, 200, "nvjet_gemm"),
+        (300, 340, "ncclDevKernel_ReduceScatter"),
+        (400, 420, "Memcpy PtoP (Device -> Device)"),
+        (390, 450, "sm90_gemm"),
+    ]
+    assert benchmark._exposed_communication(spans) == 20 + 50 + 40
+    assert benchmark._union([(5, 9), (0, 2), (1, 3), (9, 10)]) == [(0, 3), (5, 10)]

@@ -9,7 +9,12 @@ import megatron
 from megatron.config import all_flags
 
 ROOT = Path(__file__).resolve().parents[2]
-TE_MODULES = {"megatron/fp8/te_recipe.py", "megatron/model/te_layers.py", "megatron/model/cuda_graphs.py"}
+TE_MODULES = {
+    "megatron/fp8/te_recipe.py",
+    "megatron/model/te_layers.py",
+    "megatron/model/cuda_graphs.py",
+    "megatron/model/te_comm_overlap.py",
+}
 
 
 def test_flag_list_matches_snapshot():

@@ -327,3 +327,38 @@ def test_fp8_attention_head_size_on_hopper():
     check_fp8_attention_on_gpu(64, (10, 0), "NVIDIA B200")
     with pytest.raises(ConfigError, match=r"needs a head size of 128 .* \(--kv-channels\) is 64: drop the flag"):
         check_fp8_attention_on_gpu(64, (9, 0), "NVIDIA H100")
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ("--transformer-impl transformer_engine", "--tp-comm-overlap overlaps the sequence-parallel collectives"),
+        ("--transformer-impl local --sequence-parallel", "add --transformer-impl transformer_engine or drop the flag"),
+        (
+            "--transformer-impl transformer_engine --sequence-parallel --fp8-format e4m3 --fp8-recipe blockwise",
+            "gather per-tensor or MXFP8 FP8 data only; use --fp8-recipe delayed or tensorwise",
+        ),
+    ],
+)
+def test_tp_comm_overlap_needs_te_sequence_parallel_and_a_gatherable_recipe(te_present, extra, expected):
+    layout = "--tp-comm-overlap --tensor-model-parallel-size 2"
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        parse(f"{layout} {extra}", device_type="cuda", world_size=2)
+    te_sp = "--transformer-impl transformer_engine --sequence-parallel --fp8-format hybrid"
+    cfg = parse(f"{layout} {te_sp}", device_type="cuda", world_size=2)
+    assert cfg.parallel.tp_comm_overlap and cfg.parallel.tp_comm_bootstrap_backend == "nccl"
+
+
+def test_tp_comm_overlap_notes_cuda_device_max_connections(te_present, monkeypatch):
+    flags = "--tp-comm-overlap --tensor-model-parallel-size 2 --sequence-parallel --transformer-impl transformer_engine"
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    assert any("CUDA_DEVICE_MAX_CONNECTIONS=1" in n for n in parse(flags, device_type="cuda", world_size=2).notes)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    assert not any("CUDA_DEVICE_MAX_CONNECTIONS" in n for n in parse(flags, device_type="cuda", world_size=2).notes)
+
+
+def test_distributed_optimizer_refuses_fp8_parameters(te_present):
+    flags = "--use-distributed-optimizer --transformer-impl transformer_engine --fp8-format hybrid"
+    with pytest.raises(ConfigError, match="gathers bf16 or fp32 weights, not FP8 ones yet; drop one of the two"):
+        parse(f"{flags} --fp8-param-gather", device_type="cuda", world_size=2)
+    assert parse(flags, device_type="cuda", world_size=2).optimizer.use_distributed_optimizer
