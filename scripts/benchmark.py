@@ -70,7 +70,11 @@ GRAPHS = "+graphs"  # suffix of a config run with --cuda-graph-impl transformer_
 LAYOUTS = {  # name: (GPUs, flags)
     "1gpu": (1, ""),
     "dp2": (2, "--overlap-grad-reduce"),
-    "dp2_distopt": (2, "--overlap-grad-reduce --use-distributed-optimizer"),
+    "dp2_distopt": (2, "--overlap-grad-reduce --use-distributed-optimizer --overlap-param-gather"),
+    "dp2_distopt_tpamax": (
+        2,
+        "--overlap-grad-reduce --use-distributed-optimizer --overlap-param-gather --tp-only-amax-red",
+    ),
     "tp2": (2, "--tensor-model-parallel-size 2 --sequence-parallel"),
     "tp2_overlap": (2, "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"),
     "pp2": (2, "--pipeline-model-parallel-size 2"),
@@ -303,10 +307,11 @@ def profile(argv: list[str], steps: int, warmup: int = 2, top: int = 15) -> str:
         f" behind), {idle_short / steps:.1f} ms in shorter ones (launch latency)",
     ]
     if by_category.get("communication"):
-        exposed = _exposed_communication(spans) / 1e3 / steps
+        exposed = {name: us / 1e3 / steps for name, us in _exposed_communication(spans).items()}
         lines.append(
-            f"communication: {by_category['communication']:.1f} ms of kernels and copies per step, {exposed:.1f} ms"
-            " of it with no other kernel running (exposed)"
+            f"communication: {by_category['communication']:.1f} ms of kernels and copies per step,"
+            f" {sum(exposed.values()):.1f} ms of it with no other kernel running (exposed): "
+            + ", ".join(f"{name} {ms:.1f}" for name, ms in sorted(exposed.items(), key=lambda kv: -kv[1])[:4])
         )
     lines += ["", "| category | ms/step | share of kernel time |", "|---|---:|---:|"]
     for category, ms in sorted(by_category.items(), key=lambda kv: -kv[1]):
@@ -332,20 +337,22 @@ def _length(intervals: list[tuple[float, float]]) -> float:
     return sum(stop - start for start, stop in intervals)
 
 
-def _exposed_communication(spans: list[tuple[float, float, str]]) -> float:
-    """Time (us) in which a communication kernel or copy runs and no other kernel does: what overlapping the
-    communication with computation has not hidden."""
-    comm = _union([(a, b) for a, b, name in spans if re.search(COMMUNICATION, name, re.IGNORECASE)])
+def _exposed_communication(spans: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Time (us) in which a communication kernel or copy runs and no other kernel does, by communication kernel:
+    what overlapping the communication with computation has not hidden. Where communication kernels overlap each
+    other, the time counts once, for the one that started first."""
     compute = _union([(a, b) for a, b, name in spans if not re.search(COMMUNICATION, name, re.IGNORECASE)])
-    hidden, j = 0.0, 0
-    for start, stop in comm:
-        while j < len(compute) and compute[j][1] <= start:
-            j += 1
-        k = j
-        while k < len(compute) and compute[k][0] < stop:
-            hidden += min(stop, compute[k][1]) - max(start, compute[k][0])
-            k += 1
-    return _length(comm) - hidden
+    exposed: dict[str, float] = {}
+    covered = 0.0  # communication time already attributed (a later kernel's overlap with it is not counted again)
+    for start, stop, name in sorted(s for s in spans if re.search(COMMUNICATION, s[2], re.IGNORECASE)):
+        start = max(start, covered)
+        if start >= stop:
+            continue
+        covered = stop
+        hidden = sum(max(0.0, min(stop, b) - max(start, a)) for a, b in compute if a < stop and b > start)
+        key = re.sub(r"\(.*", "", name).strip()[:60]
+        exposed[key] = exposed.get(key, 0.0) + (stop - start) - hidden
+    return exposed
 
 
 def _idle_between_kernels(spans: list[tuple[float, float, str]]) -> tuple[float, float]:

@@ -161,6 +161,17 @@ class Config:
             " bf16)",
         )
         require(
+            model.transformer_impl == "transformer_engine" or not prec.tp_only_amax_red,
+            "--tp-only-amax-red applies to Transformer Engine's amax reductions; the local FP8 engine reduces its"
+            " amaxes over all tensor x data parallel ranks once per step, which also keeps the replicas' inf/NaN"
+            " step skipping in agreement; drop the flag or add --transformer-impl transformer_engine",
+        )
+        require(
+            self.optimizer.use_distributed_optimizer or not self.parallel.overlap_param_gather,
+            "--overlap-param-gather overlaps the distributed optimizer's parameter all-gathers: add"
+            " --use-distributed-optimizer or drop the flag",
+        )
+        require(
             not (self.optimizer.use_distributed_optimizer and prec.fp8_param_gather),
             "--use-distributed-optimizer with --fp8-param-gather: the distributed optimizer gathers bf16 or fp32"
             " weights, not FP8 ones yet; drop one of the two flags",

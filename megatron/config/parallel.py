@@ -32,6 +32,9 @@ class ParallelConfig:
     """Start each gradient bucket's data-parallel all-reduce during the last micro-batch's backward pass, as soon as
     the bucket is complete, instead of after it (with pipeline parallelism the buckets are reduced after the
     schedule)."""
+    overlap_param_gather: bool = False
+    """With --use-distributed-optimizer: all-gather the updated parameters asynchronously, and let each module of
+    the next forward pass wait only for its own bucket, so the gathers overlap the forward pass."""
     ddp_bucket_size: int = 40_000_000
     """Gradient elements per data-parallel all-reduce bucket."""
     distributed_backend: str | None = option(None, choices=["nccl", "gloo"])

@@ -17,7 +17,10 @@ With the distributed optimizer (`shard=True`) each bucket is split into dp equal
 multiple of dp); data-parallel rank r owns shard r. The buckets are reduce-scattered instead of all-reduced, so
 only the owned shard of `main_grad` holds the average afterwards (the rest is stale), and the parameters live in
 a bucket-shaped buffer of their own (`param.data` is a view into it) so that the optimizer, having updated the
-owned shard, all-gathers every bucket's parameters in one collective (`gather_params()`).
+owned shard, all-gathers every bucket's parameters in one collective (`gather_params()`). With
+`--overlap-param-gather` those all-gathers run asynchronously, last bucket (the first layers) first, and the next
+forward pass waits for each bucket just before the first module that uses it (`wait_for_params_in_forward`), so
+the gathers overlap the forward pass instead of preceding it.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class _Bucket:
         self.param_data: torch.Tensor | None = None  # the distributed optimizer's parameter buffer
         self.pending = len(params)
         self.work: dist.Work | None = None
+        self.gather: dist.Work | None = None  # an overlapped parameter all-gather still in flight
 
 
 class GradientBuffers:
@@ -58,13 +62,15 @@ class GradientBuffers:
         overlap: bool = False,
         bucket_size: int = 40_000_000,
         shard: bool = False,
+        overlap_param_gather: bool = False,
     ):
         """`bucket_size`: elements per bucket (Megatron-LM's default is 40M); `shard`: for the distributed
-        optimizer (see the module docstring)."""
+        optimizer, `overlap_param_gather`: its all-gathers asynchronous (see the module docstring)."""
         self.group = dp_group
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
         self.sharded = shard
+        self.overlap_param_gather = overlap_param_gather and shard
         # NCCL averages inside the all-reduce; gloo has no AVG, so its buckets are divided first. On a GPU the
         # division would be one more pass over every gradient byte, on the compute stream, during the backward.
         self._nccl_avg = self.dp > 1 and dist.get_backend(dp_group) == "nccl"
@@ -151,6 +157,7 @@ class GradientBuffers:
 
     def finish(self) -> None:
         """Complete the data-parallel average of every bucket (call after the last micro-batch's backward)."""
+        self.wait_for_params()  # a parameter no forward used would still be gathering into its bucket
         if self.dp > 1:
             for bucket in self.buckets:
                 if bucket.work is None:  # not overlapped, or a parameter that got no gradient this step
@@ -162,10 +169,36 @@ class GradientBuffers:
 
     def gather_params(self) -> None:
         """After the distributed optimizer has written its shard of every bucket's parameters: all-gather them, so
-        every rank holds the whole updated model."""
-        if self.sharded and self.dp > 1:
-            for bucket in self.buckets:
-                _all_gather(bucket.param_data, self._shard(bucket.param_data), group=self.group)
+        every rank holds the whole updated model. With `overlap_param_gather` this only starts the gathers;
+        `wait_for_params` (or the forward hooks) completes them before the parameters are read."""
+        if not (self.sharded and self.dp > 1):
+            return
+        self.wait_for_params()
+        for bucket in reversed(self.buckets):  # the forward pass reads the last bucket (the first layers) first
+            shard = self._shard(bucket.param_data)
+            bucket.gather = _all_gather(bucket.param_data, shard, group=self.group, async_op=self.overlap_param_gather)
+
+    def wait_for_params(self, buckets: list[_Bucket] | None = None) -> None:
+        """Complete the parameter all-gathers still in flight (of `buckets`, default all)."""
+        for bucket in self.buckets if buckets is None else buckets:
+            if bucket.gather is not None:
+                bucket.gather.wait()
+                bucket.gather = None
+
+    def wait_for_params_in_forward(self, model: nn.Module, layers: list[nn.Module]) -> None:
+        """Forward pre-hooks that complete the all-gathers of a module's buckets before it runs: of its own
+        parameters for every module, and of all their parameters for `layers` (a CUDA-graphed layer replays its
+        sub-modules' kernels without calling their forward)."""
+
+        def hook_for(params: list[nn.Parameter]):
+            buckets = list({id(b): b for b in (self._bucket_of[p] for p in params if p in self._bucket_of)}.values())
+            return lambda module, args: self.wait_for_params(buckets)
+
+        for module in model.modules():
+            if params := list(module.parameters(recurse=False)):
+                module.register_forward_pre_hook(hook_for(params))
+        for layer in layers:
+            layer.register_forward_pre_hook(hook_for(list(layer.parameters())))
 
     def _reset_pending(self) -> None:
         for bucket in self.buckets:

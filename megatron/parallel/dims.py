@@ -11,7 +11,8 @@ Groups every rank belongs to:
     dp         same (pp, tp): replicas; gradients are averaged over it
     pp         same (dp, tp): the stages of one pipeline
     mp         same dp: one whole model copy (tp x pp ranks)
-    amax       same pp: tp x dp ranks whose FP8 amaxes are max-reduced together (same layers, same tensors)
+    amax       same pp: tp x dp ranks whose FP8 amaxes are max-reduced together (same layers, same tensors);
+               the tp group only with --tp-only-amax-red
     embedding  first and last pipeline stage of the same (dp, tp): keeps tied input/output embeddings in sync
 """
 
@@ -79,10 +80,11 @@ class ParallelDims:
             dist.get_rank(),
             cfg.parallel.tensor_model_parallel_size,
             cfg.parallel.pipeline_model_parallel_size,
+            tp_only_amax=cfg.precision.tp_only_amax_red,
         )
 
     @classmethod
-    def create(cls, world: int, rank: int, tp: int, pp: int) -> ParallelDims:
+    def create(cls, world: int, rank: int, tp: int, pp: int, tp_only_amax: bool = False) -> ParallelDims:
         if world % (tp * pp):
             raise ValueError(f"world size {world} is not divisible by tensor x pipeline parallel size {tp * pp}")
         dp = world // (tp * pp)
@@ -102,7 +104,10 @@ class ParallelDims:
         dp_group = make([[at(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)])
         pp_group = make([[at(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)])
         mp_group = make([[at(p, d, t) for p in range(pp) for t in range(tp)] for d in range(dp)])
-        amax_group = make([[at(p, d, t) for d in range(dp) for t in range(tp)] for p in range(pp)])
+        if tp_only_amax:
+            amax_group = tp_group
+        else:
+            amax_group = make([[at(p, d, t) for d in range(dp) for t in range(tp)] for p in range(pp)])
         embedding_group = make([sorted({at(0, d, t), at(pp - 1, d, t)}) for d in range(dp) for t in range(tp)])
         return cls(
             world_size=world,

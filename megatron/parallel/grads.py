@@ -52,18 +52,25 @@ def counts_in_grad_norm(param: nn.Parameter) -> bool:
 
 
 def grad_norm(
-    grads: list[torch.Tensor], dims: ParallelDims, sharded: bool = False, device: torch.device | None = None
+    grads: list[torch.Tensor],
+    dims: ParallelDims,
+    sharded: bool = False,
+    device: torch.device | None = None,
+    skip: bool = False,
 ) -> torch.Tensor:
     """Global L2 norm of the model's gradient from this rank's part of it (`grads`: the gradients of its
     parameters that `counts_in_grad_norm`, or with the distributed optimizer (`sharded`) their parts in this rank's
     shard): squares summed here, then over the model-parallel group (tensor x pipeline), and over the data-parallel
     group when each replica holds a different shard. `device`: where the sum lives when this rank has no
-    gradients."""
+    gradients. `skip`: make the norm infinite on every rank of the reduction, so that all of them skip the step
+    (this rank found inf/NaN FP8 amaxes, which other pipeline stages did not see)."""
     if grads:
         norms = torch._foreach_norm(grads)
         squares = torch.stack([n.float() for n in norms]).square().sum()
     else:
         squares = torch.zeros((), device=device)
+    if skip:
+        squares = squares + float("inf")
     if sharded and dims.dp_group is not None:
         dist.all_reduce(squares, group=dims.dp_group)
     if dims.mp_group is not None:

@@ -114,7 +114,11 @@ class Trainer:
         # stage, so the buckets are reduced after the schedule there.
         overlap = par.overlap_grad_reduce and dims.pp == 1
         sharded = cfg.optimizer.use_distributed_optimizer
-        self.grad_buffers = GradientBuffers(self.model, dims.dp_group, overlap, par.ddp_bucket_size, sharded)
+        self.grad_buffers = GradientBuffers(
+            self.model, dims.dp_group, overlap, par.ddp_bucket_size, sharded, par.overlap_param_gather
+        )
+        if self.grad_buffers.overlap_param_gather:
+            self.grad_buffers.wait_for_params_in_forward(self.model, list(self.model.decoder.layers))
         self.optimizer = MixedPrecisionAdamW(
             self.model, cfg.optimizer, fused=self.device.type == "cuda", buffers=self.grad_buffers
         )
@@ -240,6 +244,7 @@ class Trainer:
         return model_parallel_name(self.dims.tp_rank, self.dims.pp_rank, self.dims.pp)
 
     def save(self) -> None:
+        self.grad_buffers.wait_for_params()  # overlapped all-gathers of the last update
         sharded = self.grad_buffers.sharded  # then each data-parallel rank saves its optimizer shard
         optimizer_state = self.optimizer.state_dict()
         state: dict[str, Any] = {
@@ -333,11 +338,12 @@ class Trainer:
         reduce_tied_embedding_grads(params, self.dims)
         self.grad_buffers.finish()
         reduce_sequence_parallel_grads(params, self.dims)
-        norm, stepped = torch.tensor(float("nan")), torch.tensor(False)
-        if fp8_finite:
-            norm, stepped = self.optimizer.step(
-                lr, lambda: grad_norm(self.optimizer.norm_grads(), self.dims, sharded, self.device)
-            )
+        # An inf/NaN FP8 amax skips the step through an infinite gradient norm, which the norm's reduction carries
+        # to every stage and replica: skipping the call here would leave the other pipeline stages waiting in it.
+        norm, stepped = self.optimizer.step(
+            lr,
+            lambda: grad_norm(self.optimizer.norm_grads(), self.dims, sharded, self.device, skip=not fp8_finite),
+        )
         self.grad_buffers.zero()
         # The host waits for the GPU only here, with the whole step queued (the loss first; norm and the skip
         # decision are ready by then).

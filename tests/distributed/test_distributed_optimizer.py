@@ -1,14 +1,14 @@
 """--use-distributed-optimizer (optimizer sharded over the data-parallel ranks): the same losses and gradients as
-the single-process model under DP=2 (one bucket, and many small buckets with parameters cut by the shard
-boundaries, reduced during the backward), TP=2 + SP x DP=2 and PP=2 x DP=2 (tied embeddings, whose two stage
-copies are sharded differently), at the fp32 tolerances of test_parallel_layouts.py; with FP8 (delayed) the same
-as the unsharded optimizer in the same layout (loss rel 1e-5, gradients 1e-4 of each tensor's largest element:
-only the gradient norm's summation order differs). FP8 is compared with the unsharded layout rather than with one
-process because data parallelism itself changes FP8 gradients at the first steps: each rank's loss is averaged
-over fewer micro-batches, so its output gradients are twice as large, and with the initial scale of 1 they round
-differently in e5m2's subnormal range (plain DP=2 is off by 0.11 of a tensor's largest element at step 1).
-Save and resume reproduces the uninterrupted run; checkpoints of another optimizer layout fail with a message
-naming the fix."""
+the single-process model under DP=2 (one bucket; and many small buckets with parameters cut by the shard
+boundaries, reduced during the backward and all-gathered during the next forward, --overlap-param-gather),
+TP=2 + SP x DP=2 and PP=2 x DP=2 (tied embeddings, whose two stage copies are sharded differently), at the fp32
+tolerances of test_parallel_layouts.py; with FP8 (delayed) the same as the unsharded optimizer in the same layout
+(loss rel 1e-5, gradients 1e-4 of each tensor's largest element: only the gradient norm's summation order
+differs). FP8 is compared with the unsharded layout rather than with one process because data parallelism itself
+changes FP8 gradients at the first steps: each rank's loss is averaged over fewer micro-batches, so its output
+gradients are twice as large, and with the initial scale of 1 they round differently in e5m2's subnormal range
+(plain DP=2 is off by 0.11 of a tensor's largest element at step 1). Save and resume reproduces the uninterrupted
+run; checkpoints of another optimizer layout fail with a message naming the fix."""
 
 from pathlib import Path
 
@@ -16,16 +16,19 @@ import pytest
 import torch
 
 from megatron.checkpoint import CheckpointError
+from megatron.config import ConfigError
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.distributed.test_parallel_layouts import BASE, _assemble, _check, _compare, _layouts_body, _parse
+from tests.distributed.test_parallel_layouts import FP8 as FP8_FLAGS
 
 DISTOPT = "--use-distributed-optimizer"
 BUCKETS = "--overlap-grad-reduce --ddp-bucket-size 3000"
 TP2_DP2 = "--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce"
-LAYOUTS_2 = {"dp2_distopt": DISTOPT, "dp2_distopt_buckets": f"{DISTOPT} {BUCKETS}", "dp2_buckets": BUCKETS}
+OVERLAP = f"{DISTOPT} --overlap-param-gather"  # the next forward waits for each bucket's all-gather (hooks)
+LAYOUTS_2 = {"dp2_distopt": DISTOPT, "dp2_distopt_buckets": f"{OVERLAP} {BUCKETS}", "dp2_buckets": BUCKETS}
 LAYOUTS_4 = {
-    "tp2_dp2_distopt": f"{DISTOPT} {TP2_DP2}",
+    "tp2_dp2_distopt": f"{OVERLAP} {TP2_DP2}",
     "tp2_dp2": TP2_DP2,
     # Uneven stages and a wider vocabulary (WIDE_VOCAB), so the tied embedding's first-stage copy spans both
     # data-parallel shards while its last-stage copy lies in one: their gradients must be summed before the
@@ -86,3 +89,33 @@ def test_distributed_optimizer_checkpoints_refuse_another_layout(tmp_path):
         Trainer(_parse(f"{FLAGS} {DISTOPT} --load {tmp_path / 'sharded'} --train-iters 3", 1))
     with torch.no_grad():  # the single-process run may still start from the weights
         Trainer(_parse(f"{FLAGS} {DISTOPT} --load {tmp_path / 'sharded'} --no-load-optim --train-iters 3", 1))
+
+
+def test_overlap_param_gather_needs_the_distributed_optimizer():
+    with pytest.raises(ConfigError, match="--overlap-param-gather overlaps the distributed optimizer's"):
+        _parse(f"{BASE} --overlap-param-gather", 1)
+    assert _parse(f"{BASE} {OVERLAP}", 1).parallel.overlap_param_gather
+
+
+def _fp8_skip_body(rank, world_size):
+    trainer = Trainer(_parse(f"{BASE} --pipeline-model-parallel-size 2 {FP8_FLAGS} --train-iters 2", world_size))
+    if rank == 0:  # this stage alone sees an inf/NaN FP8 amax in the first step
+        inner, steps = trainer.fp8.step, []
+
+        def fp8_step() -> bool:
+            finite = inner()
+            steps.append(finite)
+            return finite and len(steps) > 1
+
+        trainer.fp8.step = fp8_step
+    before = [p.detach().clone() for p in trainer.optimizer.params]
+    batches = iter(trainer._loader(trainer.datasets.train, 0))
+    _, norm, stepped = trainer.train_step(batches, 1e-3)
+    assert not stepped and norm == float("inf"), (norm, stepped)  # both stages skip; neither waits for the other
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.optimizer.params))
+    _, norm, stepped = trainer.train_step(batches, 1e-3)
+    assert stepped and 0 < norm < float("inf")
+
+
+def test_a_stage_with_non_finite_fp8_amaxes_skips_the_step_on_every_stage():
+    run_distributed(_fp8_skip_body, world_size=2)

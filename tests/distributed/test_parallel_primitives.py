@@ -39,6 +39,12 @@ def _groups_body(rank, world):
     assert dist.get_process_group_ranks(dims.amax_group) == ([0, 1] if rank < 2 else [2, 3])
     assert dims.pp_ranks == ((0, 2) if rank % 2 == 0 else (1, 3))
     assert dims.is_first_stage == (rank < 2) and dims.is_last_stage == (rank >= 2)
+    # --tp-only-amax-red: the amaxes are reduced over the tensor-parallel group, not over data-parallel replicas
+    replicas = ParallelDims.create(world, rank, tp=2, pp=1)
+    assert dist.get_process_group_ranks(replicas.amax_group) == [0, 1, 2, 3]
+    tp_only = ParallelDims.create(world, rank, tp=2, pp=1, tp_only_amax=True)
+    assert tp_only.amax_group is tp_only.tp_group and tp_only.dp == 2
+    assert ParallelDims.create(world, rank, tp=1, pp=1, tp_only_amax=True).amax_group is None
 
     # Column-parallel then row-parallel linear (Megatron MLP) equals the dense product, values and gradients.
     torch.manual_seed(0)

@@ -48,7 +48,8 @@ GROUPS_2 = {
         {
             "tp2_sp_graphs": LAYOUTS_2["tp2_sp"] + GRAPHS,
             "dp2_graphs": "--overlap-grad-reduce --ddp-bucket-size 3000" + GRAPHS,
-            "dp2_distopt_graphs": "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000" + GRAPHS,
+            "dp2_distopt_graphs": "--use-distributed-optimizer --overlap-param-gather --overlap-grad-reduce"
+            " --ddp-bucket-size 3000 --tp-only-amax-red" + GRAPHS,
         },
         set(),
     ),

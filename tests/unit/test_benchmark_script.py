@@ -85,5 +85,9 @@ def test_exposed_communication_is_communication_time_no_other_kernel_covers():
         (400, 420, "Memcpy PtoP (Device -> Device)"),
         (390, 450, "sm90_gemm"),
     ]
-    assert benchmark._exposed_communication(spans) == 20 + 50 + 40
+    assert benchmark._exposed_communication(spans) == {
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL": 20 + 50,
+        "ncclDevKernel_ReduceScatter": 40,
+        "Memcpy PtoP": 0,
+    }
     assert benchmark._union([(5, 9), (0, 2), (1, 3), (9, 10)]) == [(0, 3), (5, 10)]

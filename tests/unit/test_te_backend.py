@@ -362,3 +362,10 @@ def test_distributed_optimizer_refuses_fp8_parameters(te_present):
     with pytest.raises(ConfigError, match="gathers bf16 or fp32 weights, not FP8 ones yet; drop one of the two"):
         parse(f"{flags} --fp8-param-gather", device_type="cuda", world_size=2)
     assert parse(flags, device_type="cuda", world_size=2).optimizer.use_distributed_optimizer
+
+
+def test_tp_only_amax_reduction_is_a_transformer_engine_flag(te_present):
+    with pytest.raises(ConfigError, match="--tp-only-amax-red applies to Transformer Engine's amax reductions"):
+        parse("--tp-only-amax-red --transformer-impl local --fp8-format hybrid", device_type="cuda", world_size=2)
+    cfg = parse("--tp-only-amax-red --transformer-impl transformer_engine --fp8-format hybrid", device_type="cuda")
+    assert cfg.precision.tp_only_amax_red
