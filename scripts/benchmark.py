@@ -23,6 +23,7 @@ tokens/s, TFLOP/s/GPU and MFU (an average over the final --log-interval iteratio
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import re
@@ -341,15 +342,23 @@ def _exposed_communication(spans: list[tuple[float, float, str]]) -> dict[str, f
     """Time (us) in which a communication kernel or copy runs and no other kernel does, by communication kernel:
     what overlapping the communication with computation has not hidden. Where communication kernels overlap each
     other, the time counts once, for the one that started first."""
-    compute = _union([(a, b) for a, b, name in spans if not re.search(COMMUNICATION, name, re.IGNORECASE)])
+    communication, other = [], []
+    for span in spans:
+        (communication if re.search(COMMUNICATION, span[2], re.IGNORECASE) else other).append(span)
+    compute = _union([(a, b) for a, b, _ in other])  # disjoint and sorted: starts and ends both ascending
+    compute_ends = [b for _, b in compute]
     exposed: dict[str, float] = {}
     covered = 0.0  # communication time already attributed (a later kernel's overlap with it is not counted again)
-    for start, stop, name in sorted(s for s in spans if re.search(COMMUNICATION, s[2], re.IGNORECASE)):
+    for start, stop, name in sorted(communication):
         start = max(start, covered)
         if start >= stop:
             continue
         covered = stop
-        hidden = sum(max(0.0, min(stop, b) - max(start, a)) for a, b in compute if a < stop and b > start)
+        hidden = 0.0
+        i = bisect.bisect_right(compute_ends, start)  # the first compute interval ending after `start`
+        while i < len(compute) and compute[i][0] < stop:
+            hidden += min(stop, compute[i][1]) - max(start, compute[i][0])
+            i += 1
         key = re.sub(r"\(.*", "", name).strip()[:60]
         exposed[key] = exposed.get(key, 0.0) + (stop - start) - hidden
     return exposed
