@@ -86,6 +86,16 @@ class Config:
             opt.lr_warmup_iters <= opt.lr_decay_iters,
             f"--lr-warmup-iters ({opt.lr_warmup_iters}) must be <= --lr-decay-iters ({opt.lr_decay_iters})",
         )
+        require(
+            opt.use_distributed_optimizer or not par.overlap_param_gather,
+            "--overlap-param-gather overlaps the distributed optimizer's parameter all-gathers: add"
+            " --use-distributed-optimizer or drop the flag",
+        )
+        require(
+            not (opt.use_distributed_optimizer and prec.fp8_param_gather),
+            "--use-distributed-optimizer with --fp8-param-gather: the distributed optimizer gathers bf16 or fp32"
+            " weights, not FP8 ones yet; drop one of the two flags",
+        )
         self._check_parallel_layout()
         self._resolve_transformer_impl()  # after the layout: TE's shape rules apply to the tensor-parallel shards
         if prec.fp8 and self.device_type == "cuda" and not prec.bf16:
@@ -165,16 +175,6 @@ class Config:
             "--tp-only-amax-red applies to Transformer Engine's amax reductions; the local FP8 engine reduces its"
             " amaxes over all tensor x data parallel ranks once per step, which also keeps the replicas' inf/NaN"
             " step skipping in agreement; drop the flag or add --transformer-impl transformer_engine",
-        )
-        require(
-            self.optimizer.use_distributed_optimizer or not self.parallel.overlap_param_gather,
-            "--overlap-param-gather overlaps the distributed optimizer's parameter all-gathers: add"
-            " --use-distributed-optimizer or drop the flag",
-        )
-        require(
-            not (self.optimizer.use_distributed_optimizer and prec.fp8_param_gather),
-            "--use-distributed-optimizer with --fp8-param-gather: the distributed optimizer gathers bf16 or fp32"
-            " weights, not FP8 ones yet; drop one of the two flags",
         )
         require(
             model.transformer_impl == "transformer_engine" or not self.parallel.tp_comm_overlap,

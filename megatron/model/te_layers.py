@@ -113,7 +113,7 @@ def te_linear(
     )
     common: dict[str, Any] = dict(
         bias=cfg.add_bias,
-        init_method=sharded_normal_init(std, tp, 0 if parallel_mode == "column" else 1, parts),
+        init_method=sharded_normal_init(std, tp, 0 if column else 1, parts),
         params_dtype=params_dtype,
         device=device,
         parallel_mode=parallel_mode,

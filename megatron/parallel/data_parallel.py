@@ -116,20 +116,24 @@ class GradientBuffers:
                 view.copy_(param.data)
                 param.data = view
 
+    def _shard_bounds(self, bucket_numel: int) -> tuple[int, int]:
+        """[start, stop) of this rank's shard in a bucket of `bucket_numel` elements."""
+        size = bucket_numel // self.dp
+        return self.dp_rank * size, (self.dp_rank + 1) * size
+
     def _shard(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a bucket-sized flat tensor."""
-        size = flat.numel() // self.dp
-        return flat[self.dp_rank * size : (self.dp_rank + 1) * size]
+        start, stop = self._shard_bounds(flat.numel())
+        return flat[start:stop]
 
     def owned_range(self, param: nn.Parameter) -> tuple[int, int] | None:
         """The [start, stop) range of `param`'s flattened elements that lie in this rank's shard (all of them when
         not sharded), or None when none do."""
         if not self.sharded:
             return 0, param.numel()
-        bucket, offset = self._bucket_of[param], self._offset_of[param]
-        size = bucket.data.numel() // self.dp
-        start = max(offset, self.dp_rank * size)
-        stop = min(offset + param.numel(), (self.dp_rank + 1) * size)
+        offset = self._offset_of[param]
+        shard_start, shard_stop = self._shard_bounds(self._bucket_of[param].data.numel())
+        start, stop = max(offset, shard_start), min(offset + param.numel(), shard_stop)
         return (start - offset, stop - offset) if start < stop else None
 
     def _on_grad(self, param: nn.Parameter) -> None:

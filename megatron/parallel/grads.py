@@ -72,7 +72,7 @@ def grad_norm(
     if skip:
         squares = squares + float("inf")
     if sharded and dims.dp_group is not None:
-        dist.all_reduce(squares, group=dims.dp_group)
-    if dims.mp_group is not None:
+        dist.all_reduce(squares)  # data x model parallel ranks: the whole world, in one reduction
+    elif dims.mp_group is not None:
         dist.all_reduce(squares, group=dims.mp_group)
     return squares.sqrt()
