@@ -208,6 +208,10 @@ class Config:
             f"{flag} needs --pipeline-model-parallel-size 1: the 1F1B schedule keeps several micro-batches in flight"
             " per layer, and a layer's graph holds one micro-batch's activations",
         )
+        require(
+            not self.precision.fp8_stats_interval,
+            f"--fp8-stats-interval observes the layers through hooks, which {flag} does not run; drop one of the two",
+        )
         for name in ("reset_position_ids", "reset_attention_mask"):
             require(
                 not getattr(self.data, name),

@@ -24,6 +24,25 @@ class PrecisionConfig:
     """Delayed scaling: number of steps of amax history."""
     fp8_amax_compute_algo: str = option("most_recent", choices=["most_recent", "max"])
     """Delayed scaling: which amax of the history sets the scale."""
+    fp8_calibration: bool = option(True, flag="--no-fp8-calibration", action="store_false")
+    """Delayed scaling: set the first scales from one high-precision forward and backward pass over the first
+    micro-batch (scale = fp8_max / amax / 2^margin), before any FP8 GEMM runs; `--no-fp8-calibration` starts every
+    scale at 1, as Transformer Engine does (docs/fp8.md: what that costs). Skipped when resuming from a checkpoint,
+    which holds the scales."""
+    fp8_stats_interval: int = 0
+    """Every N-th step, log per FP8 linear and tensor (input, weight, output gradient) the amax, the scale and the
+    fractions of elements saturated and flushed to zero, to TensorBoard (`fp8/<linear>/<tensor>/...`) and as one
+    summary line naming the worst tensors (0: off, no cost). Not with CUDA graphs."""
+    fp8_guard_saturation: float = 1e-3
+    """FP8 guard (with --fp8-stats-interval): a tensor whose saturated fraction exceeds this on
+    --fp8-guard-intervals watched steps in a row is named in the log (and moved to bf16 with --fp8-auto-bf16)."""
+    fp8_guard_underflow: float = 0.01
+    """FP8 guard: the same for the fraction of nonzero elements flushed to zero."""
+    fp8_guard_intervals: int = 3
+    """FP8 guard: watched steps in a row over a threshold before it acts."""
+    fp8_auto_bf16: bool = False
+    """FP8 guard: move a transformer layer whose FP8 tensor stays over a threshold to bf16 for the rest of the run;
+    the checkpoint records it, and a resumed run keeps the layer in bf16. Needs --fp8-stats-interval."""
     fp8_blockwise_fp32_scales: bool = False
     """Blockwise recipe: keep each block's scale fp8_max / amax in full fp32 instead of rounding it down to a power
     of two (the default, as Transformer Engine's NVTE_FP8_BLOCK_SCALING_FP32_SCALES=0)."""
@@ -61,6 +80,19 @@ class PrecisionConfig:
     def finalize(self) -> None:
         require(self.fp8_margin >= 0, f"--fp8-margin must be >= 0, got {self.fp8_margin}")
         require(self.fp8_amax_history_len >= 1, "--fp8-amax-history-len must be >= 1")
+        require(self.fp8_stats_interval >= 0, f"--fp8-stats-interval must be >= 0, got {self.fp8_stats_interval}")
+        for name in ("fp8_guard_saturation", "fp8_guard_underflow"):
+            value = getattr(self, name)
+            require(0 <= value <= 1, f"--{name.replace('_', '-')} is a fraction in [0, 1], got {value}")
+        require(self.fp8_guard_intervals >= 1, "--fp8-guard-intervals must be >= 1")
+        require(
+            self.fp8 or not self.fp8_stats_interval,
+            "--fp8-stats-interval needs FP8 on (--fp8-format e4m3|hybrid)",
+        )
+        require(
+            not self.fp8_auto_bf16 or self.fp8_stats_interval > 0,
+            "--fp8-auto-bf16 acts on the FP8 monitor's statistics: add --fp8-stats-interval N",
+        )
         require(self.num_layers_at_start_in_bf16 >= 0, "--num-layers-at-start-in-bf16 must be >= 0")
         require(self.num_layers_at_end_in_bf16 >= 0, "--num-layers-at-end-in-bf16 must be >= 0")
         require(

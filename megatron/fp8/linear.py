@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .formats import Role
 from .gemm import fp8_gemm
+from .monitor import Fp8StatsCollector
 from .quantize import EAGER, Fp8Tensor, Kernels, quantize, scale_from_amax
 from .recipes import Recipe
 from .scaling import AmaxState
@@ -41,20 +42,39 @@ class Fp8LinearState:
         amax: AmaxState,
         kernels: Kernels = EAGER,
         tp_group: dist.ProcessGroup | None = None,
+        layer_number: int = 0,
     ):
         """`tp_group`: the tensor-parallel ranks holding the other shards of this linear. With the tensorwise recipe
-        each operand's current amax is max-reduced over it, so a sharded tensor gets one scale, as in one process."""
+        each operand's current amax is max-reduced over it, so a sharded tensor gets one scale, as in one process.
+        `layer_number`: the 1-based transformer layer the linear belongs to (for the monitor and the guard)."""
         self.name, self.index, self.recipe, self.amax, self.kernels = name, index, recipe, amax, kernels
+        self.layer_number = layer_number
         self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
         self.enabled = True
+        self.calibrating = False
+        """Set during delayed scaling's calibration pass: the GEMMs run in high precision and only record the amaxes
+        (calibration.py)."""
+        self.stats: Fp8StatsCollector | None = None
+        """Set by the FP8 monitor on the steps it watches: every cast is then counted (monitor.py)."""
         self._weight_cache: tuple[Any, Fp8Tensor, Fp8Tensor] | None = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K], weight [N, K], bias [N] -> [..., N] in x's dtype."""
         if x.shape[-1] != weight.shape[1]:
             raise ValueError(f"{self.name}: input has {x.shape[-1]} features, the weight expects {weight.shape[1]}")
+        if self.calibrating:
+            return self._observe(x, weight, bias)
         out = _Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, self)
         return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    def _observe(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """y = x W^T + b in high precision, recording the amaxes of x, W and (in backward) dY as a cast would."""
+        self.amax.record(self.index, Role.INPUT, x.detach().abs().amax())
+        self.amax.record(self.index, Role.WEIGHT, weight.detach().abs().amax())
+        y = torch.nn.functional.linear(x, weight, bias)
+        if y.requires_grad:
+            y.register_hook(lambda grad: self.amax.record(self.index, Role.GRAD, grad.abs().amax()))
+        return y
 
     def quantize(
         self, t: torch.Tensor, role: Role, *, rows: bool = True, cols: bool = False
@@ -84,6 +104,8 @@ class Fp8LinearState:
         for part in (q, q_t):
             if part is not None:
                 self.amax.record(self.index, role, part.amax)
+        if self.stats is not None:
+            self.stats.record(self.index, role, t, recipe, options.get("scale"))
         return q, q_t
 
     def weight_operands(self, weight: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:

@@ -56,7 +56,7 @@ def attach_fp8(
 
     recipe = Recipe.from_config(cfg.precision)
     fp8_layers = set(fp8_layer_numbers(cfg))
-    targets: list[tuple[str, Linear]] = []
+    targets: list[tuple[str, Linear, int]] = []
     for name, module in model.named_modules():
         number = getattr(module, "layer_number", None)
         if number is None or number not in fp8_layers:
@@ -64,7 +64,7 @@ def attach_fp8(
         for sub_name, sub in module.named_modules():
             if isinstance(sub, Linear):
                 _check_shape(f"{name}.{sub_name}", sub)
-                targets.append((f"{name}.{sub_name}", sub))
+                targets.append((f"{name}.{sub_name}", sub, number))
     if not targets:
         raise ConfigError("FP8 is on but no transformer layer is left in FP8; lower --num-layers-at-*-in-bf16")
     device = targets[0][1].weight.device
@@ -73,9 +73,9 @@ def attach_fp8(
     kernels = compiled_kernels() if compile_kernels else EAGER
     amax = AmaxState(recipe, len(targets), device)
     states = {}
-    for index, (name, linear) in enumerate(targets):
+    for index, (name, linear, number) in enumerate(targets):
         tp_group = linear.tp.group if linear.parallel_mode else None
-        linear.fp8 = states[name] = Fp8LinearState(name, index, recipe, amax, kernels, tp_group)
+        linear.fp8 = states[name] = Fp8LinearState(name, index, recipe, amax, kernels, tp_group, number)
     return Fp8Manager(recipe, states, amax, amax_group, cfg, compile_kernels, device)
 
 

@@ -240,6 +240,29 @@ def _checked_triton_kernels():
     return triton_kernels
 
 
+def block_scales(
+    amax_blocks: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    scale: torch.Tensor | None = None,
+    power_of_two: bool = False,
+    mx: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, scale_inv) of each block from its amax, by the rules of the module docstring (arguments as in
+    `quantize`): scale fp32 [blocks], scale_inv fp32 or, with mx, E8M0."""
+    if mx:
+        exponent = mx_exponent(amax_blocks, dtype)
+        finite = torch.isfinite(amax_blocks)
+        scale = torch.where(finite, torch.ldexp(torch.ones_like(amax_blocks), -exponent), torch.nan)
+        scale_inv = torch.where(finite, exponent + 127, 255).to(torch.uint8).view(E8M0)  # 0xFF is E8M0's NaN
+        return scale, scale_inv
+    if scale is None:
+        scale = scale_from_amax(amax_blocks, dtype, power_of_two)
+    else:
+        scale = scale.float().reshape(1, 1)
+    return scale, scale.reciprocal()
+
+
 def quantize(
     x: torch.Tensor,
     spec: BlockSpec,
@@ -260,17 +283,7 @@ def quantize(
     if x.dim() != 2:
         raise ValueError(f"quantize expects a 2-D tensor, got shape {tuple(x.shape)}")
     amax_blocks = kernels.block_amax(x, spec)
-    if mx:
-        exponent = mx_exponent(amax_blocks, dtype)
-        finite = torch.isfinite(amax_blocks)
-        scale = torch.where(finite, torch.ldexp(torch.ones_like(amax_blocks), -exponent), torch.nan)
-        scale_inv = torch.where(finite, exponent + 127, 255).to(torch.uint8).view(E8M0)  # 0xFF is E8M0's NaN
-    else:
-        if scale is None:
-            scale = scale_from_amax(amax_blocks, dtype, power_of_two)
-        else:
-            scale = scale.float().reshape(1, 1)
-        scale_inv = scale.reciprocal()
+    scale, scale_inv = block_scales(amax_blocks, dtype, scale=scale, power_of_two=power_of_two, mx=mx)
     data, data_t = kernels.scaled_cast(x, scale, spec, dtype, transpose)
     amax = amax_blocks.amax() if amax_blocks.numel() > 1 else amax_blocks.reshape(())
     block = resolve_block(spec, tuple(x.shape))

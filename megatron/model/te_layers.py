@@ -160,6 +160,9 @@ class TEFp8Autocast:
         self.recipe, self.amax_group, self.fp8_layers = recipe, amax_group, fp8_layers
         self.fp8_params = fp8_params
         """--fp8-param-gather: the FP8 layers' weights are built as TE quantized tensors (see `param_init`)."""
+        self.calibrating = False
+        """Delayed scaling's calibration pass (megatron/fp8/calibration.py): TE runs the FP8 layers in high precision
+        and sets up their FP8 state (`calibrating=True`) without casting anything."""
 
     def param_init(self, layer_number: int) -> Any:
         """The context a layer is built in: with --fp8-param-gather and the layer in FP8, TE creates its linear
@@ -169,11 +172,19 @@ class TEFp8Autocast:
         return _te().quantized_model_init(enabled=enabled, recipe=self.recipe, preserve_high_precision_init_val=enabled)
 
     def stack(self) -> Any:
-        return _te().autocast(enabled=True, recipe=self.recipe, amax_reduction_group=self.amax_group)
+        return self._autocast(True)
 
     def layer(self, layer_number: int) -> Any:
+        """`fp8_layers` is live: the FP8 guard (megatron/fp8/guard.py) removes layers it moves to bf16."""
+        return self._autocast(layer_number in self.fp8_layers)
+
+    def _autocast(self, fp8: bool) -> Any:
+        calibrating = fp8 and self.calibrating
         return _te().autocast(
-            enabled=layer_number in self.fp8_layers, recipe=self.recipe, amax_reduction_group=self.amax_group
+            enabled=fp8 and not calibrating,
+            calibrating=calibrating,
+            recipe=self.recipe,
+            amax_reduction_group=self.amax_group,
         )
 
 
@@ -281,6 +292,9 @@ class TEMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, params_dtype: torch.dtype, device: torch.device, tp: TensorParallel = NO_TP):
         super().__init__()
         self.swiglu = cfg.swiglu
+        self.fp8_swiglu = True
+        """Let `_SwiGLU` write FP8 under delayed scaling; the FP8 monitor turns it off on the steps it watches, so
+        that TE casts (and the monitor sees) the high-precision activation and gradient."""
         fc1_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
         self.linear_fc1 = te_linear(
             cfg, cfg.hidden_size, fc1_out, "column", cfg.init_method_std, tp, params_dtype, device, norm=True,
@@ -303,7 +317,7 @@ class TEMLP(nn.Module):
         from transformer_engine.pytorch.constants import FP8BwdTensorIdx, FP8FwdTensorIdx
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
-        if not FP8GlobalStateManager.is_fp8_enabled():
+        if not (self.fp8_swiglu and FP8GlobalStateManager.is_fp8_enabled()):
             return None, None
         recipe = FP8GlobalStateManager.get_fp8_recipe()
         if not recipe.delayed():
@@ -380,6 +394,11 @@ class TETransformerLayer(nn.Module):
         first = version != self._weights_version
         self._weights_version = version
         return first
+
+    def forget_weight_casts(self) -> None:
+        """Make the next training forward cast the weights again, as after an optimizer step (after a pass that
+        cached no FP8 weight casts: delayed scaling's calibration, megatron/fp8/calibration.py)."""
+        self._weights_version = None
 
     def _sync_wgrad_fusion(self) -> None:
         """Fuse wgrad accumulation into main_grad exactly for the weights that have one (see the module docstring):

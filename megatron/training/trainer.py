@@ -12,6 +12,7 @@ import json
 import math
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ from megatron.checkpoint import (
 )
 from megatron.config import Config
 from megatron.data import PretrainingSampler, build_datasets, build_tokenizer, padded_vocab_size
+from megatron.fp8.calibration import calibrate_delayed_scaling
+from megatron.fp8.monitor import build_fp8_monitor
 from megatron.model import GPTModel, Stage, count_parameters
 from megatron.optim import MixedPrecisionAdamW, learning_rate
 from megatron.parallel import (
@@ -110,6 +113,7 @@ class Trainer:
             from megatron.fp8 import attach_fp8
 
             self.fp8 = attach_fp8(self.model, cfg, self.dims.amax_group)
+        self.fp8_monitor = build_fp8_monitor(cfg, self.model, self.fp8, self.dims, self.device)
         # Under the pipeline schedule the last micro-batch's backward is not the last backward of the step on every
         # stage, so the buckets are reduced after the schedule there.
         overlap = par.overlap_grad_reduce and dims.pp == 1
@@ -129,6 +133,7 @@ class Trainer:
         self.flops_per_iter = num_floating_point_operations(cfg.model, cfg.training.global_batch_size, self.vocab_size)
         self.peak = peak_tflops(self.device)
         self._log_startup()
+        self._calibrate_fp8()
         if cfg.training.cuda_graph_impl == "transformer_engine":
             self._capture_cuda_graphs()
 
@@ -172,6 +177,27 @@ class Trainer:
             (Path(out_dir) / "config.json").write_text(cfg.to_json() + "\n")
         self.tensorboard.text("config", "```\n" + cfg.to_json() + "\n```")
 
+    def _calibrate_fp8(self) -> None:
+        """Delayed scaling's first scales from a high-precision pass over the first micro-batch (a fresh run only:
+        a checkpoint holds the scales); its gradients are thrown away and the random streams left as they were."""
+        prec = self.cfg.precision
+        if not (prec.fp8 and prec.fp8_recipe == "delayed" and prec.fp8_calibration) or self.state.iteration > 0:
+            return
+        batches = iter(self._loader(self.datasets.train, self.state.consumed_samples))
+
+        def run() -> None:
+            if self.dims.pp > 1:
+                self._pipeline(batches, 1, train=True)
+            else:
+                self._loss(_to_device(next(batches), self.device)).backward()
+
+        assert self.fp8_monitor is not None
+        self.model.train()
+        devices = [self.device] if self.device.type == "cuda" else []
+        with self.grad_buffers.paused(), torch.random.fork_rng(devices=devices):
+            line = calibrate_delayed_scaling(self.model, self.fp8, self.fp8_monitor.taps, prec, run, self.dims)
+        print_rank_0(f"> fp8: {line}")
+
     def _capture_cuda_graphs(self) -> None:
         """After the checkpoint is loaded (the graphs read the weights and FP8 state in place, wherever they came
         from) and before the first step; the capture's warm-up gradients are thrown away."""
@@ -209,6 +235,8 @@ class Trainer:
             set_rng_state(state["rng"])
         if self.fp8 is not None and state.get("fp8") is not None:
             self.fp8.load_state_dict(state["fp8"])
+        if self.fp8_monitor is not None and state.get("fp8_guard") is not None:
+            self.fp8_monitor.load_state_dict(state["fp8_guard"])
 
     def _optimizer_file(self) -> str:
         """This data-parallel rank's optimizer shard in a checkpoint (--use-distributed-optimizer)."""
@@ -256,6 +284,7 @@ class Trainer:
             "skipped_iters": self.state.skipped_iters,
             "nan_iters": self.state.nan_iters,
             "fp8": self.fp8.state_dict() if self.fp8 is not None else None,
+            "fp8_guard": self.fp8_monitor.state_dict() if self.fp8_monitor is not None else None,
             "config": self.cfg.to_dict(),
             "layout": self._layout(),
         }
@@ -379,7 +408,8 @@ class Trainer:
         while state.iteration < train_cfg.train_iters:
             lr = learning_rate(state.iteration, cfg.optimizer)
             start = time.perf_counter()
-            loss, norm, stepped = self.train_step(batches, lr)
+            with self.fp8_monitor.watch(state.iteration + 1) if self.fp8_monitor else nullcontext() as watched:
+                loss, norm, stepped = self.train_step(batches, lr)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - start
@@ -390,6 +420,8 @@ class Trainer:
                 if not math.isfinite(norm) or not math.isfinite(loss):
                     state.nan_iters += 1
             state.losses[state.iteration] = loss
+            if watched is not None:
+                self.fp8_monitor.report(watched, state.iteration, print_rank_0, self.tensorboard.scalars)
             interval_time += elapsed
             interval_losses.append(loss)
             interval_iters += 1

@@ -50,6 +50,11 @@ def test_llama_style_flags():
         ("--tensor-model-parallel-size 3", "--tensor-model-parallel-size"),
         ("--first-last-layers-bf16", "--first-last-layers-bf16"),
         ("--num-layers 0", "--num-layers"),
+        ("--fp8-stats-interval 10", "--fp8-stats-interval"),
+        ("--fp8-format hybrid --fp8-stats-interval -1", "--fp8-stats-interval"),
+        ("--fp8-format hybrid --fp8-auto-bf16", "--fp8-stats-interval"),
+        ("--fp8-format hybrid --fp8-stats-interval 5 --fp8-guard-saturation 2", "--fp8-guard-saturation"),
+        ("--fp8-format hybrid --fp8-stats-interval 5 --fp8-guard-intervals 0", "--fp8-guard-intervals"),
     ],
 )
 def test_bad_values_fail_in_one_line_naming_the_flag(extra, flag):

@@ -271,6 +271,7 @@ def test_fp8_param_gather_needs_fp8_and_te(te_present, extra, expected):
         ("--pipeline-model-parallel-size 2", "needs --pipeline-model-parallel-size 1"),
         ("--reset-position-ids", "drop --reset-position-ids or the CUDA graphs"),
         ("--reset-attention-mask", "drop --reset-attention-mask or the CUDA graphs"),
+        ("--fp8-format hybrid --fp8-stats-interval 10", "--fp8-stats-interval observes the layers through hooks"),
     ],
 )
 def test_cuda_graphs_need_te_one_stage_and_fixed_shapes(te_present, extra, expected):

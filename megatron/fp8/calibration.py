@@ -1,0 +1,110 @@
+"""Delayed scaling's first scales, calibrated before any FP8 GEMM runs (the default; `--no-fp8-calibration` keeps
+the old start).
+
+Delayed scaling casts each tensor with a scale made from the amaxes of earlier casts. Before the first step there
+are none, and both engines (like Transformer Engine itself) used to start every scale at 1. At scale 1 the first
+casts are far from their range: weights of std 0.02 fall mostly into e4m3's subnormals (below 2^-6), and output
+gradients, whose elements are around 1e-6 to 1e-9, flush to zero in e5m2 (smallest subnormal 2^-16). Transformer
+Engine keeps the scale-1 weight cast for every micro-batch of the first step; the local engine updates its scales
+once per step, so its whole first step ran so. On llama-1b (one H100, mock data) that start put FP8 delayed
+3.4% behind bf16 at iteration 30; docs/fp8.md has the measurements.
+
+Calibration runs the first micro-batch once more, forward and backward, in high precision, recording the amax of
+every FP8 tensor (input, weight, output gradient) of every FP8 linear, MAX-reduced over the amax group as a step's
+amaxes are, and then applies the delayed-scaling rule to them exactly as after a step:
+
+    history = [amax, 0, ...],    scale = fp8_max / amax / 2^margin    (where amax > 0; 1 otherwise)
+
+Its gradients are thrown away and it draws nothing from the random streams the run uses (the caller forks them),
+so the run differs from an uncalibrated one only in its first scales. Other recipes compute their scales from the
+tensor being cast and need no calibration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .formats import Role, fp8_max
+from .monitor import Fp8StatsCollector
+from .recipes import Recipe
+
+
+def calibrate_delayed_scaling(
+    model: nn.Module, manager: Any, taps: Any, precision: Any, run: Callable[[], None], dims: Any
+) -> str:
+    """Calibrate either engine's delayed scaling with `run` (one forward and backward of the first micro-batch);
+    `manager` is the local engine's Fp8Manager, None for Transformer Engine's layers (observed through `taps`).
+    Returns the startup log line."""
+    recipe = Recipe.from_config(precision)
+    if manager is not None:
+        finite = calibrate_local(manager, run, dims.amax_group)
+    else:
+        finite = calibrate_te(model, taps, recipe, run, dims.amax_group)
+    return describe(finite, recipe)
+
+
+def calibrate_local(manager: Any, run: Callable[[], None], group: dist.ProcessGroup | None) -> bool:
+    """The local engine: run the calibration pass with every `Fp8LinearState` observing (high-precision GEMMs that
+    record amaxes), then one delayed-scaling update. False when an amax was inf/NaN (the scales stay at 1)."""
+    states = list(manager.states.values())
+    for state in states:
+        state.calibrating = True
+    try:
+        run()
+    finally:
+        for state in states:
+            state.calibrating = False
+    finite = manager.amax.step(group)
+    manager.forget_weight_casts()
+    return finite
+
+
+def calibrate_te(
+    model: nn.Module, taps: Any, recipe: Recipe, run: Callable[[], None], group: dist.ProcessGroup | None
+) -> bool:
+    """Transformer Engine: run the calibration pass in TE's calibration mode (the FP8 layers run in high precision
+    and set up their FP8 state) with the taps recording amaxes (te_monitor.py), then write each module's amax
+    history and scales. False when an amax was inf/NaN (TE's scales stay at 1)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    collector = Fp8StatsCollector(taps.names, taps.layer_numbers, device)
+    te_fp8 = model.te_fp8
+    te_fp8.calibrating = True
+    try:
+        with taps.attached(collector, amax_only=True):
+            run()
+    finally:
+        te_fp8.calibrating = False
+        for layer in model.decoder.layers:
+            layer.forget_weight_casts()  # the pass cached no FP8 weight casts for the first step to reuse
+    amax = torch.nan_to_num(collector.amax, nan=float("inf"))
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    if not bool(torch.isfinite(amax).all()):
+        return False
+    from .te_monitor import _META_KEY
+
+    with torch.no_grad():
+        for index, module in enumerate(taps.modules):
+            for role in Role:
+                key, position = _META_KEY[role]
+                meta = module.fp8_meta[key]
+                value = amax[index, role.value]
+                scale = fp8_max(recipe.dtype(role)) / value / 2.0**recipe.margin
+                meta.amax_history[0, position] = value
+                meta.scale[position] = torch.where(value > 0, scale, meta.scale[position])
+    return True
+
+
+def describe(finite: bool, recipe: Recipe) -> str:
+    """The startup log line."""
+    if not finite:
+        return "FP8 calibration: an amax of the first micro-batch was inf/NaN; delayed scaling starts from scale 1"
+    return (
+        "FP8 calibration: delayed-scaling scales set from one high-precision pass over the first micro-batch"
+        f" (scale = fp8_max / amax / 2^{recipe.margin}); --no-fp8-calibration starts them at 1"
+    )

@@ -1,0 +1,286 @@
+"""The FP8 numerics monitor (`--fp8-stats-interval N`): per linear and per FP8 tensor, what quantization did.
+
+Every N-th optimizer step, each FP8 linear reports for its three tensors (input x, weight W, output gradient dY):
+
+    amax        max |t| (over all tensor- and data-parallel ranks)
+    scale       the scale of the cast (per-tensor recipes: the scale; block recipes: the most constrained block's)
+    saturated   fraction of elements the saturating cast clipped to +-fp8_max: |t * scale_b| beyond fp8_max by more
+                than half an ulp (464 for e4m3, 61440 for e5m2), where clamping loses more than rounding
+    underflow   fraction of elements that were nonzero and became zero in FP8 (flushed below half the smallest
+                subnormal: 2^-10 for e4m3, 2^-17 for e5m2, in scaled units)
+
+each counted at the tensor's first cast of the step (the first micro-batch; see `Fp8StatsCollector`), over all
+ranks that hold a shard or a replica of it. The counts follow the cast's own arithmetic with the scales the cast
+uses (`scaled_counts`), so they are exact, not estimates from dequantized values. The local engine hands each cast
+to the collector (`Fp8LinearState.quantize`); Transformer Engine's linears are observed through hooks on the same
+high-precision tensors, with TE's own delayed-scaling scales (`te_monitor.py`): both engines report the same
+quantities.
+
+Off (N = 0) the engines see no collector and pay nothing; on, the counting passes run on the monitored steps only,
+and the results reach the host once per monitored step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .formats import E4M3, E5M2, Role
+from .guard import Fp8Guard
+from .quantize import BlockSpec, _blocked, block_amax, block_scales
+from .recipes import Recipe
+
+FIELDS = ("amax", "scale", "saturated", "underflow")
+
+FLUSHED = {E4M3: 2.0**-10, E5M2: 2.0**-17}
+"""Half the smallest subnormal of each format: a scaled magnitude at or below it rounds (to nearest even) to 0."""
+CLIPPED = {E4M3: 464.0, E5M2: 61440.0}
+"""fp8_max plus half its ulp (448 + 16, 57344 + 4096): up to there the saturating cast gives fp8_max, as rounding
+would; beyond it the clamp loses more than rounding does. A scale from the current amax lands the amax itself a
+rounding error above fp8_max, which is not saturation."""
+
+
+def scaled_counts(x: torch.Tensor, scale: torch.Tensor, spec: BlockSpec, dtype: torch.dtype) -> torch.Tensor:
+    """[saturated, underflow, elements] (float64, on x's device, no host sync) of casting x [R, C] to `dtype` with
+    block scales `scale` [blocks of spec]: with a = |x| * scale_b formed in fp32 as the cast forms it,
+    saturated: a > CLIPPED[dtype] (the clamp to fp8_max cut it); underflow: 0 < a <= FLUSHED[dtype] (it became 0)."""
+    a = _blocked(x, spec).abs().float() * scale[:, None, :, None]  # the padding is 0 and counts as neither
+    saturated = (a > CLIPPED[dtype]).sum()
+    underflow = ((a > 0) & (a <= FLUSHED[dtype])).sum()
+    return torch.stack([saturated, underflow, torch.tensor(x.numel(), device=x.device)]).double()
+
+
+class Fp8StatsCollector:
+    """Accumulates the statistics of one watched step for `names` (the FP8 linears, index = position).
+
+    counts [n, 3 roles, 3] float64 (saturated, underflow, elements), amax [n, 3] (max), scale [n, 3] (min), all on
+    `device`; recording does no host sync. Each (linear, tensor) is counted once per watched step, at its first
+    cast: the first micro-batch's input and output gradient, and the weight (cast once per step). Counting every
+    micro-batch would multiply the monitor's cost by their number for fractions that one micro-batch of thousands
+    of tokens already estimates well.
+    """
+
+    def __init__(self, names: list[str], layer_numbers: list[int], device: torch.device):
+        self.names, self.layer_numbers, self.device = names, layer_numbers, device
+        n = len(names)
+        self.counts = torch.zeros(n, len(Role), 3, dtype=torch.float64, device=device)
+        self.amax = torch.zeros(n, len(Role), device=device)
+        self.scale = torch.full((n, len(Role)), math.inf, device=device)
+        self.counted: set[tuple[int, Role]] = set()
+
+    def record(self, index: int, role: Role, x: torch.Tensor, recipe: Recipe, scale: torch.Tensor | None) -> None:
+        """Count the cast of x [R, C] (along its rows) for linear `index`'s `role` under `recipe`; `scale`: the
+        given per-tensor scale of delayed scaling (None: the recipe computes it from x, as its cast does)."""
+        if (index, role) in self.counted:
+            return
+        self.counted.add((index, role))
+        spec, dtype = recipe.block(role), recipe.dtype(role)
+        amax_blocks = block_amax(x, spec)
+        scales, _ = block_scales(amax_blocks, dtype, scale=scale, power_of_two=recipe.power_of_two(role), mx=recipe.mx)
+        self.record_counts(index, role, scaled_counts(x, scales, spec, dtype), amax_blocks.amax(), scales.min())
+
+    def record_counts(
+        self, index: int, role: Role, counts: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor
+    ) -> None:
+        self.counts[index, role.value] += counts.to(self.counts.device)
+        cell = self.amax[index, role.value]
+        cell.copy_(torch.maximum(cell, amax.float()))
+        cell = self.scale[index, role.value]
+        cell.copy_(torch.minimum(cell, scale.float()))
+
+    def reduce(self, group: dist.ProcessGroup | None) -> None:
+        """SUM counts, MAX amax and MIN scale over `group` (the ranks holding other shards or replicas)."""
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        dist.all_reduce(self.counts, group=group)
+        dist.all_reduce(self.amax, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(self.scale, op=dist.ReduceOp.MIN, group=group)
+
+    def rows(self) -> list[Fp8TensorStats]:
+        """The step's statistics, one row per (linear, role) that quantized anything (one host sync)."""
+        counts, amax, scale = self.counts.cpu(), self.amax.cpu(), self.scale.cpu()
+        out = []
+        for i, name in enumerate(self.names):
+            for role in Role:
+                saturated, underflow, elements = counts[i, role.value].tolist()
+                if elements == 0:
+                    continue
+                out.append(
+                    Fp8TensorStats(
+                        name,
+                        self.layer_numbers[i],
+                        role,
+                        float(amax[i, role.value]),
+                        float(scale[i, role.value]),
+                        saturated / elements,
+                        underflow / elements,
+                    )
+                )
+        return out
+
+
+@dataclass(frozen=True)
+class Fp8TensorStats:
+    """One FP8 tensor's statistics over a monitored step."""
+
+    linear: str
+    """The linear's module name, e.g. `decoder.layers.3.mlp.linear_fc2`."""
+    layer_number: int
+    """1-based transformer layer number (global across pipeline stages)."""
+    role: Role
+    amax: float
+    scale: float
+    saturated: float
+    underflow: float
+
+    @property
+    def tensor(self) -> str:
+        return {Role.INPUT: "input", Role.WEIGHT: "weight", Role.GRAD: "grad"}[self.role]
+
+    @property
+    def tag(self) -> str:
+        """TensorBoard tag prefix: fp8/<linear>/<tensor>."""
+        return f"fp8/{self.linear.removeprefix('decoder.')}/{self.tensor}"
+
+    def describe(self) -> str:
+        return f"{self.linear.removeprefix('decoder.')} {self.tensor}"
+
+
+def tensorboard_scalars(rows: list[Fp8TensorStats]) -> dict[str, float]:
+    """{tag/field: value} for every row (amax, scale, saturated and underflow fractions)."""
+    out = {}
+    for row in rows:
+        for field in FIELDS:
+            value = getattr(row, field)
+            out[f"{row.tag}/{field}"] = value if math.isfinite(value) else float("nan")
+    return out
+
+
+def summary_line(iteration: int, rows: list[Fp8TensorStats], worst: int = 3) -> str:
+    """One log line: the `worst` tensors by saturation and by underflow, and the amax range."""
+
+    def top(field: str) -> str:
+        ranked = sorted(rows, key=lambda r: getattr(r, field), reverse=True)[:worst]
+        return ", ".join(f"{r.describe()} {100 * getattr(r, field):.3g}%" for r in ranked)
+
+    if not rows:
+        return f" fp8 stats iteration {iteration:8d} | no FP8 tensors on this rank"
+    amaxes = [r.amax for r in rows]
+    return (
+        f" fp8 stats iteration {iteration:8d} | saturated: {top('saturated')} | underflow: {top('underflow')} |"
+        f" amax range: {min(amaxes):.3g}..{max(amaxes):.3g} |"
+    )
+
+
+class LocalTaps:
+    """The local engine's FP8 linears as the monitor sees them: each `Fp8LinearState` counts its own casts."""
+
+    def __init__(self, states: list[Any]):
+        self.states = states
+        self.names = [state.name for state in states]
+        self.layer_numbers = [state.layer_number for state in states]
+
+    @contextlib.contextmanager
+    def attached(self, collector: Fp8StatsCollector) -> Iterator[None]:
+        for state in self.states:
+            state.stats = collector
+        try:
+            yield
+        finally:
+            for state in self.states:
+                state.stats = None
+
+    def move_to_bf16(self, layer_number: int) -> None:
+        for state in self.states:
+            if state.layer_number == layer_number:
+                state.enabled = False
+
+
+class Fp8Monitor:
+    """Watches every `interval`-th step (none when 0) through `taps`, reports it, and lets the guard act on it.
+
+    Statistics are reduced over `group` (the amax group: tensor- and data-parallel ranks), so every rank of a
+    pipeline stage sees the same numbers and the guard takes the same decisions there; the first rank gathers the
+    stages' rows for the log and TensorBoard."""
+
+    def __init__(
+        self,
+        taps: Any,
+        interval: int,
+        guard: Fp8Guard,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+        pp_group: dist.ProcessGroup | None = None,
+    ):
+        self.taps, self.interval, self.guard, self.device = taps, interval, guard, device
+        self.group, self.pp_group = group, pp_group
+
+    @contextlib.contextmanager
+    def watch(self, iteration: int) -> Iterator[Fp8StatsCollector | None]:
+        """Around the step numbered `iteration` (1-based): yields the collector if the step is watched, else None."""
+        if not self.interval or iteration % self.interval:
+            yield None
+            return
+        collector = Fp8StatsCollector(self.taps.names, self.taps.layer_numbers, self.device)
+        with self.taps.attached(collector):
+            yield collector
+
+    def report(
+        self,
+        collector: Fp8StatsCollector,
+        iteration: int,
+        log: Callable[[str], None],
+        scalars: Callable[[dict[str, float], int], None],
+    ) -> list[Fp8TensorStats]:
+        """Reduce a watched step's statistics, run the guard on this stage's rows, and log everything (the summary
+        line and guard messages through `log`, every number through `scalars`). Returns this stage's rows."""
+        collector.reduce(self.group)
+        rows = collector.rows()
+        messages = self.guard.check(rows)
+        all_rows, all_messages = rows, messages
+        if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
+            gathered: list[Any] = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(gathered, (rows, messages), group=self.pp_group)
+            all_rows = [row for stage_rows, _ in gathered for row in stage_rows]
+            all_messages = [message for _, stage_messages in gathered for message in stage_messages]
+        log(summary_line(iteration, all_rows))
+        for message in all_messages:
+            log(message)
+        scalars(tensorboard_scalars(all_rows), iteration)
+        return rows
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.guard.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.guard.load_state_dict(state)
+
+
+def build_fp8_monitor(cfg: Any, model: nn.Module, manager: Any, dims: Any, device: torch.device) -> Fp8Monitor | None:
+    """The monitor (and guard) of a run with FP8 on, for either engine; None with FP8 off. Built even with
+    --fp8-stats-interval 0, because it also carries the layers a guard moved to bf16 across checkpoints."""
+    precision = cfg.precision
+    if not precision.fp8:
+        return None
+    recipe = Recipe.from_config(precision)
+    if manager is None:  # Transformer Engine's layers
+        from .te_monitor import TETaps
+
+        taps: Any = TETaps(model, recipe, model.te_fp8.fp8_layers)
+    else:
+        taps = LocalTaps(list(manager.states.values()))
+    guard = Fp8Guard(
+        precision.fp8_guard_saturation,
+        precision.fp8_guard_underflow,
+        precision.fp8_guard_intervals,
+        precision.fp8_auto_bf16,
+        taps.move_to_bf16,
+    )
+    return Fp8Monitor(taps, precision.fp8_stats_interval, guard, device, dims.amax_group, dims.pp_group)

@@ -1,0 +1,135 @@
+"""Observe Transformer Engine's FP8 linears for the monitor and for delayed scaling's calibration.
+
+TE casts inside its fused kernels and keeps no saturation or underflow counts, so `TETaps` hooks each TE linear of
+the FP8 layers and counts what casting the very tensors TE casts does (`monitor.scaled_counts`, with the scale rules
+of quantize.py, which implements every recipe bit for bit) and, under delayed scaling, with TE's own scales
+(`fp8_meta[...].scale`, read when the tensor is cast):
+
+    input x    forward pre-hook; for te.LayerNormLinear the normalized input (the norm is fused into its GEMM, so
+               the hook recomputes RMSNorm/LayerNorm with the module's own weight and epsilon, in fp32)
+    weight W   the same hook (TE casts it once per step and reuses the cast for later micro-batches)
+    grad dY    a hook on the module's output tensor, registered in the forward hook
+
+While attached, the MLPs' fused SwiGLU stops writing FP8 (te_layers.TEMLP.fp8_swiglu), so that TE casts the bf16
+activation and gradient itself and the hooks see them: on watched steps the MLP runs TE's unfused path, which
+rounds the same values once more in bf16 (a difference of one e5m2 step in ~1.5% of the gradient's elements).
+Hooks exist only while attached; CUDA graphs would bypass them (the configuration refuses the combination).
+transformer_engine is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .formats import Role
+from .monitor import Fp8StatsCollector
+from .recipes import Recipe
+
+_META_KEY = {Role.INPUT: ("scaling_fwd", 0), Role.WEIGHT: ("scaling_fwd", 1), Role.GRAD: ("scaling_bwd", 0)}
+"""Where TE keeps each role's delayed-scaling state: fp8_meta[key].scale[index] (TE's GEMM1_INPUT, GEMM1_WEIGHT
+and GRAD_OUTPUT1)."""
+
+
+class TETaps:
+    """The TE linears of a model's FP8 transformer layers (this pipeline stage's), in a fixed order."""
+
+    def __init__(self, model: nn.Module, recipe: Recipe, fp8_layers: set[int]):
+        """`fp8_layers`: the live set of layers in FP8 (`TEFp8Autocast.fp8_layers`); `move_to_bf16` edits it."""
+        self.recipe, self.fp8_layers = recipe, fp8_layers
+        self.modules: list[nn.Module] = []
+        self.names: list[str] = []
+        self.layer_numbers: list[int] = []
+        self.mlps: list[nn.Module] = []
+        for name, layer in model.named_modules():
+            number = getattr(layer, "layer_number", None)
+            if number is None or number not in fp8_layers or not hasattr(layer, "te_modules"):
+                continue
+            self.mlps.append(layer.mlp)
+            for sub_name, module in layer.named_modules():
+                if any(module is m for m in layer.te_modules()):
+                    self.modules.append(module)
+                    self.names.append(f"{name}.{sub_name}")
+                    self.layer_numbers.append(number)
+
+    @contextlib.contextmanager
+    def attached(self, collector: Fp8StatsCollector, amax_only: bool = False) -> Iterator[None]:
+        """Hand the FP8 tensors of the TE linears to `collector` until exit (amax_only: record every micro-batch's
+        amaxes, for calibration; else the collector counts each tensor's first cast)."""
+        handles = []
+        for index, module in enumerate(self.modules):
+            if self.layer_numbers[index] not in self.fp8_layers:
+                continue  # moved to bf16 by the guard
+            handles.append(module.register_forward_pre_hook(self._pre_hook(index, collector, amax_only)))
+            handles.append(module.register_forward_hook(self._post_hook(index, collector, amax_only)))
+        for mlp in self.mlps:
+            mlp.fp8_swiglu = False
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for mlp in self.mlps:
+                mlp.fp8_swiglu = True
+
+    def move_to_bf16(self, layer_number: int) -> None:
+        self.fp8_layers.discard(layer_number)
+
+    def _record(self, collector: Fp8StatsCollector, index: int, role: Role, t: torch.Tensor, amax_only: bool) -> None:
+        t = _high_precision(t).detach()
+        t = t.reshape(-1, t.shape[-1])
+        if amax_only:
+            amax = t.abs().amax().float()
+            collector.record_counts(index, role, torch.zeros(3, dtype=torch.float64), amax, torch.ones(()))
+        else:
+            scale = self._delayed_scale(index, role) if self.recipe.delayed else None
+            collector.record(index, role, t, self.recipe, scale)
+
+    def _delayed_scale(self, index: int, role: Role) -> torch.Tensor:
+        """The scale TE casts this tensor with now (1 before TE has set up the module's FP8 state, as TE starts)."""
+        key, position = _META_KEY[role]
+        meta = self.modules[index].fp8_meta.get(key)
+        if meta is None:
+            return torch.ones(())
+        return meta.scale[position]
+
+    def _pre_hook(self, index: int, collector: Fp8StatsCollector, amax_only: bool) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if not amax_only and (index, Role.INPUT) in collector.counted:
+                return  # a later micro-batch: spare the norm's recomputation
+            x = args[0]
+            if hasattr(module, "layer_norm_weight"):
+                x = _normalized(module, _high_precision(x))
+            self._record(collector, index, Role.INPUT, x, amax_only)
+            self._record(collector, index, Role.WEIGHT, module.weight, amax_only)
+
+        return hook
+
+    def _post_hook(self, index: int, collector: Fp8StatsCollector, amax_only: bool) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            counted = not amax_only and (index, Role.GRAD) in collector.counted
+            if isinstance(out, torch.Tensor) and out.requires_grad and not counted:
+                out.register_hook(lambda grad: self._record(collector, index, Role.GRAD, grad, amax_only))
+
+        return hook
+
+
+def _high_precision(t: torch.Tensor) -> torch.Tensor:
+    """A TE quantized tensor (FP8 weights under --fp8-param-gather) dequantized; anything else as it is."""
+    dequantize = getattr(t, "dequantize", None)
+    return dequantize() if callable(dequantize) and type(t) is not torch.Tensor else t
+
+
+def _normalized(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """te.LayerNormLinear's normalized input (what its GEMM casts), recomputed in fp32."""
+    xf = x.float()
+    weight = module.layer_norm_weight.float() + (1.0 if getattr(module, "zero_centered_gamma", False) else 0.0)
+    if module.normalization == "RMSNorm":
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps) * weight
+    bias = getattr(module, "layer_norm_bias", None)
+    return F.layer_norm(xf, (xf.shape[-1],), weight, None if bias is None else bias.float(), module.eps)

@@ -1,0 +1,114 @@
+"""The FP8 monitor's statistics against hand-computed values and against the real casts, and the guard's rule."""
+
+import pytest
+import torch
+
+from megatron.fp8 import E4M3, E5M2, Recipe, Role, fp8_max, quantize
+from megatron.fp8.formats import Fp8Format
+from megatron.fp8.guard import Fp8Guard
+from megatron.fp8.monitor import (
+    CLIPPED,
+    FLUSHED,
+    Fp8StatsCollector,
+    Fp8TensorStats,
+    scaled_counts,
+    summary_line,
+    tensorboard_scalars,
+)
+from megatron.fp8.quantize import TENSOR, block_amax, block_scales
+
+
+def test_counts_by_hand_e4m3_scale_one():
+    # e4m3: max 448 (ulp 32 there), smallest subnormal 2^-9. At scale 1, |x| > 464 is clipped (up to 464 the cast
+    # gives 448 as rounding would) and 0 < |x| <= 2^-10 flushes (2^-10 is a tie, and ties go to the even 0).
+    x = torch.tensor([[500.0, -465.0, 460.0, 448.0, 1.0, 2.0**-10, -(2.0**-11), 1.01 * 2.0**-10, 0.0]])
+    counts = scaled_counts(x, torch.ones(1, 1), TENSOR, E4M3)
+    assert counts.tolist() == [2, 2, 9]  # 500, -465 | 2^-10, -2^-11
+    # at scale 4: 460 * 4 and 448 * 4 are clipped too, and 2^-10 * 4 = 2^-8 is representable
+    assert scaled_counts(x, torch.full((1, 1), 4.0), TENSOR, E4M3).tolist() == [4, 0, 9]
+
+
+def test_counts_by_hand_e5m2():
+    # e5m2: max 57344 (ulp 8192 there), smallest subnormal 2^-16
+    x = torch.tensor([[70000.0, 61000.0, 57344.0, 2.0**-17, 2.0**-16, 3.0 * 2.0**-18]])
+    assert scaled_counts(x, torch.ones(1, 1), TENSOR, E5M2).tolist() == [1, 1, 6]
+    assert (FLUSHED[E5M2], CLIPPED[E5M2]) == (2.0**-17, 61440.0)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "tensorwise", "rowwise", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("role", list(Role))
+def test_counts_match_the_real_cast(recipe_name, role):
+    """Underflow from the formula equals the elements the real cast turned into zero; saturation equals the
+    elements the cast clamped to fp8_max although they exceed it by more than half an ulp (found by dequantizing)."""
+    recipe = Recipe(recipe_name, Fp8Format("hybrid"))
+    gen = torch.Generator().manual_seed(0)
+    # magnitudes over 40 binades, so that every recipe flushes some elements; a few exact zeros too
+    x = torch.randn(96, 160, generator=gen) * torch.exp2(torch.randint(-30, 10, (96, 160), generator=gen).float())
+    x[0, :5] = 0.0
+    spec, dtype = recipe.block(role), recipe.dtype(role)
+    given = torch.tensor(3.0e3) if recipe.delayed else None  # a stale delayed scale: some elements saturate
+    options = dict(scale=given, power_of_two=recipe.power_of_two(role), mx=recipe.mx)
+    q, _ = quantize(x, spec, dtype, **options)
+    scales, _ = block_scales(block_amax(x, spec), dtype, **options)
+    saturated, underflow, elements = scaled_counts(x, scales, spec, dtype).tolist()
+    data, deq = q.data.float().abs(), q.dequantize().abs()
+    flushed = int(((data == 0) & (x != 0)).sum())
+    clipped = int(((data == fp8_max(dtype)) & (x.abs() > deq * CLIPPED[dtype] / fp8_max(dtype))).sum())
+    assert elements == x.numel()
+    assert underflow == flushed and underflow > 0
+    assert saturated == clipped
+    if recipe.delayed:
+        assert saturated > 0
+    else:
+        assert saturated == 0  # scales from the current amax never clip (MXFP8 rounds its exponent up)
+
+
+def test_collector_counts_each_tensor_once_per_step_and_reports_fractions():
+    recipe = Recipe("tensorwise", Fp8Format("hybrid"))
+    collector = Fp8StatsCollector(["decoder.layers.0.mlp.linear_fc1"], [1], torch.device("cpu"))
+    first = torch.tensor([[1.0, 2.0**-20, 3.0, 0.0]])
+    collector.record(0, Role.INPUT, first, recipe, None)
+    collector.record(0, Role.INPUT, torch.full((1, 4), 1e-30), recipe, None)  # a later micro-batch: not counted
+    (row,) = collector.rows()
+    assert row.role is Role.INPUT and row.layer_number == 1
+    assert row.amax == 3.0 and row.scale == pytest.approx(448.0 / 3.0)
+    # 2^-20 * 448/3 ~ 1.4e-4 <= 2^-10 flushes: 1 of 4 elements
+    assert (row.saturated, row.underflow) == (0.0, 0.25)
+    assert collector.counted == {(0, Role.INPUT)}
+
+
+def _row(linear="decoder.layers.1.mlp.linear_fc2", layer=2, role=Role.INPUT, saturated=0.0, underflow=0.0):
+    return Fp8TensorStats(linear, layer, role, 10.0, 44.8, saturated, underflow)
+
+
+def test_tensorboard_tags_and_summary_line():
+    rows = [_row(saturated=0.02), _row("decoder.layers.0.self_attention.linear_qkv", 1, Role.GRAD, underflow=0.3)]
+    scalars = tensorboard_scalars(rows)
+    assert scalars["fp8/layers.1.mlp.linear_fc2/input/saturated"] == 0.02
+    assert scalars["fp8/layers.0.self_attention.linear_qkv/grad/underflow"] == 0.3
+    assert len(scalars) == 8
+    line = summary_line(100, rows)
+    assert "saturated: layers.1.mlp.linear_fc2 input 2%" in line
+    assert "underflow: layers.0.self_attention.linear_qkv grad 30%" in line
+
+
+def test_guard_acts_after_the_streak_and_only_then():
+    moved = []
+    guard = Fp8Guard(saturation=0.01, underflow=0.5, intervals=2, auto_bf16=True, move_to_bf16=moved.append)
+    assert guard.check([_row(saturated=0.02)]) == []  # one interval over: not yet
+    assert guard.check([_row(saturated=0.0)]) == []  # the streak is broken
+    assert guard.check([_row(saturated=0.02)]) == []
+    (message,) = guard.check([_row(saturated=0.02)])
+    assert "transformer layer 2, layers.1.mlp.linear_fc2 input: saturated 2% > 1%" in message
+    assert "moved the layer to bf16" in message and moved == [2]
+    assert guard.state_dict() == {"bf16_layers": [2]}
+    restored = []
+    Fp8Guard(0.01, 0.5, 2, False, restored.append).load_state_dict(guard.state_dict())
+    assert restored == [2]
+
+
+def test_guard_without_auto_bf16_only_names_the_tensor():
+    moved = []
+    guard = Fp8Guard(saturation=0.01, underflow=0.1, intervals=1, auto_bf16=False, move_to_bf16=moved.append)
+    (message,) = guard.check([_row(role=Role.GRAD, underflow=0.4)])
+    assert "grad: underflow 40% > 10%" in message and "--fp8-auto-bf16 would move" in message and moved == []
