@@ -29,7 +29,9 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -184,6 +186,48 @@ def run_env(layout: str) -> dict[str, str]:
     return env
 
 
+def execute(
+    cmd: list[str], timeout: float, env: dict[str, str], echo: Callable[[str], None] | None = None
+) -> tuple[str, int]:
+    """Run `cmd` in the repository root with stdout and stderr merged, and return (output, exit code); after `timeout`
+    seconds the run is stopped and counts as exit code -1, keeping the output so far. `echo` is called with each line
+    as it arrives (progress of long runs)."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", env=env, cwd=ROOT
+    )
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if echo is not None:
+                echo(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        # SIGTERM first: torchrun passes it on to its ranks, which a SIGKILL of torchrun alone would leave running
+        # (holding the GPUs and the output pipe).
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    finally:  # also on Ctrl-C or any other error here: the run does not outlive the caller
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=30)  # a rank that ignored the signals may hold the pipe open; do not wait for it forever
+    text = "".join(lines)
+    if timed_out:
+        return text + f"\ntimed out after {timeout} s", -1
+    return text, proc.returncode
+
+
 def run(
     preset: str,
     config: str,
@@ -195,12 +239,7 @@ def run(
     weak: bool = False,
 ) -> Result:
     cmd = command(preset, config, iters, log_interval, layout, weak)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env(layout), cwd=ROOT)
-        text, code = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        text = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        text, code = text + f"\ntimed out after {timeout} s", -1
+    text, code = execute(cmd, timeout, run_env(layout))
     if log_dir is not None:
         name = f"{preset}.{config.replace(GRAPHS, '-graphs')}.{layout}.log"  # no '+' in file names
         (log_dir / name).write_text(" ".join(cmd) + "\n" + text)
