@@ -179,12 +179,21 @@ def summary_line(iteration: int, rows: list[Fp8TensorStats], worst: int = 3) -> 
     )
 
 
+def global_name(name: str, layer_number: int) -> str:
+    """`decoder.layers.<i>.<rest>` with i the layer's global index (a pipeline stage numbers its own layers from 0),
+    so that every stage's statistics have distinct names in the log and TensorBoard."""
+    prefix = "decoder.layers."
+    if not name.startswith(prefix):
+        return name
+    return f"{prefix}{layer_number - 1}.{name[len(prefix) :].split('.', 1)[1]}"
+
+
 class LocalTaps:
     """The local engine's FP8 linears as the monitor sees them: each `Fp8LinearState` counts its own casts."""
 
     def __init__(self, states: list[Any]):
         self.states = states
-        self.names = [state.name for state in states]
+        self.names = [global_name(state.name, state.layer_number) for state in states]
         self.layer_numbers = [state.layer_number for state in states]
 
     @contextlib.contextmanager

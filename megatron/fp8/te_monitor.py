@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .formats import Role
-from .monitor import Fp8StatsCollector
+from .monitor import Fp8StatsCollector, global_name
 from .recipes import Recipe
 
 _META_KEY = {Role.INPUT: ("scaling_fwd", 0), Role.WEIGHT: ("scaling_fwd", 1), Role.GRAD: ("scaling_bwd", 0)}
@@ -54,7 +54,7 @@ class TETaps:
             for sub_name, module in layer.named_modules():
                 if any(module is m for m in layer.te_modules()):
                     self.modules.append(module)
-                    self.names.append(f"{name}.{sub_name}")
+                    self.names.append(global_name(f"{name}.{sub_name}", number))
                     self.layer_numbers.append(number)
 
     @contextlib.contextmanager
