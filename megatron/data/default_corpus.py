@@ -40,7 +40,7 @@ def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
     return f"{node.name}({ast.unparse(node.args)})"
 
 
-def _module_document(name: str, source: str) -> str | None:
+def module_document(name: str, source: str) -> str | None:
     """A module's docstrings as one document, or None when it has none worth keeping."""
     try:
         tree = ast.parse(source)
@@ -86,7 +86,7 @@ def iter_documents() -> Iterator[dict[str, str]]:
             path = os.path.join(folder, file)
             module = os.path.relpath(path, root)[: -len(".py")].replace(os.sep, ".").removesuffix(".__init__")
             with open(path, encoding="utf-8", errors="replace") as f:
-                text = _module_document(module, f.read())
+                text = module_document(module, f.read())
             if text:
                 yield {"text": text, "source": module}
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from megatron.data.default_corpus import MERGE_FILE, VOCAB_FILE, _module_document, iter_documents
+from megatron.data.default_corpus import MERGE_FILE, VOCAB_FILE, iter_documents, module_document
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.data.tokenizers import GPT2BPETokenizer
 from tests.assets.data_helpers import load_tool
@@ -94,11 +94,11 @@ def test_tool_rejects_bad_flags(tmp_path, preprocess, capsys):
 def test_default_corpus_pieces():
     source = '''"""Module summary.\n\nMore words."""\nclass A(Base):\n    """A class."""\n    def m(self, x=1):\n
         """A method."""\ndef _private():\n    """Kept too."""\ndef undocumented(): pass\n'''
-    text = _module_document("pkg.mod", source)
+    text = module_document("pkg.mod", source)
     assert text == (
         "Module pkg.mod\n\nModule summary.\n\nMore words.\n\nclass A(Base)\n\nA class.\n\n"
         "A.m(self, x=1)\n\nA method.\n\n_private()\n\nKept too."
     )
-    assert _module_document("broken", "def (:") is None and _module_document("bare", "x = 1") is None
+    assert module_document("broken", "def (:") is None and module_document("bare", "x = 1") is None
     first = next(iter_documents())
     assert set(first) == {"text", "source"} and len(first["text"]) > 100
