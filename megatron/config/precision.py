@@ -28,7 +28,7 @@ class PrecisionConfig:
     """Delayed scaling: set the first scales from one high-precision forward and backward pass over the first
     micro-batch (scale = fp8_max / amax / 2^margin), before any FP8 GEMM runs; `--no-fp8-calibration` starts every
     scale at 1, as Transformer Engine does (docs/fp8.md: what that costs). Skipped when resuming from a checkpoint,
-    which holds the scales."""
+    which holds the scales, and with --fp8-param-gather on Transformer Engine (the startup log says so)."""
     fp8_stats_interval: int = 0
     """Every N-th step, log per FP8 linear and tensor (input, weight, output gradient) the amax, the scale and the
     fractions of elements saturated and flushed to zero, to TensorBoard (`fp8/<linear>/<tensor>/...`) and as one

@@ -56,6 +56,12 @@ def test_te_calibration_matches_the_local_engine():
     assert "scaling_fwd" not in uncalibrated.fp8_monitor.taps.modules[0].fp8_meta  # TE starts from scale 1
 
 
+def test_te_fp8_params_skip_calibration_and_train(capsys):
+    t = trainer("transformer_engine", "--fp8-format hybrid --fp8-recipe delayed --fp8-param-gather --train-iters 2")
+    assert "FP8 calibration: skipped with --fp8-param-gather" in capsys.readouterr().out
+    assert math.isfinite(t.train().losses[2])
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
 def test_te_monitor_reports_what_the_local_engine_reports(recipe, capsys):
     fmt = "e4m3" if recipe == "blockwise" else "hybrid"
