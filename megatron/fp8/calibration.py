@@ -32,6 +32,7 @@ from torch import nn
 from .formats import Role, fp8_max
 from .monitor import Fp8StatsCollector
 from .recipes import Recipe
+from .te_monitor import TE_META_KEY
 
 
 def calibrate_delayed_scaling(
@@ -88,17 +89,15 @@ def calibrate_te(
         te_fp8.calibrating = False
         for layer in model.decoder.layers:
             layer.forget_weight_casts()  # the pass cached no FP8 weight casts for the first step to reuse
-    amax = torch.nan_to_num(collector.amax, nan=float("inf"))
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    collector.amax = torch.nan_to_num(collector.amax, nan=float("inf"))  # a MAX reduction may drop a NaN
+    collector.reduce(group)
+    amax = collector.amax
     if not bool(torch.isfinite(amax).all()):
         return False
-    from .te_monitor import _META_KEY
-
     with torch.no_grad():
         for index, module in enumerate(taps.modules):
             for role in Role:
-                key, position = _META_KEY[role]
+                key, position = TE_META_KEY[role]
                 meta = module.fp8_meta[key]
                 value = amax[index, role.value]
                 scale = fp8_max(recipe.dtype(role)) / value / 2.0**recipe.margin

@@ -31,7 +31,7 @@ from .formats import Role
 from .monitor import Fp8StatsCollector, global_name
 from .recipes import Recipe
 
-_META_KEY = {Role.INPUT: ("scaling_fwd", 0), Role.WEIGHT: ("scaling_fwd", 1), Role.GRAD: ("scaling_bwd", 0)}
+TE_META_KEY = {Role.INPUT: ("scaling_fwd", 0), Role.WEIGHT: ("scaling_fwd", 1), Role.GRAD: ("scaling_bwd", 0)}
 """Where TE keeps each role's delayed-scaling state: fp8_meta[key].scale[index] (TE's GEMM1_INPUT, GEMM1_WEIGHT
 and GRAD_OUTPUT1)."""
 
@@ -92,7 +92,7 @@ class TETaps:
 
     def _delayed_scale(self, index: int, role: Role) -> torch.Tensor:
         """The scale TE casts this tensor with now (1 before TE has set up the module's FP8 state, as TE starts)."""
-        key, position = _META_KEY[role]
+        key, position = TE_META_KEY[role]
         meta = self.modules[index].fp8_meta.get(key)
         if meta is None:
             return torch.ones(())

@@ -30,12 +30,12 @@ def trainer(impl: str, flags: str) -> Trainer:
 
 def te_scales(t: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
     """(amax history[0], scale) [linears, 3 roles] from TE's modules, in the taps' order (the local engine's)."""
-    from megatron.fp8.te_monitor import _META_KEY
+    from megatron.fp8.te_monitor import TE_META_KEY
 
     history, scale = torch.zeros(len(t.fp8_monitor.taps.modules), 3), torch.zeros(len(t.fp8_monitor.taps.modules), 3)
     for i, module in enumerate(t.fp8_monitor.taps.modules):
         for role in Role:
-            key, position = _META_KEY[role]
+            key, position = TE_META_KEY[role]
             history[i, role.value] = module.fp8_meta[key].amax_history[0, position]
             scale[i, role.value] = module.fp8_meta[key].scale[position]
     return history, scale
