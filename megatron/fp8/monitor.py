@@ -215,9 +215,9 @@ class LocalTaps:
 class Fp8Monitor:
     """Watches every `interval`-th step (none when 0) through `taps`, reports it, and lets the guard act on it.
 
-    Statistics are reduced over `group` (the amax group: tensor- and data-parallel ranks), so every rank of a
-    pipeline stage sees the same numbers and the guard takes the same decisions there; the first rank gathers the
-    stages' rows for the log and TensorBoard."""
+    Statistics are reduced over `groups` in turn (together: the tensor- and data-parallel ranks of a stage), so every
+    rank of a pipeline stage sees the same numbers and the guard takes the same decisions there; the first rank
+    gathers the stages' rows for the log and TensorBoard."""
 
     def __init__(
         self,
@@ -225,11 +225,11 @@ class Fp8Monitor:
         interval: int,
         guard: Fp8Guard,
         device: torch.device,
-        group: dist.ProcessGroup | None = None,
+        groups: tuple[dist.ProcessGroup | None, ...] = (),
         pp_group: dist.ProcessGroup | None = None,
     ):
         self.taps, self.interval, self.guard, self.device = taps, interval, guard, device
-        self.group, self.pp_group = group, pp_group
+        self.groups, self.pp_group = groups, pp_group
 
     @contextlib.contextmanager
     def watch(self, iteration: int) -> Iterator[Fp8StatsCollector | None]:
@@ -250,7 +250,8 @@ class Fp8Monitor:
     ) -> list[Fp8TensorStats]:
         """Reduce a watched step's statistics, run the guard on this stage's rows, and log everything (the summary
         line and guard messages through `log`, every number through `scalars`). Returns this stage's rows."""
-        collector.reduce(self.group)
+        for group in self.groups:
+            collector.reduce(group)
         rows = collector.rows()
         messages = self.guard.check(rows)
         all_rows, all_messages = rows, messages
@@ -292,4 +293,7 @@ def build_fp8_monitor(cfg: Any, model: nn.Module, manager: Any, dims: Any, devic
         precision.fp8_auto_bf16,
         taps.move_to_bf16,
     )
-    return Fp8Monitor(taps, precision.fp8_stats_interval, guard, device, dims.amax_group, dims.pp_group)
+    # --tp-only-amax-red narrows the amax group to the tensor-parallel ranks; the statistics still cover the
+    # data-parallel replicas, so that they all take the guard's decisions alike
+    groups = (dims.amax_group, dims.dp_group) if precision.tp_only_amax_red else (dims.amax_group,)
+    return Fp8Monitor(taps, precision.fp8_stats_interval, guard, device, groups, dims.pp_group)
