@@ -24,8 +24,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from megatron.model.layers import normalize
 
 from .formats import Role
 from .monitor import Fp8StatsCollector, global_name
@@ -126,10 +127,7 @@ def _high_precision(t: torch.Tensor) -> torch.Tensor:
 
 
 def _normalized(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """te.LayerNormLinear's normalized input (what its GEMM casts), recomputed in fp32."""
-    xf = x.float()
-    weight = module.layer_norm_weight.float() + (1.0 if getattr(module, "zero_centered_gamma", False) else 0.0)
-    if module.normalization == "RMSNorm":
-        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps) * weight
+    """te.LayerNormLinear's normalized input (what its GEMM casts), recomputed in fp32 by the local layers' norm."""
     bias = getattr(module, "layer_norm_bias", None)
-    return F.layer_norm(xf, (xf.shape[-1],), weight, None if bias is None else bias.float(), module.eps)
+    weight, bias = module.layer_norm_weight.float(), None if bias is None else bias.float()
+    return normalize(x.float(), weight, bias, module.normalization, module.eps)
