@@ -32,6 +32,7 @@ from torch import nn
 from .formats import Role, fp8_max
 from .monitor import Fp8StatsCollector
 from .recipes import Recipe
+from .scaling import delayed_scale
 from .te_monitor import TE_META_KEY
 
 
@@ -100,9 +101,10 @@ def calibrate_te(
                 key, position = TE_META_KEY[role]
                 meta = module.fp8_meta[key]
                 value = amax[index, role.value]
-                scale = fp8_max(recipe.dtype(role)) / value / 2.0**recipe.margin
                 meta.amax_history[0, position] = value
-                meta.scale[position] = torch.where(value > 0, scale, meta.scale[position])
+                meta.scale[position] = delayed_scale(
+                    value, fp8_max(recipe.dtype(role)), recipe.margin, meta.scale[position]
+                )
     return True
 
 

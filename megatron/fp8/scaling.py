@@ -30,6 +30,16 @@ from .recipes import Recipe
 _FP32_MAX = torch.finfo(torch.float32).max
 
 
+def delayed_scale(
+    amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int, previous: torch.Tensor
+) -> torch.Tensor:
+    """The delayed-scaling rule: fp8_max / amax / 2^margin where amax > 0 (fp32 max where that overflows), else the
+    previous scale."""
+    scale = fp8_max / amax / (2.0**margin)
+    scale = torch.where(torch.isposinf(scale), torch.full_like(scale, _FP32_MAX), scale)
+    return torch.where(amax > 0, scale, previous)
+
+
 class AmaxState:
     """The amaxes of the current step for `num_linears` linears, and (delayed recipe) their histories and scales.
 
@@ -71,9 +81,7 @@ class AmaxState:
         assert self.history is not None and self.scale is not None
         self.history.copy_(torch.cat([amax[None], self.history[:-1]]))
         used = self.history.amax(dim=0) if self.recipe.amax_compute_algo == "max" else self.history[0]
-        new_scale = self._fp8_max / used / (2.0**self.recipe.margin)
-        new_scale = torch.where(torch.isposinf(new_scale), torch.full_like(new_scale, _FP32_MAX), new_scale)
-        self.scale.copy_(torch.where(used > 0, new_scale, self.scale))
+        self.scale.copy_(delayed_scale(used, self._fp8_max, self.recipe.margin, self.scale))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         if self.history is None or self.scale is None:
