@@ -1,11 +1,24 @@
 """A start-of-run memory estimate, per GPU (Megatron-LM's accounting, before fragmentation and workspaces).
 
-Weights and optimizer: parameter bytes (2 in bf16, 4 in fp32) + fp32 main copy (bf16 only) + fp32 gradient
-(accumulation buffer) + two fp32 Adam moments; the distributed optimizer keeps 1/dp of the main copy and moments.
-Activations of one micro-batch without recomputation, Korthikanti et al. (2022), for 16-bit activations: per layer
-s * b * h * (34 + 5 * a * s / h) bytes; SDPA's fused kernels do not keep the a * s * s attention matrix, so we drop
-that term. With tensor parallelism t that is s * b * h * (10 + 24 / t), and 34 * s * b * h / t with sequence
-parallelism; only this pipeline stage's layers count. Plus the fp32 logits and their gradient (8 * s * b * V / t).
+Weights and optimizer, in bytes per parameter of this rank:
+
+* weights: 2 in bf16, 4 in fp32; 1 for each FP8 parameter (--fp8-param-gather: the transformer linears' weights,
+  stored only in FP8). Transformer Engine on Hopper also keeps an FP8 transpose of each FP8 weight for the
+  backward pass; like the weight casts TE caches for bf16 weights, that is not counted.
+* gradients: 4, the fp32 accumulation buffer (`main_grad`), whatever the weights' type.
+* fp32 main (master) parameters: 4 when the weights are not fp32 (bf16, or any FP8 parameter: the optimizer then
+  keeps a main copy of every parameter); none for fp32 weights, which are their own master copy.
+* Adam states: two fp32 moments, 8.
+
+The distributed optimizer keeps 1/dp of the main copy and the moments (the gradient buffer stays whole: it is
+reduce-scattered in place). Activations of one micro-batch without recomputation, Korthikanti et al. (2022), for
+16-bit activations: per layer s * b * h * (34 + 5 * a * s / h) bytes; SDPA's fused kernels do not keep the
+a * s * s attention matrix, so we drop that term. With tensor parallelism t that is s * b * h * (10 + 24 / t), and
+34 * s * b * h / t with sequence parallelism; only this pipeline stage's layers count. Plus the fp32 logits and
+their gradient (8 * s * b * V / t).
+
+`estimate_bytes` gives the numbers (the trainer prints the total again beside the measured peak at the end of the
+run); `memory_estimate_lines` the start-of-run log line.
 """
 
 from __future__ import annotations
@@ -19,14 +32,40 @@ def _size(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
-def memory_estimate_lines(
-    cfg: Config, num_params: int, vocab_size: int, dtype: torch.dtype, num_layers: int | None = None
-) -> list[str]:
-    """`num_params`: this rank's parameters; `num_layers`: this pipeline stage's layers (default: all)."""
-    param_bytes = 2 if dtype == torch.bfloat16 else 4
-    weights = num_params * param_bytes
+def _count(n: int) -> str:
+    """A parameter count as in model names, to three significant digits (812M, 1.24B, 45.3K)."""
+    rounded = float(f"{n:.3g}")  # first, so that 999.9M reads 1B and not 1e+03M
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if rounded >= scale:
+            return f"{rounded / scale:g}{unit}"
+    return f"{rounded:g}"
+
+
+def _per(num_bytes: float) -> str:
+    """Bytes per parameter, three significant digits at most (4, 1.19, 13.2)."""
+    return f"{num_bytes:.3g}"
+
+
+def estimate_bytes(
+    cfg: Config,
+    num_params: int,
+    vocab_size: int,
+    dtype: torch.dtype,
+    num_layers: int | None = None,
+    *,
+    fp8_params: int = 0,
+) -> dict[str, float]:
+    """Bytes per GPU by category: `weights`, `grads`, `main_params`, `adam`, `activations` (one micro-batch, the
+    logits included), `static` (all but activations) and `total`. `num_params`: this rank's parameters, of which
+    `fp8_params` are stored in FP8; `num_layers`: this pipeline stage's layers (default: all)."""
+    if not 0 <= fp8_params <= num_params:
+        raise ValueError(f"fp8_params ({fp8_params}) must lie in [0, num_params ({num_params})]")
+    high_precision = 2 if dtype == torch.bfloat16 else 4
+    weights = fp8_params * 1 + (num_params - fp8_params) * high_precision
     shards = cfg.data_parallel_size if cfg.optimizer.use_distributed_optimizer else 1
-    main_copy = num_params * 4 / shards if dtype == torch.bfloat16 else 0
+    # The optimizer keeps a main copy of every parameter as soon as one of them is not fp32 (FP8 ones included).
+    has_main_copy = dtype != torch.float32 or fp8_params > 0
+    main_params = num_params * 4 / shards if has_main_copy else 0
     grads = num_params * 4
     adam = num_params * 8 / shards
     m = cfg.model
@@ -35,10 +74,48 @@ def memory_estimate_lines(
     tp = cfg.parallel.tensor_model_parallel_size
     per_layer = 34 / tp if cfg.parallel.sequence_parallel else 10 + 24 / tp
     layers = m.num_layers if num_layers is None else num_layers
-    activations = layers * per_layer * s * b * h * act_scale
-    logits = 8 * s * b * vocab_size / tp
+    activations = layers * per_layer * s * b * h * act_scale + 8 * s * b * vocab_size / tp
+    static = weights + grads + main_params + adam
+    return {
+        "weights": weights,
+        "grads": grads,
+        "main_params": main_params,
+        "adam": adam,
+        "activations": activations,
+        "static": static,
+        "total": static + activations,
+    }
+
+
+def memory_estimate_lines(
+    cfg: Config,
+    num_params: int,
+    vocab_size: int,
+    dtype: torch.dtype,
+    num_layers: int | None = None,
+    *,
+    fp8_params: int = 0,
+) -> list[str]:
+    """The start-of-run estimate: each category's size and bytes per parameter, then the totals (see
+    `estimate_bytes` for the arguments)."""
+    est = estimate_bytes(cfg, num_params, vocab_size, dtype, num_layers, fp8_params=fp8_params)
+    n = max(num_params, 1)  # bytes per parameter of an empty stage: 0, not a ZeroDivisionError
+    high = "bf16" if dtype == torch.bfloat16 else "fp32"
+    if fp8_params:
+        weights = f"{_per(est['weights'] / n)} B/param: {_count(fp8_params)} FP8 + {_count(num_params - fp8_params)}"
+        weights += f" {high}"
+    else:
+        weights = f"{_per(est['weights'] / n)} B/param, {high}"
+    shards = cfg.data_parallel_size if cfg.optimizer.use_distributed_optimizer else 1
+    over = f" over {shards} data-parallel ranks" if shards > 1 else ""
+    if est["main_params"]:
+        main = f"fp32 main params {_size(est['main_params'])} ({_per(est['main_params'] / n)} B/param{over})"
+    else:
+        main = "no fp32 main params (the fp32 weights are the master copy)"
     return [
-        f"memory estimate per GPU: weights {_size(weights)}, fp32 main params {_size(main_copy)},"
-        f" grads {_size(grads)}, Adam states {_size(adam)}, activations ~{_size(activations + logits)} per"
-        f" micro-batch (total ~{_size(weights + main_copy + grads + adam + activations + logits)})"
+        f"memory estimate per GPU: weights {_size(est['weights'])} ({weights}),"
+        f" grads {_size(est['grads'])} ({_per(est['grads'] / n)} B/param), {main},"
+        f" Adam states {_size(est['adam'])} ({_per(est['adam'] / n)} B/param{over}),"
+        f" activations ~{_size(est['activations'])} per micro-batch"
+        f" (total ~{_size(est['total'])}; {_per(est['static'] / n)} B/param before activations)"
     ]

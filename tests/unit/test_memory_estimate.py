@@ -1,0 +1,96 @@
+"""The start-of-run memory estimate: bytes per parameter by category, against numbers worked out by hand.
+
+The model shape is the same throughout: 2 layers, hidden 128, sequence 64, micro-batch 2, vocabulary 128, so one
+micro-batch's activations in bf16 are 2 layers x (10 + 24) x 64 x 2 x 128 = 1,114,112 bytes plus the fp32 logits
+and their gradient, 8 x 64 x 2 x 128 = 131,072 bytes: 1,245,184 in all (fp32 activations: twice the first part).
+"""
+
+import pytest
+import torch
+
+from megatron.config import Config, parse_args
+from megatron.training.memory import estimate_bytes, memory_estimate_lines
+
+SHAPE = "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2"
+VOCAB = 128
+N = 1_000_000  # parameters on this rank
+BF16_ACTIVATIONS = 2 * 34 * 64 * 2 * 128 + 8 * 64 * 2 * VOCAB
+FP32_ACTIVATIONS = 2 * 2 * 34 * 64 * 2 * 128 + 8 * 64 * 2 * VOCAB
+
+
+def parse(extra: str = "", **kwargs) -> Config:
+    return parse_args(f"--mock-data --vocab-size {VOCAB} {SHAPE} {extra}".split(), **kwargs)
+
+
+def test_bf16_plain():
+    """2 (bf16 weights) + 4 (fp32 grads) + 4 (fp32 main copy) + 8 (Adam) = 18 bytes per parameter."""
+    est = estimate_bytes(parse("--bf16"), N, VOCAB, torch.bfloat16)
+    assert est == {
+        "weights": 2 * N,
+        "grads": 4 * N,
+        "main_params": 4 * N,
+        "adam": 8 * N,
+        "activations": BF16_ACTIVATIONS,
+        "static": 18 * N,
+        "total": 18 * N + BF16_ACTIVATIONS,
+    }
+    (line,) = memory_estimate_lines(parse("--bf16"), N, VOCAB, torch.bfloat16)
+    assert "weights 1.9 MiB (2 B/param, bf16)" in line
+    assert "fp32 main params 3.8 MiB (4 B/param)," in line
+    assert "Adam states 7.6 MiB (8 B/param)," in line
+    assert "18 B/param before activations" in line
+
+
+def test_bf16_distributed_optimizer_over_two_data_parallel_ranks():
+    """Main copy and Adam states are sharded: 2 + 4 + 4/2 + 8/2 = 12 bytes per parameter; the grads stay whole."""
+    cfg = parse("--bf16 --use-distributed-optimizer", world_size=2)
+    est = estimate_bytes(cfg, N, VOCAB, torch.bfloat16)
+    assert (est["weights"], est["grads"], est["main_params"], est["adam"]) == (2 * N, 4 * N, 2 * N, 4 * N)
+    assert est["static"] == 12 * N and est["total"] == 12 * N + BF16_ACTIVATIONS
+    assert memory_estimate_lines(cfg, N, VOCAB, torch.bfloat16) == [
+        "memory estimate per GPU: weights 1.9 MiB (2 B/param, bf16), grads 3.8 MiB (4 B/param),"
+        " fp32 main params 1.9 MiB (2 B/param over 2 data-parallel ranks),"
+        " Adam states 3.8 MiB (4 B/param over 2 data-parallel ranks),"
+        " activations ~1.2 MiB per micro-batch (total ~12.6 MiB; 12 B/param before activations)"
+    ]
+    # Two ranks without the distributed optimizer: each keeps everything.
+    assert estimate_bytes(parse("--bf16", world_size=2), N, VOCAB, torch.bfloat16)["static"] == 18 * N
+
+
+def test_fp8_params_take_one_byte_each():
+    """800M of 1B parameters in FP8, the rest bf16: weights 0.8 + 2 x 0.2 = 1.2 bytes per parameter; grads, main
+    copy and Adam states as in bf16: 1.2 + 4 + 4 + 8 = 17.2."""
+    cfg = parse("--bf16 --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather")
+    n, fp8 = 1_000_000_000, 800_000_000
+    est = estimate_bytes(cfg, n, VOCAB, torch.bfloat16, fp8_params=fp8)
+    assert est["weights"] == 1_200_000_000
+    assert (est["grads"], est["main_params"], est["adam"]) == (4 * n, 4 * n, 8 * n)
+    assert est["static"] == pytest.approx(17.2 * n)
+    (line,) = memory_estimate_lines(cfg, n, VOCAB, torch.bfloat16, fp8_params=fp8)
+    assert line.startswith("memory estimate per GPU: weights 1.12 GiB (1.2 B/param: 800M FP8 + 200M bf16),")
+    assert "fp32 main params 3.73 GiB (4 B/param)," in line
+    assert "(total ~16.02 GiB; 17.2 B/param before activations)" in line
+
+
+def test_fp32_on_cpu_has_no_main_copy():
+    """fp32 weights are their own master copy: 4 + 4 + 8 = 16 bytes per parameter; activations in fp32 take twice
+    the bytes (the logits are fp32 either way)."""
+    cfg = parse()
+    est = estimate_bytes(cfg, N, VOCAB, torch.float32)
+    assert (est["weights"], est["grads"], est["main_params"], est["adam"]) == (4 * N, 4 * N, 0, 8 * N)
+    assert est["activations"] == FP32_ACTIVATIONS and est["total"] == 16 * N + FP32_ACTIVATIONS
+    (line,) = memory_estimate_lines(cfg, N, VOCAB, torch.float32)
+    assert "weights 3.8 MiB (4 B/param, fp32)" in line
+    assert "no fp32 main params (the fp32 weights are the master copy)" in line
+    assert "16 B/param before activations" in line
+
+
+def test_pipeline_stage_counts_its_own_layers():
+    full = estimate_bytes(parse("--bf16"), N, VOCAB, torch.bfloat16)
+    one_layer = estimate_bytes(parse("--bf16"), N, VOCAB, torch.bfloat16, num_layers=1)
+    assert full["activations"] - one_layer["activations"] == 34 * 64 * 2 * 128
+
+
+def test_more_fp8_params_than_params_is_an_error():
+    with pytest.raises(ValueError, match="fp8_params"):
+        estimate_bytes(parse("--bf16"), N, VOCAB, torch.bfloat16, fp8_params=N + 1)
