@@ -37,11 +37,17 @@ from .te_monitor import TE_META_KEY
 
 
 def calibrate_delayed_scaling(
-    model: nn.Module, manager: Any, taps: Any, precision: Any, run: Callable[[], None], dims: Any
+    model: nn.Module,
+    manager: Any,
+    taps: Any,
+    precision: Any,
+    run: Callable[[], None],
+    dims: Any,
+    userbuffers: bool = False,
 ) -> str:
     """Calibrate either engine's delayed scaling with `run` (one forward and backward of the first micro-batch);
-    `manager` is the local engine's Fp8Manager, None for Transformer Engine's layers (observed through `taps`).
-    Returns the startup log line."""
+    `manager` is the local engine's Fp8Manager, None for Transformer Engine's layers (observed through `taps`);
+    `userbuffers`: TE's layers communicate through userbuffers (--tp-comm-overlap). Returns the startup log line."""
     recipe = Recipe.from_config(precision)
     if manager is not None:
         finite = calibrate_local(manager, run, dims.amax_group)
@@ -51,6 +57,13 @@ def calibrate_delayed_scaling(
         return (
             "FP8 calibration: skipped with --fp8-param-gather on Transformer Engine (its FP8-only weights cannot run"
             " the high-precision pass); delayed scaling starts from scale 1"
+        )
+    elif userbuffers:
+        # TE registers the userbuffers of an FP8 run for FP8 GEMMs only; its high-precision pass finds none
+        # ("UB for qkv_fprop with use_fp8=False is not registered", measured on two H200s, TE 2.20).
+        return (
+            "FP8 calibration: skipped with --tp-comm-overlap (Transformer Engine's userbuffers serve FP8 GEMMs only);"
+            " delayed scaling starts from scale 1"
         )
     else:
         finite = calibrate_te(model, taps, recipe, run, dims.amax_group)
