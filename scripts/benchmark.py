@@ -62,6 +62,7 @@ CONFIGS = {
     "te-blockwise": f"{TE} --fp8-format e4m3 --fp8-recipe blockwise",
     "local-bf16": LOCAL,
     "local-delayed": f"{LOCAL} --fp8-format hybrid --fp8-recipe delayed",
+    "local-delayed-fp8params": f"{LOCAL} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather",
     "local-tensorwise": f"{LOCAL} --fp8-format hybrid --fp8-recipe tensorwise",
     "local-rowwise": f"{LOCAL} --fp8-format hybrid --fp8-recipe rowwise",
     "local-blockwise": f"{LOCAL} --fp8-format e4m3 --fp8-recipe blockwise",

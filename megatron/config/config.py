@@ -91,11 +91,6 @@ class Config:
             "--overlap-param-gather overlaps the distributed optimizer's parameter all-gathers: add"
             " --use-distributed-optimizer or drop the flag",
         )
-        require(
-            not (opt.use_distributed_optimizer and prec.fp8_param_gather),
-            "--use-distributed-optimizer with --fp8-param-gather: the distributed optimizer gathers bf16 or fp32"
-            " weights, not FP8 ones yet; drop one of the two flags",
-        )
         self._check_parallel_layout()
         self._resolve_transformer_impl()  # after the layout: TE's shape rules apply to the tensor-parallel shards
         if prec.fp8 and self.device_type == "cuda" and not prec.bf16:
@@ -161,10 +156,8 @@ class Config:
                 "--transformer-impl transformer_engine needs a CUDA GPU; use --transformer-impl local",
             )
             te_recipe.require_te()
-        require(
-            model.transformer_impl == "transformer_engine" or not prec.fp8_param_gather,
-            "--fp8-param-gather needs --transformer-impl transformer_engine (the local engine keeps bf16 weights)",
-        )
+        if prec.fp8_param_gather:
+            self._check_fp8_params()
         require(
             model.transformer_impl == "transformer_engine" or not prec.fp8_dot_product_attention,
             "--fp8-dot-product-attention needs --transformer-impl transformer_engine (the local attention runs in"
@@ -195,6 +188,26 @@ class Config:
             te_recipe.check_te_config(model, self.training.micro_batch_size, prec, self.parallel)
         self._check_cuda_graphs()
 
+    def _check_fp8_params(self) -> None:
+        """Recipes whose weights can live in FP8 (and be all-gathered as FP8 bytes): see megatron/fp8/params.py."""
+        from megatron.fp8.params import LOCAL_RECIPES, TE_RECIPES
+
+        recipe, te = self.precision.fp8_recipe, self.model.transformer_impl == "transformer_engine"
+        if not te:
+            require(
+                recipe in LOCAL_RECIPES,
+                f"--fp8-param-gather with --fp8-recipe {recipe}: the local engine keeps FP8 weights with one scale"
+                f" per tensor ({', '.join(LOCAL_RECIPES)}); use one of those, --transformer-impl transformer_engine"
+                " for blockwise, or drop --fp8-param-gather",
+            )
+        elif self.optimizer.use_distributed_optimizer:
+            require(
+                recipe in TE_RECIPES,
+                f"--fp8-param-gather with --use-distributed-optimizer and --fp8-recipe {recipe}: Transformer"
+                f" Engine's {recipe} weights cannot be all-gathered as FP8 bytes; use --fp8-recipe"
+                f" {'|'.join(TE_RECIPES)}, or drop one of the two flags",
+            )
+
     def _check_cuda_graphs(self) -> None:
         if self.training.cuda_graph_impl == "none":
             return
@@ -211,6 +224,13 @@ class Config:
         require(
             not self.precision.fp8_stats_interval,
             f"--fp8-stats-interval observes the layers through hooks, which {flag} does not run; drop one of the two",
+        )
+        require(
+            not (self.precision.fp8_param_gather and self.optimizer.use_distributed_optimizer)
+            or self.data_parallel_size == 1,
+            f"{flag} with --fp8-param-gather and --use-distributed-optimizer: after the FP8 all-gather Transformer"
+            " Engine rebuilds the weights' transposes outside the captured graphs (not yet supported); drop"
+            f" {flag} or --use-distributed-optimizer",
         )
         for name in ("reset_position_ids", "reset_attention_mask"):
             require(

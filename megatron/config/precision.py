@@ -28,7 +28,8 @@ class PrecisionConfig:
     """Delayed scaling: set the first scales from one high-precision forward and backward pass over the first
     micro-batch (scale = fp8_max / amax / 2^margin), before any FP8 GEMM runs; `--no-fp8-calibration` starts every
     scale at 1, as Transformer Engine does (docs/fp8.md: what that costs). Skipped when resuming from a checkpoint,
-    which holds the scales, and with --fp8-param-gather on Transformer Engine (the startup log says so)."""
+    which holds the scales, and with --fp8-param-gather or --tp-comm-overlap on Transformer Engine (the startup
+    log says so)."""
     fp8_stats_interval: int = 0
     """Every N-th step, log per FP8 linear and tensor (input, weight, output gradient) the amax, the scale and the
     fractions of elements saturated and flushed to zero, to TensorBoard (`fp8/<linear>/<tensor>/...`) and as one
@@ -49,11 +50,12 @@ class PrecisionConfig:
     fp8_wgrad: bool = option(True, flag="--no-fp8-wgrad", action="store_false")
     """Compute the weight-gradient GEMM in FP8 (`--no-fp8-wgrad` keeps it in high precision)."""
     fp8_param_gather: bool = False
-    """Keep the FP8 transformer layers' weights only in FP8 (Transformer Engine's quantized parameters): no bf16
-    copy and no per-step cast; the optimizer's fp32 main parameters are the master copy, quantized straight into the
-    weights after each step. Saves 2 bytes per weight (plus the FP8 copies TE would otherwise cache). Megatron-LM's
-    name; the distributed optimizer does not gather FP8 weights yet (the two flags are refused together).
-    Checkpoints hold the weights dequantized, so they load anywhere. Needs --transformer-impl transformer_engine."""
+    """Keep the FP8 transformer layers' weights only in FP8 (Transformer Engine's quantized parameters, or the local
+    engine's `Fp8Parameter`): no bf16 copy and no per-step cast; the optimizer's fp32 main parameters are the master
+    copy, quantized straight into the weights after each step. Saves 2 bytes per weight (plus the FP8 copies that
+    would otherwise be cached). With --use-distributed-optimizer each data-parallel rank casts its shard and the
+    all-gather moves FP8 bytes (Megatron-LM's FP8 recipe). Recipes: delayed, tensorwise; blockwise on Transformer
+    Engine. Checkpoints hold the weights dequantized (so they load anywhere) and the fp32 main parameters."""
     fp8_dot_product_attention: bool = False
     """Run attention's batched GEMMs (QK^T and softmax x V, forward and backward) in FP8 as well: Transformer
     Engine's `fp8_dpa` (cuDNN's FP8 fused attention; a beta feature of TE). Attention is about a quarter of an FP8

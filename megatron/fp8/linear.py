@@ -26,6 +26,7 @@ import torch.distributed as dist
 from .formats import Role
 from .gemm import fp8_gemm
 from .monitor import Fp8StatsCollector
+from .params import Fp8Parameter, accumulate_weight_grad, high_precision_linear
 from .quantize import EAGER, Fp8Tensor, Kernels, quantize, scale_from_amax
 from .recipes import Recipe
 from .scaling import AmaxState
@@ -64,14 +65,17 @@ class Fp8LinearState:
             raise ValueError(f"{self.name}: input has {x.shape[-1]} features, the weight expects {weight.shape[1]}")
         if self.calibrating:
             return self._observe(x, weight, bias)
+        if not self.enabled:  # the FP8 guard moved this layer to bf16
+            return high_precision_linear(x, weight, bias)
         out = _Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, self)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     def _observe(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """y = x W^T + b in high precision, recording the amaxes of x, W and (in backward) dY as a cast would."""
         self.amax.record(self.index, Role.INPUT, x.detach().abs().amax())
-        self.amax.record(self.index, Role.WEIGHT, weight.detach().abs().amax())
-        y = torch.nn.functional.linear(x, weight, bias)
+        w_amax = weight.amax if isinstance(weight, Fp8Parameter) else weight.detach().abs().amax()
+        self.amax.record(self.index, Role.WEIGHT, w_amax)
+        y = high_precision_linear(x, weight, bias)
         if y.requires_grad:
             y.register_hook(lambda grad: self.amax.record(self.index, Role.GRAD, grad.abs().amax()))
         return y
@@ -109,13 +113,25 @@ class Fp8LinearState:
         return q, q_t
 
     def weight_operands(self, weight: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
-        """(q(W) along K for fprop, q(W^T) along N for dgrad), cached until the step ends or W changes."""
-        key = (weight.data_ptr(), weight._version, weight.dtype, self.amax.generation)
+        """(q(W) along K for fprop, q(W^T) along N for dgrad), cached until the step ends or W changes. An FP8
+        weight (--fp8-param-gather) is its own q(W); only its transpose is made here."""
+        if isinstance(weight, Fp8Parameter):
+            key: tuple = (id(weight), weight.version)
+        else:
+            key = (weight.data_ptr(), weight._version, weight.dtype, self.amax.generation)
         if self._weight_cache is not None and self._weight_cache[0] == key:
             _, w_q, w_t = self._weight_cache
             self.amax.record(self.index, Role.WEIGHT, w_q.amax)  # this step saw the weight too
             return w_q, w_t
-        w_q, w_t = self.quantize(weight.detach(), Role.WEIGHT, rows=True, cols=True)
+        if isinstance(weight, Fp8Parameter):
+            w_q = weight.fp8_tensor()
+            w_t = w_q.t()
+            self.amax.record(self.index, Role.WEIGHT, w_q.amax)
+            if self.stats is not None:
+                scale = weight.scale_inv.reciprocal()
+                self.stats.record(self.index, Role.WEIGHT, weight.dequantize(), self.recipe, scale)
+        else:
+            w_q, w_t = self.quantize(weight.detach(), Role.WEIGHT, rows=True, cols=True)
         assert w_q is not None and w_t is not None
         self._weight_cache = (key, w_q, w_t)
         return w_q, w_t
@@ -143,7 +159,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         y = fp8_gemm(x_q, w_q, x.dtype, fast_accum=True, bias=bias)[:tokens]
 
         ctx.state, ctx.tokens = state, tokens
-        ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, weight.dtype, bias is not None
+        ctx.x_dtype, ctx.b_dtype = x.dtype, None if bias is None else bias.dtype
+        # an FP8 weight's gradient is formed in fp32 and added into main_grad (params.py)
+        ctx.fp8_weight = weight if isinstance(weight, Fp8Parameter) else None
+        ctx.w_dtype = torch.float32 if ctx.fp8_weight is not None else weight.dtype
         ctx.w_t = w_t  # FP8, shared with the weight cache
         ctx.x_t = x_t  # FP8 wgrad operand (None unless fp8 wgrad)
         ctx.save_for_backward(x if weight_grad and not recipe.fp8_wgrad else None)
@@ -166,7 +185,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             dw = fp8_gemm(dy_t, ctx.x_t, ctx.w_dtype)
         elif need_dw:
             dw = (dy.t().to(x_high.dtype) @ x_high).to(ctx.w_dtype)
-        if need_db and ctx.has_bias:
-            db = dy.float().sum(0).to(ctx.w_dtype)
-        ctx.x_t = ctx.w_t = None
+        if need_db and ctx.b_dtype is not None:
+            db = dy.float().sum(0).to(ctx.b_dtype)
+        if dw is not None and ctx.fp8_weight is not None:
+            dw = accumulate_weight_grad(ctx.fp8_weight, dw)
+        ctx.x_t = ctx.w_t = ctx.fp8_weight = None
         return dx, dw, db, None

@@ -23,6 +23,7 @@ from megatron.config import Config, ConfigError
 from .formats import Role
 from .gemm import describe_path
 from .linear import Fp8LinearState
+from .params import convert_to_fp8_params
 from .quantize import EAGER, KERNEL_NOTES, compiled_kernels
 from .recipes import Recipe
 from .scaling import AmaxState
@@ -76,6 +77,8 @@ def attach_fp8(
     for index, (name, linear, number) in enumerate(targets):
         tp_group = linear.tp.group if linear.parallel_mode else None
         linear.fp8 = states[name] = Fp8LinearState(name, index, recipe, amax, kernels, tp_group, number)
+    if cfg.precision.fp8_param_gather:  # before the gradient buffers and the optimizer see the weights
+        convert_to_fp8_params([linear for _, linear, _ in targets])
     return Fp8Manager(recipe, states, amax, amax_group, cfg, compile_kernels, device)
 
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig, PrecisionConfig
+from megatron.fp8.params import Fp8Parameter
 from megatron.parallel.tensor_parallel import (
     NO_TP,
     TensorParallel,
@@ -191,6 +192,7 @@ class GPTModel(nn.Module):
                 self.output_layer.weight.copy_(tp.shard(full, 0))
             mark_tensor_parallel(self.output_layer.weight, 0)
         self.register_load_state_dict_pre_hook(_reconcile_extra_state)
+        self.register_load_state_dict_pre_hook(_quantize_into_fp8_params)
         self._register_state_dict_hook(_dequantize_fp8_params)
 
     def output_weight(self) -> torch.Tensor:
@@ -266,13 +268,27 @@ def _reconcile_extra_state(module: nn.Module, state_dict: dict, prefix: str, *ar
 
 
 def _dequantize_fp8_params(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    """State-dict hook: FP8 parameters (--fp8-param-gather, TE quantized tensors) are saved as their high-precision
-    values, so a checkpoint holds plain tensors that the local model (and a machine without TE) loads. Loading one
-    quantizes again; the optimizer's fp32 main parameters, saved alongside, keep the full precision for resuming.
-    Parameters themselves (`state_dict(keep_vars=True)`) are left as they are."""
-    for key, value in state_dict.items():
-        if is_fp8_param(value) and not isinstance(value, nn.Parameter):
-            state_dict[key] = value.dequantize()
+    """State-dict hook: FP8 parameters (--fp8-param-gather) are saved as their high-precision values, so a checkpoint
+    holds plain tensors that either engine (and a machine without TE) loads. Loading one quantizes again; the
+    optimizer's fp32 main parameters, saved alongside, keep the full precision for resuming. Parameters themselves
+    (`state_dict(keep_vars=True)`) are left as they are."""
+    params = {prefix + name: p for name, p in module.named_parameters()}
+    with torch.no_grad():
+        for key, value in state_dict.items():
+            if not isinstance(value, nn.Parameter) and is_fp8_param(params.get(key)):
+                state_dict[key] = params[key].dequantize()
+
+
+def _quantize_into_fp8_params(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Load-time hook: a high-precision value for a local FP8 weight is quantized into it here (a plain copy into
+    its E4M3 storage would drop the scale); the entry then holds the weight's own bytes. TE's quantized parameters
+    quantize in their `copy_` themselves."""
+    for name, param in module.named_parameters():
+        value = state_dict.get(prefix + name)
+        if isinstance(param, Fp8Parameter) and value is not None and value.shape == param.shape:
+            if value.dtype != param.dtype:
+                param.quantize_(value.to(param.device))
+            state_dict[prefix + name] = param.data
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.fp8.params import is_fp8_param  # noqa: F401  (re-exported: the model's users ask it here)
 from megatron.parallel.tensor_parallel import (
     NO_TP,
     TensorParallel,
@@ -47,12 +48,6 @@ def mark_tensor_parallel(param: nn.Parameter, dim: int, parts: int = 1) -> None:
     were sliced separately (2 for SwiGLU's [gate; up]). Tests gather shards by them, whatever the implementation."""
     param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
     param.partition_parts = parts
-
-
-def is_fp8_param(param: torch.Tensor) -> bool:
-    """A Transformer Engine quantized parameter (--fp8-param-gather): it is written by quantizing a value into it
-    (`quantize_`) and read back with `dequantize`."""
-    return callable(getattr(param, "quantize_", None))
 
 
 def normalize(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, eps: float) -> torch.Tensor:
@@ -130,7 +125,7 @@ class Linear(nn.Module):
         if column:
             x = gather_from_sp(x, tp.group) if tp.sequence_parallel else copy_to_tp(x, tp.group)
         bias = None if row else self.bias
-        if self.fp8 is not None and self.fp8.enabled:
+        if self.fp8 is not None:
             y = self.fp8.linear(x, self.weight, bias)
         else:
             y = F.linear(x, self.weight, bias)

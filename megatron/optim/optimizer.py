@@ -8,6 +8,9 @@ into the bf16 parameter once per step (not once per micro-batch).
 With sharded buffers (`--use-distributed-optimizer`) the same holds for the flattened *pieces* of the parameters
 that lie in this data-parallel rank's shard of each bucket: main copies, Adam moments, the update and the
 gradient-norm contribution cover those pieces only, and the buffers all-gather the updated parameters.
+
+FP8 weights (--fp8-param-gather) are written from their fp32 main copies (or pieces) by casting straight into their
+FP8 bytes (`megatron.fp8.params.quantize_masters`), so with the distributed optimizer the all-gather moves FP8.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron.config import OptimizerConfig
-from megatron.model.layers import is_fp8_param
+from megatron.fp8.params import is_fp8_param, quantize_masters
 from megatron.parallel import GradientBuffers, counts_in_grad_norm
 
 
@@ -42,9 +46,16 @@ def _no_weight_decay(name: str, param: nn.Parameter) -> bool:
 
 class MixedPrecisionAdamW:
     def __init__(
-        self, model: nn.Module, cfg: OptimizerConfig, fused: bool = False, buffers: GradientBuffers | None = None
+        self,
+        model: nn.Module,
+        cfg: OptimizerConfig,
+        fused: bool = False,
+        buffers: GradientBuffers | None = None,
+        fp8_group: dist.ProcessGroup | None = None,
     ):
-        """`buffers`: the model's gradient buffers; needed when they are sharded (the distributed optimizer)."""
+        """`buffers`: the model's gradient buffers; needed when they are sharded (the distributed optimizer).
+        `fp8_group`: the ranks over which FP8 weights' amaxes are max-reduced when their main copies are cast
+        (see `quantize_masters`; the data-parallel group for TE's weights, tensor x data parallel for local ones)."""
         self.cfg = cfg
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not all(hasattr(p, "main_grad") for p in self.params):
@@ -52,21 +63,27 @@ class MixedPrecisionAdamW:
         self.buffers = buffers if buffers is not None and buffers.sharded else None
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
         if self.buffers is None:
-            owned = self.params
+            owned, starts = self.params, [0] * len(self.params)
             self._grads = [p.main_grad for p in self.params]
             self.main_params = [_initial_main_value(p) for p in self.params] if self.mixed else self.params
             targets = self.params
         else:
-            # This rank's pieces: flat views of the parameters, of their gradients, and fp32 copies (bf16) or the
-            # views themselves (fp32) to step on.
+            # This rank's pieces: flat views of the parameters, of their gradients, and fp32 copies (bf16, FP8) or
+            # the views themselves (fp32) to step on.
             self.pieces = [(p, r) for p in self.params if (r := self.buffers.owned_range(p)) is not None]
-            owned = [p for p, _ in self.pieces]
-            targets = [p.detach().view(-1)[a:b] for p, (a, b) in self.pieces]
+            owned, starts = [p for p, _ in self.pieces], [a for _, (a, _) in self.pieces]
+            targets = [p if is_fp8_param(p) else p.detach().view(-1)[a:b] for p, (a, b) in self.pieces]
             self._grads = [p.main_grad.view(-1)[a:b] for p, (a, b) in self.pieces]
-            self.main_params = [t.float().clone() for t in targets] if self.mixed else targets
+            self.main_params = (
+                [_initial_main_value(p).view(-1)[a:b].clone() for p, (a, b) in self.pieces] if self.mixed else targets
+            )
         self._counted = [g for p, g in zip(owned, self._grads) if counts_in_grad_norm(p)]
-        self._fp8 = [(p, m) for p, m in zip(targets, self.main_params) if is_fp8_param(p)]
         self._plain = [(p, m) for p, m in zip(targets, self.main_params) if not is_fp8_param(p)]
+        # Every FP8 weight, owned here or not (the cast's amax reduction spans all of them), with this rank's main
+        # piece and where it starts.
+        piece_of = {id(p): (m, a) for p, m, a in zip(owned, self.main_params, starts) if is_fp8_param(p)}
+        self._fp8 = [(p, *piece_of.get(id(p), (None, 0))) for p in self.params if is_fp8_param(p)]
+        self._fp8_group = fp8_group
         decay_of = {id(p): not _no_weight_decay(name, p) for name, p in model.named_parameters()}
         decay = [m for p, m in zip(owned, self.main_params) if decay_of[id(p)]]
         no_decay = [m for p, m in zip(owned, self.main_params) if not decay_of[id(p)]]
@@ -127,8 +144,8 @@ class MixedPrecisionAdamW:
             with torch.no_grad():
                 if self._plain:
                     torch._foreach_copy_([p for p, _ in self._plain], [m for _, m in self._plain])
-                for param, main in self._fp8:
-                    param.quantize_(main)
+                params, mains, starts = zip(*self._fp8) if self._fp8 else ((), (), ())
+                quantize_masters(list(params), list(mains), list(starts), self._fp8_group)
         if self.buffers is not None:
             self.buffers.gather_params()
 
@@ -165,5 +182,8 @@ class MixedPrecisionAdamW:
         """Refresh the fp32 main copies from the model (after loading model weights without optimizer state)."""
         if self.mixed:
             with torch.no_grad():
-                for param, main in self._plain + self._fp8:
-                    main.copy_(param.dequantize() if is_fp8_param(param) else param)
+                for param, main in self._plain:
+                    main.copy_(param)
+                for param, main, start in self._fp8:
+                    if main is not None:
+                        main.view(-1).copy_(param.dequantize().float().view(-1)[start : start + main.numel()])

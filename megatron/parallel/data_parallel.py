@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.fp8.params import fp8_raw_data, is_fp8_param, move_fp8_storage
+
 # torch 2.13 renamed the single-tensor collectives; the device image's torch 2.11 has the old names only.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -52,6 +54,16 @@ class _Bucket:
         self.pending = len(params)
         self.work: dist.Work | None = None
         self.gather: dist.Work | None = None  # an overlapped parameter all-gather still in flight
+
+
+def _storage_kind(param: nn.Parameter) -> object:
+    """What the distributed optimizer's all-gather moves for a parameter: "fp8" bytes, or its plain dtype."""
+    if is_fp8_param(param):
+        fp8_raw_data(param)  # raises for an FP8 weight that cannot be gathered as bytes
+        return "fp8"
+    if type(param.data) is not torch.Tensor:
+        raise ValueError(f"the distributed optimizer cannot gather {type(param.data).__name__} parameters")
+    return param.dtype
 
 
 class GradientBuffers:
@@ -80,14 +92,16 @@ class GradientBuffers:
         params = [p for p in model.parameters() if p.requires_grad]
         self.params = params
         self.buckets: list[_Bucket] = []
-        current: list[nn.Parameter] = []
+        # Sharded, a bucket's parameters share one storage type, which its all-gather moves: FP8 weights
+        # (--fp8-param-gather) fill buckets of their own, interleaved in backward order with the others'.
+        current: dict[object, list[nn.Parameter]] = {}
         for param in reversed(params):
-            current.append(param)
-            if sum(p.numel() for p in current) >= bucket_size:
-                self.buckets.append(_Bucket(current, param.device, self.dp if shard else 1))
-                current = []
-        if current:
-            self.buckets.append(_Bucket(current, current[0].device, self.dp if shard else 1))
+            kind = _storage_kind(param) if shard else None
+            current.setdefault(kind, []).append(param)
+            if sum(p.numel() for p in current[kind]) >= bucket_size:
+                self.buckets.append(_Bucket(current.pop(kind), param.device, self.dp if shard else 1))
+        for rest in current.values():
+            self.buckets.append(_Bucket(rest, rest[0].device, self.dp if shard else 1))
         self._bucket_of: dict[nn.Parameter, _Bucket] = {}
         self._offset_of: dict[nn.Parameter, int] = {}
         for bucket in self.buckets:
@@ -102,19 +116,19 @@ class GradientBuffers:
                 self._move_params_into_buffer(bucket)
 
     def _move_params_into_buffer(self, bucket: _Bucket) -> None:
-        dtypes = {p.dtype for p in bucket.params}
-        if len(dtypes) != 1 or any(type(p.data) is not torch.Tensor for p in bucket.params):
-            raise ValueError(
-                "the distributed optimizer gathers plain tensors of one dtype per bucket, got"
-                f" {sorted(map(str, dtypes))} (FP8 parameters are not supported with --use-distributed-optimizer)"
-            )
-        bucket.param_data = torch.zeros(bucket.data.numel(), dtype=dtypes.pop(), device=bucket.data.device)
+        kind = _storage_kind(bucket.params[0])
+        dtype = torch.uint8 if kind == "fp8" else kind
+        bucket.param_data = torch.zeros(bucket.data.numel(), dtype=dtype, device=bucket.data.device)
         with torch.no_grad():
             for param in bucket.params:
                 offset = self._offset_of[param]
-                view = bucket.param_data[offset : offset + param.numel()].view_as(param)
-                view.copy_(param.data)
-                param.data = view
+                view = bucket.param_data[offset : offset + param.numel()]
+                if kind == "fp8":
+                    move_fp8_storage(param, view)
+                else:
+                    view = view.view_as(param)
+                    view.copy_(param.data)
+                    param.data = view
 
     def _shard_bounds(self, bucket_numel: int) -> tuple[int, int]:
         """[start, stop) of this rank's shard in a bucket of `bucket_numel` elements."""

@@ -37,6 +37,7 @@ from megatron.data import PretrainingSampler, build_datasets, build_tokenizer, p
 from megatron.fp8.calibration import calibrate_delayed_scaling
 from megatron.fp8.monitor import build_fp8_monitor
 from megatron.model import GPTModel, Stage, count_parameters
+from megatron.model.layers import is_fp8_param
 from megatron.optim import MixedPrecisionAdamW, learning_rate
 from megatron.parallel import (
     GradientBuffers,
@@ -51,7 +52,7 @@ from megatron.parallel.tensor_parallel import TensorParallel
 
 from .flops import num_floating_point_operations, peak_tflops
 from .logger import TensorBoardWriter, print_rank_0, training_log_line, validation_log_lines
-from .memory import memory_estimate_lines
+from .memory import estimate_bytes, memory_estimate_lines
 
 
 @dataclass
@@ -123,8 +124,11 @@ class Trainer:
         )
         if self.grad_buffers.overlap_param_gather:
             self.grad_buffers.wait_for_params_in_forward(self.model, list(self.model.decoder.layers))
+        # FP8 weights' amaxes, when their main copies are cast: TE scales each tensor-parallel shard by itself, the
+        # local engine the whole tensor (as in one process)
+        fp8_group = dims.amax_group if cfg.model.transformer_impl == "local" else dims.dp_group
         self.optimizer = MixedPrecisionAdamW(
-            self.model, cfg.optimizer, fused=self.device.type == "cuda", buffers=self.grad_buffers
+            self.model, cfg.optimizer, self.device.type == "cuda", self.grad_buffers, fp8_group
         )
         self.state = TrainState()
         self._load()
@@ -164,7 +168,10 @@ class Trainer:
         else:
             print_rank_0(f"> number of parameters: {params:,}")
         layers = len(self.stage.layer_numbers)
-        for line in memory_estimate_lines(cfg, params, self.vocab_size, self.dtype, layers):
+        fp8_params = sum(p.numel() for p in self.model.parameters() if is_fp8_param(p))
+        estimate = estimate_bytes(cfg, params, self.vocab_size, self.dtype, layers, fp8_params=fp8_params)
+        self.memory_estimate_gib = estimate["total"] / 2**30  # printed again beside the measured peak at the end
+        for line in memory_estimate_lines(cfg, params, self.vocab_size, self.dtype, layers, fp8_params=fp8_params):
             print_rank_0(f"> {line}")
         if self.fp8 is not None:
             for line in self.fp8.describe():
@@ -195,7 +202,9 @@ class Trainer:
         self.model.train()
         devices = [self.device] if self.device.type == "cuda" else []
         with self.grad_buffers.paused(), torch.random.fork_rng(devices=devices):
-            line = calibrate_delayed_scaling(self.model, self.fp8, self.fp8_monitor.taps, prec, run, self.dims)
+            line = calibrate_delayed_scaling(
+                self.model, self.fp8, self.fp8_monitor.taps, prec, run, self.dims, self.cfg.parallel.tp_comm_overlap
+            )
         print_rank_0(f"> fp8: {line}")
 
     def _capture_cuda_graphs(self) -> None:
@@ -227,14 +236,14 @@ class Trainer:
         self.state.consumed_samples = state["consumed_samples"]
         self.state.skipped_iters = state.get("skipped_iters", 0)
         self.state.nan_iters = state.get("nan_iters", 0)
+        if self.fp8 is not None and state.get("fp8") is not None:  # first: FP8 weights are cast with its scales
+            self.fp8.load_state_dict(state["fp8"])
         if ckpt_cfg.no_load_optim:
             self.optimizer.reload_model_params()
         else:
             self._load_optimizer(state)
         if not ckpt_cfg.no_load_rng:
             set_rng_state(state["rng"])
-        if self.fp8 is not None and state.get("fp8") is not None:
-            self.fp8.load_state_dict(state["fp8"])
         if self.fp8_monitor is not None and state.get("fp8_guard") is not None:
             self.fp8_monitor.load_state_dict(state["fp8_guard"])
 
@@ -490,10 +499,13 @@ def pretrain(cfg: Config) -> TrainState:
     trainer = Trainer(cfg)
     state = trainer.train()
     if trainer.device.type == "cuda":
-        peak = torch.tensor(torch.cuda.max_memory_allocated(trainer.device) / 2**30, device=trainer.device)
-        if dist.is_initialized():  # the busiest rank (pipeline stages and vocabulary shards differ)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        where = " (the most on any rank)" if dist.is_initialized() else ""
-        print_rank_0(f"> peak memory allocated: {peak.item():.2f} GiB{where}")
+        peak = torch.cuda.max_memory_allocated(trainer.device) / 2**30
+        # Peak and estimate of the busiest rank (pipeline stages and vocabulary shards differ), in one reduction.
+        both = torch.tensor([peak, trainer.memory_estimate_gib], device=trainer.device)
+        if dist.is_initialized():
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        peak, estimate = both.tolist()
+        where = "the most on any rank; " if dist.is_initialized() else ""
+        print_rank_0(f"> peak memory allocated: {peak:.2f} GiB ({where}estimate at start: {estimate:.2f} GiB)")
     print_rank_0(json.dumps({"final_iteration": state.iteration, "final_lm_loss": state.losses.get(state.iteration)}))
     return state

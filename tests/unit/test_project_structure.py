@@ -11,6 +11,7 @@ from megatron.config import all_flags
 ROOT = Path(__file__).resolve().parents[2]
 TE_MODULES = {
     "megatron/fp8/te_recipe.py",
+    "megatron/fp8/params.py",
     "megatron/model/te_layers.py",
     "megatron/model/cuda_graphs.py",
     "megatron/model/te_comm_overlap.py",

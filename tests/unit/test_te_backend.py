@@ -252,12 +252,12 @@ def test_local_model_loads_a_state_dict_with_te_extra_state():
     [
         ("--fp8-param-gather", "--fp8-param-gather needs FP8 on"),
         (
-            "--fp8-param-gather --fp8-format hybrid --transformer-impl local",
-            "--fp8-param-gather needs --transformer-impl transformer_engine",
+            "--fp8-param-gather --fp8-format hybrid --fp8-recipe rowwise --transformer-impl local",
+            "the local engine keeps FP8 weights with one scale per tensor .* --transformer-impl transformer_engine",
         ),
     ],
 )
-def test_fp8_param_gather_needs_fp8_and_te(te_present, extra, expected):
+def test_fp8_param_gather_needs_fp8_and_a_recipe_with_fp8_weights(te_present, extra, expected):
     with pytest.raises(ConfigError, match=expected):
         parse(extra, device_type="cuda")
     cfg = parse("--fp8-param-gather --fp8-format hybrid --transformer-impl transformer_engine", device_type="cuda")
@@ -358,11 +358,16 @@ def test_tp_comm_overlap_notes_cuda_device_max_connections(te_present, monkeypat
     assert not any("CUDA_DEVICE_MAX_CONNECTIONS" in n for n in parse(flags, device_type="cuda", world_size=2).notes)
 
 
-def test_distributed_optimizer_refuses_fp8_parameters(te_present):
-    flags = "--use-distributed-optimizer --transformer-impl transformer_engine --fp8-format hybrid"
-    with pytest.raises(ConfigError, match="gathers bf16 or fp32 weights, not FP8 ones yet; drop one of the two"):
-        parse(f"{flags} --fp8-param-gather", device_type="cuda", world_size=2)
-    assert parse(flags, device_type="cuda", world_size=2).optimizer.use_distributed_optimizer
+def test_distributed_optimizer_gathers_te_fp8_weights_of_the_recipes_that_have_them(te_present):
+    flags = "--use-distributed-optimizer --transformer-impl transformer_engine --fp8-param-gather"
+    for recipe, fmt in (("delayed", "hybrid"), ("tensorwise", "hybrid"), ("blockwise", "e4m3")):
+        cfg = parse(f"{flags} --fp8-format {fmt} --fp8-recipe {recipe}", device_type="cuda", world_size=2)
+        assert cfg.precision.fp8_param_gather and cfg.optimizer.use_distributed_optimizer
+    with pytest.raises(ConfigError, match="mxfp8 weights cannot be all-gathered as FP8 bytes; use --fp8-recipe"):
+        parse(f"{flags} --fp8-format e4m3 --fp8-recipe mxfp8", device_type="cuda", world_size=2)
+    with pytest.raises(ConfigError, match="rebuilds the weights' transposes outside the captured graphs"):
+        parse(f"{flags} --fp8-format hybrid --cuda-graph-impl transformer_engine", device_type="cuda", world_size=2)
+    assert parse(f"{flags} --fp8-format hybrid --cuda-graph-impl transformer_engine", device_type="cuda")
 
 
 def test_tp_only_amax_reduction_is_a_transformer_engine_flag(te_present):
