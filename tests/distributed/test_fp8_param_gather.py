@@ -1,8 +1,9 @@
 """--fp8-param-gather with --use-distributed-optimizer on the local engine: each data-parallel rank casts its shard of
 the fp32 masters into the FP8 weights and the all-gather moves FP8 bytes. Step by step the FP8 weights (bytes and
-scales) and the losses equal those of the unsharded optimizer with FP8 weights in the same layout (DP=2 and TP=2 x
-DP=2; delayed and tensorwise), the gather moves at most 0.55x the bytes of the bf16 path, and save and resume at DP=2
-reproduces the uninterrupted run; another data-parallel size is refused (test_distributed_optimizer.py)."""
+scales) and the losses equal those of the unsharded optimizer with FP8 weights in the same layout (DP=2, TP=2 x DP=2
+and PP=2 x DP=2; delayed and tensorwise), the gather moves at most 0.55x the bytes of the bf16 path, and save and
+resume at DP=2 reproduces the uninterrupted run; another data-parallel size is refused (test_distributed_optimizer.py
+covers that path, which FP8 weights share)."""
 
 from pathlib import Path
 
@@ -73,8 +74,11 @@ def test_dp2_fp8_weights_match_the_unsharded_optimizer_bitwise():
     run_distributed(_same_as_unsharded_body, world_size=2, args=("",))
 
 
-def test_tp2_dp2_fp8_weights_match_the_unsharded_optimizer_bitwise():
-    run_distributed(_same_as_unsharded_body, world_size=4, args=("--tensor-model-parallel-size 2 --sequence-parallel",))
+@pytest.mark.parametrize(
+    "layout", ["--tensor-model-parallel-size 2 --sequence-parallel", "--pipeline-model-parallel-size 2"]
+)
+def test_tp2_dp2_and_pp2_dp2_fp8_weights_match_the_unsharded_optimizer_bitwise(layout):
+    run_distributed(_same_as_unsharded_body, world_size=4, args=(layout,))
 
 
 # A model whose weights are mostly the transformer linears' (a small vocabulary), as in any real model.
