@@ -160,3 +160,45 @@ def test_cpu_scaled_mm_matches_the_emulation(spec, dtype_b):
     a = quantize(torch.randn(40, 64, generator=gen), spec, E4M3)[0]
     b = quantize(torch.randn(48, 64, generator=gen), spec, dtype_b)[0]
     torch.testing.assert_close(fp8_gemm(a, b, torch.float32), _emulated(a, b, torch.float32, None))
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_an_fp8_weight_is_its_own_operand_and_its_gradient_goes_to_main_grad(recipe):
+    """--fp8-param-gather: the linear with an Fp8Parameter computes what it computes with a plain weight holding the
+    same FP8 value, the weight gradient lands in main_grad (fp32) and autograd sees a zero dummy; with the layer out
+    of FP8 (the guard) it is F.linear on the dequantized weight."""
+    from megatron.fp8.params import Fp8Parameter
+
+    def made() -> Fp8LinearState:
+        state, amax, _ = make(recipe, "hybrid")
+        if amax.scale is not None:
+            amax.scale.fill_(2.0**8)  # some delayed scale other than 1
+        return state
+
+    state = made()
+    x, w, b, dy = tensors(3)
+    param = Fp8Parameter(w, state)
+    param.main_grad = torch.zeros(N, K)
+    plain = param.dequantize().clone()
+    assert torch.equal(Fp8Parameter(plain, state).data.view(torch.uint8), param.data.view(torch.uint8))
+    reference = made()
+    if reference.amax.scale is not None:  # delayed: the plain weight cast with the FP8 weight's own scale
+        reference.amax.scale[0, Role.WEIGHT.value] = param.scale_inv.reciprocal()
+    y_want, dx_want, dw_want, db_want = run(reference, x, plain, b, dy)
+    for enabled, want in ((True, (y_want, dx_want, dw_want, db_want)), (False, None)):
+        state.enabled = enabled
+        param.main_grad.zero_()
+        x_in, b_in = x.clone().requires_grad_(), b.clone().requires_grad_()
+        y = state.linear(x_in, param, b_in)
+        y.backward(dy)
+        assert param.grad is not None and not param.grad.any()  # the dummy (no gradient buffers to free it here)
+        param.grad = None
+        if want is None:  # high precision on the dequantized weight
+            ref_x, ref_w, ref_b = (t.clone().requires_grad_() for t in (x, plain, b))
+            torch.nn.functional.linear(ref_x, ref_w, ref_b).backward(dy)
+            want = (None, ref_x.grad, ref_w.grad, ref_b.grad)
+        torch.testing.assert_close(x_in.grad, want[1])
+        torch.testing.assert_close(param.main_grad, want[2].float())
+        torch.testing.assert_close(b_in.grad, want[3])
+        if want[0] is not None:
+            torch.testing.assert_close(y.detach(), want[0])
