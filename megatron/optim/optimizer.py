@@ -39,6 +39,14 @@ def _initial_main_value(param: torch.Tensor) -> torch.Tensor:
     return param.detach().float().clone()
 
 
+def _initial_piece(param: torch.Tensor, target: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """The fp32 main copy of this rank's piece [start, stop) of `param`: an FP8 weight's from its high-precision
+    initial value; any other from the piece itself (`target`), without an fp32 copy of the whole parameter."""
+    if is_fp8_param(param):
+        return _initial_main_value(param).view(-1)[start:stop].clone()
+    return target.float().clone()
+
+
 def _no_weight_decay(name: str, param: nn.Parameter) -> bool:
     """Biases and norm weights (every 1-D parameter) are not decayed, as in Megatron-LM."""
     return param.ndim == 1 or name.endswith(".bias")
@@ -75,7 +83,7 @@ class MixedPrecisionAdamW:
             targets = [p if is_fp8_param(p) else p.detach().view(-1)[a:b] for p, (a, b) in self.pieces]
             self._grads = [p.main_grad.view(-1)[a:b] for p, (a, b) in self.pieces]
             self.main_params = (
-                [_initial_main_value(p).view(-1)[a:b].clone() for p, (a, b) in self.pieces] if self.mixed else targets
+                [_initial_piece(p, t, a, b) for (p, (a, b)), t in zip(self.pieces, targets)] if self.mixed else targets
             )
         self._counted = [g for p, g in zip(owned, self._grads) if counts_in_grad_norm(p)]
         self._plain = [(p, m) for p, m in zip(targets, self.main_params) if not is_fp8_param(p)]
