@@ -18,6 +18,10 @@ amaxes are, and then applies the delayed-scaling rule to them exactly as after a
 Its gradients are thrown away and it draws nothing from the random streams the run uses (the caller forks them),
 so the run differs from an uncalibrated one only in its first scales. Other recipes compute their scales from the
 tensor being cast and need no calibration.
+
+FP8 weights (--fp8-param-gather) were cast before any of this, Transformer Engine's at scale 1 (mostly into e4m3's
+subnormals): after the pass the trainer casts their fp32 main copies into them again with the calibrated weight
+scales, so the first step runs on the weights every later step would cast.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch import nn
 
 from .formats import Role, fp8_max
 from .monitor import Fp8StatsCollector
+from .params import is_fp8_param
 from .recipes import Recipe
 from .scaling import delayed_scale
 from .te_monitor import TE_META_KEY
@@ -51,13 +56,6 @@ def calibrate_delayed_scaling(
     recipe = Recipe.from_config(precision)
     if manager is not None:
         finite = calibrate_local(manager, run, dims.amax_group)
-    elif precision.fp8_param_gather:
-        # TE's high-precision pass dequantizes FP8-only weights into plain tensors, whose fused wgrad accumulation
-        # then finds no main_grad to write into (measured on an H100, TE 2.20): keep TE's start rather than fail.
-        return (
-            "FP8 calibration: skipped with --fp8-param-gather on Transformer Engine (its FP8-only weights cannot run"
-            " the high-precision pass); delayed scaling starts from scale 1"
-        )
     elif userbuffers:
         # TE registers the userbuffers of an FP8 run for FP8 GEMMs only; its high-precision pass finds none
         # ("UB for qkv_fprop with use_fp8=False is not registered", measured on two H200s, TE 2.20).
@@ -96,11 +94,19 @@ def calibrate_te(
     collector = Fp8StatsCollector(taps.names, taps.layer_numbers, device)
     te_fp8 = model.te_fp8
     te_fp8.calibrating = True
+    # FP8-only weights (--fp8-param-gather) run the high-precision pass dequantized, as plain tensors that have no
+    # main_grad for TE's fused weight-gradient accumulation (which fails, measured on TE 2.20): the pass needs the
+    # output gradients' amaxes, not weight gradients, so those weights take none.
+    fp8_weights = [p for p in model.parameters() if p.requires_grad and is_fp8_param(p)]
+    for weight in fp8_weights:
+        weight.requires_grad_(False)
     try:
         with taps.attached(collector, amax_only=True):
             run()
     finally:
         te_fp8.calibrating = False
+        for weight in fp8_weights:
+            weight.requires_grad_(True)
         for layer in model.decoder.layers:
             layer.forget_weight_casts()  # the pass cached no FP8 weight casts for the first step to reuse
     collector.amax = torch.nan_to_num(collector.amax, nan=float("inf"))  # a MAX reduction may drop a NaN

@@ -152,10 +152,23 @@ class MixedPrecisionAdamW:
             with torch.no_grad():
                 if self._plain:
                     torch._foreach_copy_([p for p, _ in self._plain], [m for _, m in self._plain])
-                params, mains, starts = zip(*self._fp8) if self._fp8 else ((), (), ())
-                quantize_masters(list(params), list(mains), list(starts), self._fp8_group)
+                self._cast_fp8_params()
         if self.buffers is not None:
             self.buffers.gather_params()
+
+    def _cast_fp8_params(self) -> None:
+        if self._fp8:
+            params, mains, starts = zip(*self._fp8)
+            with torch.no_grad():
+                quantize_masters(list(params), list(mains), list(starts), self._fp8_group)
+
+    def recast_fp8_params(self) -> None:
+        """Cast the main copies into the FP8 weights again (and gather them): after delayed scaling's calibration
+        replaced the weight scales they were first cast with (Transformer Engine's: scale 1)."""
+        if self._fp8:
+            self._cast_fp8_params()
+            if self.buffers is not None:
+                self.buffers.gather_params()
 
     def shard_layout(self) -> list[tuple[int, int, int]] | None:
         """(parameter index, start, stop) of each piece this rank steps on; None when not sharded. A checkpoint's

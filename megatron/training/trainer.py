@@ -205,6 +205,7 @@ class Trainer:
             line = calibrate_delayed_scaling(
                 self.model, self.fp8, self.fp8_monitor.taps, prec, run, self.dims, self.cfg.parallel.tp_comm_overlap
             )
+        self.optimizer.recast_fp8_params()  # FP8 weights were cast before the calibrated weight scales existed
         print_rank_0(f"> fp8: {line}")
 
     def _capture_cuda_graphs(self) -> None:

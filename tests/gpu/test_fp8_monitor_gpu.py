@@ -56,10 +56,23 @@ def test_te_calibration_matches_the_local_engine():
     assert "scaling_fwd" not in uncalibrated.fp8_monitor.taps.modules[0].fp8_meta  # TE starts from scale 1
 
 
-def test_te_fp8_params_skip_calibration_and_train(capsys):
-    t = trainer("transformer_engine", "--fp8-format hybrid --fp8-recipe delayed --fp8-param-gather --train-iters 2")
-    assert "FP8 calibration: skipped with --fp8-param-gather" in capsys.readouterr().out
-    assert math.isfinite(t.train().losses[2])
+def test_te_fp8_params_calibrate_and_are_recast_with_the_calibrated_weight_scales():
+    flags = "--fp8-format hybrid --fp8-recipe delayed --bf16 --train-iters 3"
+    fp8_weights, bf16_weights = trainer("transformer_engine", f"{flags} --fp8-param-gather"), trainer(
+        "transformer_engine", flags
+    )
+    # the same weights and micro-batch: the calibrated amaxes agree to the FP8 weights' rounding
+    history, scale = te_scales(fp8_weights)
+    reference, _ = te_scales(bf16_weights)
+    assert torch.allclose(history, reference, rtol=0.1), (history, reference)
+    weights = [m.weight for m in fp8_weights.fp8_monitor.taps.modules]
+    weight_scales = scale[:, Role.WEIGHT.value]
+    # recast with the calibrated scale, not TE's initial scale 1
+    assert all(float(w._scale_inv) == pytest.approx(1 / float(s), rel=1e-6) for w, s in zip(weights, weight_scales))
+    assert (weight_scales > 4).all()
+    losses = fp8_weights.train().losses, bf16_weights.train().losses
+    for step in (1, 2, 3):  # the first steps agree as closely as FP8 rounding of the weights allows
+        assert losses[0][step] == pytest.approx(losses[1][step], rel=2e-3), (step, losses)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
