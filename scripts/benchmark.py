@@ -57,6 +57,11 @@ CONFIGS = {
     "te-bf16": TE,
     "te-delayed": f"{TE} --fp8-format hybrid --fp8-recipe delayed",
     "te-delayed-fp8params": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather",
+    # MS-AMP's levels (FP8 gradient communication; O2 also low-precision optimizer states and bf16 gradients)
+    "te-delayed-fp8params-o1": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather"
+    " --fp8-optimizer-level O1",
+    "te-delayed-fp8params-o2": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather"
+    " --fp8-optimizer-level O2",
     "te-delayed-fp8attn": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-dot-product-attention",
     "te-tensorwise": f"{TE} --fp8-format hybrid --fp8-recipe tensorwise",
     "te-blockwise": f"{TE} --fp8-format e4m3 --fp8-recipe blockwise",
@@ -73,6 +78,7 @@ GRAPHS = "+graphs"  # suffix of a config run with --cuda-graph-impl transformer_
 
 LAYOUTS = {  # name: (GPUs, flags)
     "1gpu": (1, ""),
+    "1gpu_distopt": (1, "--use-distributed-optimizer"),  # one GPU's optimizer memory and step time, not sharded
     "dp2": (2, "--overlap-grad-reduce"),
     "dp2_distopt": (2, "--overlap-grad-reduce --use-distributed-optimizer --overlap-param-gather"),
     "dp2_distopt_tpamax": (

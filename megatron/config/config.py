@@ -103,6 +103,14 @@ class Config:
                 prec.num_layers_at_start_in_bf16 + prec.num_layers_at_end_in_bf16 <= self.model.num_layers,
                 "--num-layers-at-start-in-bf16 + --num-layers-at-end-in-bf16 exceed --num-layers",
             )
+        if opt.fp8_optimizer_level is not None:  # O1 and O2 both communicate gradients in FP8
+            par.fp8_grad_reduce = True
+        if opt.main_grads_dtype == "bf16":
+            par.grad_reduce_in_bf16 = True  # the optimizer reads the gradient buffers themselves
+        require(
+            opt.main_params_dtype == "fp32" or prec.bf16 or prec.fp8_param_gather,
+            "--main-params-dtype fp16 needs --bf16: with fp32 weights the weights are the main parameters",
+        )
 
     def _check_parallel_layout(self) -> None:
         """Shapes that tensor and pipeline parallelism must be able to split."""

@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 from .base import option, require
 
+O2_STATES = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp16", "main_params_dtype": "fp16"}
+"""What --fp8-optimizer-level O2 sets: MS-AMP's O2 states. The gradient buffers stay fp32 (--main-grads-dtype bf16
+halves them; on llama-150m it cost 0.67% of final validation loss against O2 with fp32 gradients: docs/
+benchmarks.md)."""
+
 
 @dataclass
 class OptimizerConfig:
@@ -36,6 +41,26 @@ class OptimizerConfig:
     keeps the fp32 main parameters and Adam moments of 1/dp of every gradient bucket and updates only those;
     gradients are reduce-scattered instead of all-reduced and the updated parameters all-gathered. Checkpoints then
     hold one optimizer file per data-parallel rank."""
+    use_precision_aware_optimizer: bool = False
+    """Keep the main (master) parameters and Adam's moments in the precisions that --main-params-dtype,
+    --exp-avg-dtype and --exp-avg-sq-dtype choose (Megatron-LM's precision-aware optimizer; FP8-LM / MS-AMP's
+    low-precision states). Each step decodes one tensor at a time, updates it in fp32 and encodes it back
+    (megatron/optim/states.py)."""
+    main_params_dtype: str = option("fp32", choices=["fp32", "fp16"])
+    """With --use-precision-aware-optimizer: the main parameters' storage; fp16 carries per-block scales and a
+    rounding remainder, so that updates far below an fp16 ulp still add up (FP8-LM's precision decoupling)."""
+    main_grads_dtype: str = option("fp32", choices=["fp32", "bf16"])
+    """With --use-precision-aware-optimizer: the gradients the optimizer reads; bf16 keeps the gradient buffers in
+    bf16 (accumulation and data-parallel reduction too, as --grad-reduce-in-bf16) and reads them without an fp32
+    copy."""
+    exp_avg_dtype: str = option("fp32", choices=["fp32", "fp16", "bf16", "fp8"])
+    """With --use-precision-aware-optimizer: Adam's first moment; fp8 is e4m3 with per-block scales."""
+    exp_avg_sq_dtype: str = option("fp32", choices=["fp32", "fp16", "bf16", "fp8"])
+    """With --use-precision-aware-optimizer: Adam's second moment; fp16 and fp8 carry per-block scales."""
+    fp8_optimizer_level: str | None = option(None, choices=["O1", "O2"])
+    """MS-AMP's optimization levels as shorthand: O1 = --fp8-grad-reduce (FP8 gradient communication, fp32
+    states); O2 = O1 + --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp16
+    --main-params-dtype fp16. Flags that contradict the level are an error."""
 
     def finalize(self) -> None:
         require(self.lr >= 0, f"--lr must be >= 0, got {self.lr}")
@@ -47,3 +72,18 @@ class OptimizerConfig:
         require(0 <= self.adam_beta2 < 1, f"--adam-beta2 must be in [0, 1), got {self.adam_beta2}")
         require(self.adam_eps > 0, "--adam-eps must be > 0")
         require(self.clip_grad >= 0, "--clip-grad must be >= 0")
+        if self.fp8_optimizer_level == "O2":
+            for name, value in O2_STATES.items():
+                default = type(self).__dataclass_fields__[name].default
+                require(
+                    getattr(self, name) in (default, value),
+                    f"--fp8-optimizer-level O2 sets --{name.replace('_', '-')} {value}; drop one of the two",
+                )
+                setattr(self, name, value)
+            self.use_precision_aware_optimizer = True
+        if not self.use_precision_aware_optimizer:
+            for name in ("main_params_dtype", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+                require(
+                    getattr(self, name) == "fp32",
+                    f"--{name.replace('_', '-')} {getattr(self, name)} needs --use-precision-aware-optimizer",
+                )

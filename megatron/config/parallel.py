@@ -35,6 +35,14 @@ class ParallelConfig:
     overlap_param_gather: bool = False
     """With --use-distributed-optimizer: all-gather the updated parameters asynchronously, and let each module of
     the next forward pass wait only for its own bucket, so the gathers overlap the forward pass."""
+    grad_reduce_in_bf16: bool = False
+    """Keep the gradient buffers in bf16: micro-batch accumulation and the data-parallel reduction run in bf16
+    (half the memory and traffic of fp32). The optimizer upcasts its part to fp32, unless --main-grads-dtype bf16
+    lets the precision-aware optimizer read the bf16 gradients directly."""
+    fp8_grad_reduce: bool = False
+    """Send the data-parallel gradient reduction as FP8 (e4m3, a power-of-two scale per 128 values) and sum in
+    fp32 on arrival: a quarter of fp32's bytes, half of bf16's (megatron/parallel/fp8_reduce.py). The log reports
+    the fraction of values flushed to zero. --fp8-optimizer-level O1 and O2 turn it on."""
     ddp_bucket_size: int = 40_000_000
     """Gradient elements per data-parallel all-reduce bucket."""
     distributed_backend: str | None = option(None, choices=["nccl", "gloo"])

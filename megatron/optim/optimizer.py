@@ -11,6 +11,11 @@ gradient-norm contribution cover those pieces only, and the buffers all-gather t
 
 FP8 weights (--fp8-param-gather) are written from their fp32 main copies (or pieces) by casting straight into their
 FP8 bytes (`megatron.fp8.params.quantize_masters`), so with the distributed optimizer the all-gather moves FP8.
+
+With --use-precision-aware-optimizer the main copies and Adam's moments are held in lower precisions by
+`megatron.optim.states.PrecisionAwareAdamW` (fp16 masters, fp8/fp16/bf16 moments), which updates one tensor at a
+time in fp32; the model parameters are then written from each main copy decoded in turn. Checkpoints of either
+kind load into the other, converted through fp32, and the returned note says so.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from torch import nn
 from megatron.config import OptimizerConfig
 from megatron.fp8.params import is_fp8_param, quantize_masters
 from megatron.parallel import GradientBuffers, counts_in_grad_norm
+
+from .states import PrecisionAwareAdamW
 
 
 def _initial_main_value(param: torch.Tensor) -> torch.Tensor:
@@ -86,16 +93,36 @@ class MixedPrecisionAdamW:
                 [_initial_piece(p, t, a, b) for (p, (a, b)), t in zip(self.pieces, targets)] if self.mixed else targets
             )
         self._counted = [g for p, g in zip(owned, self._grads) if counts_in_grad_norm(p)]
-        self._plain = [(p, m) for p, m in zip(targets, self.main_params) if not is_fp8_param(p)]
-        # Every FP8 weight, owned here or not (the cast's amax reduction spans all of them), with this rank's main
-        # piece and where it starts.
-        piece_of = {id(p): (m, a) for p, m, a in zip(owned, self.main_params, starts) if is_fp8_param(p)}
+        # Main copies by index (the precision-aware optimizer holds them encoded): the plain parameters' targets,
+        # and every FP8 weight, owned here or not (the cast's amax reduction spans all of them), with the index of
+        # this rank's main piece and where it starts.
+        self._plain = [(t, i) for i, t in enumerate(targets) if not is_fp8_param(t)]
+        piece_of = {id(p): (i, a) for i, (p, a) in enumerate(zip(owned, starts)) if is_fp8_param(p)}
         self._fp8 = [(p, *piece_of.get(id(p), (None, 0))) for p in self.params if is_fp8_param(p)]
         self._fp8_group = fp8_group
         decay_of = {id(p): not _no_weight_decay(name, p) for name, p in model.named_parameters()}
-        decay = [m for p, m in zip(owned, self.main_params) if decay_of[id(p)]]
-        no_decay = [m for p, m in zip(owned, self.main_params) if not decay_of[id(p)]]
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        decays = self._decays = [decay_of[id(p)] for p in owned]
+        self._targets = targets
+        # torch's AdamW numbers its parameters group by group: main copy index of each (for checkpoint conversion)
+        self._order = [i for i, d in enumerate(decays) if d] + [i for i, d in enumerate(decays) if not d]
+        self.precision_aware = cfg.use_precision_aware_optimizer
+        if self.precision_aware:
+            self.optimizer = PrecisionAwareAdamW(
+                self.main_params,
+                [cfg.weight_decay if d else 0.0 for d in decays],
+                lr=cfg.lr,
+                betas=(cfg.adam_beta1, cfg.adam_beta2),
+                eps=cfg.adam_eps,
+                main_params_dtype=cfg.main_params_dtype,
+                exp_avg_dtype=cfg.exp_avg_dtype,
+                exp_avg_sq_dtype=cfg.exp_avg_sq_dtype,
+            )
+            self.main_params = None  # encoded in the optimizer now: the fp32 copies go
+            return
+        groups = [
+            {"params": [self.main_params[i] for i in self._order if decays[i]], "weight_decay": cfg.weight_decay},
+            {"params": [self.main_params[i] for i in self._order if not decays[i]], "weight_decay": 0.0},
+        ]
         groups = [g for g in groups if g["params"]]
         # A rank whose shards hold only padding has nothing to step on; torch's optimizers refuse an empty list.
         self.optimizer = torch.optim.AdamW(
@@ -106,8 +133,13 @@ class MixedPrecisionAdamW:
             fused=fused or None,
         )
 
+    def _main(self, i: int) -> torch.Tensor:
+        """Main copy i in fp32 (decoded by the precision-aware optimizer)."""
+        return self.optimizer.master(i) if self.precision_aware else self.main_params[i]
+
     def grads(self) -> list[torch.Tensor]:
-        """The fp32 gradients the step uses (this rank's pieces with the distributed optimizer)."""
+        """The gradients the step uses, fp32 (bf16 with --grad-reduce-in-bf16): this rank's pieces with the
+        distributed optimizer."""
         return self._grads
 
     def norm_grads(self) -> list[torch.Tensor]:
@@ -126,9 +158,17 @@ class MixedPrecisionAdamW:
         grads = self.grads()
         norm = grad_norm_fn()
         finite = torch.isfinite(norm)
+        if self.precision_aware:  # decides on the device like the fused AdamW, on CPUs too
+            scale = ((norm.float() + 1e-6) / self.cfg.clip_grad).clamp(min=1.0) if self.cfg.clip_grad > 0 else None
+            if len(self.optimizer):
+                self.optimizer.step(grads, lr, scale, (~finite).float())
+            self._copy_main_to_model()
+            return norm, finite
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        for main, grad in zip(self.main_params, grads):
+        # bf16 gradient buffers (--grad-reduce-in-bf16) are upcast for torch's AdamW, one step's worth at a time
+        step_grads = [g if g.dtype == m.dtype else g.to(m.dtype) for m, g in zip(self.main_params, grads)]
+        for main, grad in zip(self.main_params, step_grads):
             main.grad = grad
         if self.optimizer.defaults["fused"]:
             if self.cfg.clip_grad > 0:
@@ -137,7 +177,7 @@ class MixedPrecisionAdamW:
             self.optimizer.step()
         elif finite:  # the unfused AdamW takes no found_inf: decide on the host (CPU runs have no queue to stall)
             if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
-                torch._foreach_mul_(grads, self.cfg.clip_grad / (float(norm) + 1e-6))
+                torch._foreach_mul_(step_grads, self.cfg.clip_grad / (float(norm) + 1e-6))
             self.optimizer.step()
         for main in self.main_params:
             main.grad = None
@@ -150,17 +190,21 @@ class MixedPrecisionAdamW:
         every rank then gathers the others' updated pieces."""
         if self.mixed:
             with torch.no_grad():
-                if self._plain:
-                    torch._foreach_copy_([p for p, _ in self._plain], [m for _, m in self._plain])
+                if self.precision_aware:
+                    for target, i in self._plain:
+                        target.copy_(self._main(i))
+                elif self._plain:
+                    torch._foreach_copy_([t for t, _ in self._plain], [self.main_params[i] for _, i in self._plain])
                 self._cast_fp8_params()
         if self.buffers is not None:
             self.buffers.gather_params()
 
     def _cast_fp8_params(self) -> None:
         if self._fp8:
-            params, mains, starts = zip(*self._fp8)
+            params, indices, starts = zip(*self._fp8)
+            mains = [None if i is None else self._main(i) for i in indices]
             with torch.no_grad():
-                quantize_masters(list(params), list(mains), list(starts), self._fp8_group)
+                quantize_masters(list(params), mains, list(starts), self._fp8_group)
 
     def recast_fp8_params(self) -> None:
         """Cast the main copies into the FP8 weights again (and gather them): after delayed scaling's calibration
@@ -179,32 +223,94 @@ class MixedPrecisionAdamW:
         return [(index[id(p)], a, b) for p, (a, b) in self.pieces]
 
     def state_dict(self) -> dict[str, Any]:
+        if self.precision_aware:
+            return {"precision_aware": self.optimizer.state_dict(), "shard_layout": self.shard_layout()}
         state = {"optimizer": self.optimizer.state_dict(), "shard_layout": self.shard_layout()}
         if self.mixed:
             state["main_params"] = [m.clone() for m in self.main_params]
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> str | None:
+        """Load a checkpoint's optimizer state; one saved with other state dtypes (precision-aware or not) is
+        converted through fp32, and the returned note names what was converted (None: loaded as saved)."""
         if state.get("shard_layout") != self.shard_layout():
             raise ValueError(
                 "the checkpoint's optimizer state is sharded differently (saved with another data-parallel size,"
                 " --ddp-bucket-size or --use-distributed-optimizer setting)"
             )
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.mixed and "precision_aware" not in state and "main_params" not in state:
+            raise ValueError("the checkpoint's optimizer has no fp32 main parameters (saved without --bf16?)")
+        note = None
+        if self.precision_aware and "precision_aware" in state:
+            note = self.optimizer.load_state_dict(state["precision_aware"])
+        elif self.precision_aware:
+            note = self.optimizer.load_fp32_state_dict(self._fp32_form(state))
+            note = note or "optimizer states converted: fp32 (torch AdamW) -> the precision-aware optimizer's"
+        elif "precision_aware" in state:
+            note = self._load_fp32_form(state["precision_aware"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.mixed:
+                with torch.no_grad():
+                    for main, saved in zip(self.main_params, state["main_params"]):
+                        main.copy_(saved)
         if self.mixed:
-            if "main_params" not in state:
-                raise ValueError("the checkpoint's optimizer has no fp32 main parameters (saved without --bf16?)")
-            with torch.no_grad():
-                for main, saved in zip(self.main_params, state["main_params"]):
-                    main.copy_(saved)
             self._copy_main_to_model()
+        return note
+
+    def _fp32_form(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A torch AdamW checkpoint as the precision-aware optimizer's plain fp32 form (by main copy index)."""
+        saved = state["optimizer"]["state"]
+        n = len(self._targets)
+        masters = state["main_params"] if self.mixed else [t.detach().float() for t in self._targets]
+        moments = {
+            key: [torch.zeros_like(m, dtype=torch.float32) for m in masters] for key in ("exp_avg", "exp_avg_sq")
+        }
+        step = 0
+        for k, i in enumerate(self._order[:n]):
+            if k in saved:
+                step = int(saved[k]["step"])
+                for key, values in moments.items():
+                    values[i] = saved[k][key]
+        return {"step": step, "masters": masters, **moments}
+
+    def _load_fp32_form(self, saved: dict[str, Any]) -> str | None:
+        """A precision-aware checkpoint into torch's AdamW: decoded through a temporary fp32 precision-aware
+        optimizer (the conversion's note comes from it)."""
+        decays = [self.cfg.weight_decay if d else 0.0 for d in self._decays]
+        scratch = PrecisionAwareAdamW([self._main(i).detach().clone() for i in range(len(decays))], decays, lr=0.0)
+        note = scratch.load_state_dict(saved)
+        fp32 = scratch.fp32_state_dict()
+        torch_state = self.optimizer.state_dict()
+        torch_state["state"] = {
+            k: {
+                "step": torch.tensor(float(fp32["step"])),
+                "exp_avg": fp32["exp_avg"][i],
+                "exp_avg_sq": fp32["exp_avg_sq"][i],
+            }
+            for k, i in enumerate(self._order)
+        }
+        self.optimizer.load_state_dict(torch_state)
+        with torch.no_grad():
+            for i, master in enumerate(fp32["masters"]):
+                self._set_main(i, master)
+        return note or "optimizer states converted: the precision-aware optimizer's -> fp32 (torch AdamW)"
 
     def reload_model_params(self) -> None:
         """Refresh the fp32 main copies from the model (after loading model weights without optimizer state)."""
         if self.mixed:
             with torch.no_grad():
-                for param, main in self._plain:
-                    main.copy_(param)
-                for param, main, start in self._fp8:
-                    if main is not None:
-                        main.view(-1).copy_(param.dequantize().float().view(-1)[start : start + main.numel()])
+                for target, i in self._plain:
+                    self._set_main(i, target.detach().float())
+                for param, i, start in self._fp8:
+                    if i is not None:
+                        self._set_main(i, param.dequantize().float().view(-1)[start : start + self._main_numel(i)])
+
+    def _main_numel(self, i: int) -> int:
+        return self.optimizer.masters[i].numel if self.precision_aware else self.main_params[i].numel()
+
+    def _set_main(self, i: int, value: torch.Tensor) -> None:
+        if self.precision_aware:
+            self.optimizer.set_master_(i, value.reshape(self.optimizer.masters[i].shape))
+        else:
+            self.main_params[i].copy_(value.view_as(self.main_params[i]))

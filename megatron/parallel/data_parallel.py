@@ -1,6 +1,7 @@
 """Gradient buffers and data-parallel gradient reduction (Megatron-LM's DDP, simplified).
 
-Every trainable parameter gets `param.main_grad`: an fp32 view into a contiguous bucket. A post-accumulate-grad
+Every trainable parameter gets `param.main_grad`: an fp32 (bf16 with --grad-reduce-in-bf16) view into a
+contiguous bucket. A post-accumulate-grad
 hook adds each micro-batch's gradient into it and frees `param.grad`, so accumulation over micro-batches happens in
 fp32 whatever the parameter dtype, and the optimizer reads one flat buffer. (Transformer Engine's fused wgrad
 accumulation writes into `main_grad` itself and sets `param.grad_added_to_main_grad`, or, for weights that always
@@ -11,7 +12,9 @@ Data parallelism averages the buckets over the data-parallel group once per opti
 accumulation steps: either all at the end (`finish()`), or — with `--overlap-grad-reduce` — each bucket's
 all-reduce starts asynchronously during the last micro-batch's backward as soon as all of its gradients are in,
 overlapping communication with the rest of the backward pass. Buckets are filled in reverse parameter order, the
-order backward produces gradients.
+order backward produces gradients. With --fp8-grad-reduce the buckets travel as FP8 and are summed in fp32 on
+arrival (megatron/parallel/fp8_reduce.py), still asynchronously; the sums are written back when the work is waited
+for.
 
 With the distributed optimizer (`shard=True`) each bucket is split into dp equal, contiguous shards (padded to a
 multiple of dp); data-parallel rank r owns shard r. The buckets are reduce-scattered instead of all-reduced, so
@@ -34,6 +37,14 @@ from torch import nn
 
 from megatron.fp8.params import fp8_raw_data, is_fp8_param, move_fp8_storage
 
+from .fp8_reduce import (
+    FP8_REDUCE_ALIGN,
+    Fp8ReduceHandle,
+    Fp8ReduceStats,
+    start_fp8_all_reduce,
+    start_fp8_reduce_scatter,
+)
+
 # torch 2.13 renamed the single-tensor collectives; the device image's torch 2.11 has the old names only.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -43,16 +54,14 @@ _SHARD_ALIGN = 128
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], device: torch.device, shards: int = 1):
+    def __init__(self, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype, pad_to: int = 1):
         self.params = params
         numel = sum(p.numel() for p in params)
-        if shards > 1:
-            unit = shards * _SHARD_ALIGN
-            numel = -(-numel // unit) * unit
-        self.data = torch.zeros(numel, dtype=torch.float32, device=device)
+        numel = -(-numel // pad_to) * pad_to
+        self.data = torch.zeros(numel, dtype=dtype, device=device)
         self.param_data: torch.Tensor | None = None  # the distributed optimizer's parameter buffer
         self.pending = len(params)
-        self.work: dist.Work | None = None
+        self.work: dist.Work | Fp8ReduceHandle | None = None
         self.gather: dist.Work | None = None  # an overlapped parameter all-gather still in flight
 
 
@@ -75,9 +84,13 @@ class GradientBuffers:
         bucket_size: int = 40_000_000,
         shard: bool = False,
         overlap_param_gather: bool = False,
+        grad_dtype: torch.dtype = torch.float32,
+        fp8_reduce: bool = False,
     ):
         """`bucket_size`: elements per bucket (Megatron-LM's default is 40M); `shard`: for the distributed
-        optimizer, `overlap_param_gather`: its all-gathers asynchronous (see the module docstring)."""
+        optimizer, `overlap_param_gather`: its all-gathers asynchronous (see the module docstring); `grad_dtype`:
+        the buffers' dtype (fp32, or bf16 for --grad-reduce-in-bf16); `fp8_reduce`: reduce them as FP8
+        (--fp8-grad-reduce, megatron/parallel/fp8_reduce.py; `fp8_stats` counts what flushed to zero)."""
         self.group = dp_group
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
@@ -87,6 +100,10 @@ class GradientBuffers:
         # division would be one more pass over every gradient byte, on the compute stream, during the backward.
         self._nccl_avg = self.dp > 1 and dist.get_backend(dp_group) == "nccl"
         self.overlap = overlap and self.dp > 1
+        self.fp8_reduce = fp8_reduce and self.dp > 1
+        self.fp8_stats = Fp8ReduceStats() if self.fp8_reduce else None
+        # Shards start aligned; FP8 reduction also needs whole scaling blocks in every rank's chunk.
+        pad_to = self.dp * FP8_REDUCE_ALIGN if self.fp8_reduce else (self.dp * _SHARD_ALIGN if shard else 1)
         self.is_last_micro_batch = True
         self._paused = False
         params = [p for p in model.parameters() if p.requires_grad]
@@ -99,9 +116,9 @@ class GradientBuffers:
             kind = _storage_kind(param) if shard else None
             current.setdefault(kind, []).append(param)
             if sum(p.numel() for p in current[kind]) >= bucket_size:
-                self.buckets.append(_Bucket(current.pop(kind), param.device, self.dp if shard else 1))
+                self.buckets.append(_Bucket(current.pop(kind), param.device, grad_dtype, pad_to))
         for rest in current.values():
-            self.buckets.append(_Bucket(rest, rest[0].device, self.dp if shard else 1))
+            self.buckets.append(_Bucket(rest, rest[0].device, grad_dtype, pad_to))
         self._bucket_of: dict[nn.Parameter, _Bucket] = {}
         self._offset_of: dict[nn.Parameter, int] = {}
         for bucket in self.buckets:
@@ -165,6 +182,10 @@ class GradientBuffers:
                 self._start(bucket)
 
     def _start(self, bucket: _Bucket) -> None:
+        if self.fp8_reduce:  # averages in fp32 after the sum: no division first
+            start = start_fp8_reduce_scatter if self.sharded else start_fp8_all_reduce
+            bucket.work = start(bucket.data, self.group, average=True, stats=self.fp8_stats)
+            return
         op = dist.ReduceOp.AVG if self._nccl_avg else dist.ReduceOp.SUM
         if not self._nccl_avg:
             bucket.data.div_(self.dp)

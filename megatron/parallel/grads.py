@@ -65,8 +65,8 @@ def grad_norm(
     gradients. `skip`: make the norm infinite on every rank of the reduction, so that all of them skip the step
     (this rank found inf/NaN FP8 amaxes, which other pipeline stages did not see)."""
     if grads:
-        norms = torch._foreach_norm(grads)
-        squares = torch.stack([n.float() for n in norms]).square().sum()
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # bf16 gradients too: an fp32 norm
+        squares = torch.stack(norms).square().sum()
     else:
         squares = torch.zeros((), device=device)
     if skip:

@@ -5,10 +5,13 @@ Weights and optimizer, in bytes per parameter of this rank:
 * weights: 2 in bf16, 4 in fp32; 1 for each FP8 parameter (--fp8-param-gather: the transformer linears' weights,
   stored only in FP8). Transformer Engine on Hopper also keeps an FP8 transpose of each FP8 weight for the
   backward pass; like the weight casts TE caches for bf16 weights, that is not counted.
-* gradients: 4, the fp32 accumulation buffer (`main_grad`), whatever the weights' type.
-* fp32 main (master) parameters: 4 when the weights are not fp32 (bf16, or any FP8 parameter: the optimizer then
-  keeps a main copy of every parameter); none for fp32 weights, which are their own master copy.
-* Adam states: two fp32 moments, 8.
+* gradients: 4, the fp32 accumulation buffer (`main_grad`), whatever the weights' type; 2 in bf16
+  (--grad-reduce-in-bf16, --main-grads-dtype bf16).
+* main (master) parameters: 4 (fp32) when the weights are not fp32 (bf16, or any FP8 parameter: the optimizer then
+  keeps a main copy of every parameter); none for fp32 weights, which are their own master copy. fp16 main
+  parameters of the precision-aware optimizer: 3.03 (data, remainder and block scales; `state_bytes`).
+* Adam states: two fp32 moments, 8; with the precision-aware optimizer 4, 2 or 2.03, 1.03 each (fp32, bf16 or
+  fp16, fp8).
 
 The distributed optimizer keeps 1/dp of the main copy and the moments (the gradient buffer stays whole: it is
 reduce-scattered in place). Activations of one micro-batch without recomputation, Korthikanti et al. (2022), for
@@ -26,6 +29,14 @@ from __future__ import annotations
 import torch
 
 from megatron.config import Config
+from megatron.optim.states import BLOCK
+
+
+def state_bytes(dtype: str, master: bool = False) -> float:
+    """Bytes per element of an optimizer state held as `dtype` (megatron/optim/states.py): fp16 and fp8 carry an
+    fp32 scale per BLOCK elements, an fp16 main parameter also a one-byte rounding remainder."""
+    scales = 4 / BLOCK if dtype in ("fp16", "fp8") else 0
+    return {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}[dtype] + scales + (1 if master and dtype == "fp16" else 0)
 
 
 def _size(num_bytes: float) -> str:
@@ -62,12 +73,13 @@ def estimate_bytes(
         raise ValueError(f"fp8_params ({fp8_params}) must lie in [0, num_params ({num_params})]")
     high_precision = 2 if dtype == torch.bfloat16 else 4
     weights = fp8_params * 1 + (num_params - fp8_params) * high_precision
-    shards = cfg.data_parallel_size if cfg.optimizer.use_distributed_optimizer else 1
+    opt = cfg.optimizer
+    shards = cfg.data_parallel_size if opt.use_distributed_optimizer else 1
     # The optimizer keeps a main copy of every parameter as soon as one of them is not fp32 (FP8 ones included).
     has_main_copy = dtype != torch.float32 or fp8_params > 0
-    main_params = num_params * 4 / shards if has_main_copy else 0
-    grads = num_params * 4
-    adam = num_params * 8 / shards
+    main_params = num_params * state_bytes(opt.main_params_dtype, master=True) / shards if has_main_copy else 0
+    grads = num_params * (2 if cfg.parallel.grad_reduce_in_bf16 else 4)
+    adam = num_params * (state_bytes(opt.exp_avg_dtype) + state_bytes(opt.exp_avg_sq_dtype)) / shards
     m = cfg.model
     s, b, h = m.seq_length, cfg.training.micro_batch_size, m.hidden_size
     act_scale = 1.0 if dtype == torch.bfloat16 else 2.0
@@ -108,14 +120,20 @@ def memory_estimate_lines(
         weights = f"{_per(est['weights'] / n)} B/param, {high}"
     shards = cfg.data_parallel_size if cfg.optimizer.use_distributed_optimizer else 1
     over = f" over {shards} data-parallel ranks" if shards > 1 else ""
+    opt = cfg.optimizer
+    grads_dtype = ", bf16" if cfg.parallel.grad_reduce_in_bf16 else ""
+    moments = (
+        "" if opt.exp_avg_dtype == opt.exp_avg_sq_dtype == "fp32" else f", {opt.exp_avg_dtype}/{opt.exp_avg_sq_dtype}"
+    )
     if est["main_params"]:
-        main = f"fp32 main params {_size(est['main_params'])} ({_per(est['main_params'] / n)} B/param{over})"
+        main = f"{opt.main_params_dtype} main params {_size(est['main_params'])}"
+        main += f" ({_per(est['main_params'] / n)} B/param{over})"
     else:
         main = "no fp32 main params (the fp32 weights are the master copy)"
     return [
         f"memory estimate per GPU: weights {_size(est['weights'])} ({weights}),"
-        f" grads {_size(est['grads'])} ({_per(est['grads'] / n)} B/param), {main},"
-        f" Adam states {_size(est['adam'])} ({_per(est['adam'] / n)} B/param{over}),"
+        f" grads {_size(est['grads'])} ({_per(est['grads'] / n)} B/param{grads_dtype}),"
+        f" {main}, Adam states {_size(est['adam'])} ({_per(est['adam'] / n)} B/param{over}{moments}),"
         f" activations ~{_size(est['activations'])} per micro-batch"
         f" (total ~{_size(est['total'])}; {_per(est['static'] / n)} B/param before activations)"
     ]

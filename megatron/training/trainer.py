@@ -120,7 +120,14 @@ class Trainer:
         overlap = par.overlap_grad_reduce and dims.pp == 1
         sharded = cfg.optimizer.use_distributed_optimizer
         self.grad_buffers = GradientBuffers(
-            self.model, dims.dp_group, overlap, par.ddp_bucket_size, sharded, par.overlap_param_gather
+            self.model,
+            dims.dp_group,
+            overlap,
+            par.ddp_bucket_size,
+            sharded,
+            par.overlap_param_gather,
+            grad_dtype=torch.bfloat16 if par.grad_reduce_in_bf16 else torch.float32,
+            fp8_reduce=par.fp8_grad_reduce,
         )
         if self.grad_buffers.overlap_param_gather:
             self.grad_buffers.wait_for_params_in_forward(self.model, list(self.model.decoder.layers))
@@ -271,9 +278,11 @@ class Trainer:
                     f" add --use-distributed-optimizer with the same data-parallel size, or {fix}"
                 )
         try:
-            self.optimizer.load_state_dict(optimizer_state)
+            note = self.optimizer.load_state_dict(optimizer_state)
         except ValueError as exc:
             raise CheckpointError(f"checkpoint {load}: {exc}; {fix}") from exc
+        if note:
+            print_rank_0(f"> {note} (checkpoint {load})")
 
     def _layout(self) -> dict[str, int]:
         return {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp}
@@ -490,6 +499,14 @@ class Trainer:
         }
         if mfu is not None:
             scalars["throughput/mfu"] = mfu
+        if (stats := self.grad_buffers.fp8_stats) is not None:  # --fp8-grad-reduce: what FP8 lost, on rank 0
+            fractions = stats.fractions()
+            stats.reset()
+            print_rank_0(
+                f" fp8 grad reduce (rank 0, since the last log): {100 * fractions['flushed']:.4f}% of values flushed"
+                f" to zero, {100 * fractions['saturated']:.4f}% saturated"
+            )
+            scalars.update({f"fp8-grad-reduce/{key}": value for key, value in fractions.items()})
         if self.device.type == "cuda":
             scalars["memory/max-allocated-gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.tensorboard.scalars(scalars, state.iteration)

@@ -58,8 +58,9 @@ def test_te_calibration_matches_the_local_engine():
 
 def test_te_fp8_params_calibrate_and_are_recast_with_the_calibrated_weight_scales():
     flags = "--fp8-format hybrid --fp8-recipe delayed --bf16 --train-iters 3"
-    fp8_weights, bf16_weights = trainer("transformer_engine", f"{flags} --fp8-param-gather"), trainer(
-        "transformer_engine", flags
+    fp8_weights, bf16_weights = (
+        trainer("transformer_engine", f"{flags} --fp8-param-gather"),
+        trainer("transformer_engine", flags),
     )
     # the same weights and micro-batch: the calibrated amaxes agree to the FP8 weights' rounding
     history, scale = te_scales(fp8_weights)

@@ -94,3 +94,27 @@ def test_pipeline_stage_counts_its_own_layers():
 def test_more_fp8_params_than_params_is_an_error():
     with pytest.raises(ValueError, match="fp8_params"):
         estimate_bytes(parse("--bf16"), N, VOCAB, torch.bfloat16, fp8_params=N + 1)
+
+
+def test_o2_states_with_fp8_weights_over_two_data_parallel_ranks():
+    """--fp8-optimizer-level O2 with --main-grads-dtype bf16: bf16 grads 2, fp16 main params 2 + 1 (remainder) +
+    4/128 (scales), fp8 first moment 1 + 4/128, fp16 second moment 2 + 4/128; main copy and moments over 2 ranks.
+    With every weight FP8 (1 byte): 1 + 2 + (3.03125 + 1.03125 + 2.03125) / 2 = 6.046875 bytes per parameter."""
+    cfg = parse("--bf16 --fp8-optimizer-level O2 --main-grads-dtype bf16 --use-distributed-optimizer", world_size=2)
+    est = estimate_bytes(cfg, N, VOCAB, torch.bfloat16, fp8_params=N)
+    assert (est["weights"], est["grads"]) == (N, 2 * N)
+    assert est["main_params"] == pytest.approx(3.03125 * N / 2) and est["adam"] == pytest.approx(3.0625 * N / 2)
+    assert est["static"] == pytest.approx(6.046875 * N)
+    (line,) = memory_estimate_lines(cfg, N, VOCAB, torch.bfloat16, fp8_params=N)
+    assert "grads 1.9 MiB (2 B/param, bf16), fp16 main params 1.4 MiB (1.52 B/param over 2" in line, line
+    assert "Adam states 1.5 MiB (1.53 B/param over 2 data-parallel ranks, fp8/fp16)" in line, line
+    assert "6.05 B/param before activations" in line, line
+    # O2 alone keeps fp32 gradients: 2 bytes more
+    o2 = estimate_bytes(
+        parse("--bf16 --fp8-optimizer-level O2 --use-distributed-optimizer", world_size=2),
+        N,
+        VOCAB,
+        torch.bfloat16,
+        fp8_params=N,
+    )
+    assert o2["static"] == pytest.approx(8.046875 * N)
