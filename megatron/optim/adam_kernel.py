@@ -530,28 +530,6 @@ def adamw_step_(
     _launch(items, lr, beta1, beta2, eps, step, grad_scale, found_inf, seed)
 
 
-def fused_adamw_update_(
-    master: State,
-    grad: torch.Tensor,
-    exp_avg: State,
-    exp_avg_sq: State,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int | torch.Tensor,
-    grad_scale: torch.Tensor | None = None,
-    found_inf: torch.Tensor | None = None,
-    seed: int | None = None,
-    index: int = 0,
-) -> None:
-    """`adamw_update_` on one tensor, one launch; `seed` as in `adamw_step_`, `index` the tensor's number there."""
-    item = (index, master, grad, exp_avg, exp_avg_sq, weight_decay)
-    _launch([item], lr, beta1, beta2, eps, step, grad_scale, found_inf, seed)
-
-
 def _launch(
     items: list[tuple[int, State, torch.Tensor, State, State, float]],
     lr: float,

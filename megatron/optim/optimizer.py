@@ -261,13 +261,12 @@ class MixedPrecisionAdamW:
     def _fp32_form(self, state: dict[str, Any]) -> dict[str, Any]:
         """A torch AdamW checkpoint as the precision-aware optimizer's plain fp32 form (by main copy index)."""
         saved = state["optimizer"]["state"]
-        n = len(self._targets)
         masters = state["main_params"] if self.mixed else [t.detach().float() for t in self._targets]
         moments = {
             key: [torch.zeros_like(m, dtype=torch.float32) for m in masters] for key in ("exp_avg", "exp_avg_sq")
         }
         step = 0
-        for k, i in enumerate(self._order[:n]):
+        for k, i in enumerate(self._order):
             if k in saved:
                 step = int(saved[k]["step"])
                 for key, values in moments.items():

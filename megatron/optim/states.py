@@ -104,6 +104,13 @@ def _scale_views(scales: torch.Tensor, numel: int, block: int) -> list[torch.Ten
     return [scales[:full], scales[full:]] if 0 < full < scales.numel() else [scales]
 
 
+def state_bytes(dtype_name: str, master: bool = False, block: int = BLOCK) -> float:
+    """Bytes per element of a state held as `dtype_name` (what `ScaledState.nbytes` comes to on a long tensor): the
+    data, an fp32 scale per block for fp16 and fp8, and an fp16 main parameter's int8 remainder (`master`)."""
+    scales = 4 / block if dtype_name in _TARGET else 0
+    return _STORAGE[dtype_name].itemsize + scales + (1 if master and dtype_name == "fp16" else 0)
+
+
 def block_scales(amax: torch.Tensor, dtype_name: str) -> torch.Tensor:
     """scale = T / amax per block as fp32 (T = 448 for fp8, 2^15 for fp16), 1 for an all-zero block, at most
     2^126 (a tiny amax), so data = value * scale never overflows and scale is never inf."""

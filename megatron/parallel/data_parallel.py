@@ -1,9 +1,9 @@
 """Gradient buffers and data-parallel gradient reduction (Megatron-LM's DDP, simplified).
 
-Every trainable parameter gets `param.main_grad`: an fp32 (bf16 with --grad-reduce-in-bf16) view into a
-contiguous bucket. A post-accumulate-grad
-hook adds each micro-batch's gradient into it and frees `param.grad`, so accumulation over micro-batches happens in
-fp32 whatever the parameter dtype, and the optimizer reads one flat buffer. (Transformer Engine's fused wgrad
+Every trainable parameter gets `param.main_grad`: an fp32 (bf16 with --grad-reduce-in-bf16) view into a contiguous
+bucket. A post-accumulate-grad hook adds each micro-batch's gradient into it and frees `param.grad`, so accumulation
+over micro-batches happens in the buffer's dtype whatever the parameter dtype, and the optimizer reads one flat
+buffer. (Transformer Engine's fused wgrad
 accumulation writes into `main_grad` itself and sets `param.grad_added_to_main_grad`, or, for weights that always
 take that path, `param.fused_wgrad_accumulation`: a CUDA-graph replay runs no Python to set the former. The hook
 then only frees.)

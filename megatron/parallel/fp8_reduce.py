@@ -114,6 +114,18 @@ class Fp8ReduceStats:
             if counter is not None:
                 counter.zero_()
 
+    def report(self) -> tuple[str, dict[str, float]]:
+        """The log line and the TensorBoard scalars (`fp8-grad-reduce/...`) of the fractions since the last report
+        (this rank's), then a reset."""
+        fractions = self.fractions()
+        self.reset()
+        line = (
+            f" fp8 grad reduce (rank {dist.get_rank() if dist.is_initialized() else 0}, since the last log):"
+            f" {100 * fractions['flushed']:.4f}% of values flushed to zero, {100 * fractions['saturated']:.4f}%"
+            " saturated"
+        )
+        return line, {f"fp8-grad-reduce/{key}": value for key, value in fractions.items()}
+
 
 def _encode(x: torch.Tensor, stats: Fp8ReduceStats | None) -> torch.Tensor:
     """x [rows, cols] (cols a multiple of the block) -> uint8 [rows, cols + cols / B]: each row's e4m3 bytes, then

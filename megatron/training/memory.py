@@ -21,7 +21,7 @@ a * s * s attention matrix, so we drop that term. With tensor parallelism t that
 their gradient (8 * s * b * V / t).
 
 `estimate_bytes` gives the numbers (the trainer prints the total again beside the measured peak at the end of the
-run); `memory_estimate_lines` the start-of-run log line.
+run); `memory_estimate_lines` writes them as the start-of-run log line.
 """
 
 from __future__ import annotations
@@ -29,14 +29,7 @@ from __future__ import annotations
 import torch
 
 from megatron.config import Config
-from megatron.optim.states import BLOCK
-
-
-def state_bytes(dtype: str, master: bool = False) -> float:
-    """Bytes per element of an optimizer state held as `dtype` (megatron/optim/states.py): fp16 and fp8 carry an
-    fp32 scale per BLOCK elements, an fp16 main parameter also a one-byte rounding remainder."""
-    scales = 4 / BLOCK if dtype in ("fp16", "fp8") else 0
-    return {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}[dtype] + scales + (1 if master and dtype == "fp16" else 0)
+from megatron.optim.states import state_bytes
 
 
 def _size(num_bytes: float) -> str:
@@ -57,6 +50,11 @@ def _per(num_bytes: float) -> str:
     return f"{num_bytes:.3g}"
 
 
+def _optimizer_shards(cfg: Config) -> int:
+    """How many ranks share the main parameters and Adam states (the distributed optimizer's data-parallel size)."""
+    return cfg.data_parallel_size if cfg.optimizer.use_distributed_optimizer else 1
+
+
 def estimate_bytes(
     cfg: Config,
     num_params: int,
@@ -74,7 +72,7 @@ def estimate_bytes(
     high_precision = 2 if dtype == torch.bfloat16 else 4
     weights = fp8_params * 1 + (num_params - fp8_params) * high_precision
     opt = cfg.optimizer
-    shards = cfg.data_parallel_size if opt.use_distributed_optimizer else 1
+    shards = _optimizer_shards(cfg)
     # The optimizer keeps a main copy of every parameter as soon as one of them is not fp32 (FP8 ones included).
     has_main_copy = dtype != torch.float32 or fp8_params > 0
     main_params = num_params * state_bytes(opt.main_params_dtype, master=True) / shards if has_main_copy else 0
@@ -100,17 +98,10 @@ def estimate_bytes(
 
 
 def memory_estimate_lines(
-    cfg: Config,
-    num_params: int,
-    vocab_size: int,
-    dtype: torch.dtype,
-    num_layers: int | None = None,
-    *,
-    fp8_params: int = 0,
+    cfg: Config, est: dict[str, float], num_params: int, dtype: torch.dtype, *, fp8_params: int = 0
 ) -> list[str]:
-    """The start-of-run estimate: each category's size and bytes per parameter, then the totals (see
-    `estimate_bytes` for the arguments)."""
-    est = estimate_bytes(cfg, num_params, vocab_size, dtype, num_layers, fp8_params=fp8_params)
+    """The start-of-run line for `est`, what `estimate_bytes` gave for these arguments: each category's size and
+    bytes per parameter, then the totals."""
     n = max(num_params, 1)  # bytes per parameter of an empty stage: 0, not a ZeroDivisionError
     high = "bf16" if dtype == torch.bfloat16 else "fp32"
     if fp8_params:
@@ -118,7 +109,7 @@ def memory_estimate_lines(
         weights += f" {high}"
     else:
         weights = f"{_per(est['weights'] / n)} B/param, {high}"
-    shards = cfg.data_parallel_size if cfg.optimizer.use_distributed_optimizer else 1
+    shards = _optimizer_shards(cfg)
     over = f" over {shards} data-parallel ranks" if shards > 1 else ""
     opt = cfg.optimizer
     grads_dtype = ", bf16" if cfg.parallel.grad_reduce_in_bf16 else ""

@@ -178,7 +178,7 @@ class Trainer:
         fp8_params = sum(p.numel() for p in self.model.parameters() if is_fp8_param(p))
         estimate = estimate_bytes(cfg, params, self.vocab_size, self.dtype, layers, fp8_params=fp8_params)
         self.memory_estimate_gib = estimate["total"] / 2**30  # printed again beside the measured peak at the end
-        for line in memory_estimate_lines(cfg, params, self.vocab_size, self.dtype, layers, fp8_params=fp8_params):
+        for line in memory_estimate_lines(cfg, estimate, params, self.dtype, fp8_params=fp8_params):
             print_rank_0(f"> {line}")
         if self.fp8 is not None:
             for line in self.fp8.describe():
@@ -499,14 +499,10 @@ class Trainer:
         }
         if mfu is not None:
             scalars["throughput/mfu"] = mfu
-        if (stats := self.grad_buffers.fp8_stats) is not None:  # --fp8-grad-reduce: what FP8 lost, on rank 0
-            fractions = stats.fractions()
-            stats.reset()
-            print_rank_0(
-                f" fp8 grad reduce (rank 0, since the last log): {100 * fractions['flushed']:.4f}% of values flushed"
-                f" to zero, {100 * fractions['saturated']:.4f}% saturated"
-            )
-            scalars.update({f"fp8-grad-reduce/{key}": value for key, value in fractions.items()})
+        if self.grad_buffers.fp8_stats is not None:  # --fp8-grad-reduce: what FP8 lost (printed by rank 0)
+            line, values = self.grad_buffers.fp8_stats.report()
+            print_rank_0(line)
+            scalars.update(values)
         if self.device.type == "cuda":
             scalars["memory/max-allocated-gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.tensorboard.scalars(scalars, state.iteration)

@@ -115,6 +115,11 @@ def _check_stats(rank, dp):
     start_fp8_reduce_scatter(flat.clone(), None, average=False, stats=stats).wait()
     assert stats.counts() == {"quantized": n, "saturated": 0, "flushed": dp}
     assert stats.fractions() == {"saturated": 0.0, "flushed": dp / n}
+    line, values = stats.report()  # the trainer's log line and TensorBoard scalars, then a reset
+    assert values == {"fp8-grad-reduce/saturated": 0.0, "fp8-grad-reduce/flushed": dp / n}
+    assert f"{100 * dp / n:.4f}% of values flushed to zero" in line, line
+    assert stats.counts()["quantized"] == 0
+    start_fp8_reduce_scatter(flat.clone(), None, average=False, stats=stats).wait()
     stats.reset()
     assert stats.counts() == {"quantized": 0, "saturated": 0, "flushed": 0}
     # all-reduce: rank 0's first blocks hold 1e-8 only (no flush), the others' 1e4 beside zeros; the reduced block

@@ -371,7 +371,11 @@ def test_stochastic_rounding_is_deterministic():
         p, m, v = make_states((1500,), ("fp16", "fp8", "bf16"), seed=3)
         grad = randn(1500, seed=4, scale=1e-2).bfloat16()
         step_t = torch.tensor(float(step), dtype=torch.float64, device=DEVICE)
-        adam_kernel.fused_adamw_update_(p, grad, m, v, weight_decay=0.0, step=step_t, seed=seed, index=index, **HYPER)
+        # the tensor stands at position `index` of the step's list (Philox counts tensors by it); copies before it
+        before = [[clone(s) for s in (p, m, v)] for _ in range(index)]
+        masters, ms, vs = ([states_[k] for states_ in before] + [s] for k, s in enumerate((p, m, v)))
+        grads = [grad] * (index + 1)
+        adam_kernel.adamw_step_(masters, grads, ms, vs, [0.0] * (index + 1), step=step_t, seed=seed, **HYPER)
         return [m.data.view(torch.uint8), v.data]
 
     first = run(1, 5, 0)

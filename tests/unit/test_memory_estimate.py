@@ -34,7 +34,7 @@ def test_bf16_plain():
         "static": 18 * N,
         "total": 18 * N + BF16_ACTIVATIONS,
     }
-    (line,) = memory_estimate_lines(parse("--bf16"), N, VOCAB, torch.bfloat16)
+    (line,) = memory_estimate_lines(parse("--bf16"), est, N, torch.bfloat16)
     assert "weights 1.9 MiB (2 B/param, bf16)" in line
     assert "fp32 main params 3.8 MiB (4 B/param)," in line
     assert "Adam states 7.6 MiB (8 B/param)," in line
@@ -47,7 +47,7 @@ def test_bf16_distributed_optimizer_over_two_data_parallel_ranks():
     est = estimate_bytes(cfg, N, VOCAB, torch.bfloat16)
     assert (est["weights"], est["grads"], est["main_params"], est["adam"]) == (2 * N, 4 * N, 2 * N, 4 * N)
     assert est["static"] == 12 * N and est["total"] == 12 * N + BF16_ACTIVATIONS
-    assert memory_estimate_lines(cfg, N, VOCAB, torch.bfloat16) == [
+    assert memory_estimate_lines(cfg, est, N, torch.bfloat16) == [
         "memory estimate per GPU: weights 1.9 MiB (2 B/param, bf16), grads 3.8 MiB (4 B/param),"
         " fp32 main params 1.9 MiB (2 B/param over 2 data-parallel ranks),"
         " Adam states 3.8 MiB (4 B/param over 2 data-parallel ranks),"
@@ -66,7 +66,7 @@ def test_fp8_params_take_one_byte_each():
     assert est["weights"] == 1_200_000_000
     assert (est["grads"], est["main_params"], est["adam"]) == (4 * n, 4 * n, 8 * n)
     assert est["static"] == pytest.approx(17.2 * n)
-    (line,) = memory_estimate_lines(cfg, n, VOCAB, torch.bfloat16, fp8_params=fp8)
+    (line,) = memory_estimate_lines(cfg, est, n, torch.bfloat16, fp8_params=fp8)
     assert line.startswith("memory estimate per GPU: weights 1.12 GiB (1.2 B/param: 800M FP8 + 200M bf16),")
     assert "fp32 main params 3.73 GiB (4 B/param)," in line
     assert "(total ~16.02 GiB; 17.2 B/param before activations)" in line
@@ -79,7 +79,7 @@ def test_fp32_on_cpu_has_no_main_copy():
     est = estimate_bytes(cfg, N, VOCAB, torch.float32)
     assert (est["weights"], est["grads"], est["main_params"], est["adam"]) == (4 * N, 4 * N, 0, 8 * N)
     assert est["activations"] == FP32_ACTIVATIONS and est["total"] == 16 * N + FP32_ACTIVATIONS
-    (line,) = memory_estimate_lines(cfg, N, VOCAB, torch.float32)
+    (line,) = memory_estimate_lines(cfg, est, N, torch.float32)
     assert "weights 3.8 MiB (4 B/param, fp32)" in line
     assert "no fp32 main params (the fp32 weights are the master copy)" in line
     assert "16 B/param before activations" in line
@@ -105,7 +105,7 @@ def test_o2_states_with_fp8_weights_over_two_data_parallel_ranks():
     assert (est["weights"], est["grads"]) == (N, 2 * N)
     assert est["main_params"] == pytest.approx(3.03125 * N / 2) and est["adam"] == pytest.approx(3.0625 * N / 2)
     assert est["static"] == pytest.approx(6.046875 * N)
-    (line,) = memory_estimate_lines(cfg, N, VOCAB, torch.bfloat16, fp8_params=N)
+    (line,) = memory_estimate_lines(cfg, est, N, torch.bfloat16, fp8_params=N)
     assert "grads 1.9 MiB (2 B/param, bf16), fp16 main params 1.4 MiB (1.52 B/param over 2" in line, line
     assert "Adam states 1.5 MiB (1.53 B/param over 2 data-parallel ranks, fp8/fp16)" in line, line
     assert "6.05 B/param before activations" in line, line

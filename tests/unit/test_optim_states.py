@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megatron.optim.states import BLOCK, PrecisionAwareAdamW, ScaledState, adamw_update_
+from megatron.optim.states import BLOCK, PrecisionAwareAdamW, ScaledState, adamw_update_, state_bytes
 
 O2 = dict(main_params_dtype="fp16", exp_avg_dtype="fp8", exp_avg_sq_dtype="fp16")
 TO_O2 = "optimizer states converted: main params fp32 -> fp16, exp_avg fp32 -> fp8, exp_avg_sq fp32 -> fp16"
@@ -414,3 +414,12 @@ def test_adamw_update_on_plain_tensors_with_a_device_step():
         adamw_update_(p1, grad, m1, v1, step=t, **kwargs)
         adamw_update_(p2, grad, m2, v2, step=torch.tensor(float(t), dtype=torch.float64), **kwargs)
     assert torch.equal(p1, p2) and torch.equal(m1, m2) and torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "fp16", "fp8"])
+def test_state_bytes_is_what_a_state_holds(name):
+    """The memory estimate's bytes per element (`state_bytes`) against a state's actual bytes, whole blocks."""
+    value = torch.randn(100 * BLOCK)
+    assert ScaledState(value, name).nbytes == state_bytes(name) * value.numel()
+    if name == "fp16":
+        assert ScaledState(value, name, remainder=True).nbytes == state_bytes(name, master=True) * value.numel()
