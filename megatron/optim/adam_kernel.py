@@ -171,7 +171,10 @@ def _store_state(
     REM: tl.constexpr,
     STOCHASTIC: tl.constexpr,
 ):
-    """Encode the fp32 tile x in place with new per-row (block) scales: `ScaledState.encode_`."""
+    """Encode the fp32 tile x in place with new per-row (block) scales: `ScaledState.encode_`. Returns the fp32
+    values the encoding now holds (what `_load_state` would read back) for the master's model copy; fp16 and fp32
+    only, the master formats (moments' callers drop it)."""
+    stored = x
     if KIND == 0:
         tl.store(ptr + offs, x, mask=mask)
     elif KIND == 1:
@@ -200,15 +203,32 @@ def _store_state(
                 y = _round_bits(y, rnd, 13, True)
             data = y.to(tl.float16)  # round to nearest even (exact after stochastic rounding, but for subnormals)
             tl.store(ptr + offs, data, mask=mask)
+            held = data.to(tl.float32)
             if REM:
                 # The write's rounding error in quanta: a difference of neighbours and a power-of-two scaling, both
                 # exact; rounded half to even by the 1.5 * 2^23 trick (|rest| <= 128), as torch.round.
-                _, inverse = _fp16_quantum(data.to(tl.int16, bitcast=True))
-                rest = (y - data.to(tl.float32)) * inverse
+                quantum, inverse = _fp16_quantum(data.to(tl.int16, bitcast=True))
+                rest = (y - held) * inverse
                 rest = (rest + 12582912.0) - 12582912.0
                 rest = tl.minimum(tl.maximum(rest, -127.0), 127.0)
                 tl.store(rem_ptr + offs, rest.to(tl.int8), mask=mask)
+                held = held + rest * quantum
+            stored = tl.math.div_rn(held, scale[:, None])
         tl.store(scale_ptr + rows, scale, mask=row_mask)
+    return stored
+
+
+def _store_model_copy(x, ptr, offs, mask, OUT_KIND: tl.constexpr):
+    """The master's new value into the model's copy (OUT_KIND 1 fp32, 2 bf16, 3 fp16), rounded to nearest even as
+    `Tensor.copy_` does: the update writes the weights the next forward reads, instead of a second pass decoding
+    the master after the step."""
+    if OUT_KIND == 1:
+        tl.store(ptr + offs, x, mask=mask)
+    elif OUT_KIND == 2:
+        top = _round_bits(x, 0, 16, False).to(tl.int32, bitcast=True) >> 16
+        tl.store(ptr + offs, top.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+    elif OUT_KIND == 3:
+        tl.store(ptr + offs, x.to(tl.float16), mask=mask)
 
 
 def _adamw_kernel(
@@ -224,6 +244,7 @@ def _adamw_kernel(
     step_ptr,
     grad_scale_ptr,
     found_inf_ptr,
+    out_ptr,
     n,
     decay,
     lerp_w,
@@ -239,6 +260,7 @@ def _adamw_kernel(
     M_ROOT: tl.constexpr,
     V_KIND: tl.constexpr,
     V_ROOT: tl.constexpr,
+    OUT_KIND: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     LERP_SMALL: tl.constexpr,
@@ -313,7 +335,8 @@ def _adamw_kernel(
             rnd_v = 0
         _store_state(m, rnd_m, m_ptr, m_scale_ptr, m_ptr, offs, mask, rows, row_mask, M_KIND, M_ROOT, False, STOCHASTIC)
         _store_state(v, rnd_v, v_ptr, v_scale_ptr, v_ptr, offs, mask, rows, row_mask, V_KIND, V_ROOT, False, STOCHASTIC)
-        _store_state(p, 0, p_ptr, p_scale_ptr, p_rem_ptr, offs, mask, rows, row_mask, P_KIND, P_ROOT, P_REM, False)
+        p = _store_state(p, 0, p_ptr, p_scale_ptr, p_rem_ptr, offs, mask, rows, row_mask, P_KIND, P_ROOT, P_REM, False)
+        _store_model_copy(p, out_ptr, offs, mask, OUT_KIND)
 
 
 _TRITON = None
@@ -321,7 +344,8 @@ _TRITON = None
 
 def _build():
     """Import Triton and jit the kernel functions (once); None if Triton is not installed."""
-    global _TRITON, tl, _round_bits, _to_fp8_grid, _to_fp32, _fp16_quantum, _load_state, _store_state, _adamw_kernel
+    global _TRITON, tl, _round_bits, _to_fp8_grid, _to_fp32, _fp16_quantum, _load_state, _store_state
+    global _store_model_copy, _adamw_kernel
     if _TRITON is None:
         try:
             import triton
@@ -333,7 +357,8 @@ def _build():
         # The kernel resolves its helpers through this module's globals: rebind them to their jitted versions.
         _round_bits, _to_fp8_grid, _to_fp32 = triton.jit(_round_bits), triton.jit(_to_fp8_grid), triton.jit(_to_fp32)
         _fp16_quantum, _load_state = triton.jit(_fp16_quantum), triton.jit(_load_state)
-        _store_state, _adamw_kernel = triton.jit(_store_state), triton.jit(_adamw_kernel)
+        _store_state, _store_model_copy = triton.jit(_store_state), triton.jit(_store_model_copy)
+        _adamw_kernel = triton.jit(_adamw_kernel)
         _TRITON = triton
     return _TRITON or None
 
@@ -379,6 +404,20 @@ def _operands(state: State) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Ten
     return (state, state, state), (0, False, False, None)
 
 
+_OUT_KINDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+
+
+def _out_kind(copy: torch.Tensor | None, numel: int) -> int:
+    """The kernel's OUT_KIND for a model copy; ValueError for one it cannot write."""
+    if copy is None:
+        return 0
+    if copy.dtype not in _OUT_KINDS or not copy.is_contiguous() or copy.numel() != numel:
+        raise ValueError(
+            f"a model copy of {copy.dtype}, {copy.numel()} elements (contiguous fp32/bf16/fp16 of {numel})"
+        )
+    return _OUT_KINDS[copy.dtype]
+
+
 def _block(layouts: tuple[_Layout, _Layout, _Layout]) -> int:
     """The scale block the states share (BLOCK, as a tile width, when none is scaled); ValueError if they differ."""
     blocks = {layout[3] for layout in layouts} - {None}
@@ -406,8 +445,11 @@ def supports(masters: Sequence[State], exp_avgs: Sequence[State], exp_avg_sqs: S
 
 
 @functools.lru_cache(maxsize=64)
-def _config(layouts: tuple[_Layout, _Layout, _Layout], flags: tuple[bool, ...], tile: int, warps: int) -> tuple:
-    """(block, rows per program, launch keywords: the constexprs, warps and no fp fusion) for these layouts."""
+def _config(
+    layouts: tuple[_Layout, _Layout, _Layout], out_kind: int, flags: tuple[bool, ...], tile: int, warps: int
+) -> tuple:
+    """(block, rows per program, launch keywords: the constexprs, warps and no fp fusion) for these layouts and the
+    model copy's kind (`_OUT_KINDS`, 0 for none)."""
     (p_kind, p_root, p_rem, _), (m_kind, m_root, _, _), (v_kind, v_root, _, _) = layouts
     block = _block(layouts)
     cols = 1 << (block - 1).bit_length()
@@ -423,6 +465,7 @@ def _config(layouts: tuple[_Layout, _Layout, _Layout], flags: tuple[bool, ...], 
         M_ROOT=m_root,
         V_KIND=v_kind,
         V_ROOT=v_root,
+        OUT_KIND=out_kind,
         HAS_GRAD_SCALE=has_grad_scale,
         HAS_FOUND_INF=has_found_inf,
         LERP_SMALL=lerp_small,
@@ -511,6 +554,7 @@ def adamw_step_(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     seed: int | None = None,
+    model_copies: Sequence[torch.Tensor | None] | None = None,
 ) -> None:
     """`adamw_update_` on every tensor i, one kernel launch each, no host synchronisation.
 
@@ -519,19 +563,24 @@ def adamw_step_(
     eager result), an int rounds them stochastically with Philox keyed by it and counted by (element, step, i). The
     bias corrections are computed once for all tensors: from a device step tensor without a host sync (an int step
     is copied to the device). `grad_scale`, `found_inf`: 0-dim tensors, best on the device (a CPU one is copied
-    there, and a CPU grad_scale then divides where CUDA's eager step multiplies by its reciprocal: 1 ulp apart)."""
+    there, and a CPU grad_scale then divides where CUDA's eager step multiplies by its reciprocal: 1 ulp apart).
+    `model_copies[i]`: a contiguous fp32, bf16 or fp16 tensor of master i's size (or None) that receives the new
+    master as `copy_(master.decode())` would, written by the same pass (left alone on a skipped step)."""
     count = len(masters)
     if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(weight_decays) == count):
         raise ValueError(
             f"{len(grads)} grads, {len(exp_avgs)} exp_avg, {len(exp_avg_sqs)} exp_avg_sq and {len(weight_decays)}"
             f" weight decays for {count} masters: pass one of each per tensor"
         )
-    items = list(zip(range(count), masters, grads, exp_avgs, exp_avg_sqs, weight_decays))
+    copies = [None] * count if model_copies is None else list(model_copies)
+    if len(copies) != count:
+        raise ValueError(f"{len(copies)} model copies for {count} masters: pass one (or None) per tensor")
+    items = list(zip(range(count), masters, grads, exp_avgs, exp_avg_sqs, weight_decays, copies))
     _launch(items, lr, beta1, beta2, eps, step, grad_scale, found_inf, seed)
 
 
 def _launch(
-    items: list[tuple[int, State, torch.Tensor, State, State, float]],
+    items: list[tuple[int, State, torch.Tensor, State, State, float, torch.Tensor | None]],
     lr: float,
     beta1: float,
     beta2: float,
@@ -564,10 +613,11 @@ def _launch(
     seed_key = 0 if seed is None else int(seed) % (1 << 63)
     decays: dict[float, float] = {}
     launches = []  # all checked before the first launch: a refused tensor leaves every state as it was
-    for index, master, grad, m, v, wd in items:
+    for index, master, grad, m, v, wd, copy in items:
         try:
             (p_ops, p_layout), (m_ops, m_layout), (v_ops, v_layout) = (_operands(s) for s in (master, m, v))
-            block, rows, keywords = _config((p_layout, m_layout, v_layout), flags, _TILE, _NUM_WARPS)
+            out_kind = _out_kind(copy, p_ops[0].numel())
+            block, rows, keywords = _config((p_layout, m_layout, v_layout), out_kind, flags, _TILE, _NUM_WARPS)
         except ValueError as exc:
             raise ValueError(
                 f"the fused AdamW step does not handle {exc} (tensor {index}): use adamw_update_"
@@ -578,7 +628,9 @@ def _launch(
         if wd not in decays:
             decays[wd] = _fp32(1 - lr * wd)
         programs = (n + block * rows - 1) // (block * rows)  # whole blocks, ROWS of them per program
+        out = grad if copy is None else copy  # absent: never written (OUT_KIND 0)
         operands = (grad.reshape(-1), *p_ops, m_ops[0], m_ops[1], v_ops[0], v_ops[1], coef, step_tensor, *placeholders)
+        operands += (out,)
         if n:
             launches.append((programs, (*operands, n, decays[wd], lerp_w, *scalars, seed_key, index), keywords))
     # Triton launches on the current device: make it the tensors' (a rank's tensors need not be on cuda:0).

@@ -160,9 +160,13 @@ class MixedPrecisionAdamW:
         finite = torch.isfinite(norm)
         if self.precision_aware:  # decides on the device like the fused AdamW, on CPUs too
             scale = ((norm.float() + 1e-6) / self.cfg.clip_grad).clamp(min=1.0) if self.cfg.clip_grad > 0 else None
+            copies, fp8_mains = self._model_copies()
             if len(self.optimizer):
-                self.optimizer.step(grads, lr, scale, (~finite).float())
-            self._copy_main_to_model()
+                self.optimizer.step(grads, lr, scale, (~finite).float(), model_copies=copies)
+            with torch.no_grad():
+                self._cast_fp8_params(fp8_mains)
+            if self.buffers is not None:
+                self.buffers.gather_params()
             return norm, finite
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -199,10 +203,28 @@ class MixedPrecisionAdamW:
         if self.buffers is not None:
             self.buffers.gather_params()
 
-    def _cast_fp8_params(self) -> None:
+    def _model_copies(self) -> tuple[list[torch.Tensor | None] | None, list[torch.Tensor | None]]:
+        """Where the precision-aware step writes each main copy's new value (by main index): a plain parameter's
+        own bf16 storage, an fp32 tensor for an FP8 weight's piece (the fp32 masters the cast takes, returned in
+        `_fp8`'s order). None when the masters are the parameters themselves (an fp32 model)."""
+        if not self.mixed:
+            return None, []
+        copies: list[torch.Tensor | None] = [None] * len(self._targets)
+        for target, i in self._plain:
+            copies[i] = target
+        fp8_mains = [None if i is None else torch.empty(self._main_numel(i), device=p.device) for p, i, _ in self._fp8]
+        for (_, i, _), main in zip(self._fp8, fp8_mains):
+            if i is not None:
+                copies[i] = main
+        return copies, fp8_mains
+
+    def _cast_fp8_params(self, mains: list[torch.Tensor | None] | None = None) -> None:
+        """Quantize the main copies (`mains`, in `_fp8`'s order; None: decoded from the optimizer) into the FP8
+        weights."""
         if self._fp8:
             params, indices, starts = zip(*self._fp8)
-            mains = [None if i is None else self._main(i) for i in indices]
+            if mains is None:
+                mains = [None if i is None else self._main(i) for i in indices]
             with torch.no_grad():
                 quantize_masters(list(params), mains, list(starts), self._fp8_group)
 

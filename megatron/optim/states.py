@@ -467,9 +467,12 @@ class PrecisionAwareAdamW:
         lr: float | None = None,
         grad_scale: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None,
+        model_copies: list[torch.Tensor | None] | None = None,
     ) -> None:
         """One AdamW step over every tensor at `lr` (None: the constructor's). `grad_scale` divides the gradients;
-        a nonzero `found_inf` (0-dim) skips the step: states and step count unchanged, no host synchronisation."""
+        a nonzero `found_inf` (0-dim) skips the step: states and step count unchanged, no host synchronisation.
+        `model_copies[i]` (or None) receives master i's new value in its own dtype (the model's weights, or fp32
+        for a cast to FP8): on CUDA written by the fused step itself, saving a pass that decodes the master."""
         if len(grads) != len(self.masters):
             raise ValueError(f"{len(grads)} gradients for {len(self.masters)} tensors; pass one per master")
         lr = self.lr if lr is None else lr
@@ -487,7 +490,9 @@ class PrecisionAwareAdamW:
             seed = None if self.generator is None else self.seed
             hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=self.eps, step=self._step, seed=seed)
             kernel_args = self.masters, grads, self.exp_avg, self.exp_avg_sq, self.weight_decays
-            adam_kernel.adamw_step_(*kernel_args, **hyper, grad_scale=grad_scale, found_inf=found_inf)
+            adam_kernel.adamw_step_(
+                *kernel_args, **hyper, grad_scale=grad_scale, found_inf=found_inf, model_copies=model_copies
+            )
             return
         for master, grad, m, v, wd in zip(self.masters, grads, self.exp_avg, self.exp_avg_sq, self.weight_decays):
             adamw_update_(
@@ -505,6 +510,10 @@ class PrecisionAwareAdamW:
                 found_inf=found_inf,
                 generator=self.generator,
             )
+        with torch.no_grad():  # the copies may be the model's parameters
+            for i, copy in enumerate(model_copies or []):
+                if copy is not None:
+                    copy.view(-1).copy_(self.master(i).view(-1))
 
     def master(self, i: int) -> torch.Tensor:
         """Master tensor i decoded to fp32 (a new tensor)."""

@@ -313,6 +313,38 @@ def test_found_inf_leaves_every_bit(ieee_sqrt):
             assert not torch.equal(before[0].decode(), states_[0].decode()), f"the step was not taken, {names}"
 
 
+@pytest.mark.parametrize("copy_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("p_name", ["fp32", "fp16"], ids=["master fp32", "master fp16"])
+def test_model_copies_are_the_decoded_masters_bitwise(p_name, copy_dtype):
+    """The copies the step writes are `copy_(master.decode())` bit for bit (on CUDA too: the decode is exact
+    arithmetic on the stored encoding, then a round to nearest even), and a skipped step leaves them alone."""
+    states = [make_states(shape, (p_name, "fp8", "fp16"), seed=7 * i) for i, shape in enumerate(SIZES)]
+    copies = [torch.full(shape, 3.0, dtype=copy_dtype, device=DEVICE) for shape in SIZES]
+    copies[1] = None  # a master without a model copy
+    grads = [randn(*shape, seed=50 + i, scale=1e-2) for i, shape in enumerate(SIZES)]
+    masters, ms, vs = (list(x) for x in zip(*states))
+    kwargs = dict(step=3, **HYPER)
+    adam_kernel.adamw_step_(masters, grads, ms, vs, [0.1] * len(SIZES), **kwargs, model_copies=copies)
+    for i, (master, copy) in enumerate(zip(masters, copies)):
+        if copy is not None:
+            expected = torch.empty_like(copy).copy_(master.decode())
+            assert torch.equal(bits(copy), bits(expected)), f"tensor {i}: the copy is not the decoded master"
+    before = [None if c is None else c.clone() for c in copies]
+    found_inf = torch.tensor(1.0, device=DEVICE)
+    adam_kernel.adamw_step_(
+        masters, grads, ms, vs, [0.1] * len(SIZES), **kwargs, model_copies=copies, found_inf=found_inf
+    )
+    assert all(c is None or torch.equal(bits(c), bits(b)) for c, b in zip(copies, before))
+
+
+def test_model_copies_of_the_wrong_size_or_dtype_are_refused():
+    master, m, v = make_states((256,), ("fp16", "fp8", "fp16"), seed=1)
+    grad = randn(256, seed=2)
+    for copy in (torch.zeros(255, device=DEVICE), torch.zeros(256, dtype=torch.int32, device=DEVICE)):
+        with pytest.raises(ValueError, match="model copy"):
+            adam_kernel.adamw_step_([master], [grad], [m], [v], [0.0], step=1, **HYPER, model_copies=[copy])
+
+
 def test_empty_tensors_and_many_tensors_in_one_call(ieee_sqrt):
     """adamw_step_ over a list: an empty tensor is skipped; each tensor gets its own weight decay."""
     shapes = [(0,), (5,), (129,), (4, 64)]
