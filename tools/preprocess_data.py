@@ -17,10 +17,20 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.config import ConfigError, DataConfig  # noqa: E402
-from megatron.config.base import field_docs  # noqa: E402
+from megatron.config.base import field_docs, flag_name  # noqa: E402
+from megatron.config.cli import scalar_type  # noqa: E402
 from megatron.data.preprocess import BadLineError, output_prefix_for, preprocess_jsonl  # noqa: E402
 
-TOKENIZER_FIELDS = ("tokenizer_type", "vocab_size", "vocab_file", "merge_file", "tokenizer_model")
+TOKENIZER_FIELDS = (
+    "tokenizer_type",
+    "vocab_size",
+    "vocab_file",
+    "merge_file",
+    "tokenizer_model",
+    "tiktoken_pattern",
+    "tiktoken_num_special_tokens",
+    "special_tokens",
+)
 
 
 def add_tokenizer_flags(parser: argparse.ArgumentParser) -> None:
@@ -30,8 +40,8 @@ def add_tokenizer_flags(parser: argparse.ArgumentParser) -> None:
     for name in TOKENIZER_FIELDS:
         field = fields[name]
         kwargs = dict(field.metadata.get("argparse", {}))
-        kind = int if name == "vocab_size" else str
-        group.add_argument("--" + name.replace("_", "-"), type=kind, default=field.default, help=docs[name], **kwargs)
+        kwargs.setdefault("type", scalar_type(field.type))
+        group.add_argument(flag_name(field), dest=name, default=field.default, help=docs[name], **kwargs)
 
 
 def tokenizer_config(args: argparse.Namespace) -> DataConfig:

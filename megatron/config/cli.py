@@ -13,7 +13,7 @@ from .base import ConfigError, field_docs, flag_name
 from .config import SECTIONS, Config
 
 
-def _scalar_type(annotation: Any) -> Any:
+def scalar_type(annotation: Any) -> Any:
     """`int | None` -> int, `list[str] | None` -> str; the argparse `type` of a field."""
     if isinstance(annotation, str):
         annotation = eval(annotation, {}, {})  # annotations are postponed strings; they name builtins only
@@ -44,13 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs = dict(field.metadata.get("argparse", {}))
             kwargs.setdefault("help", docs.get(field.name, ""))
             kwargs["dest"] = f"{section}.{field.name}"
-            kind = _scalar_type(field.type)
+            kind = scalar_type(field.type)
             if kind is bool:
                 kwargs.setdefault("action", "store_true")
             else:
                 kwargs.setdefault("type", kind)
             if field.default is not dataclasses.MISSING:
                 kwargs["default"] = field.default
+            elif field.default_factory is not dataclasses.MISSING:  # list defaults
+                kwargs["default"] = field.default_factory()
             group.add_argument(flag_name(field), **kwargs)
     return parser
 
@@ -72,4 +74,10 @@ def parse_args(argv: Sequence[str] | None = None, *, world_size: int = 1, device
 
 def all_flags() -> list[str]:
     """Every flag the CLI accepts, sorted (a snapshot test makes new flags a visible decision)."""
-    return sorted(flag_name(f) for cls in SECTIONS.values() for f in dataclasses.fields(cls))
+    flags = []
+    for cls in SECTIONS.values():
+        for field in dataclasses.fields(cls):
+            flags.append(flag_name(field))
+            if field.metadata.get("argparse", {}).get("action") is argparse.BooleanOptionalAction:
+                flags.append("--no-" + flag_name(field)[2:])  # argparse adds the negative form
+    return sorted(flags)

@@ -131,6 +131,12 @@ class Config:
                     f"--seq-length ({model.seq_length}) must be divisible by --tensor-model-parallel-size ({tp})"
                     " with --sequence-parallel",
                 )
+        per_virtual_stage = par.num_layers_per_virtual_pipeline_stage
+        require(
+            per_virtual_stage is None or per_virtual_stage * pp == model.num_layers,
+            "--num-layers-per-virtual-pipeline-stage: the interleaved pipeline schedule is issue 17 (not implemented"
+            " yet); drop the flag",
+        )
         if pp > 1:
             stage_layer_numbers(
                 model.num_layers, pp, 0, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers

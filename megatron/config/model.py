@@ -54,6 +54,24 @@ class ModelConfig:
     """Layer implementation: `transformer_engine` (NVIDIA Transformer Engine modules: fused attention, native FP8
     recipes; CUDA only) or `local` (pure PyTorch: runs anywhere, emulates FP8 recipes the GPU lacks). Default:
     transformer_engine on a CUDA machine where Transformer Engine imports, else local (the log says which and why)."""
+    recompute_activations: bool = False
+    """Megatron-LM: recompute the core attention in the backward pass (selective recomputation). Not implemented
+    yet (issue 17): the flag stops with an error; every activation is kept."""
+    recompute_granularity: str | None = option(None, choices=["full", "selective"])
+    """Megatron-LM: recompute whole layers (full) or --recompute-modules (selective) in the backward pass. Not
+    implemented yet (issue 17): a value stops with an error; unset (no recomputation) is the behaviour here."""
+    recompute_method: str | None = option(None, choices=["uniform", "block"])
+    """Megatron-LM: which layers full recomputation covers. Not implemented yet (issue 17): a value stops with an
+    error."""
+    recompute_num_layers: int | None = None
+    """Megatron-LM: layers per recomputed chunk (uniform) or per stage (block). Not implemented yet (issue 17): a
+    value stops with an error."""
+    recompute_modules: list[str] | None = option(None, nargs="+")
+    """Megatron-LM: the submodules selective recomputation covers (core_attn, mlp, layernorm, ...). Not
+    implemented yet (issue 17): a value stops with an error."""
+    no_persist_layer_norm: bool = False
+    """Accepted and ignored: in Megatron-LM it turns off apex's persistent layer-norm kernel; no layer norm here
+    uses that kernel (they are PyTorch's or Transformer Engine's), which is what the flag asks for."""
 
     def finalize(self) -> None:
         """Fill in the defaults that depend on other fields, then check the values."""
@@ -105,6 +123,23 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
             require(0.0 <= value < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
+        self._check_recompute()
+
+    def _check_recompute(self) -> None:
+        """Activation recomputation is issue 17; until then only "no recomputation" parses."""
+        for name in (
+            "recompute_activations",
+            "recompute_granularity",
+            "recompute_method",
+            "recompute_num_layers",
+            "recompute_modules",
+        ):
+            value = getattr(self, name)
+            require(
+                value is None or value is False,
+                f"--{name.replace('_', '-')}: activation recomputation is not implemented yet (issue 17); drop the"
+                " flag (every activation is kept)",
+            )
 
     @property
     def add_bias(self) -> bool:

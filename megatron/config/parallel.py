@@ -49,6 +49,18 @@ class ParallelConfig:
     """torch.distributed backend; defaults to nccl on CUDA and gloo on CPU."""
     distributed_timeout_minutes: int = 10
     """Timeout of collective operations, in minutes."""
+    context_parallel_size: int = 1
+    """Megatron-LM: ranks that split each sequence (context parallelism). Only 1 (no splitting) works here;
+    more is issue 17 and stops with an error."""
+    cp_comm_type: list[str] = option(["p2p"], nargs="+")
+    """Megatron-LM: the context-parallel attention's communication (p2p, all_gather, a2a, a2a+p2p), one value or
+    one per layer. Only the default parses (there is no context parallelism here yet, issue 17)."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Megatron-LM: layers per virtual stage of the interleaved pipeline schedule. Interleaving is issue 17: a
+    value stops with an error unless it is the whole stage (no interleaving)."""
+    num_virtual_stages_per_pipeline_rank: int | None = None
+    """Megatron-LM: virtual stages per pipeline rank (interleaved schedule). Interleaving is issue 17: only 1 (no
+    interleaving) parses."""
 
     def finalize(self) -> None:
         require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size must be >= 1")
@@ -72,3 +84,17 @@ class ParallelConfig:
             )
         require(self.ddp_bucket_size >= 1, "--ddp-bucket-size must be >= 1")
         require(self.distributed_timeout_minutes >= 1, "--distributed-timeout-minutes must be >= 1")
+        require(
+            self.context_parallel_size == 1,
+            f"--context-parallel-size {self.context_parallel_size}: context parallelism is issue 17 (not implemented"
+            " yet); use 1",
+        )
+        require(
+            self.cp_comm_type == ["p2p"],
+            "--cp-comm-type configures context parallelism, issue 17 (not implemented yet); drop the flag",
+        )
+        require(
+            self.num_virtual_stages_per_pipeline_rank in (None, 1),
+            "--num-virtual-stages-per-pipeline-rank: the interleaved pipeline schedule is issue 17 (not implemented"
+            " yet); drop the flag",
+        )

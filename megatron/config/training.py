@@ -32,6 +32,9 @@ class TrainingConfig:
     still cast once per step. For models whose step waits on the host (small layers, tensor parallelism). Needs
     --transformer-impl transformer_engine, one pipeline stage and fixed shapes (no --reset-position-ids or
     --reset-attention-mask); the captured activations stay allocated. `none`: run eagerly."""
+    use_mcore_models: bool = False
+    """Accepted and ignored, as in Megatron-LM today: it chose Megatron Core's GPT model over the legacy one, and
+    the model here is the Megatron Core design (the only one)."""
 
     def finalize(self) -> None:
         require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
@@ -55,10 +58,54 @@ class CheckpointConfig:
     """Do not load the random-number-generator states from the checkpoint."""
     finetune: bool = False
     """Load only the model weights and start at iteration 0 (no optimizer, scheduler, RNG or data position)."""
+    ckpt_format: str = option("torch", choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"])
+    """Checkpoint format. `torch` (the default here; Megatron-LM's default is torch_dist): torch.save files per
+    tensor x pipeline rank in Megatron-LM's legacy layout (iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt), loaded
+    with the parallel layout that wrote them. torch_dist, torch_dcp and fsdp_dtensor (checkpoints that load under
+    another layout) are issue 18: until then they stop with an error."""
+    async_save: bool = False
+    """Megatron-LM: write torch_dist checkpoints in the background. Issue 18: stops with an error until then
+    (saving is synchronous)."""
+    use_persistent_ckpt_worker: bool = False
+    """Megatron-LM: keep one background worker for --async-save. Issue 18: stops with an error until then."""
+    dist_ckpt_strictness: str = option(
+        "assume_ok_unexpected",
+        choices=[
+            "assume_ok_unexpected",
+            "log_unexpected",
+            "log_all",
+            "raise_unexpected",
+            "raise_all",
+            "return_unexpected",
+            "return_all",
+            "ignore_all",
+        ],
+    )
+    """Megatron-LM: how loading a torch_dist checkpoint treats missing or unexpected keys. Issue 18: any value
+    but the default stops with an error until then (a `torch` checkpoint must match the model exactly)."""
 
     def finalize(self) -> None:
         require(self.save_interval is None or self.save_interval >= 1, "--save-interval must be >= 1")
         require(self.save_interval is None or self.save, "--save-interval needs --save DIR")
+        require(
+            self.ckpt_format == "torch",
+            f"--ckpt-format {self.ckpt_format}: checkpoints that load under another parallel layout are issue 18 (not"
+            " implemented yet); use --ckpt-format torch (per-rank torch.save files)",
+        )
+        for flag, value in (
+            ("--async-save", self.async_save),
+            ("--use-persistent-ckpt-worker", self.use_persistent_ckpt_worker),
+        ):
+            require(
+                not value,
+                f"{flag}: asynchronous checkpoint saving comes with --ckpt-format torch_dist (issue 18, not implemented"
+                " yet); drop the flag (saves are synchronous)",
+            )
+        require(
+            self.dist_ckpt_strictness == "assume_ok_unexpected",
+            "--dist-ckpt-strictness applies to --ckpt-format torch_dist checkpoints (issue 18, not implemented yet);"
+            " drop the flag",
+        )
 
 
 @dataclass

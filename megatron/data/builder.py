@@ -59,7 +59,7 @@ def build_datasets(cfg: Config, tokenizer, vocab_size: int) -> Datasets:
         )
     blend = parse_blend(cfg.data.data_path)
     fractions = parse_split(cfg.data.split)
-    indexed = [IndexedDataset(prefix) for _, prefix in blend]
+    indexed = [IndexedDataset(prefix, mmap=cfg.data.mmap_bin_files) for _, prefix in blend]
     bounds = [split_bounds(fractions, ds.num_documents) for ds in indexed]
     splits = []
     for i, (name, num_samples) in enumerate(zip(SPLIT_NAMES, (train_samples, eval_samples, eval_samples))):

@@ -127,14 +127,15 @@ class IndexedDatasetWriter:
 
 
 class IndexedDataset:
-    """Reads a .bin/.idx pair through memory maps; validates the pair when opened.
+    """Reads a .bin/.idx pair; validates the pair when opened. The .idx is memory-mapped; the .bin too unless
+    `mmap` is False (`--no-mmap-bin-files`), then each read is a positioned file read into a fresh array.
 
     `sequence_lengths[i]` tokens of sequence i start at byte `sequence_pointers[i]` of the .bin;
     `document_indices[d]:document_indices[d+1]` are the sequences of document d.
     """
 
-    def __init__(self, prefix: str):
-        self.prefix = prefix
+    def __init__(self, prefix: str, mmap: bool = True):
+        self.prefix, self.mmap = prefix, mmap
         self.idx_path, self.bin_path = index_file_path(prefix), data_file_path(prefix)
         for path in (self.idx_path, self.bin_path):
             if not os.path.isfile(path):
@@ -202,7 +203,8 @@ class IndexedDataset:
 
     @property
     def bin(self) -> np.ndarray:
-        """The whole .bin as a flat token array (memory-mapped on first use, so forked workers map their own)."""
+        """The whole .bin as a flat token array, memory-mapped on first use (so forked workers map their own)
+        whatever `mmap` says."""
         if self._bin is None:
             size = os.path.getsize(self.bin_path)
             self._bin = np.memmap(self.bin_path, dtype=self.dtype, mode="r") if size else np.zeros(0, dtype=self.dtype)
@@ -231,8 +233,20 @@ class IndexedDataset:
             length = seq_length - offset
         if not (0 <= offset and offset + length <= seq_length):
             raise IndexError(f"tokens [{offset}, {offset + length}) outside sequence {index} of length {seq_length}")
+        if not self.mmap:
+            return self._read(int(self.sequence_pointers[index]) + offset * self.dtype.itemsize, length)
         start = int(self.sequence_pointers[index]) // self.dtype.itemsize + offset
         return self.bin[start : start + length]
+
+    def _read(self, byte_offset: int, count: int) -> np.ndarray:
+        """`count` tokens from `byte_offset` of the .bin by a file read (opened per call: safe in forked workers)."""
+        out = np.empty(count, dtype=self.dtype)
+        with open(self.bin_path, "rb", buffering=0) as f:
+            f.seek(byte_offset)
+            got = f.readinto(memoryview(out).cast("B"))
+        if got != out.nbytes:
+            raise IndexedDatasetError(f"{self.bin_path}: short read at byte {byte_offset} (the file changed?)")
+        return out
 
     def __getitem__(self, index: int) -> np.ndarray:
         return self.get(index)

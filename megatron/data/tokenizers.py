@@ -13,6 +13,7 @@ from megatron.config import DataConfig
 
 from .errors import DataError
 from .gpt2_bpe import END_OF_TEXT, ByteLevelBPE
+from .tiktoken_tokenizer import build_tiktokenizer
 
 
 class NullTokenizer:
@@ -196,6 +197,8 @@ def build_tokenizer(cfg: DataConfig):
         return GPTSentencePieceTokenizer(_need_file(cfg.tokenizer_model, "--tokenizer-model", kind))
     if kind == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(_need_file(cfg.tokenizer_model, "--tokenizer-model", kind))
+    if kind == "TikTokenizer":
+        return build_tiktokenizer(cfg, _need_file(cfg.tokenizer_model, "--tokenizer-model", kind))
     raise DataError(f"unknown --tokenizer-type {kind}")
 
 
