@@ -201,6 +201,32 @@ class Config:
         if model.transformer_impl == "transformer_engine":
             te_recipe.check_te_config(model, self.training.micro_batch_size, prec, self.parallel)
         self._check_cuda_graphs()
+        self._check_attention_and_determinism()
+
+    def _check_attention_and_determinism(self) -> None:
+        model, backend = self.model, self.model.attention_backend
+        require(
+            not (model.transformer_impl == "local" and backend == "fused" and self.device_type != "cuda"),
+            "--attention-backend fused runs cuDNN / memory-efficient kernels, which need a CUDA GPU; use auto,"
+            " flash, unfused or local on the CPU",
+        )
+        require(
+            backend in ("auto", "fused") or not self.precision.fp8_dot_product_attention,
+            f"--fp8-dot-product-attention runs in Transformer Engine's fused (cuDNN) attention; use"
+            f" --attention-backend auto or fused (got {backend})",
+        )
+        if self.training.deterministic_mode:
+            require(
+                not self.parallel.tp_comm_overlap,
+                "--deterministic-mode with --tp-comm-overlap: the overlapped GEMMs reduce in a varying order;"
+                " drop one of the two",
+            )
+            fused_ce = any(getattr(getattr(self, name), "cross_entropy_loss_fusion", False) for name in SECTIONS)
+            require(
+                not fused_ce,
+                "--deterministic-mode with --cross-entropy-loss-fusion is not bitwise reproducible (Megatron-LM's"
+                " rule); drop one of the two",
+            )
 
     def _check_fp8_params(self) -> None:
         """Recipes whose weights can live in FP8 (and be all-gathered as FP8 bytes): see megatron/fp8/params.py."""

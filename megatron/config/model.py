@@ -34,12 +34,29 @@ class ModelConfig:
     """Base of the rotary embedding frequencies."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels that are rotated."""
+    use_rotary_position_embeddings: bool = False
+    """Deprecated spelling of --position-embedding-type rope (Megatron-LM's legacy flag); sets it."""
+    apply_rope_fusion: bool = option(True, flag="--no-rope-fusion", action="store_false")
+    """`--no-rope-fusion`: apply RoPE with separate PyTorch ops instead of Transformer Engine's fused kernel on the
+    packed QKV output. The local engine always applies RoPE unfused (it has no fused kernel)."""
     normalization: str = option("LayerNorm", choices=["LayerNorm", "RMSNorm"])
     """Normalization layer: LayerNorm (GPT-2) or RMSNorm (Llama)."""
     norm_epsilon: float = 1e-5
     """Epsilon of the normalization layers."""
+    apply_layernorm_1p: bool = False
+    """Zero-centred norm weights (Megatron-Core's `layernorm_zero_centered_gamma`, TE's `zero_centered_gamma`):
+    every LayerNorm / RMSNorm (q/k norms included) stores w, initialized to 0, and scales by 1 + w. Checkpoints hold
+    w, as Megatron-LM's do, so they load into a model with the same setting."""
+    no_persist_layer_norm: bool = False
+    """Accepted and ignored: it turns off Apex's persistent LayerNorm kernel, which this project never uses (norms
+    run in PyTorch or inside Transformer Engine's fused norm+GEMM)."""
+    qk_layernorm: bool = False
+    """Normalize each query and key head (over its kv-channels, with --normalization) before RoPE and attention:
+    parameters self_attention.q_layernorm / k_layernorm, as in Megatron-Core."""
     swiglu: bool = False
     """Use a SwiGLU MLP (gate and up projections fused in linear_fc1) instead of GELU."""
+    squared_relu: bool = False
+    """Use the squared ReLU activation, relu(x)^2, in the MLP instead of GELU (not with --swiglu)."""
     disable_bias_linear: bool = False
     """Drop the biases of every linear layer (Llama style)."""
     untie_embeddings_and_output_weights: bool = False
@@ -50,6 +67,28 @@ class ModelConfig:
     """Dropout on the residual branches and the embeddings."""
     attention_dropout: float = 0.1
     """Dropout on the attention probabilities."""
+    attention_backend: str = option("auto", choices=["auto", "flash", "fused", "unfused", "local"])
+    """Attention kernel. Transformer Engine: `auto` lets TE choose, `flash` / `fused` (cuDNN) / `unfused` allow only
+    that TE backend (set through NVTE_FLASH_ATTN / NVTE_FUSED_ATTN / NVTE_UNFUSED_ATTN, as Megatron-LM does; a
+    contradicting value already in the environment is an error), `local` runs this project's PyTorch attention
+    inside the TE layer. Local engine: `auto` is PyTorch's scaled_dot_product_attention choosing its kernel,
+    `flash` its flash kernel (CUDA, or PyTorch's CPU flash kernel), `fused` its cuDNN / memory-efficient kernels
+    (CUDA only), `unfused` and `local` the explicit softmax(QK^T/sqrt(d))V that honours --attention-softmax-in-fp32
+    and --apply-query-key-layer-scaling. A kernel that cannot run these inputs fails with a one-line error; there is
+    no silent fallback."""
+    masked_softmax_fusion: bool = option(True, flag="--no-masked-softmax-fusion", action="store_false")
+    """Accepted; `--no-masked-softmax-fusion` changes nothing here: it turns off Megatron-LM's fused scale-mask-softmax
+    CUDA kernel, which this project does not have (the explicit attention always uses PyTorch's softmax; SDPA's and
+    TE's kernels fuse the softmax into attention, which Megatron-LM's flag does not reach either)."""
+    attention_softmax_in_fp32: bool = False
+    """Run attention's masking and softmax in fp32 when the activations are bf16/fp16. Acts where softmax is computed
+    explicitly (--attention-backend unfused|local on the local engine); SDPA's kernels and TE's attention always
+    compute the softmax in fp32 internally, so there the flag changes nothing."""
+    apply_query_key_layer_scaling: bool = False
+    """Scale QK^T by 1/layer-number in the attention GEMM and multiply it back in fp32 before the softmax, to keep
+    fp16 scores in range; implies --attention-softmax-in-fp32. Local engine: applied by the explicit attention
+    (--attention-backend unfused|local); the fused kernels keep their scores in fp32 and need no such trick. TE:
+    passed as NVTE_APPLY_QK_LAYER_SCALING=1, which TE's unfused backend applies to fp16 inputs only."""
     transformer_impl: str | None = option(None, choices=["local", "transformer_engine"])
     """Layer implementation: `transformer_engine` (NVIDIA Transformer Engine modules: fused attention, native FP8
     recipes; CUDA only) or `local` (pure PyTorch: runs anywhere, emulates FP8 recipes the GPU lacks). Default:
@@ -104,6 +143,11 @@ class ModelConfig:
                 self.ffn_hidden_size = -(-int(8 * self.hidden_size / 3) // 64) * 64
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
+        require(not (self.swiglu and self.squared_relu), "--squared-relu and --swiglu are exclusive: drop one")
+        if self.use_rotary_position_embeddings:
+            self.position_embedding_type = "rope"
+        if self.apply_query_key_layer_scaling:
+            self.attention_softmax_in_fp32 = True  # Megatron-LM's rule: the rescaled scores must be fp32
         require(self.ffn_hidden_size >= 1, f"--ffn-hidden-size must be >= 1, got {self.ffn_hidden_size}")
         require(self.seq_length >= 1, f"--seq-length must be >= 1, got {self.seq_length}")
         if self.max_position_embeddings is None:

@@ -22,6 +22,12 @@ class TrainingConfig:
     """Validation batches (of global-batch size) per validation run; 0 turns validation off."""
     seed: int = 1234
     """Random seed for initialization, dropout and data order."""
+    deterministic_mode: bool = False
+    """Bitwise reproducible runs, slower: torch.use_deterministic_algorithms(True) (PyTorch then picks only
+    deterministic SDPA kernels, and raises on an op that has none), and unless already set in the environment
+    NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (Transformer Engine skips non-deterministic attention backends),
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 and NCCL_ALGO=Ring; values already set must be deterministic ones. Not with
+    --tp-comm-overlap or --cross-entropy-loss-fusion (Megatron-LM's rules). Applied when training starts."""
     exit_interval: int | None = None
     """Stop (after saving a checkpoint when --save is set) at the first iteration divisible by this value; the
     learning-rate schedule still follows --train-iters, so a later --load continues the same run."""

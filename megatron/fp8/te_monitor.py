@@ -130,4 +130,4 @@ def _normalized(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """te.LayerNormLinear's normalized input (what its GEMM casts), recomputed in fp32 by the local layers' norm."""
     bias = getattr(module, "layer_norm_bias", None)
     weight, bias = module.layer_norm_weight.float(), None if bias is None else bias.float()
-    return normalize(x.float(), weight, bias, module.normalization, module.eps)
+    return normalize(x.float(), weight, bias, module.normalization, module.eps, module.zero_centered_gamma)

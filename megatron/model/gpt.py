@@ -132,7 +132,9 @@ class Decoder(nn.Module):
         # Indices are stage-local (as in Megatron-Core); each layer's `layer_number` is its global number.
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = (
-            Norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, dtype, tp) if stage.post_process else None
+            Norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, dtype, tp, cfg.apply_layernorm_1p)
+            if stage.post_process
+            else None
         )
 
 
@@ -166,8 +168,10 @@ class GPTModel(nn.Module):
         self.uses_te = cfg.transformer_impl == "transformer_engine"
         self.te_fp8 = None
         if self.uses_te:
+            from .attention import set_te_attention_env
             from .te_layers import build_te_fp8
 
+            set_te_attention_env(cfg.attention_backend)  # as Megatron-LM does when it builds the model
             self.te_fp8 = build_te_fp8(cfg, precision, amax_group)
         tied = not cfg.untie_embeddings_and_output_weights
         self.embedding = None

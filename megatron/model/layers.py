@@ -50,28 +50,53 @@ def mark_tensor_parallel(param: nn.Parameter, dim: int, parts: int = 1) -> None:
     param.partition_parts = parts
 
 
-def normalize(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, eps: float) -> torch.Tensor:
-    """LayerNorm ((x - mean) / std * w + b) or RMSNorm (x / rms * w) over the last dimension."""
+def normalize(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    kind: str,
+    eps: float,
+    zero_centered: bool = False,
+) -> torch.Tensor:
+    """LayerNorm ((x - mean) / std * w + b) or RMSNorm (x / rms * w) over the last dimension.
+
+    `zero_centered` (--apply-layernorm-1p, TE's `zero_centered_gamma`): the stored weight w is applied as 1 + w.
+    Computed as x_hat + x_hat * w rather than x_hat * (1 + w): in bf16, 1 + w would round w to steps of 2^-8, while
+    TE's kernels form 1 + w in fp32."""
+    if not zero_centered:
+        if kind == "LayerNorm":
+            return F.layer_norm(x, weight.shape, weight, bias, eps)
+        return F.rms_norm(x, weight.shape, weight, eps)
     if kind == "LayerNorm":
-        return F.layer_norm(x, weight.shape, weight, bias, eps)
-    return F.rms_norm(x, weight.shape, weight, eps)
+        x_hat = F.layer_norm(x, weight.shape, None, None, eps)
+    else:
+        x_hat = F.rms_norm(x, weight.shape, None, eps)
+    y = torch.addcmul(x_hat, x_hat, weight)
+    return y if bias is None else y + bias
 
 
 class Norm(nn.Module):
     """A standalone LayerNorm / RMSNorm (TE's `te.LayerNorm` / `te.RMSNorm`: parameters `weight`, `bias`)."""
 
     def __init__(
-        self, hidden_size: int, kind: str, eps: float, dtype: torch.dtype | None = None, tp: TensorParallel = NO_TP
+        self,
+        hidden_size: int,
+        kind: str,
+        eps: float,
+        dtype: torch.dtype | None = None,
+        tp: TensorParallel = NO_TP,
+        zero_centered: bool = False,
     ):
+        """`zero_centered`: --apply-layernorm-1p, the weight is stored as w = gamma - 1 (initialized to 0)."""
         super().__init__()
-        self.kind, self.eps = kind, eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.kind, self.eps, self.zero_centered = kind, eps, zero_centered
+        self.weight = nn.Parameter(torch.full((hidden_size,), 0.0 if zero_centered else 1.0, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype)) if kind == "LayerNorm" else None
         for param in self.parameters():
             mark_replicated(param, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return normalize(x, self.weight, self.bias, self.kind, self.eps)
+        return normalize(x, self.weight, self.bias, self.kind, self.eps, self.zero_centered)
 
 
 class Linear(nn.Module):
@@ -143,19 +168,31 @@ class Linear(nn.Module):
 class LayerNormLinear(Linear):
     """Norm of the input fused into a linear (TE's `te.LayerNormLinear`)."""
 
-    def __init__(self, in_features, out_features, bias, init_std, norm: str, eps: float, dtype=None, **parallel):
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        bias,
+        init_std,
+        norm: str,
+        eps: float,
+        dtype=None,
+        zero_centered: bool = False,
+        **parallel,
+    ):
         """`parallel`: Linear's parallel_mode / tp / parts. The norm runs before the column-parallel gather, on
-        the sequence shard under --sequence-parallel."""
+        the sequence shard under --sequence-parallel. `zero_centered`: --apply-layernorm-1p (see `normalize`)."""
         super().__init__(in_features, out_features, bias, init_std, dtype, **parallel)
-        self.norm_kind, self.eps = norm, eps
-        self.layer_norm_weight = nn.Parameter(torch.ones(in_features, dtype=dtype))
+        self.norm_kind, self.eps, self.zero_centered = norm, eps, zero_centered
+        self.layer_norm_weight = nn.Parameter(torch.full((in_features,), 0.0 if zero_centered else 1.0, dtype=dtype))
         self.layer_norm_bias = nn.Parameter(torch.zeros(in_features, dtype=dtype)) if norm == "LayerNorm" else None
         for param in (self.layer_norm_weight, self.layer_norm_bias):
             if param is not None:
                 mark_replicated(param, self.tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(normalize(x, self.layer_norm_weight, self.layer_norm_bias, self.norm_kind, self.eps))
+        norm = normalize(x, self.layer_norm_weight, self.layer_norm_bias, self.norm_kind, self.eps, self.zero_centered)
+        return super().forward(norm)
 
 
 class RotaryEmbedding(nn.Module):
@@ -196,6 +233,16 @@ def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     rotated = torch.cat([-x2, x1], dim=-1)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 (--squared-relu, Primer's activation)."""
+    return torch.square(F.relu(x))
+
+
+def mlp_activation(cfg) -> Any:
+    """The non-gated MLP activation: GELU, or squared ReLU with --squared-relu."""
+    return squared_relu if cfg.squared_relu else F.gelu
 
 
 def init_std_of_output(cfg) -> float:

@@ -31,7 +31,8 @@ transformer_engine is imported inside functions only: importing this module on a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -53,7 +54,9 @@ from megatron.fp8.te_recipe import (
 )
 from megatron.parallel.tensor_parallel import NO_TP, TensorParallel
 
-from .layers import apply_rotary, init_std_of_output, mark_replicated
+from .attention import CoreAttention
+from .layers import apply_rotary, init_std_of_output, mark_replicated, mlp_activation
+from .transformer import qk_norms
 
 
 def _te() -> Any:
@@ -124,7 +127,12 @@ def te_linear(
     )
     if norm:
         module = te.LayerNormLinear(
-            in_features, out_features, eps=cfg.norm_epsilon, normalization=cfg.normalization, **common
+            in_features,
+            out_features,
+            eps=cfg.norm_epsilon,
+            normalization=cfg.normalization,
+            zero_centered_gamma=cfg.apply_layernorm_1p,
+            **common,
         )
     else:
         module = te.Linear(in_features, out_features, **common)
@@ -209,18 +217,30 @@ class TESelfAttention(nn.Module):
             cfg, cfg.hidden_size, qkv_size, "column", cfg.init_method_std, tp, params_dtype, device, norm=True,
             ub_name="qkv",
         )  # fmt: skip
-        self.core_attention = te.DotProductAttention(
-            cfg.num_attention_heads,  # TE takes the totals and divides by the tensor-parallel size
-            self.head_dim,
-            num_gqa_groups=cfg.num_query_groups,
-            attention_dropout=cfg.attention_dropout,
-            qkv_format="sbhd",
-            attn_mask_type="causal",
-            layer_number=layer_number,
-            tp_group=tp.group,
-            tp_size=tp.size,
-            sequence_parallel=tp.sequence_parallel,
-        )
+        norms = qk_norms(cfg, params_dtype, tp)
+        if norms is not None:
+            self.q_layernorm, self.k_layernorm = (norm.to(device) for norm in norms)
+        # Fused RoPE on the packed QKV output, unless the q/k norms must see q and k first.
+        self.fused_rope = cfg.apply_rope_fusion and not cfg.qk_layernorm
+        self.te_attention = cfg.attention_backend != "local"
+        if self.te_attention:
+            # TE's unfused backend reads NVTE_APPLY_QK_LAYER_SCALING when the module is built (and applies it to fp16
+            # inputs only); set it for this construction, not for the process.
+            with _environ(NVTE_APPLY_QK_LAYER_SCALING="1" if cfg.apply_query_key_layer_scaling else "0"):
+                self.core_attention = te.DotProductAttention(
+                    cfg.num_attention_heads,  # TE takes the totals and divides by the tensor-parallel size
+                    self.head_dim,
+                    num_gqa_groups=cfg.num_query_groups,
+                    attention_dropout=cfg.attention_dropout,
+                    qkv_format="sbhd",
+                    attn_mask_type="causal",
+                    layer_number=layer_number,
+                    tp_group=tp.group,
+                    tp_size=tp.size,
+                    sequence_parallel=tp.sequence_parallel,
+                )
+        else:  # --attention-backend local: this project's PyTorch attention between TE's linears
+            self.core_attention = CoreAttention(cfg, layer_number)
         from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
 
         self._qkv_rope = apply_fused_qkv_rotary_pos_emb
@@ -239,7 +259,7 @@ class TESelfAttention(nn.Module):
         groups, per_group, hn = self.num_groups, self.num_heads // self.num_groups, self.head_dim
         mixed = self.linear_qkv(x, is_first_microbatch=first_microbatch)
         s, b = mixed.shape[:2]  # the full sequence, also when x is a sequence-parallel shard
-        if rotary is not None and rotary.shape[1] == 1:
+        if rotary is not None and rotary.shape[1] == 1 and self.fused_rope:
             # One TE kernel each way: RoPE on q and k of the packed output, q, k and v written out contiguous
             # ([s, b, np, hn], [s, b, ng, hn] x 2); its backward writes the packed gradient directly, where
             # separate RoPE calls on views of `mixed` end in a concatenation of the three gradients.
@@ -249,9 +269,14 @@ class TESelfAttention(nn.Module):
             # [s, b, ng * (np/ng + 2) * hn] -> [s, b, ng, (np/ng + 2) * hn] -> q, k, v views
             q, k, v = mixed.view(s, b, groups, (per_group + 2) * hn).split([per_group * hn, hn, hn], dim=-1)
             q = q.reshape(s, b, self.num_heads, hn)  # one copy (q is strided within each group's row)
-            if rotary is not None:  # per-sample positions: TE's kernels take [s, 1, 1, d] angles only
+            if hasattr(self, "q_layernorm"):
+                q, k = self.q_layernorm(q), self.k_layernorm(k)
+            if rotary is not None:  # per-sample positions (TE's kernels take [s, 1, 1, d] angles only) or unfused
                 q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
-        if attention_mask is None:
+        if not self.te_attention:
+            out = self.core_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), attention_mask)  # [b, np, s, hn]
+            out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * hn)
+        elif attention_mask is None:
             out = self.core_attention(q, k, v)  # [s, b, np * hn]
         else:  # TE masks where the mask is True; ours marks where a query may attend
             out = self.core_attention(q, k, v, attention_mask=~attention_mask, attn_mask_type="arbitrary")
@@ -291,7 +316,7 @@ class TEMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, params_dtype: torch.dtype, device: torch.device, tp: TensorParallel = NO_TP):
         super().__init__()
-        self.swiglu = cfg.swiglu
+        self.swiglu, self.activation = cfg.swiglu, mlp_activation(cfg)
         self.fp8_swiglu = True
         """Let `_SwiGLU` write FP8 under delayed scaling; the FP8 monitor turns it off on the steps it watches, so
         that TE casts (and the monitor sees) the high-precision activation and gradient."""
@@ -343,7 +368,7 @@ class TEMLP(nn.Module):
         # linear_fc1's backward reshapes its output gradient (FP8 from `_SwiGLU`) so.
         shape = x.shape
         h = self.linear_fc1(x.reshape(-1, shape[-1]), is_first_microbatch=first_microbatch)
-        h = _SwiGLU.apply(h, *self._fp8_quantizers()) if self.swiglu else F.gelu(h)
+        h = _SwiGLU.apply(h, *self._fp8_quantizers()) if self.swiglu else self.activation(h)
         out = self.linear_fc2(h, is_first_microbatch=first_microbatch)
         return out.view(*shape[:-1], out.shape[-1])
 
@@ -433,6 +458,21 @@ class TETransformerLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self._dropout(self.self_attention(x, rotary, attention_mask, first))
         return x + self._dropout(self.mlp(x, first))
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """Set environment variables for the duration of the block, then restore them."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def te_cross_entropy(

@@ -18,7 +18,8 @@ from torch import nn
 from megatron.config import ModelConfig
 from megatron.parallel.tensor_parallel import NO_TP, TensorParallel
 
-from .layers import LayerNormLinear, Linear, apply_rotary, init_std_of_output
+from .attention import CoreAttention
+from .layers import LayerNormLinear, Linear, Norm, apply_rotary, init_std_of_output, mlp_activation
 
 
 def norm_column_linear(
@@ -33,10 +34,25 @@ def norm_column_linear(
         cfg.normalization,
         cfg.norm_epsilon,
         dtype,
+        zero_centered=cfg.apply_layernorm_1p,
         parallel_mode="column",
         tp=tp,
         parts=parts,
     )
+
+
+def qk_norms(cfg: ModelConfig, dtype: torch.dtype | None, tp: TensorParallel) -> tuple[Norm, Norm] | None:
+    """--qk-layernorm: one norm over kv-channels for all query heads, one for all key heads (Megatron-Core's
+    q_layernorm / k_layernorm). Each tensor-parallel rank sees only its heads, so their partial gradients are
+    summed over the tensor-parallel group, as sequence-parallel parameters' are."""
+    if not cfg.qk_layernorm:
+        return None
+    norms = tuple(
+        Norm(cfg.kv_channels, cfg.normalization, cfg.norm_epsilon, dtype, tp, cfg.apply_layernorm_1p) for _ in "qk"
+    )
+    for param in (p for norm in norms for p in norm.parameters()):
+        param.sequence_parallel = tp.size > 1
+    return norms
 
 
 def row_linear(cfg: ModelConfig, in_features: int, dtype: torch.dtype | None, tp: TensorParallel) -> Linear:
@@ -53,14 +69,17 @@ class SelfAttention(nn.Module):
     heads, then its key head, then its value head (so a tensor-parallel shard holds whole groups).
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None, tp: TensorParallel = NO_TP):
+    def __init__(self, cfg: ModelConfig, layer_number: int, dtype: torch.dtype | None, tp: TensorParallel = NO_TP):
         super().__init__()
         # Tensor parallelism splits whole query groups (and their heads) over the ranks.
         self.num_heads, self.num_groups = cfg.num_attention_heads // tp.size, cfg.num_query_groups // tp.size
         self.head_dim = cfg.kv_channels
-        self.dropout = cfg.attention_dropout
         qkv_size = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.head_dim
         self.linear_qkv = norm_column_linear(cfg, qkv_size, dtype, tp)
+        norms = qk_norms(cfg, dtype, tp)
+        if norms is not None:
+            self.q_layernorm, self.k_layernorm = norms
+        self.core_attention = CoreAttention(cfg, layer_number)
         self.linear_proj = row_linear(cfg, cfg.num_attention_heads * self.head_dim, dtype, tp)
 
     def forward(
@@ -72,28 +91,22 @@ class SelfAttention(nn.Module):
         mixed = mixed.view(s, b, self.num_groups, (heads_per_group + 2) * self.head_dim)
         q, k, v = mixed.split([heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
         q = q.reshape(s, b, self.num_heads, self.head_dim)  # [s, b, np, hn]
+        if hasattr(self, "q_layernorm"):
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)  # k: [s, b, ng, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hn]
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attention_mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=attention_mask is None,
-            enable_gqa=self.num_groups != self.num_heads,
-        )  # [b, np, s, hn]
+        out = self.core_attention(q, k, v, attention_mask)  # [b, np, s, hn]
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
         return self.linear_proj(out)
 
 
 class MLP(nn.Module):
-    """h -> ffn -> h with GELU, or SwiGLU (linear_fc1 outputs [gate; up], 2*ffn wide)."""
+    """h -> ffn -> h with GELU (or squared ReLU), or SwiGLU (linear_fc1 outputs [gate; up], 2*ffn wide)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None, tp: TensorParallel = NO_TP):
         super().__init__()
-        self.swiglu = cfg.swiglu
+        self.swiglu, self.activation = cfg.swiglu, mlp_activation(cfg)
         fc1_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
         self.linear_fc1 = norm_column_linear(cfg, fc1_out, dtype, tp, parts=2 if cfg.swiglu else 1)
         self.linear_fc2 = row_linear(cfg, cfg.ffn_hidden_size, dtype, tp)
@@ -104,7 +117,7 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h)
+            h = self.activation(h)
         return self.linear_fc2(h)
 
 
@@ -114,7 +127,7 @@ class TransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_number: int, dtype: torch.dtype | None, tp: TensorParallel = NO_TP):
         super().__init__()
         self.layer_number = layer_number  # 1-based, global across pipeline stages
-        self.self_attention = SelfAttention(cfg, dtype, tp)
+        self.self_attention = SelfAttention(cfg, layer_number, dtype, tp)
         self.mlp = MLP(cfg, dtype, tp)
         self.hidden_dropout = cfg.hidden_dropout
 

@@ -50,6 +50,7 @@ from megatron.parallel import (
 from megatron.parallel.pipeline import forward_backward_1f1b, forward_only, stage_layer_numbers
 from megatron.parallel.tensor_parallel import TensorParallel
 
+from .determinism import apply_deterministic_mode
 from .flops import num_floating_point_operations, peak_tflops
 from .logger import TensorBoardWriter, print_rank_0, training_log_line, validation_log_lines
 from .memory import estimate_bytes, memory_estimate_lines
@@ -79,6 +80,8 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        if cfg.training.deterministic_mode:  # before any communicator, cuBLAS handle or TE module exists
+            apply_deterministic_mode()
         self.device = init_distributed(cfg)
         self.dims = ParallelDims.build(cfg)
         set_seed(cfg.training.seed)
