@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                 kwargs.setdefault("type", kind)
             if field.default is not dataclasses.MISSING:
                 kwargs["default"] = field.default
+            elif field.default_factory is not dataclasses.MISSING:
+                kwargs["default"] = field.default_factory()
             group.add_argument(flag_name(field), **kwargs)
     return parser
 

@@ -48,7 +48,8 @@ class ParallelConfig:
     distributed_backend: str | None = option(None, choices=["nccl", "gloo"])
     """torch.distributed backend; defaults to nccl on CUDA and gloo on CPU."""
     distributed_timeout_minutes: int = 10
-    """Timeout of collective operations, in minutes."""
+    """Timeout of torch.distributed in minutes: of the default process group and of every group built from it
+    (tensor, pipeline, data parallel, ...); a collective that waits longer fails."""
 
     def finalize(self) -> None:
         require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size must be >= 1")
