@@ -48,7 +48,8 @@ class ParallelConfig:
     distributed_backend: str | None = option(None, choices=["nccl", "gloo"])
     """torch.distributed backend; defaults to nccl on CUDA and gloo on CPU."""
     distributed_timeout_minutes: int = 10
-    """Timeout of collective operations, in minutes."""
+    """Timeout of torch.distributed in minutes: of the default process group and of every group built from it
+    (tensor, pipeline, data parallel, ...); a collective that waits longer fails."""
     context_parallel_size: int = 1
     """Megatron-LM: ranks that split each sequence (context parallelism). Only 1 (no splitting) works here;
     more is issue 17 and stops with an error."""

@@ -31,6 +31,24 @@ class TrainingConfig:
     exit_interval: int | None = None
     """Stop (after saving a checkpoint when --save is set) at the first iteration divisible by this value; the
     learning-rate schedule still follows --train-iters, so a later --load continues the same run."""
+    exit_duration_in_mins: int | None = None
+    """Stop once this many minutes have passed since the program started (a job's time limit): checked after
+    every step, all ranks agree through one all-reduce so they stop after the same step, a checkpoint is saved when
+    --save is set, the final evaluation is skipped and the program exits normally (status 0). 0 or unset: no
+    limit."""
+    manual_gc: bool = False
+    """Turn Python's automatic garbage collector off and collect at fixed points instead (before training, every
+    --manual-gc-interval steps, around each evaluation), so that every rank collects at the same step and no rank
+    stalls the others' collectives with a collection of its own."""
+    manual_gc_interval: int = 0
+    """With --manual-gc: collect every this many steps; 0: only before training and around evaluation."""
+    manual_gc_eval: bool = option(True, flag="--no-manual-gc-eval", action="store_false")
+    """With --manual-gc: do not collect around evaluations (by default a full collection before each and a
+    young-generation one after)."""
+    empty_unused_memory_level: int = option(0, choices=[0, 1, 2])
+    """Return the CUDA caching allocator's unused blocks to the GPU (torch.cuda.empty_cache): 1 after each step's
+    forward-backward pass and after each evaluation, 2 also after each optimizer step; 0: never. Lowers
+    fragmentation, costs new allocations; nothing to do on a CPU."""
     cuda_graph_impl: str = option("none", choices=["none", "transformer_engine"])
     """CUDA graphs. `transformer_engine`: before the first step, capture each transformer layer's forward and
     backward once with Transformer Engine's `make_graphed_callables`, then replay them, so that a layer costs one
@@ -48,6 +66,11 @@ class TrainingConfig:
         require(self.eval_interval >= 1, f"--eval-interval must be >= 1, got {self.eval_interval}")
         require(self.eval_iters >= 0, f"--eval-iters must be >= 0, got {self.eval_iters}")
         require(self.exit_interval is None or self.exit_interval >= 1, "--exit-interval must be >= 1")
+        require(
+            self.exit_duration_in_mins is None or self.exit_duration_in_mins >= 0,
+            "--exit-duration-in-mins must be >= 0",
+        )
+        require(self.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}")
 
 
 @dataclass
@@ -122,6 +145,59 @@ class LoggingConfig:
     """Write TensorBoard scalars (loss, learning rate, grad norm, throughput) here."""
     log_dir: str | None = None
     """Write the resolved configuration (config.json) here; defaults to --save or --tensorboard-dir."""
+    log_throughput: bool = False
+    """Accepted for Megatron-LM's scripts: every progress line shows the throughput already (TFLOP/s per GPU,
+    tokens/s, MFU). With --log-timers-to-tensorboard it is also written as the `throughput` scalar."""
+    log_params_norm: bool = False
+    """Add the L2 norm of the parameters (their fp32 main copies, each element of the model counted once over
+    all tensor, pipeline and data-parallel shards) to the progress line and TensorBoard (`params-norm`)."""
+    log_num_zeros_in_grad: bool = False
+    """Count the zero elements of the gradients the optimizer steps on (each counted once over all ranks) and
+    add them to the progress line and TensorBoard (`num-zeros`); one extra reduction per step."""
+    log_memory_to_tensorboard: bool = False
+    """Write the CUDA allocator's memory statistics to TensorBoard at each log interval: mem-reserved-bytes,
+    mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count (none on a CPU)."""
+    log_validation_ppl_to_tensorboard: bool = False
+    """Also write the validation perplexity to TensorBoard (`lm loss validation ppl`); the loss is always written
+    and both are always printed."""
+    timing_log_level: int = option(0, choices=[0, 1, 2])
+    """Step phases to time and print below the progress line (megatron/training/timers.py). 0: only the
+    iteration time, no extra synchronization; 1: phases run once per step (forward-backward, gradient all-reduces,
+    optimizer); 2: also per micro-batch (forward-compute, backward-compute). On a GPU a timed phase synchronizes
+    the device at its start and end, so levels 1 and 2 slow the step down."""
+    timing_log_option: str = option("minmax", choices=["max", "minmax", "all"])
+    """How the timers of --timing-log-level are reported over ranks: max, (min, max), or every rank."""
+    log_timers_to_tensorboard: bool = False
+    """Write the timers of --timing-log-level to TensorBoard (`<name>-time`, the maximum over ranks in ms per
+    iteration), and the `throughput` scalar with --log-throughput."""
+    profile: bool = False
+    """Profile the steps from --profile-step-start to --profile-step-end with Nsight Systems: cudaProfilerStart
+    and Stop around them and NVTX ranges for each step and its phases, only inside that window. Run under `nsys
+    profile -s none -t nvtx,cuda --capture-range=cudaProfilerApi --capture-range-end=stop ...`. On a CPU there
+    is nothing for nsys to capture: use --use-pytorch-profiler there."""
+    profile_step_start: int = 10
+    """--profile: the window starts once this many steps are done (iteration start+1 is its first)."""
+    profile_step_end: int = 12
+    """--profile: the window ends after this iteration."""
+    profile_ranks: list[int] = option([], nargs="+")
+    """--profile: the global ranks that profile (default: all)."""
+    use_pytorch_profiler: bool = False
+    """With --profile: record a torch.profiler trace of the window instead (CPU ops and CUDA kernels, with the
+    same step and phase ranges), written to --tensorboard-dir as rank<R>.*.pt.trace.json for TensorBoard's profiler
+    plugin or Perfetto."""
 
     def finalize(self) -> None:
         require(self.log_interval >= 1, f"--log-interval must be >= 1, got {self.log_interval}")
+        require(
+            not self.use_pytorch_profiler or self.profile,
+            "--use-pytorch-profiler selects the profiler of --profile: add --profile",
+        )
+        require(
+            not self.profile or 0 <= self.profile_step_start < self.profile_step_end,
+            f"--profile needs 0 <= --profile-step-start < --profile-step-end, got {self.profile_step_start} and"
+            f" {self.profile_step_end}",
+        )
+        require(
+            not self.use_pytorch_profiler or self.tensorboard_dir,
+            "--use-pytorch-profiler writes its trace to --tensorboard-dir: add --tensorboard-dir DIR",
+        )

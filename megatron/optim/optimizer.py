@@ -93,6 +93,7 @@ class MixedPrecisionAdamW:
                 [_initial_piece(p, t, a, b) for (p, (a, b)), t in zip(self.pieces, targets)] if self.mixed else targets
             )
         self._counted = [g for p, g in zip(owned, self._grads) if counts_in_grad_norm(p)]
+        self._counted_mains = [i for i, p in enumerate(owned) if counts_in_grad_norm(p)]
         # Main copies by index (the precision-aware optimizer holds them encoded): the plain parameters' targets,
         # and every FP8 weight, owned here or not (the cast's amax reduction spans all of them), with the index of
         # this rank's main piece and where it starts.
@@ -145,6 +146,10 @@ class MixedPrecisionAdamW:
     def norm_grads(self) -> list[torch.Tensor]:
         """The gradients this rank contributes to the global norm (see `megatron.parallel.grad_norm`)."""
         return self._counted
+
+    def norm_params(self) -> list[torch.Tensor]:
+        """The fp32 main parameters (pieces) that match `norm_grads`, for the parameter norm (--log-params-norm)."""
+        return [self._main(i) for i in self._counted_mains]
 
     def step(self, lr: float, grad_norm_fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip and take one AdamW step at `lr`; returns (grad norm, stepped) as 0-dim tensors on the gradients'

@@ -81,10 +81,14 @@ class ParallelDims:
             cfg.parallel.tensor_model_parallel_size,
             cfg.parallel.pipeline_model_parallel_size,
             tp_only_amax=cfg.precision.tp_only_amax_red,
+            timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
         )
 
     @classmethod
-    def create(cls, world: int, rank: int, tp: int, pp: int, tp_only_amax: bool = False) -> ParallelDims:
+    def create(
+        cls, world: int, rank: int, tp: int, pp: int, tp_only_amax: bool = False, timeout: timedelta | None = None
+    ) -> ParallelDims:
+        """`timeout`: of every group (torch gives a new group its backend's default, not the default group's)."""
         if world % (tp * pp):
             raise ValueError(f"world size {world} is not divisible by tensor x pipeline parallel size {tp * pp}")
         dp = world // (tp * pp)
@@ -95,7 +99,7 @@ class ParallelDims:
             # Every rank must create every group, in the same order; it keeps the one it belongs to.
             mine = None
             for ranks in all_groups:
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
                     mine = group
             return mine

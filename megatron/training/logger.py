@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
@@ -28,8 +29,10 @@ def training_log_line(
     grad_norm: float,
     skipped: int,
     nan_iters: int,
+    extra_fields: Sequence[str] = (),
 ) -> str:
-    """One progress line in Megatron-LM's format (plus tokens/s and MFU fields)."""
+    """One progress line in Megatron-LM's format (plus tokens/s and MFU fields); `extra_fields` (num zeros,
+    params norm) follow the grad norm, where Megatron-LM prints them."""
     timestamp = time.strftime("%Y-%m-%d %H:%M:%S")
     fields = [
         f" [{timestamp}] iteration {iteration:8d}/{train_iters:8d}",
@@ -46,6 +49,7 @@ def training_log_line(
         f"lm loss: {loss:.6E}",
         "loss scale: 1.0",
         f"grad norm: {grad_norm:.3f}",
+        *extra_fields,
         f"number of skipped iterations: {skipped:3d}",
         f"number of nan iterations: {nan_iters:3d}",
     ]

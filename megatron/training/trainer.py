@@ -54,6 +54,8 @@ from .determinism import apply_deterministic_mode
 from .flops import num_floating_point_operations, peak_tflops
 from .logger import TensorBoardWriter, print_rank_0, training_log_line, validation_log_lines
 from .memory import estimate_bytes, memory_estimate_lines
+from .runtime import Runtime
+from .stats import Stats
 
 
 @dataclass
@@ -144,6 +146,8 @@ class Trainer:
         self._load()
         self.datasets = build_datasets(cfg, self.tokenizer, self.vocab_size)
         self.tensorboard = TensorBoardWriter(cfg.logging.tensorboard_dir)
+        self.runtime = Runtime(cfg, dims.rank, self.device)  # gc, empty cache, exit budget, timers, profiler
+        self.stats = Stats(cfg.logging, dims, self.optimizer, self.grad_buffers.sharded, self.device)
         self.flops_per_iter = num_floating_point_operations(cfg.model, cfg.training.global_batch_size, self.vocab_size)
         self.peak = peak_tflops(self.device)
         self._log_startup()
@@ -376,25 +380,39 @@ class Trainer:
         self.model.train()
         num_micro = self.cfg.num_micro_batches
         total = torch.zeros((), device=self.device)
+        timers = self.runtime.timers
+        timers("forward-backward", 1).start()
         if self.dims.pp > 1:
             total = self._pipeline(batches, num_micro, train=True) * num_micro
         else:
             for micro in range(num_micro):
                 self.grad_buffers.is_last_micro_batch = micro == num_micro - 1
+                timers("forward-compute", 2).start()
                 loss = self._loss(_to_device(next(batches), self.device))
+                timers("forward-compute", 2).stop()
+                timers("backward-compute", 2).start()
                 (loss / num_micro).backward()
+                timers("backward-compute", 2).stop()
                 total += loss.detach().float()
+        timers("forward-backward", 1).stop()
+        self.runtime.empty_cache(1)
         fp8_finite = self.fp8.step() if self.fp8 is not None else True
         params, sharded = self.optimizer.params, self.grad_buffers.sharded
+        timers("all-grads-sync", 1).start()
         reduce_tied_embedding_grads(params, self.dims)
         self.grad_buffers.finish()
         reduce_sequence_parallel_grads(params, self.dims)
+        timers("all-grads-sync", 1).stop()
+        self.stats.count_zeros()
+        timers("optimizer", 1).start()
         # An inf/NaN FP8 amax skips the step through an infinite gradient norm, which the norm's reduction carries
         # to every stage and replica: skipping the call here would leave the other pipeline stages waiting in it.
         norm, stepped = self.optimizer.step(
             lr,
             lambda: grad_norm(self.optimizer.norm_grads(), self.dims, sharded, self.device, skip=not fp8_finite),
         )
+        timers("optimizer", 1).stop()
+        self.runtime.empty_cache(2)
         self.grad_buffers.zero()
         # The host waits for the GPU only here, with the whole step queued (the loss first; norm and the skip
         # decision are ready by then).
@@ -405,6 +423,7 @@ class Trainer:
     def evaluate(self, dataset: Dataset | None, split: str = "validation") -> float | None:
         if dataset is None or self.cfg.training.eval_iters == 0:
             return None
+        self.runtime.before_evaluation()
         self.model.eval()
         batches = iter(self._loader(dataset, 0))
         steps = self.cfg.training.eval_iters * self.cfg.num_micro_batches
@@ -415,10 +434,12 @@ class Trainer:
             for _ in range(steps):
                 total += self._loss(_to_device(next(batches), self.device)).float()
             loss = self._average_over_dp(total / steps)
+        self.runtime.after_evaluation()
         print_rank_0(validation_log_lines(self.state.iteration, loss, split))
-        self.tensorboard.scalars(
-            {f"lm loss {split}": loss, f"lm loss {split} ppl": math.exp(min(20.0, loss))}, self.state.iteration
-        )
+        scalars = {f"lm loss {split}": loss}
+        if self.cfg.logging.log_validation_ppl_to_tensorboard:
+            scalars[f"lm loss {split} ppl"] = math.exp(min(20.0, loss))
+        self.tensorboard.scalars(scalars, self.state.iteration)
         return loss
 
     def train(self) -> TrainState:
@@ -426,8 +447,10 @@ class Trainer:
         train_cfg, gbs = cfg.training, cfg.training.global_batch_size
         batches = iter(self._loader(self.datasets.train, state.consumed_samples))
         interval_time, interval_losses, interval_iters = 0.0, [], 0
-        saved_at = None
+        saved_at, out_of_time = None, False
+        self.runtime.start_training()
         while state.iteration < train_cfg.train_iters:
+            self.runtime.before_step(state.iteration)
             lr = learning_rate(state.iteration, cfg.optimizer)
             start = time.perf_counter()
             with self.fp8_monitor.watch(state.iteration + 1) if self.fp8_monitor else nullcontext() as watched:
@@ -436,6 +459,7 @@ class Trainer:
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - start
             state.iteration += 1
+            self.runtime.after_step(state.iteration)
             state.consumed_samples += gbs
             if not stepped:
                 state.skipped_iters += 1
@@ -459,11 +483,15 @@ class Trainer:
             if train_cfg.exit_interval and state.iteration % train_cfg.exit_interval == 0:
                 print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval {train_cfg.exit_interval})")
                 break
-        if train_cfg.eval_iters > 0:
+            if self.runtime.out_of_time():  # Megatron-LM's time limit skips the final evaluation
+                out_of_time = True
+                break
+        if train_cfg.eval_iters > 0 and not out_of_time:
             state.valid_losses[state.iteration] = self.evaluate(self.datasets.valid)
             self.evaluate(self.datasets.test, "test")
         if cfg.checkpoint.save and saved_at != state.iteration:
             self.save()
+        self.runtime.end_training()
         self.tensorboard.close()
         return state
 
@@ -474,6 +502,7 @@ class Trainer:
         tflops = self.flops_per_iter / seconds_per_iter / self.dims.world_size / 1e12
         tokens_per_s = cfg.training.global_batch_size * cfg.model.seq_length / seconds_per_iter
         mfu = tflops / self.peak if self.peak else None
+        extra_fields, extra_scalars = self.stats.report()  # --log-params-norm, --log-num-zeros-in-grad, memory
         print_rank_0(
             training_log_line(
                 state.iteration,
@@ -489,6 +518,7 @@ class Trainer:
                 norm,
                 state.skipped_iters,
                 state.nan_iters,
+                extra_fields,
             )
         )
         scalars = {
@@ -502,6 +532,9 @@ class Trainer:
         }
         if mfu is not None:
             scalars["throughput/mfu"] = mfu
+        if cfg.logging.log_throughput and cfg.logging.log_timers_to_tensorboard:
+            scalars["throughput"] = tflops
+        scalars.update(extra_scalars)
         if self.grad_buffers.fp8_stats is not None:  # --fp8-grad-reduce: what FP8 lost (printed by rank 0)
             line, values = self.grad_buffers.fp8_stats.report()
             print_rank_0(line)
@@ -509,6 +542,7 @@ class Trainer:
         if self.device.type == "cuda":
             scalars["memory/max-allocated-gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.tensorboard.scalars(scalars, state.iteration)
+        self.runtime.report_timers(state.iteration, len(losses), self.tensorboard)
 
 
 def pretrain(cfg: Config) -> TrainState:
