@@ -65,7 +65,7 @@ states. A step's temporaries peak at about 5.5 fp32 copies of the tensor (measur
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -464,11 +464,12 @@ class PrecisionAwareAdamW:
     def step(
         self,
         grads: list[torch.Tensor],
-        lr: float | None = None,
+        lr: float | Sequence[float] | None = None,
         grad_scale: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None,
     ) -> None:
-        """One AdamW step over every tensor at `lr` (None: the constructor's). `grad_scale` divides the gradients;
+        """One AdamW step over every tensor at `lr` (None: the constructor's; a sequence: one per tensor, e.g.
+        --decoupled-lr's). `grad_scale` divides the gradients;
         a nonzero `found_inf` (0-dim) skips the step: states and step count unchanged, no host synchronisation."""
         if len(grads) != len(self.masters):
             raise ValueError(f"{len(grads)} gradients for {len(self.masters)} tensors; pass one per master")
@@ -489,13 +490,16 @@ class PrecisionAwareAdamW:
             kernel_args = self.masters, grads, self.exp_avg, self.exp_avg_sq, self.weight_decays
             adam_kernel.adamw_step_(*kernel_args, **hyper, grad_scale=grad_scale, found_inf=found_inf)
             return
-        for master, grad, m, v, wd in zip(self.masters, grads, self.exp_avg, self.exp_avg_sq, self.weight_decays):
+        lrs = [lr] * len(grads) if isinstance(lr, (int, float)) else lr
+        for master, grad, m, v, wd, lr_i in zip(
+            self.masters, grads, self.exp_avg, self.exp_avg_sq, self.weight_decays, lrs
+        ):
             adamw_update_(
                 master,
                 grad,
                 m,
                 v,
-                lr=lr,
+                lr=lr_i,
                 beta1=beta1,
                 beta2=beta2,
                 eps=self.eps,
