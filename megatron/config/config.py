@@ -53,7 +53,8 @@ class Config:
 
     @property
     def num_micro_batches(self) -> int:
-        """Micro-batches each data-parallel rank runs per optimizer step."""
+        """Micro-batches each data-parallel rank runs per optimizer step at --global-batch-size (the final batch
+        size of a batch-size ramp; megatron/training/batch_schedule.py gives each step's)."""
         assert self.training.global_batch_size is not None
         return self.training.global_batch_size // (self.training.micro_batch_size * self.data_parallel_size)
 
@@ -73,19 +74,13 @@ class Config:
             f" --pipeline-model-parallel-size ({model_parallel})",
         )
         per_step = train.micro_batch_size * self.data_parallel_size
-        if train.global_batch_size is None:
-            train.global_batch_size = per_step
+        self._resolve_batch_schedule()
         require(
             train.global_batch_size >= 1 and train.global_batch_size % per_step == 0,
             f"--global-batch-size ({train.global_batch_size}) must be a multiple of --micro-batch-size"
             f" ({train.micro_batch_size}) x data-parallel size ({self.data_parallel_size})",
         )
-        if opt.lr_decay_iters is None:
-            opt.lr_decay_iters = max(train.train_iters, 1)
-        require(
-            opt.lr_warmup_iters <= opt.lr_decay_iters,
-            f"--lr-warmup-iters ({opt.lr_warmup_iters}) must be <= --lr-decay-iters ({opt.lr_decay_iters})",
-        )
+        self._check_lr_schedule()
         require(
             opt.use_distributed_optimizer or not par.overlap_param_gather,
             "--overlap-param-gather overlaps the distributed optimizer's parameter all-gathers: add"
@@ -111,6 +106,53 @@ class Config:
             opt.main_params_dtype == "fp32" or prec.bf16 or prec.fp8_param_gather,
             "--main-params-dtype fp16 needs --bf16: with fp32 weights the weights are the main parameters",
         )
+
+    def _resolve_batch_schedule(self) -> None:
+        """--global-batch-size is the final batch size of a batch-size schedule (megatron/training/
+        batch_schedule.py); the schedule's own rules are checked by building it."""
+        from megatron.training.batch_schedule import BatchSchedule, parse_step_schedule
+
+        train = self.training
+        if train.step_batch_size_schedule is not None:
+            final = parse_step_schedule(train.step_batch_size_schedule, self.model.seq_length)[-1][1]
+            require(
+                train.global_batch_size in (None, final),
+                f"--global-batch-size ({train.global_batch_size}) differs from the last batch size of"
+                f" --step-batch-size-schedule ({final}); drop --global-batch-size or make them equal",
+            )
+            train.global_batch_size = final
+        elif train.global_batch_size is None:
+            train.global_batch_size = train.micro_batch_size * self.data_parallel_size
+        BatchSchedule.from_config(self)
+
+    def _check_lr_schedule(self) -> None:
+        """Iteration- and sample-based schedules are not mixed (as in Megatron-LM); defaults of the decay span."""
+        train, opt = self.training, self.optimizer
+        by_iters = train.train_iters is not None
+        unit, other = ("iters", "samples") if by_iters else ("samples", "iters")
+        kind = {"iters": "iteration-based", "samples": "sample-based"}
+        for name in ("lr_decay", "lr_warmup", "lr_wsd_decay"):
+            require(
+                getattr(opt, f"{name}_{other}") in (None, 0),
+                f"--{name.replace('_', '-')}-{other} is for {kind[other]} training, this run is {kind[unit]}"
+                f" (--train-{unit}); use --{name.replace('_', '-')}-{unit}",
+            )
+        if by_iters and opt.lr_decay_iters is None:
+            opt.lr_decay_iters = max(train.train_iters, 1)
+        if not by_iters and opt.lr_decay_samples is None:
+            opt.lr_decay_samples = max(train.train_samples, 1)
+        decay, warmup = getattr(opt, f"lr_decay_{unit}"), getattr(opt, f"lr_warmup_{unit}")
+        require(
+            warmup <= decay,
+            f"--lr-warmup-{unit} ({warmup}) must be <= --lr-decay-{unit} ({decay})",
+        )
+        if opt.lr_decay_style == "WSD":
+            wsd = getattr(opt, f"lr_wsd_decay_{unit}")
+            require(
+                wsd is not None and wsd <= decay,
+                f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} (the annealing length) <= --lr-decay-{unit}"
+                f" ({decay})",
+            )
 
     def _check_parallel_layout(self) -> None:
         """Shapes that tensor and pipeline parallelism must be able to split."""

@@ -20,12 +20,35 @@ class OptimizerConfig:
     """Peak learning rate, reached at the end of warmup."""
     min_lr: float = 0.0
     """Learning rate at the end of decay (and after it)."""
-    lr_decay_style: str = option("cosine", choices=["constant", "linear", "cosine"])
-    """Shape of the decay from --lr to --min-lr after warmup."""
+    lr_decay_style: str = option("cosine", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    """Shape of the decay from --lr to --min-lr after warmup (megatron/optim/schedule.py). WSD (warmup-stable-
+    decay) holds --lr until the last --lr-wsd-decay-iters (or -samples) of the decay span, then anneals to
+    --min-lr with --lr-wsd-decay-style."""
+    lr_wsd_decay_style: str = option("exponential", choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    """With --lr-decay-style WSD: the shape of the annealing phase."""
     lr_warmup_iters: int = 0
-    """Iterations of linear warmup from 0 to --lr."""
+    """Iterations of linear warmup from --lr-warmup-init to --lr (iteration-based training)."""
+    lr_warmup_samples: int = 0
+    """Samples of linear warmup from --lr-warmup-init to --lr (with --train-samples)."""
+    lr_warmup_fraction: float | None = None
+    """Warm up over this fraction of the decay span (--lr-decay-iters or --lr-decay-samples), instead of
+    --lr-warmup-iters / --lr-warmup-samples."""
+    lr_warmup_init: float = 0.0
+    """Learning rate at the start of warmup."""
     lr_decay_iters: int | None = None
     """Iteration at which decay ends; defaults to --train-iters."""
+    lr_decay_samples: int | None = None
+    """Consumed samples at which decay ends (with --train-samples); defaults to --train-samples."""
+    lr_wsd_decay_iters: int | None = None
+    """With --lr-decay-style WSD: iterations of annealing at the end of the decay span (iteration-based)."""
+    lr_wsd_decay_samples: int | None = None
+    """With --lr-decay-style WSD: samples of annealing at the end of the decay span (with --train-samples)."""
+    decoupled_lr: float | None = None
+    """Peak learning rate of the input embedding (word embeddings) and output layer weights, on the same schedule
+    shape as --lr; the other parameters keep --lr. With tied embeddings the shared weight takes it."""
+    decoupled_min_lr: float | None = None
+    """With --decoupled-lr: the embedding and output layer's learning rate at the end of decay (default
+    --min-lr)."""
     weight_decay: float = 0.01
     """Decoupled weight decay, applied to weight matrices and embeddings (not to biases and norms)."""
     adam_beta1: float = 0.9
@@ -67,6 +90,39 @@ class OptimizerConfig:
         require(0 <= self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) must be in [0, --lr ({self.lr})]")
         require(self.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")
         require(self.lr_decay_iters is None or self.lr_decay_iters >= 1, "--lr-decay-iters must be >= 1")
+        require(self.lr_decay_samples is None or self.lr_decay_samples >= 1, "--lr-decay-samples must be >= 1")
+        require(self.lr_warmup_samples >= 0, "--lr-warmup-samples must be >= 0")
+        require(
+            self.lr_warmup_fraction is None or 0 <= self.lr_warmup_fraction <= 1,
+            f"--lr-warmup-fraction must be in [0, 1], got {self.lr_warmup_fraction}",
+        )
+        for flag, value in (
+            ("--lr-warmup-iters", self.lr_warmup_iters),
+            ("--lr-warmup-samples", self.lr_warmup_samples),
+        ):
+            require(
+                self.lr_warmup_fraction is None or value == 0,
+                f"--lr-warmup-fraction and {flag} both given: warm up by one of the two",
+            )
+        require(
+            0 <= self.lr_warmup_init <= self.lr,
+            f"--lr-warmup-init ({self.lr_warmup_init}) must be in [0, --lr ({self.lr})]",
+        )
+        for flag, value in (
+            ("--lr-wsd-decay-iters", self.lr_wsd_decay_iters),
+            ("--lr-wsd-decay-samples", self.lr_wsd_decay_samples),
+        ):
+            require(value is None or value >= 1, f"{flag} must be >= 1")
+        require(
+            self.decoupled_min_lr is None or self.decoupled_lr is not None,
+            "--decoupled-min-lr needs --decoupled-lr (the embedding and output layer's peak learning rate)",
+        )
+        if self.decoupled_lr is not None:
+            low = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+            require(
+                0 <= low <= self.decoupled_lr,
+                f"--decoupled-min-lr (or --min-lr) ({low}) must be in [0, --decoupled-lr ({self.decoupled_lr})]",
+            )
         require(self.weight_decay >= 0, "--weight-decay must be >= 0")
         require(0 <= self.adam_beta1 < 1, f"--adam-beta1 must be in [0, 1), got {self.adam_beta1}")
         require(0 <= self.adam_beta2 < 1, f"--adam-beta2 must be in [0, 1), got {self.adam_beta2}")

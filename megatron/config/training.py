@@ -14,8 +14,26 @@ class TrainingConfig:
     global_batch_size: int | None = None
     """Samples per optimizer step over all data-parallel ranks (gradient accumulation makes up the difference);
     defaults to micro-batch size x data-parallel size."""
-    train_iters: int = 100
-    """Number of optimizer steps to train for."""
+    train_iters: int | None = None
+    """Number of optimizer steps to train for (iteration-based training). Give this or --train-samples, not both;
+    with neither, 100."""
+    train_samples: int | None = None
+    """Train until this many samples are consumed (sample-based training, instead of --train-iters): the number of
+    steps follows from the batch-size schedule, dropping a last partial batch when the batch size is constant
+    (Megatron-LM's rule). The learning-rate flags are then in samples too (--lr-warmup-samples,
+    --lr-decay-samples, --lr-wsd-decay-samples)."""
+    rampup_batch_size: list[int] | None = option(None, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"))
+    """Ramp the global batch size up: start at START, grow by INCREMENT in equal shares of the first SAMPLES
+    consumed samples, and reach --global-batch-size after them; (--global-batch-size - START) must be a
+    multiple of INCREMENT. E.g. 16 8 300000 with --global-batch-size 1024: 126 increments of ~2381 samples each.
+    (Megatron-LM's meaning; its latest versions deprecate the flag for --step-batch-size-schedule.)"""
+    step_batch_size_schedule: str | None = None
+    """Step-wise global batch size, "THRESHOLD:BATCH THRESHOLD:BATCH ...": from THRESHOLD consumed *tokens* on
+    (converted to samples by integer division by --seq-length) the global batch size is BATCH. Thresholds and
+    sizes take the suffixes K (1e3), M (1e6), B (1e9), T (1e12); the first threshold must be 0. E.g.
+    "0:16 2.4B:320 4.8B:624". Each batch size in use must be a multiple of --micro-batch-size x data-parallel
+    size (checked for the part of the schedule a run reaches). --global-batch-size may be given too only if it
+    equals the last batch size (Megatron-LM refuses both)."""
     eval_interval: int = 1000
     """Run validation every this many iterations (and at the end)."""
     eval_iters: int = 10
@@ -62,7 +80,20 @@ class TrainingConfig:
 
     def finalize(self) -> None:
         require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
-        require(self.train_iters >= 0, f"--train-iters must be >= 0, got {self.train_iters}")
+        require(
+            self.train_iters is None or self.train_samples is None,
+            "--train-iters and --train-samples both given: train by iterations or by samples, drop one",
+        )
+        if self.train_iters is None and self.train_samples is None:
+            self.train_iters = 100
+        require(
+            self.train_iters is None or self.train_iters >= 0, f"--train-iters must be >= 0, got {self.train_iters}"
+        )
+        require(self.train_samples is None or self.train_samples >= 0, "--train-samples must be >= 0")
+        require(
+            self.rampup_batch_size is None or self.step_batch_size_schedule is None,
+            "--rampup-batch-size and --step-batch-size-schedule both given: use one batch-size schedule",
+        )
         require(self.eval_interval >= 1, f"--eval-interval must be >= 1, got {self.eval_interval}")
         require(self.eval_iters >= 0, f"--eval-iters must be >= 0, got {self.eval_iters}")
         require(self.exit_interval is None or self.exit_interval >= 1, "--exit-interval must be >= 1")

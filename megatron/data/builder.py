@@ -44,10 +44,12 @@ def cache_dir_for(prefix: str, data_cache_path: str | None) -> str:
 
 
 def build_datasets(cfg: Config, tokenizer, vocab_size: int) -> Datasets:
-    """Datasets sized for the whole run: at least train_iters x global batch samples for training, and eval_iters x
+    """Datasets sized for the whole run: at least the samples its steps consume for training, and eval_iters x
     global batch for validation and test (the same samples at every evaluation); None where eval_iters is 0 or the
     split gives no documents."""
-    train_samples = cfg.training.train_iters * cfg.training.global_batch_size
+    from megatron.training.batch_schedule import train_samples as run_samples  # late: megatron.training imports us
+
+    train_samples = run_samples(cfg)
     eval_samples = cfg.training.eval_iters * cfg.training.global_batch_size
     seq, seed = cfg.model.seq_length, cfg.training.seed
     if cfg.data.mock_data:

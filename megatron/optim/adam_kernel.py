@@ -546,7 +546,7 @@ def adamw_step_(
     exp_avg_sqs: Sequence[State],
     weight_decays: Sequence[float],
     *,
-    lr: float,
+    lr: float | Sequence[float],
     beta1: float,
     beta2: float,
     eps: float,
@@ -556,7 +556,8 @@ def adamw_step_(
     seed: int | None = None,
     model_copies: Sequence[torch.Tensor | None] | None = None,
 ) -> None:
-    """`adamw_update_` on every tensor i, one kernel launch each, no host synchronisation.
+    """`adamw_update_` on every tensor i, one kernel launch each, no host synchronisation. `lr`: one for all
+    tensors or one per tensor (the tensors sharing a rate are launched together).
 
     Same arguments as `adamw_update_` (states: ScaledStates or contiguous fp32 tensors on one device, see
     `unsupported`; grads fp32, bf16 or fp16), except `seed`: None rounds the moments to nearest (bit for bit the
@@ -576,7 +577,12 @@ def adamw_step_(
     if len(copies) != count:
         raise ValueError(f"{len(copies)} model copies for {count} masters: pass one (or None) per tensor")
     items = list(zip(range(count), masters, grads, exp_avgs, exp_avg_sqs, weight_decays, copies))
-    _launch(items, lr, beta1, beta2, eps, step, grad_scale, found_inf, seed)
+    lrs = [lr] * count if isinstance(lr, (int, float)) else list(lr)
+    if len(lrs) != count:
+        raise ValueError(f"{len(lrs)} learning rates for {count} masters: pass one, or one per tensor")
+    for rate in dict.fromkeys(lrs):  # the bias-corrected step size is computed once per rate
+        group = [item for item, r in zip(items, lrs) if r == rate]
+        _launch(group, rate, beta1, beta2, eps, step, grad_scale, found_inf, seed)
 
 
 def _launch(

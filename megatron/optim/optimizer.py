@@ -31,6 +31,7 @@ from megatron.config import OptimizerConfig
 from megatron.fp8.params import is_fp8_param, quantize_masters
 from megatron.parallel import GradientBuffers, counts_in_grad_norm
 
+from .schedule import DECOUPLED, DEFAULT, LearningRates, lr_group
 from .states import PrecisionAwareAdamW
 
 
@@ -103,9 +104,15 @@ class MixedPrecisionAdamW:
         self._fp8_group = fp8_group
         decay_of = {id(p): not _no_weight_decay(name, p) for name, p in model.named_parameters()}
         decays = self._decays = [decay_of[id(p)] for p in owned]
+        # --decoupled-lr: the embedding and output layer step at their own rate (their own param groups)
+        group_of = {
+            id(p): lr_group(name) if cfg.decoupled_lr is not None else DEFAULT for name, p in model.named_parameters()
+        }
+        self._lr_groups = [group_of[id(p)] for p in owned]
         self._targets = targets
         # torch's AdamW numbers its parameters group by group: main copy index of each (for checkpoint conversion)
-        self._order = [i for i, d in enumerate(decays) if d] + [i for i, d in enumerate(decays) if not d]
+        keys = [(lr, d) for lr in (DEFAULT, DECOUPLED) for d in (True, False)]
+        self._order = [i for key in keys for i, k in enumerate(zip(self._lr_groups, decays)) if k == key]
         self.precision_aware = cfg.use_precision_aware_optimizer
         if self.precision_aware:
             self.optimizer = PrecisionAwareAdamW(
@@ -121,8 +128,12 @@ class MixedPrecisionAdamW:
             self.main_params = None  # encoded in the optimizer now: the fp32 copies go
             return
         groups = [
-            {"params": [self.main_params[i] for i in self._order if decays[i]], "weight_decay": cfg.weight_decay},
-            {"params": [self.main_params[i] for i in self._order if not decays[i]], "weight_decay": 0.0},
+            {
+                "params": [self.main_params[i] for i in self._order if (self._lr_groups[i], decays[i]) == (lr, d)],
+                "weight_decay": cfg.weight_decay if d else 0.0,
+                "lr_group": lr,
+            }
+            for lr, d in keys
         ]
         groups = [g for g in groups if g["params"]]
         # A rank whose shards hold only padding has nothing to step on; torch's optimizers refuse an empty list.
@@ -151,7 +162,9 @@ class MixedPrecisionAdamW:
         """The fp32 main parameters (pieces) that match `norm_grads`, for the parameter norm (--log-params-norm)."""
         return [self._main(i) for i in self._counted_mains]
 
-    def step(self, lr: float, grad_norm_fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self, lr: float | LearningRates, grad_norm_fn: Callable[[], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip and take one AdamW step at `lr`; returns (grad norm, stepped) as 0-dim tensors on the gradients'
         device. `grad_norm_fn()` gives the global gradient norm (it knows the parallel layout). A non-finite norm
         skips the step. The caller zeroes the gradient buffers afterwards.
@@ -160,6 +173,7 @@ class MixedPrecisionAdamW:
         tensor max(1, norm / clip) and skips the update when told the norm is not finite (`grad_scale` and
         `found_inf`, the hooks torch's GradScaler uses). Reading the norm on the host instead would stall the
         launch queue behind the whole backward pass and leave the GPU idle while the update is being launched."""
+        rates = lr if isinstance(lr, LearningRates) else LearningRates(lr, lr)
         grads = self.grads()
         norm = grad_norm_fn()
         finite = torch.isfinite(norm)
@@ -167,14 +181,15 @@ class MixedPrecisionAdamW:
             scale = ((norm.float() + 1e-6) / self.cfg.clip_grad).clamp(min=1.0) if self.cfg.clip_grad > 0 else None
             copies, fp8_mains = self._model_copies()
             if len(self.optimizer):
-                self.optimizer.step(grads, lr, scale, (~finite).float(), model_copies=copies)
+                lrs = rates.default if rates.default == rates.decoupled else [rates.of(g) for g in self._lr_groups]
+                self.optimizer.step(grads, lrs, scale, (~finite).float(), model_copies=copies)
             with torch.no_grad():
                 self._cast_fp8_params(fp8_mains)
             if self.buffers is not None:
                 self.buffers.gather_params()
             return norm, finite
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = rates.of(group.get("lr_group", DEFAULT))
         # bf16 gradient buffers (--grad-reduce-in-bf16) are upcast for torch's AdamW, one step's worth at a time
         step_grads = [g if g.dtype == m.dtype else g.to(m.dtype) for m, g in zip(self.main_params, grads)]
         for main, grad in zip(self.main_params, step_grads):

@@ -65,7 +65,7 @@ states. A step's temporaries peak at about 5.5 fp32 copies of the tensor (measur
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -464,15 +464,16 @@ class PrecisionAwareAdamW:
     def step(
         self,
         grads: list[torch.Tensor],
-        lr: float | None = None,
+        lr: float | Sequence[float] | None = None,
         grad_scale: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None,
         model_copies: list[torch.Tensor | None] | None = None,
     ) -> None:
-        """One AdamW step over every tensor at `lr` (None: the constructor's). `grad_scale` divides the gradients;
-        a nonzero `found_inf` (0-dim) skips the step: states and step count unchanged, no host synchronisation.
-        `model_copies[i]` (or None) receives master i's new value in its own dtype (the model's weights, or fp32
-        for a cast to FP8): on CUDA written by the fused step itself, saving a pass that decodes the master."""
+        """One AdamW step over every tensor at `lr` (None: the constructor's; a sequence: one per tensor, e.g.
+        --decoupled-lr's). `grad_scale` divides the gradients; a nonzero `found_inf` (0-dim) skips the step: states
+        and step count unchanged, no host synchronisation. `model_copies[i]` (or None) receives master i's new value
+        in its own dtype (the model's weights, or fp32 for a cast to FP8): on CUDA written by the fused step itself,
+        saving a pass that decodes the master."""
         if len(grads) != len(self.masters):
             raise ValueError(f"{len(grads)} gradients for {len(self.masters)} tensors; pass one per master")
         lr = self.lr if lr is None else lr
@@ -494,13 +495,16 @@ class PrecisionAwareAdamW:
                 *kernel_args, **hyper, grad_scale=grad_scale, found_inf=found_inf, model_copies=model_copies
             )
             return
-        for master, grad, m, v, wd in zip(self.masters, grads, self.exp_avg, self.exp_avg_sq, self.weight_decays):
+        lrs = [lr] * len(grads) if isinstance(lr, (int, float)) else lr
+        for master, grad, m, v, wd, lr_i in zip(
+            self.masters, grads, self.exp_avg, self.exp_avg_sq, self.weight_decays, lrs
+        ):
             adamw_update_(
                 master,
                 grad,
                 m,
                 v,
-                lr=lr,
+                lr=lr_i,
                 beta1=beta1,
                 beta2=beta2,
                 eps=self.eps,

@@ -38,7 +38,8 @@ from megatron.fp8.calibration import calibrate_delayed_scaling
 from megatron.fp8.monitor import build_fp8_monitor
 from megatron.model import GPTModel, Stage, count_parameters
 from megatron.model.layers import is_fp8_param
-from megatron.optim import MixedPrecisionAdamW, learning_rate
+from megatron.optim import MixedPrecisionAdamW
+from megatron.optim.schedule import LearningRates, LRSchedule
 from megatron.parallel import (
     GradientBuffers,
     ParallelDims,
@@ -51,6 +52,7 @@ from megatron.parallel.pipeline import forward_backward_1f1b, forward_only, stag
 from megatron.parallel.tensor_parallel import TensorParallel
 
 from .determinism import apply_deterministic_mode
+from .batch_schedule import BatchSchedule, train_iterations
 from .flops import num_floating_point_operations, peak_tflops
 from .logger import TensorBoardWriter, print_rank_0, training_log_line, validation_log_lines
 from .memory import estimate_bytes, memory_estimate_lines
@@ -144,11 +146,15 @@ class Trainer:
         )
         self.state = TrainState()
         self._load()
+        # Each step's batch size and learning rate follow the consumed samples (a resumed run: the checkpoint's)
+        self.batch_schedule, self.train_iters = BatchSchedule.from_config(cfg), train_iterations(cfg)
+        self.batch_schedule.check_from(self.state.consumed_samples, self.train_iters - self.state.iteration)
+        self.lr_schedule = LRSchedule.from_config(cfg.optimizer, cfg.training.global_batch_size)
         self.datasets = build_datasets(cfg, self.tokenizer, self.vocab_size)
         self.tensorboard = TensorBoardWriter(cfg.logging.tensorboard_dir)
         self.runtime = Runtime(cfg, dims.rank, self.device)  # gc, empty cache, exit budget, timers, profiler
         self.stats = Stats(cfg.logging, dims, self.optimizer, self.grad_buffers.sharded, self.device)
-        self.flops_per_iter = num_floating_point_operations(cfg.model, cfg.training.global_batch_size, self.vocab_size)
+        self.flops_per_sample = num_floating_point_operations(cfg.model, 1, self.vocab_size)
         self.peak = peak_tflops(self.device)
         self._log_startup()
         self._calibrate_fp8()
@@ -172,6 +178,9 @@ class Trainer:
             f"> device: {self.device} ({name}), world size {self.dims.world_size}, data-parallel size {self.dims.dp},"
             f" {cfg.num_micro_batches} micro-batches of {cfg.training.micro_batch_size} per step"
         )
+        if not self.batch_schedule.is_constant:
+            phases = ", ".join(f"{batch} from sample {start}" for start, batch in self.batch_schedule.phases)
+            print_rank_0(f"> global batch size schedule: {phases}; {self.train_iters} iterations")
         print_rank_0(
             f"> padded vocab (size: {self.tokenizer.vocab_size}) with"
             f" {self.vocab_size - self.tokenizer.vocab_size} dummy tokens (new size: {self.vocab_size})"
@@ -375,10 +384,11 @@ class Trainer:
             value /= self.dims.dp
         return float(value)
 
-    def train_step(self, batches, lr: float) -> tuple[float, float, bool]:
-        """One optimizer step at `lr` over the micro-batches; returns (loss, grad norm, whether it was applied)."""
+    def train_step(self, batches, lr: float | LearningRates, num_micro: int | None = None) -> tuple[float, float, bool]:
+        """One optimizer step at `lr` over `num_micro` micro-batches (default: those of --global-batch-size);
+        returns (loss, grad norm, whether it was applied)."""
         self.model.train()
-        num_micro = self.cfg.num_micro_batches
+        num_micro = num_micro or self.cfg.num_micro_batches
         total = torch.zeros((), device=self.device)
         timers = self.runtime.timers
         timers("forward-backward", 1).start()
@@ -444,17 +454,19 @@ class Trainer:
 
     def train(self) -> TrainState:
         cfg, state = self.cfg, self.state
-        train_cfg, gbs = cfg.training, cfg.training.global_batch_size
+        train_cfg, train_iters = cfg.training, self.train_iters
         batches = iter(self._loader(self.datasets.train, state.consumed_samples))
-        interval_time, interval_losses, interval_iters = 0.0, [], 0
+        interval_time, interval_losses, interval_iters, interval_samples = 0.0, [], 0, 0
         saved_at, out_of_time = None, False
         self.runtime.start_training()
-        while state.iteration < train_cfg.train_iters:
+        while state.iteration < train_iters:
             self.runtime.before_step(state.iteration)
-            lr = learning_rate(state.iteration, cfg.optimizer)
+            lrs = self.lr_schedule.at(state.consumed_samples)
+            gbs = self.batch_schedule.global_batch_size(state.consumed_samples)
+            num_micro = self.batch_schedule.num_micro_batches(state.consumed_samples)
             start = time.perf_counter()
             with self.fp8_monitor.watch(state.iteration + 1) if self.fp8_monitor else nullcontext() as watched:
-                loss, norm, stepped = self.train_step(batches, lr)
+                loss, norm, stepped = self.train_step(batches, lrs, num_micro)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - start
@@ -471,10 +483,12 @@ class Trainer:
             interval_time += elapsed
             interval_losses.append(loss)
             interval_iters += 1
-            if state.iteration % cfg.logging.log_interval == 0 or state.iteration == train_cfg.train_iters:
-                self._log_interval(interval_time / interval_iters, interval_losses, lr, norm)
-                interval_time, interval_losses, interval_iters = 0.0, [], 0
-            if state.iteration % train_cfg.eval_interval == 0 and state.iteration < train_cfg.train_iters:
+            interval_samples += gbs
+            if state.iteration % cfg.logging.log_interval == 0 or state.iteration == train_iters:
+                interval = (interval_time, interval_iters, interval_samples, gbs)
+                self._log_interval(*interval, interval_losses, lrs.default, norm)
+                interval_time, interval_losses, interval_iters, interval_samples = 0.0, [], 0, 0
+            if state.iteration % train_cfg.eval_interval == 0 and state.iteration < train_iters:
                 state.valid_losses[state.iteration] = self.evaluate(self.datasets.valid)
             save_interval = cfg.checkpoint.save_interval
             if cfg.checkpoint.save and save_interval and state.iteration % save_interval == 0:
@@ -495,25 +509,30 @@ class Trainer:
         self.tensorboard.close()
         return state
 
-    def _log_interval(self, seconds_per_iter: float, losses: list[float], lr: float, norm: float) -> None:
+    def _log_interval(
+        self, seconds: float, iters: int, samples: int, batch_size: int, losses: list[float], lr: float, norm: float
+    ) -> None:
+        """The line of the interval's last step (its global batch size `batch_size`), with rates over the
+        interval's `samples` (not iterations x --global-batch-size under a batch-size ramp)."""
         cfg, state = self.cfg, self.state
         finite = [x for x in losses if math.isfinite(x)]
         loss = sum(finite) / len(finite) if finite else float("nan")
-        tflops = self.flops_per_iter / seconds_per_iter / self.dims.world_size / 1e12
-        tokens_per_s = cfg.training.global_batch_size * cfg.model.seq_length / seconds_per_iter
+        seconds_per_iter = seconds / iters
+        tflops = self.flops_per_sample * samples / seconds / self.dims.world_size / 1e12
+        tokens_per_s = samples * cfg.model.seq_length / seconds
         mfu = tflops / self.peak if self.peak else None
         extra_fields, extra_scalars = self.stats.report()  # --log-params-norm, --log-num-zeros-in-grad, memory
         print_rank_0(
             training_log_line(
                 state.iteration,
-                cfg.training.train_iters,
+                self.train_iters,
                 state.consumed_samples,
                 1000 * seconds_per_iter,
                 tflops,
                 tokens_per_s,
                 mfu,
                 lr,
-                cfg.training.global_batch_size,
+                batch_size,
                 loss,
                 norm,
                 state.skipped_iters,
