@@ -88,7 +88,7 @@ class Config:
         )
         self._check_parallel_layout()
         self._resolve_transformer_impl()  # after the layout: TE's shape rules apply to the tensor-parallel shards
-        if prec.fp8 and self.device_type == "cuda" and not prec.bf16:
+        if prec.fp8 and self.device_type == "cuda" and not (prec.bf16 or prec.fp16):
             # FP8 GEMMs with fp32 weights would keep fp32 master copies *and* fp32 activations around the FP8 ops:
             # Megatron-LM silently does that. We imply bf16 instead and say so.
             prec.bf16 = True
@@ -98,13 +98,24 @@ class Config:
                 prec.num_layers_at_start_in_bf16 + prec.num_layers_at_end_in_bf16 <= self.model.num_layers,
                 "--num-layers-at-start-in-bf16 + --num-layers-at-end-in-bf16 exceed --num-layers",
             )
+        require(
+            not (self.model.cross_entropy_loss_fusion and self.model.cross_entropy_fusion_impl == "te")
+            or self.device_type == "cuda",
+            "--cross-entropy-fusion-impl te runs Transformer Engine's kernel on a CUDA GPU; use"
+            " --cross-entropy-fusion-impl native",
+        )
         if opt.fp8_optimizer_level is not None:  # O1 and O2 both communicate gradients in FP8
             par.fp8_grad_reduce = True
         if opt.main_grads_dtype == "bf16":
             par.grad_reduce_in_bf16 = True  # the optimizer reads the gradient buffers themselves
         require(
-            opt.main_params_dtype == "fp32" or prec.bf16 or prec.fp8_param_gather,
-            "--main-params-dtype fp16 needs --bf16: with fp32 weights the weights are the main parameters",
+            opt.main_params_dtype == "fp32" or prec.bf16 or prec.fp16 or prec.fp8_param_gather,
+            "--main-params-dtype fp16 needs --bf16 or --fp16: with fp32 weights the weights are the main parameters",
+        )
+        require(
+            not (prec.fp16 and prec.fp8_param_gather),
+            "--fp8-param-gather with --fp16: FP8 weights are built around bf16 (as in Megatron-LM's FP8 recipe); use"
+            " --bf16",
         )
 
     def _resolve_batch_schedule(self) -> None:

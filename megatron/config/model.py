@@ -89,6 +89,20 @@ class ModelConfig:
     fp16 scores in range; implies --attention-softmax-in-fp32. Local engine: applied by the explicit attention
     (--attention-backend unfused|local); the fused kernels keep their scores in fp32 and need no such trick. TE:
     passed as NVTE_APPLY_QK_LAYER_SCALING=1, which TE's unfused backend applies to fp16 inputs only."""
+    gradient_accumulation_fusion: bool = option(True, flag="--no-gradient-accumulation-fusion", action="store_false")
+    """Accumulate each linear's weight gradient straight into its fp32 gradient buffer (`main_grad`) in the wgrad
+    GEMM: Transformer Engine's fused wgrad accumulation, and on the local path one GEMM accumulating into the buffer
+    (into fp32 directly when the weights are fp32; bf16/fp16 weights' product is added to it). With
+    `--no-gradient-accumulation-fusion` each weight gradient is formed in `.grad`, in the weight's dtype, and then
+    added into the buffer. FP8 weights (--fp8-param-gather) always accumulate into the buffer."""
+    cross_entropy_loss_fusion: bool = False
+    """Compute the output layer's cross-entropy with a fused implementation (--cross-entropy-fusion-impl): `native`
+    keeps only the logits and one fp32 value per token for backward and recomputes the softmax there, instead of
+    holding fp32 log-probabilities of the whole vocabulary. With --transformer-impl transformer_engine the loss
+    always uses Transformer Engine's fused kernel unless `native` is chosen here."""
+    cross_entropy_fusion_impl: str = option("native", choices=["native", "te"])
+    """With --cross-entropy-loss-fusion: `native` (PyTorch, any device) or `te` (Transformer Engine's
+    parallel_cross_entropy; needs a CUDA GPU with Transformer Engine)."""
     transformer_impl: str | None = option(None, choices=["local", "transformer_engine"])
     """Layer implementation: `transformer_engine` (NVIDIA Transformer Engine modules: fused attention, native FP8
     recipes; CUDA only) or `local` (pure PyTorch: runs anywhere, emulates FP8 recipes the GPU lacks). Default:

@@ -1,4 +1,4 @@
-"""Numerical precision: bf16 mixed precision and FP8."""
+"""Numerical precision: bf16 / fp16 mixed precision (with fp16's loss scaling) and FP8."""
 
 from __future__ import annotations
 
@@ -12,6 +12,23 @@ class PrecisionConfig:
     bf16: bool = False
     """Keep the model's parameters and activations in bf16, with fp32 main parameters and gradients in the optimizer
     (Megatron-LM's mixed precision). CPU runs without it compute in fp32."""
+    fp16: bool = False
+    """Keep the model's parameters and activations in fp16, with fp32 main parameters and gradients in the optimizer,
+    and scale the loss so that small gradients survive fp16's range: dynamically (--initial-loss-scale,
+    --min-loss-scale, --loss-scale-window, --hysteresis) unless --loss-scale fixes it. A step whose gradients hold
+    inf/NaN is skipped (counted in `number of skipped iterations`); the step line shows `loss scale`."""
+    loss_scale: float | None = None
+    """With --fp16: a static loss scale (a positive power of 2 keeps the unscaling exact); dynamic scaling when
+    absent."""
+    initial_loss_scale: float = 2.0**32
+    """With --fp16: the dynamic loss scale's starting value."""
+    min_loss_scale: float = 1.0
+    """With --fp16: the dynamic loss scale is never lowered below this."""
+    loss_scale_window: float = 1000
+    """With --fp16: the dynamic loss scale doubles after this many steps in a row without inf/NaN gradients."""
+    hysteresis: int = 2
+    """With --fp16: the dynamic loss scale halves at an inf/NaN step once this many such steps have been seen since
+    it last grew (each one after that halves it again)."""
     fp8_format: str | None = option(None, choices=["e4m3", "hybrid"])
     """Turn FP8 on for the transformer layers' linear layers: `e4m3` everywhere, or `hybrid` (e4m3 for activations
     and weights, e5m2 for gradients). FP8 is off when absent."""
@@ -79,7 +96,23 @@ class PrecisionConfig:
         """Whether FP8 is on."""
         return self.fp8_format is not None
 
+    @property
+    def params_dtype(self):
+        """The model's parameter and activation dtype (a torch.dtype)."""
+        import torch  # late: the configuration does not need torch to parse flags
+
+        return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
+
     def finalize(self) -> None:
+        require(not (self.fp16 and self.bf16), "--fp16 and --bf16 exclude each other: keep one")
+        require(self.loss_scale is None or self.loss_scale > 0, f"--loss-scale must be > 0, got {self.loss_scale}")
+        require(
+            0 < self.min_loss_scale <= self.initial_loss_scale,
+            f"--min-loss-scale ({self.min_loss_scale}) must be in (0, --initial-loss-scale"
+            f" ({self.initial_loss_scale})]",
+        )
+        require(self.loss_scale_window >= 1, f"--loss-scale-window must be >= 1, got {self.loss_scale_window}")
+        require(self.hysteresis >= 1, f"--hysteresis must be >= 1, got {self.hysteresis}")
         require(self.fp8_margin >= 0, f"--fp8-margin must be >= 0, got {self.fp8_margin}")
         require(self.fp8_amax_history_len >= 1, "--fp8-amax-history-len must be >= 1")
         require(self.fp8_stats_interval >= 0, f"--fp8-stats-interval must be >= 0, got {self.fp8_stats_interval}")

@@ -67,6 +67,10 @@ class TrainingConfig:
     """Return the CUDA caching allocator's unused blocks to the GPU (torch.cuda.empty_cache): 1 after each step's
     forward-backward pass and after each evaluation, 2 also after each optimizer step; 0: never. Lowers
     fragmentation, costs new allocations; nothing to do on a CPU."""
+    calculate_per_token_loss: bool = False
+    """Average the loss, and the gradients, over all unmasked tokens of the global batch (all micro-batches and
+    data-parallel ranks) instead of over each micro-batch's tokens and then over the micro-batches (Megatron-LM's
+    flag; the two differ when micro-batches hold different numbers of unmasked tokens, e.g. with --eod-mask-loss)."""
     cuda_graph_impl: str = option("none", choices=["none", "transformer_engine"])
     """CUDA graphs. `transformer_engine`: before the first step, capture each transformer layer's forward and
     backward once with Transformer Engine's `make_graphed_callables`, then replay them, so that a layer costs one

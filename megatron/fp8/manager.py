@@ -135,7 +135,7 @@ class Fp8Manager:
     def describe(self) -> list[str]:
         """Startup log lines: the recipe, the GEMM path of each of the three GEMMs here, the layers in FP8."""
         recipe, device = self.recipe, self.device
-        out_dtype = torch.bfloat16 if self.cfg.precision.bf16 else torch.float32
+        out_dtype = self.cfg.precision.params_dtype
         lines = [recipe.describe()]
         lines += [f"FP8 {label} on {device.type}: {path}" for label, path in gemm_paths(recipe, device, out_dtype)]
         if not recipe.fp8_wgrad:

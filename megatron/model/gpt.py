@@ -39,7 +39,8 @@ from megatron.parallel.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
-from .layers import Norm, RotaryEmbedding, is_fp8_param, mark_tensor_parallel
+from .cross_entropy import fused_cross_entropy
+from .layers import Linear, Norm, RotaryEmbedding, is_fp8_param, mark_tensor_parallel
 from .transformer import TransformerLayer
 
 
@@ -195,6 +196,9 @@ class GPTModel(nn.Module):
             with torch.no_grad():
                 self.output_layer.weight.copy_(tp.shard(full, 0))
             mark_tensor_parallel(self.output_layer.weight, 0)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.gradient_accumulation_fusion = cfg.gradient_accumulation_fusion
         self.register_load_state_dict_pre_hook(_reconcile_extra_state)
         self.register_load_state_dict_pre_hook(_quantize_into_fp8_params)
         self._register_state_dict_hook(_dequantize_fp8_params)
@@ -236,10 +240,13 @@ class GPTModel(nn.Module):
         logits = F.linear(x, self.output_weight())  # [s, b, V/tp]
         if labels is None:
             return gather_from_tp(logits, self.tp.group).transpose(0, 1)
-        if self.uses_te:
+        fused = self.cfg.cross_entropy_fusion_impl if self.cfg.cross_entropy_loss_fusion else None
+        if fused == "te" or (fused is None and self.uses_te):
             from .te_layers import te_cross_entropy
 
             return te_cross_entropy(logits, labels, self.tp.group)
+        if fused == "native":
+            return fused_cross_entropy(logits.transpose(0, 1), labels, self.tp.group)
         return vocab_parallel_cross_entropy(logits.transpose(0, 1), labels, self.tp.group)
 
     def describe(self) -> list[str]:

@@ -34,6 +34,8 @@ from megatron.parallel.tensor_parallel import (
     reduce_scatter_to_sp,
 )
 
+from .grad_accumulation import fuses_wgrad, linear_accumulating_wgrad
+
 
 def mark_replicated(param: nn.Parameter, tp: TensorParallel) -> None:
     """A parameter every tensor-parallel rank holds whole: counted once in the gradient norm, and (when it sees only
@@ -102,7 +104,10 @@ class Norm(nn.Module):
 class Linear(nn.Module):
     """y = x W^T + b with W: [out, in], optionally split over tensor-parallel ranks (`parallel_mode` "column" or
     "row"; `parts`: number of stacked matrices in W sliced separately, 2 for SwiGLU's [gate; up]).
-    `fp8` is the FP8 engine's per-layer state (None: high precision)."""
+    `fp8` is the FP8 engine's per-layer state (None: high precision). `gradient_accumulation_fusion`: the weight
+    gradient goes straight into `weight.main_grad` when it has one (megatron/model/grad_accumulation.py)."""
+
+    gradient_accumulation_fusion = True
 
     def __init__(
         self,
@@ -152,6 +157,8 @@ class Linear(nn.Module):
         bias = None if row else self.bias
         if self.fp8 is not None:
             y = self.fp8.linear(x, self.weight, bias)
+        elif fuses_wgrad(self.weight, self.gradient_accumulation_fusion) and not is_fp8_param(self.weight):
+            y = linear_accumulating_wgrad(x, self.weight, bias)
         else:
             y = F.linear(x, self.weight, bias)
         if row:

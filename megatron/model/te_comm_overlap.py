@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from megatron.config import Config
 from megatron.fp8.te_recipe import te_fp8_layer_numbers
 
@@ -43,6 +41,6 @@ def initialize_userbuffers(cfg: Config, tp_size: int) -> None:
         shape=[model.seq_length * cfg.training.micro_batch_size, model.hidden_size],
         tp_size=tp_size,
         quantization_modes=modes,
-        dtype=torch.bfloat16 if prec.bf16 else torch.float32,  # of the buffers that hold no FP8
+        dtype=prec.params_dtype,  # of the buffers that hold no FP8
         bootstrap_backend=cfg.parallel.tp_comm_bootstrap_backend,
     )

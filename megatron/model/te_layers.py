@@ -391,6 +391,7 @@ class TETransformerLayer(nn.Module):
         self.self_attention = TESelfAttention(cfg, layer_number, params_dtype, device, tp)
         self.mlp = TEMLP(cfg, params_dtype, device, tp)
         self.hidden_dropout = cfg.hidden_dropout
+        self.gradient_accumulation_fusion = cfg.gradient_accumulation_fusion
         self.fp8 = fp8
         self._weights_version: int | None = None
         self._graphed: Callable[..., torch.Tensor] | None = None  # see `use_graph`
@@ -429,7 +430,7 @@ class TETransformerLayer(nn.Module):
         """Fuse wgrad accumulation into main_grad exactly for the weights that have one (see the module docstring):
         a model used without gradient buffers (tests, inference) keeps ordinary `.grad`s."""
         for module in self.te_modules():
-            fuse = hasattr(module.weight, "main_grad")
+            fuse = hasattr(module.weight, "main_grad") and self.gradient_accumulation_fusion
             if module.fuse_wgrad_accumulation != fuse:
                 module.fuse_wgrad_accumulation = fuse
                 module.weight.fused_wgrad_accumulation = fuse  # for the gradient buffers' hook (data_parallel.py)

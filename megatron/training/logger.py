@@ -29,6 +29,7 @@ def training_log_line(
     grad_norm: float,
     skipped: int,
     nan_iters: int,
+    loss_scale: float = 1.0,
     extra_fields: Sequence[str] = (),
 ) -> str:
     """One progress line in Megatron-LM's format (plus tokens/s and MFU fields); `extra_fields` (num zeros,
@@ -47,7 +48,7 @@ def training_log_line(
         f"learning rate: {lr:.6E}",
         f"global batch size: {global_batch_size:5d}",
         f"lm loss: {loss:.6E}",
-        "loss scale: 1.0",
+        f"loss scale: {loss_scale:.1f}",
         f"grad norm: {grad_norm:.3f}",
         *extra_fields,
         f"number of skipped iterations: {skipped:3d}",

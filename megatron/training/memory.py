@@ -69,7 +69,7 @@ def estimate_bytes(
     `fp8_params` are stored in FP8; `num_layers`: this pipeline stage's layers (default: all)."""
     if not 0 <= fp8_params <= num_params:
         raise ValueError(f"fp8_params ({fp8_params}) must lie in [0, num_params ({num_params})]")
-    high_precision = 2 if dtype == torch.bfloat16 else 4
+    high_precision = dtype.itemsize
     weights = fp8_params * 1 + (num_params - fp8_params) * high_precision
     opt = cfg.optimizer
     shards = _optimizer_shards(cfg)
@@ -80,7 +80,7 @@ def estimate_bytes(
     adam = num_params * (state_bytes(opt.exp_avg_dtype) + state_bytes(opt.exp_avg_sq_dtype)) / shards
     m = cfg.model
     s, b, h = m.seq_length, cfg.training.micro_batch_size, m.hidden_size
-    act_scale = 1.0 if dtype == torch.bfloat16 else 2.0
+    act_scale = dtype.itemsize / 2
     tp = cfg.parallel.tensor_model_parallel_size
     per_layer = 34 / tp if cfg.parallel.sequence_parallel else 10 + 24 / tp
     layers = m.num_layers if num_layers is None else num_layers
@@ -103,7 +103,7 @@ def memory_estimate_lines(
     """The start-of-run line for `est`, what `estimate_bytes` gave for these arguments: each category's size and
     bytes per parameter, then the totals."""
     n = max(num_params, 1)  # bytes per parameter of an empty stage: 0, not a ZeroDivisionError
-    high = "bf16" if dtype == torch.bfloat16 else "fp32"
+    high = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     if fp8_params:
         weights = f"{_per(est['weights'] / n)} B/param: {_count(fp8_params)} FP8 + {_count(num_params - fp8_params)}"
         weights += f" {high}"

@@ -39,6 +39,7 @@ from megatron.fp8.monitor import build_fp8_monitor
 from megatron.model import GPTModel, Stage, count_parameters
 from megatron.model.layers import is_fp8_param
 from megatron.optim import MixedPrecisionAdamW
+from megatron.optim.loss_scaler import build_loss_scaler
 from megatron.optim.schedule import LearningRates, LRSchedule
 from megatron.parallel import (
     GradientBuffers,
@@ -55,6 +56,7 @@ from .determinism import apply_deterministic_mode
 from .batch_schedule import BatchSchedule, train_iterations
 from .flops import num_floating_point_operations, peak_tflops
 from .logger import TensorBoardWriter, print_rank_0, training_log_line, validation_log_lines
+from .loss import StepLoss
 from .memory import estimate_bytes, memory_estimate_lines
 from .runtime import Runtime
 from .stats import Stats
@@ -93,7 +95,7 @@ class Trainer:
         self.vocab_size = padded_vocab_size(
             self.tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size
         )
-        self.dtype = torch.bfloat16 if cfg.precision.bf16 else torch.float32
+        self.dtype = cfg.precision.params_dtype
         dims, par = self.dims, cfg.parallel
         self.tp = TensorParallel(dims.tp_group, dims.tp, dims.tp_rank, par.sequence_parallel, par.tp_comm_overlap)
         if par.tp_comm_overlap:  # TE's userbuffers must exist before the TE modules that use them are built
@@ -144,6 +146,7 @@ class Trainer:
         self.optimizer = MixedPrecisionAdamW(
             self.model, cfg.optimizer, self.device.type == "cuda", self.grad_buffers, fp8_group
         )
+        self.loss_scaler = build_loss_scaler(cfg.precision)
         self.state = TrainState()
         self._load()
         # Each step's batch size and learning rate follow the consumed samples (a resumed run: the checkpoint's)
@@ -266,6 +269,7 @@ class Trainer:
             self.optimizer.reload_model_params()
         else:
             self._load_optimizer(state)
+            self.loss_scaler.load_state_dict(state.get("loss_scaler") or {})
         if not ckpt_cfg.no_load_rng:
             set_rng_state(state["rng"])
         if self.fp8_monitor is not None and state.get("fp8_guard") is not None:
@@ -318,6 +322,7 @@ class Trainer:
             "consumed_samples": self.state.consumed_samples,
             "skipped_iters": self.state.skipped_iters,
             "nan_iters": self.state.nan_iters,
+            "loss_scaler": self.loss_scaler.state_dict(),
             "fp8": self.fp8.state_dict() if self.fp8 is not None else None,
             "fp8_guard": self.fp8_monitor.state_dict() if self.fp8_monitor is not None else None,
             "config": self.cfg.to_dict(),
@@ -350,29 +355,41 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
-    def _loss(self, batch: dict[str, torch.Tensor], hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """The micro-batch's mean loss over its unmasked tokens (on a pipeline stage before the last: its output)."""
+    def _loss(
+        self, batch: dict[str, torch.Tensor], hidden: torch.Tensor | None = None, step: StepLoss | None = None
+    ) -> torch.Tensor:
+        """The micro-batch's mean loss over its unmasked tokens, or in training (`step`) what its backward runs on
+        (on a pipeline stage before the last: its output)."""
         # Position ids are 0..s-1 unless --reset-position-ids; None spares the model a host-device sync per micro-batch.
         position_ids = batch.get("position_ids") if self.cfg.data.reset_position_ids else None
         out = self.model(
             batch["tokens"], position_ids, batch.get("attention_mask"), labels=batch["labels"], hidden=hidden
         )
         if not self.stage.post_process:
+            if step is not None:
+                step.count(batch["loss_mask"])
             return out
         mask = batch["loss_mask"]
+        if step is not None:
+            return step.add(out, mask)
         return (out * mask).sum() / mask.sum().clamp(min=1.0)
 
-    def _pipeline(self, batches, num_micro: int, train: bool) -> torch.Tensor:
-        """Mean loss over the micro-batches, through the pipeline stages; every stage returns it."""
+    def _pipeline(self, batches, num_micro: int, train: bool, step: StepLoss | None = None) -> torch.Tensor:
+        """Mean loss over the micro-batches, through the pipeline stages; every stage returns it (training: `step`
+        records the loss, and the return value is meaningless)."""
 
         def stage_forward(batch, hidden):
-            out = self._loss(_to_device(batch, self.device), hidden)
+            out = self._loss(_to_device(batch, self.device), hidden, step)
+            if step is not None:
+                return self.loss_scaler.scale_loss(out) if self.stage.post_process else out
             return out / num_micro if self.stage.post_process else out
 
         s, h = self.cfg.model.seq_length, self.cfg.model.hidden_size
         shape = (s // self.dims.tp if self.tp.sequence_parallel else s, self.cfg.training.micro_batch_size, h)
         schedule = forward_backward_1f1b if train else forward_only
         losses = schedule(stage_forward, batches, num_micro, self.dims, shape, self.dtype, self.device)
+        if step is not None:
+            return torch.zeros((), device=self.device)
         total = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.device)
         dist.all_reduce(total, group=self.dims.pp_group)  # the loss lives on the last stage
         return total
@@ -389,21 +406,20 @@ class Trainer:
         returns (loss, grad norm, whether it was applied)."""
         self.model.train()
         num_micro = num_micro or self.cfg.num_micro_batches
-        total = torch.zeros((), device=self.device)
+        step = StepLoss(self.cfg.training.calculate_per_token_loss, num_micro, self.device)
         timers = self.runtime.timers
         timers("forward-backward", 1).start()
         if self.dims.pp > 1:
-            total = self._pipeline(batches, num_micro, train=True) * num_micro
+            self._pipeline(batches, num_micro, train=True, step=step)
         else:
             for micro in range(num_micro):
                 self.grad_buffers.is_last_micro_batch = micro == num_micro - 1
                 timers("forward-compute", 2).start()
-                loss = self._loss(_to_device(next(batches), self.device))
+                loss = self._loss(_to_device(next(batches), self.device), step=step)
                 timers("forward-compute", 2).stop()
                 timers("backward-compute", 2).start()
-                (loss / num_micro).backward()
+                self.loss_scaler.scale_loss(loss).backward()
                 timers("backward-compute", 2).stop()
-                total += loss.detach().float()
         timers("forward-backward", 1).stop()
         self.runtime.empty_cache(1)
         fp8_finite = self.fp8.step() if self.fp8 is not None else True
@@ -413,6 +429,7 @@ class Trainer:
         self.grad_buffers.finish()
         reduce_sequence_parallel_grads(params, self.dims)
         timers("all-grads-sync", 1).stop()
+        self.loss_scaler.unscale_(self.optimizer.grads(), step.grad_factor(self.dims.dp_group))
         self.stats.count_zeros()
         timers("optimizer", 1).start()
         # An inf/NaN FP8 amax skips the step through an infinite gradient norm, which the norm's reduction carries
@@ -425,8 +442,9 @@ class Trainer:
         self.runtime.empty_cache(2)
         self.grad_buffers.zero()
         # The host waits for the GPU only here, with the whole step queued (the loss first; norm and the skip
-        # decision are ready by then).
-        loss = self._average_over_dp(total / num_micro)
+        # decision are ready by then). fp16: inf/NaN gradients give an infinite norm on every rank and skip the step.
+        loss = step.value(self.dims.pp_group, self.dims.dp_group)
+        self.loss_scaler.update(found_inf=not bool(stepped))
         return loss, float(norm), bool(stepped)
 
     @torch.no_grad()
@@ -475,7 +493,8 @@ class Trainer:
             state.consumed_samples += gbs
             if not stepped:
                 state.skipped_iters += 1
-                if not math.isfinite(norm) or not math.isfinite(loss):
+                # fp16's overflow steps are the loss scaler's business, not nan iterations (as in Megatron-LM)
+                if not math.isfinite(loss) or (not math.isfinite(norm) and not cfg.precision.fp16):
                     state.nan_iters += 1
             state.losses[state.iteration] = loss
             if watched is not None:
@@ -537,6 +556,7 @@ class Trainer:
                 norm,
                 state.skipped_iters,
                 state.nan_iters,
+                self.loss_scaler.scale,
                 extra_fields,
             )
         )
@@ -548,6 +568,7 @@ class Trainer:
             "throughput/tflops-per-gpu": tflops,
             "throughput/tokens-per-s": tokens_per_s,
             "skipped-iterations": state.skipped_iters,
+            "loss-scale": self.loss_scaler.scale,
         }
         if mfu is not None:
             scalars["throughput/mfu"] = mfu

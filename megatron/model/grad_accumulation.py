@@ -1,0 +1,48 @@
+"""Gradient accumulation fusion on the local path (Megatron-LM's `--gradient-accumulation-fusion`, on by default).
+
+A linear whose weight has an fp32 gradient buffer (`weight.main_grad`, megatron/parallel/data_parallel.py) computes
+its weight gradient dY^T X straight into that buffer: one `addmm_` when the weight is fp32 (no gradient tensor
+in between), or the GEMM's product added into the fp32 buffer for bf16/fp16 weights. Autograd then gets a zero-stride
+placeholder and `weight.grad_added_to_main_grad` tells the buffers' hook not to add it (the contract Transformer
+Engine's fused wgrad accumulation follows). `--no-gradient-accumulation-fusion` uses plain F.linear: the gradient
+lands in `.grad` and the hook adds it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class _LinearAccumulatingWgrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_input = grad.matmul(weight)
+        g2d, x2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        main_grad = weight.main_grad
+        if main_grad.dtype == g2d.dtype:
+            main_grad.addmm_(g2d.t(), x2d)
+        else:
+            main_grad.add_(g2d.t().mm(x2d))
+        weight.grad_added_to_main_grad = True
+        placeholder = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+        grad_bias = g2d.sum(0) if ctx.has_bias else None
+        return grad_input, placeholder, grad_bias
+
+
+def fuses_wgrad(weight: torch.Tensor, enabled: bool) -> bool:
+    """Whether a linear's weight gradient goes straight into its buffer: fusion on, training with autograd, and a
+    plain weight with a `main_grad` buffer (FP8 weights accumulate through their own path)."""
+    return enabled and torch.is_grad_enabled() and weight.requires_grad and hasattr(weight, "main_grad")
+
+
+def linear_accumulating_wgrad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear whose weight gradient is accumulated into `weight.main_grad` (see the module docstring)."""
+    return _LinearAccumulatingWgrad.apply(x, weight, bias)
