@@ -21,7 +21,9 @@ class ModelConfig:
     group_query_attention: bool = False
     """Use grouped-query attention: --num-query-groups key/value heads shared by the query heads."""
     num_query_groups: int | None = None
-    """Number of key/value heads with --group-query-attention (defaults to --num-attention-heads)."""
+    """Number of key/value heads with --group-query-attention; unset there means 1 (multi-query attention), as in
+    Megatron-LM. Without --group-query-attention every query head has its own (this value must then be unset or
+    equal --num-attention-heads)."""
     kv_channels: int | None = None
     """Width of one attention head; defaults to hidden_size / num_attention_heads."""
     seq_length: int = 128
@@ -144,8 +146,10 @@ class ModelConfig:
                 self.num_query_groups == self.num_attention_heads,
                 "--num-query-groups needs --group-query-attention",
             )
-        if not self.group_query_attention or self.num_query_groups is None:
+        if not self.group_query_attention:
             self.num_query_groups = self.num_attention_heads
+        elif self.num_query_groups is None:  # Megatron-LM's default: --group-query-attention alone is MQA
+            self.num_query_groups = 1
         require(self.num_query_groups >= 1, f"--num-query-groups must be >= 1, got {self.num_query_groups}")
         require(
             self.num_attention_heads % self.num_query_groups == 0,

@@ -52,8 +52,8 @@ from megatron.parallel import (
 from megatron.parallel.pipeline import forward_backward_1f1b, forward_only, stage_layer_numbers
 from megatron.parallel.tensor_parallel import TensorParallel
 
-from .determinism import apply_deterministic_mode
 from .batch_schedule import BatchSchedule, train_iterations
+from .determinism import apply_deterministic_mode
 from .flops import num_floating_point_operations, peak_tflops
 from .logger import TensorBoardWriter, print_rank_0, training_log_line, validation_log_lines
 from .loss import StepLoss

@@ -32,12 +32,13 @@ DIFFERENT_ON_PURPOSE = {
     "--distributed-backend": "None picks nccl on CUDA and gloo on CPU (Megatron-LM has no CPU runs)",
     "--ddp-bucket-size": "Megatron-LM's None means max(40M, 1M x data-parallel size): 40M up to 40 replicas",
     "--num-workers": "0: the mmap'd dataset needs no worker processes on a 2-core CPU box",
-    # Differences the lead has not decided yet (found when the snapshot was taken; see docs/megatron_flags.md):
-    "--eval-interval": "undecided: Megatron-LM's None runs no validation during training, here every 1000 steps",
-    "--eval-iters": "undecided: Megatron-LM 100, here 10",
-    "--log-interval": "undecided: Megatron-LM 100, here 10",
-    "--lr-decay-style": "undecided: Megatron-LM linear, here cosine",
-    "--num-query-groups": "undecided: Megatron-LM's 1 makes --group-query-attention alone MQA; here it means MHA",
+    "--eval-interval": "1000: a validation every 1000 steps and at the end (Megatron-LM's None: only at the end);"
+    " Megatron-LM's scripts pass it",
+    "--eval-iters": "10: a validation costs 10 global batches here (Megatron-LM 100); its scripts pass it",
+    "--log-interval": "10: short runs get a line every 10 steps (Megatron-LM 100); its scripts pass it",
+    "--lr-decay-style": "cosine, the GPT-3 and Llama recipes' schedule (Megatron-LM linear); its scripts pass it",
+    "--num-query-groups": "None: 1 with --group-query-attention (Megatron-LM's MQA), one per head without it",
+    "--ckpt-format": "torch, the per-rank format this project writes; torch_dist (Megatron-LM's) is issue 18",
 }
 
 
