@@ -68,6 +68,9 @@ class Config:
     def _check_cross_section(self) -> None:
         par, train, opt, prec = self.parallel, self.training, self.optimizer, self.precision
         model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+        if par.sequence_parallel and par.tensor_model_parallel_size == 1:
+            par.sequence_parallel = False
+            self.notes.append("--sequence-parallel turned off: --tensor-model-parallel-size 1 has nothing to split")
         require(
             self.world_size % model_parallel == 0,
             f"world size {self.world_size} is not divisible by --tensor-model-parallel-size x"
@@ -257,12 +260,7 @@ class Config:
         self._check_attention_and_determinism()
 
     def _check_attention_and_determinism(self) -> None:
-        model, backend = self.model, self.model.attention_backend
-        require(
-            not (model.transformer_impl == "local" and backend == "fused" and self.device_type != "cuda"),
-            "--attention-backend fused runs cuDNN / memory-efficient kernels, which need a CUDA GPU; use auto,"
-            " flash, unfused or local on the CPU",
-        )
+        backend = self.model.attention_backend
         require(
             backend in ("auto", "fused") or not self.precision.fp8_dot_product_attention,
             f"--fp8-dot-product-attention runs in Transformer Engine's fused (cuDNN) attention; use"

@@ -67,8 +67,9 @@ class DataConfig:
     """Train/validation/test proportions of the documents of every --data-path prefix, comma-separated."""
     data_cache_path: str | None = None
     """Directory for the cached sample-index arrays; defaults to `index-cache/` beside each dataset's files."""
-    tokenizer_type: str = option("NullTokenizer", choices=TOKENIZER_TYPES)
-    """Tokenizer: NullTokenizer (ids are the data; needs --vocab-size), GPT2BPETokenizer (--vocab-file,
+    tokenizer_type: str | None = option(None, choices=TOKENIZER_TYPES)
+    """Default: GPT2BPETokenizer when --vocab-file is given (Megatron-LM's pretrain_gpt.py default), else
+    NullTokenizer. Tokenizer: NullTokenizer (ids are the data; needs --vocab-size), GPT2BPETokenizer (--vocab-file,
     --merge-file), SentencePieceTokenizer (Megatron's: adds <EOD> etc.; --tokenizer-model),
     GPTSentencePieceTokenizer (the model's eos ends documents; --tokenizer-model), HuggingFaceTokenizer
     (a tokenizer.json or its folder in --tokenizer-model), TikTokenizer (Megatron-LM's tiktoken vocabulary in
@@ -141,6 +142,8 @@ class DataConfig:
 
     def check_tokenizer(self) -> None:
         """The tokenizer flags alone (tools/preprocess_data.py checks them too)."""
+        if self.tokenizer_type is None:
+            self.tokenizer_type = "GPT2BPETokenizer" if self.vocab_file is not None else "NullTokenizer"
         if self.tokenizer_type == "NullTokenizer":
             require(
                 self.vocab_size is not None and self.vocab_size >= 1,

@@ -75,9 +75,9 @@ class ModelConfig:
     contradicting value already in the environment is an error), `local` runs this project's PyTorch attention
     inside the TE layer. Local engine: `auto` is PyTorch's scaled_dot_product_attention choosing its kernel,
     `flash` its flash kernel (CUDA, or PyTorch's CPU flash kernel), `fused` its cuDNN / memory-efficient kernels
-    (CUDA only), `unfused` and `local` the explicit softmax(QK^T/sqrt(d))V that honours --attention-softmax-in-fp32
-    and --apply-query-key-layer-scaling. A kernel that cannot run these inputs fails with a one-line error; there is
-    no silent fallback."""
+    (on a CPU its fused CPU kernel), `unfused` and `local` the explicit softmax(QK^T/sqrt(d))V that honours
+    --attention-softmax-in-fp32 and --apply-query-key-layer-scaling. A kernel that cannot run these inputs fails
+    with a one-line error; there is no silent fallback."""
     masked_softmax_fusion: bool = option(True, flag="--no-masked-softmax-fusion", action="store_false")
     """Accepted; `--no-masked-softmax-fusion` changes nothing here: it turns off Megatron-LM's fused scale-mask-softmax
     CUDA kernel, which this project does not have (the explicit attention always uses PyTorch's softmax; SDPA's and

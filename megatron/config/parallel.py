@@ -15,7 +15,9 @@ class ParallelConfig:
     """Pipeline-parallel degree (ranks that split the layers into stages)."""
     sequence_parallel: bool = False
     """Split the regions between tensor-parallel GEMMs (norms, dropout, residual adds) along the sequence over the
-    tensor-parallel ranks: all-gather before the column-parallel GEMMs, reduce-scatter after the row-parallel ones."""
+    tensor-parallel ranks: all-gather before the column-parallel GEMMs, reduce-scatter after the row-parallel ones.
+    With --tensor-model-parallel-size 1 there is nothing to split: turned off with a startup note, as Megatron-LM
+    does (its FP8 Llama script passes it at TP=1)."""
     tp_comm_overlap: bool = False
     """Overlap the sequence-parallel all-gathers and reduce-scatters with the GEMMs that consume or produce them,
     through Transformer Engine's userbuffers (chunked GEMMs interleaved with peer-to-peer copies between the
@@ -67,11 +69,7 @@ class ParallelConfig:
         require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size must be >= 1")
         require(self.pipeline_model_parallel_size >= 1, "--pipeline-model-parallel-size must be >= 1")
         require(
-            not self.sequence_parallel or self.tensor_model_parallel_size > 1,
-            "--sequence-parallel needs --tensor-model-parallel-size > 1",
-        )
-        require(
-            not self.tp_comm_overlap or self.sequence_parallel,
+            not self.tp_comm_overlap or (self.sequence_parallel and self.tensor_model_parallel_size > 1),
             "--tp-comm-overlap overlaps the sequence-parallel collectives with the GEMMs: add --sequence-parallel"
             " (and --tensor-model-parallel-size > 1)",
         )

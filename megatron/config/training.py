@@ -27,13 +27,14 @@ class TrainingConfig:
     consumed samples, and reach --global-batch-size after them; (--global-batch-size - START) must be a
     multiple of INCREMENT. E.g. 16 8 300000 with --global-batch-size 1024: 126 increments of ~2381 samples each.
     (Megatron-LM's meaning; its latest versions deprecate the flag for --step-batch-size-schedule.)"""
-    step_batch_size_schedule: str | None = None
+    step_batch_size_schedule: str | None = option(None, nargs="+")
     """Step-wise global batch size, "THRESHOLD:BATCH THRESHOLD:BATCH ...": from THRESHOLD consumed *tokens* on
     (converted to samples by integer division by --seq-length) the global batch size is BATCH. Thresholds and
     sizes take the suffixes K (1e3), M (1e6), B (1e9), T (1e12); the first threshold must be 0. E.g.
     "0:16 2.4B:320 4.8B:624". Each batch size in use must be a multiple of --micro-batch-size x data-parallel
     size (checked for the part of the schedule a run reaches). --global-batch-size may be given too only if it
-    equals the last batch size (Megatron-LM refuses both)."""
+    equals the last batch size (Megatron-LM refuses both). Also as separate words (what a bash script passing it
+    in an unquoted array expansion gives, e.g. Megatron-LM's GPT-3 175B example)."""
     eval_interval: int = 1000
     """Run validation every this many iterations (and at the end)."""
     eval_iters: int = 10
@@ -83,6 +84,8 @@ class TrainingConfig:
     the model here is the Megatron Core design (the only one)."""
 
     def finalize(self) -> None:
+        if isinstance(self.step_batch_size_schedule, list):  # the words argparse collected: one schedule string
+            self.step_batch_size_schedule = " ".join(self.step_batch_size_schedule)
         require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
         require(
             self.train_iters is None or self.train_samples is None,

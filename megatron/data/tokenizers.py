@@ -184,6 +184,8 @@ def _need_file(path: str | None, flag: str, tokenizer_type: str) -> str:
 
 def build_tokenizer(cfg: DataConfig):
     """The tokenizer named by --tokenizer-type, built from the file flags it needs."""
+    if cfg.tokenizer_type is None:  # a DataConfig not finalized: resolve the default as finalize() does
+        cfg.check_tokenizer()
     kind = cfg.tokenizer_type
     if kind == "NullTokenizer":
         return NullTokenizer(cfg.vocab_size)

@@ -94,6 +94,10 @@ class CoreAttention(nn.Module):
             enable_gqa=k.shape[1] != q.shape[1],
         )
         kernels = SDPA_BACKENDS[self.backend]
+        if self.backend == "fused" and q.device.type == "cpu":
+            # Megatron-LM's fused backend is cuDNN's; on a CPU PyTorch's one fused kernel (its CPU flash attention)
+            # is the counterpart, so that GPU scripts run unchanged on CPUs.
+            kernels = [SDPBackend.FLASH_ATTENTION]
         if kernels is None:
             return F.scaled_dot_product_attention(q, k, v, **kwargs)
         try:

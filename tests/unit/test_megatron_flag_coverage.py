@@ -64,7 +64,7 @@ def test_survey_counts_classifies_and_lists_every_unknown_flag(tmp_path):
     assert "abc123" in text and "2026-01-01" in text
 
 
-def test_reasons_name_only_flags_this_cli_does_not_have_yet_or_issue_16_adds():
-    """A reason for a flag that exists now is stale unless issue 16's own changes add that flag."""
-    stale = {f for f, why in coverage.REASONS.items() if f in all_flags() and "issue 16" not in why}
+def test_reasons_name_only_flags_this_cli_does_not_have():
+    """A reason for a flag that exists now is stale."""
+    stale = {f for f, why in coverage.REASONS.items() if f in all_flags()}
     assert not stale, f"these flags exist now: remove them from REASONS {stale}"
