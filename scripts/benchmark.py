@@ -62,6 +62,9 @@ CONFIGS = {
     " --fp8-optimizer-level O1",
     "te-delayed-fp8params-o2": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather"
     " --fp8-optimizer-level O2",
+    # --profile's cost outside its window: Nsight's window over steps 3-4, the numbers average steps after it
+    "te-delayed-profile-window": f"{TE} --fp8-format hybrid --fp8-recipe delayed --profile --profile-step-start 2"
+    " --profile-step-end 4 --timing-log-level 0",
     "te-delayed-fp8attn": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-dot-product-attention",
     "te-tensorwise": f"{TE} --fp8-format hybrid --fp8-recipe tensorwise",
     "te-blockwise": f"{TE} --fp8-format e4m3 --fp8-recipe blockwise",

@@ -1,5 +1,7 @@
 """Shared test fixtures: the `gpu` marker skips with a reason when no CUDA device is present."""
 
+import os
+
 import pytest
 import torch
 
@@ -11,3 +13,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+TE_ATTENTION_SWITCHES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+@pytest.fixture(autouse=True)
+def _te_attention_switches(monkeypatch):
+    """Building a model writes TE's attention switches into os.environ (--attention-backend, as Megatron-LM does);
+    each test starts from the environment the session had, so one test's backend never reaches the next test's
+    model or the training runs it launches."""
+    from megatron.model import attention
+
+    saved = {name: os.environ.pop(name, None) for name in TE_ATTENTION_SWITCHES}
+    monkeypatch.setattr(attention, "_SET_BY_US", {})
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

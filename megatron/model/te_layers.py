@@ -42,6 +42,7 @@ from torch import nn
 
 from megatron.config import ModelConfig, PrecisionConfig
 from megatron.config.base import require
+from megatron.errors import UserError
 from megatron.fp8.te_recipe import (
     check_fp8_attention_on_gpu,
     check_te_fp8_on_this_gpu,
@@ -223,6 +224,7 @@ class TESelfAttention(nn.Module):
         # Fused RoPE on the packed QKV output, unless the q/k norms must see q and k first.
         self.fused_rope = cfg.apply_rope_fusion and not cfg.qk_layernorm
         self.te_attention = cfg.attention_backend != "local"
+        self.attention_backend = cfg.attention_backend
         if self.te_attention:
             # TE's unfused backend reads NVTE_APPLY_QK_LAYER_SCALING when the module is built (and applies it to fp16
             # inputs only); set it for this construction, not for the process.
@@ -277,10 +279,21 @@ class TESelfAttention(nn.Module):
             out = self.core_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), attention_mask)  # [b, np, s, hn]
             out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * hn)
         elif attention_mask is None:
-            out = self.core_attention(q, k, v)  # [s, b, np * hn]
+            out = self._te_attention(q, k, v)  # [s, b, np * hn]
         else:  # TE masks where the mask is True; ours marks where a query may attend
-            out = self.core_attention(q, k, v, attention_mask=~attention_mask, attn_mask_type="arbitrary")
+            out = self._te_attention(q, k, v, attention_mask=~attention_mask, attn_mask_type="arbitrary")
         return self.linear_proj(out, is_first_microbatch=first_microbatch)
+
+    def _te_attention(self, *args, **kwargs) -> torch.Tensor:
+        try:
+            return self.core_attention(*args, **kwargs)
+        except ValueError as exc:  # TE found no backend among those --attention-backend allows
+            if "No dot product attention backend is available" not in str(exc):
+                raise
+            raise UserError(
+                f"--attention-backend {self.attention_backend}: Transformer Engine has no such attention kernel for"
+                f" these inputs on this GPU (flash needs the flash-attn package); use --attention-backend auto"
+            ) from None
 
 
 class _SwiGLU(torch.autograd.Function):
