@@ -173,10 +173,12 @@ class DistCheckpointer:
         writer, planner = FileSystemWriter(tmp), ChunkSavePlanner(where)
         if self.cfg.checkpoint.async_save:
             start = time.perf_counter()
-            future = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=self.group)
+            future = dcp.async_save(
+                state, storage_writer=writer, planner=planner, process_group=self.group, no_dist=self.group is None
+            )
             self.pending = (future, tmp, final, iteration, time.perf_counter() - start)
             return final
-        dcp.save(state, storage_writer=writer, planner=planner, process_group=self.group)
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=self.group, no_dist=self.group is None)
         self._barrier()
         if self._first():
             publish_checkpoint(root, tmp, final, iteration)
@@ -243,7 +245,10 @@ class DistCheckpointer:
         state, where = split_entries(chunks, objects)
         planner = ChunkLoadPlanner(where)
         try:
-            dcp.load(state, storage_reader=FileSystemReader(path), planner=planner, process_group=self.group)
+            reader = FileSystemReader(path)
+            dcp.load(
+                state, storage_reader=reader, planner=planner, process_group=self.group, no_dist=self.group is None
+            )
         except (CheckpointException, Exception) as exc:
             raise CheckpointError(f"cannot read torch_dist checkpoint {path}: {_first_line(exc)}") from exc
         loaded = planner.state_dict
