@@ -28,6 +28,7 @@ import json
 import random
 import shutil
 import time
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,8 @@ class DistCheckpointer:
         # (on GPUs too: an --async-save write runs them from a background thread while training goes on).
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.pending: tuple[Future, Path, Path, int, float] | None = None
+        if self.group is None:  # one process: DCP warns that it assumes so, which is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
     # ------------------------------------------------------------------ entries
 
@@ -196,6 +199,7 @@ class DistCheckpointer:
         if self.pending is not None:
             self.pending[0].result()
             self._publish_pending()
+        if self.cfg.checkpoint.async_save:  # every rank, pending or not (rank 0 may have published in `poll`)
             self._barrier()
 
     def _publish_pending(self) -> None:

@@ -38,7 +38,9 @@ def _four_rank_body(rank, world_size, out):
     if rank == 0:
         (a / "latest_checkpointed_iteration.txt").write_text("2\n")  # resume from iteration 2
     torch.distributed.barrier()
-    resumed = Trainer(_parse(f"{FLAGS} {TP2_DP2_DISTOPT} --train-iters 4 --load {a} --save {b}", 4)).train().losses
+    # the same --train-iters as the reference (the learning-rate schedule depends on it), stopping and saving at 4
+    flags = f"{FLAGS} {TP2_DP2_DISTOPT} --train-iters 6 --exit-interval 4 --load {a} --save {b}"
+    resumed = Trainer(_parse(flags, 4)).train().losses
     assert set(resumed) == {3, 4}
     _close(resumed, losses, range(3, 5), "tp2_pp2 -> tp2_dp2 distopt")
 
@@ -46,7 +48,8 @@ def _four_rank_body(rank, world_size, out):
 def test_resharding_across_layouts(tmp_path):
     run_distributed(_four_rank_body, world_size=4, args=(str(tmp_path),))
     reference = torch.load(tmp_path / "reference.pt")
-    single = Trainer(_parse(f"{FLAGS} --train-iters 4 --load {tmp_path / 'tp2_pp2'}", 1)).train().losses
+    flags = f"{FLAGS} --train-iters 6 --exit-interval 4 --load {tmp_path / 'tp2_pp2'}"
+    single = Trainer(_parse(flags, 1)).train().losses
     _close(single, reference, range(3, 5), "tp2_pp2 -> one process")
     # the TP=2 x DP=2 distributed-optimizer checkpoint of iteration 4, in one process without it
     single = Trainer(_parse(f"{FLAGS} --train-iters 6 --load {tmp_path / 'tp2_dp2'}", 1)).train().losses
