@@ -1,10 +1,10 @@
 """--ckpt-format torch_dist: a checkpoint saved under TP=2 x PP=2 resumes under TP=2 x DP=2 with the distributed
-optimizer and in one process (TP=1 x PP=1), and one saved with the distributed optimizer (DP=2) resumes in one
-process; the next steps' losses equal the uninterrupted run's (fp32, at the cross-layout tolerance of
-test_parallel_layouts.py: only reduction orders differ). In one process: local FP8 delayed scaling resumes with its
-scales, the precision-aware optimizer resumes, other vocabulary padding loads the rows both have, --async-save moves
-the latest pointer only once the write is complete and resumes like a synchronous save, and damaged checkpoints fail
-with one line."""
+optimizer and in one process (TP=1 x PP=1), and one saved with the distributed optimizer (DP=2, written by
+--async-save on 4 ranks) resumes in one process; the next steps' losses equal the uninterrupted run's (fp32, at the
+cross-layout tolerance of test_parallel_layouts.py: only reduction orders differ). In one process: local FP8 delayed
+scaling resumes with its scales, the precision-aware optimizer resumes, other vocabulary padding loads the rows both
+have, --async-save moves the latest pointer only once the write is complete and resumes like a synchronous save, and
+damaged checkpoints fail with one line."""
 
 import math
 import threading
@@ -39,7 +39,7 @@ def _four_rank_body(rank, world_size, out):
         (a / "latest_checkpointed_iteration.txt").write_text("2\n")  # resume from iteration 2
     torch.distributed.barrier()
     # the same --train-iters as the reference (the learning-rate schedule depends on it), stopping and saving at 4
-    flags = f"{FLAGS} {TP2_DP2_DISTOPT} --train-iters 6 --exit-interval 4 --load {a} --save {b}"
+    flags = f"{FLAGS} {TP2_DP2_DISTOPT} --train-iters 6 --exit-interval 4 --load {a} --save {b} --async-save"
     resumed = Trainer(_parse(flags, 4)).train().losses
     assert set(resumed) == {3, 4}
     _close(resumed, losses, range(3, 5), "tp2_pp2 -> tp2_dp2 distopt")
