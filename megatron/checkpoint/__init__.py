@@ -7,18 +7,22 @@ from .checkpointing import (
     load_checkpoint,
     load_rank_file,
     model_parallel_name,
+    publish_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
+from .dist import DistCheckpointer
 
 __all__ = [
     "CheckpointError",
+    "DistCheckpointer",
     "check_model_state",
     "latest_iteration",
     "load_checkpoint",
     "load_rank_file",
     "model_parallel_name",
+    "publish_checkpoint",
     "rng_state",
     "save_checkpoint",
     "set_rng_state",

@@ -131,18 +131,24 @@ def save_checkpoint(
         torch.save(rank_state, tmp / shard / name)
     _barrier()
     if _is_first_rank():
-        _fsync_tree(tmp)
-        if final.exists():  # re-saving an iteration: move the old copy aside first, drop it once the new is in place
-            old = final.with_name(final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-        _write_atomically(root_path / LATEST, f"{iteration}\n")
+        publish_checkpoint(root, tmp, final, iteration)
     _barrier()
     return final
+
+
+def publish_checkpoint(root: str | os.PathLike, tmp: Path, final: Path, iteration: int) -> None:
+    """Make the complete checkpoint in `tmp` visible as `final` and point `latest` at it (one rank, after every
+    rank's files are written)."""
+    _fsync_tree(tmp)
+    if final.exists():  # re-saving an iteration: move the old copy aside first, drop it once the new is in place
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _write_atomically(Path(root) / LATEST, f"{iteration}\n")
 
 
 def latest_iteration(root: str) -> int | None:
@@ -160,12 +166,17 @@ def load_checkpoint(
     root: str, shard: str = "mp_rank_00", layout: dict[str, int] | None = None
 ) -> dict[str, Any] | None:
     """The state of this rank's shard of the newest checkpoint under `root`, or None when there is none.
-    A checkpoint saved with another tensor or pipeline parallel size is refused (resharding is not supported yet);
+    A checkpoint saved with another tensor or pipeline parallel size is refused (the torch_dist format reshards);
     a different data-parallel size is fine (replicas are identical)."""
     iteration = latest_iteration(root)
     if iteration is None:
         return None
     metadata = iteration_dir(root, iteration) / "metadata.json"
+    if metadata.exists() and json.loads(metadata.read_text()).get("format", "torch") != "torch":
+        raise CheckpointError(
+            f"{iteration_dir(root, iteration)} is a {json.loads(metadata.read_text())['format']} checkpoint: load it"
+            " with --ckpt-format torch_dist"
+        )
     if layout is not None and metadata.exists():
         saved = json.loads(metadata.read_text())["layout"]
         if (saved["tp"], saved["pp"]) != (layout["tp"], layout["pp"]):
@@ -173,7 +184,7 @@ def load_checkpoint(
                 f"checkpoint {root} (iteration {iteration}) was saved with tensor-parallel size {saved['tp']} and"
                 f" pipeline-parallel size {saved['pp']}, this run uses {layout['tp']} and {layout['pp']}: relaunch"
                 f" with --tensor-model-parallel-size {saved['tp']} --pipeline-model-parallel-size {saved['pp']}"
-                " (resharding checkpoints is not supported yet)"
+                " (--ckpt-format torch_dist checkpoints load under any layout)"
             )
     path = iteration_dir(root, iteration) / shard / "model_optim_rng.pt"
     if not path.exists():

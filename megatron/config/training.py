@@ -126,15 +126,20 @@ class CheckpointConfig:
     finetune: bool = False
     """Load only the model weights and start at iteration 0 (no optimizer, scheduler, RNG or data position)."""
     ckpt_format: str = option("torch", choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"])
-    """Checkpoint format. `torch` (the default here; Megatron-LM's default is torch_dist): torch.save files per
-    tensor x pipeline rank in Megatron-LM's legacy layout (iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt), loaded
-    with the parallel layout that wrote them. torch_dist, torch_dcp and fsdp_dtensor (checkpoints that load under
-    another layout) are issue 18: until then they stop with an error."""
+    """Checkpoint format. `torch_dist`: torch.distributed.checkpoint (DCP) files holding every tensor in global form
+    (each rank writes its chunks at their global offsets), so a checkpoint loads under any tensor, pipeline and
+    data-parallel layout, optimizer state (also the distributed optimizer's) and FP8 scaling state included; see
+    docs/checkpoints.md. `torch`: torch.save files per tensor x pipeline rank in Megatron-LM's legacy layout
+    (iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt), loaded only with the layout that wrote them. Both write a
+    checkpoint completely before the latest pointer moves to it. torch_dcp and fsdp_dtensor (Megatron-LM's formats
+    for its FSDP) stop with an error."""
     async_save: bool = False
-    """Megatron-LM: write torch_dist checkpoints in the background. Issue 18: stops with an error until then
-    (saving is synchronous)."""
+    """With --ckpt-format torch_dist: write checkpoints in the background. Training waits only while the state is
+    copied to host memory; the write runs in a thread, and the checkpoint becomes visible (renamed, latest pointer
+    moved) once it is complete: checked after every step, before the next save and at the end of training."""
     use_persistent_ckpt_worker: bool = False
-    """Megatron-LM: keep one background worker for --async-save. Issue 18: stops with an error until then."""
+    """Megatron-LM: keep one background worker process for --async-save. Here the background write is a thread of
+    the training process (DCP's thread executor), so there is no worker to keep: the flag stops with an error."""
     dist_ckpt_strictness: str = option(
         "assume_ok_unexpected",
         choices=[
@@ -148,30 +153,35 @@ class CheckpointConfig:
             "ignore_all",
         ],
     )
-    """Megatron-LM: how loading a torch_dist checkpoint treats missing or unexpected keys. Issue 18: any value
-    but the default stops with an error until then (a `torch` checkpoint must match the model exactly)."""
+    """Loading a torch_dist checkpoint: what to do with weights the checkpoint lacks (missing) or holds and this
+    model has no place for (unexpected). assume_ok_unexpected: do not look for unexpected ones; missing ones stop
+    with an error (so for log_unexpected, raise_unexpected, return_unexpected); log_unexpected / raise_unexpected:
+    log / stop on unexpected ones; log_all / return_all: log both (missing ones keep their current values);
+    raise_all: stop on both; ignore_all: ignore both. (return_* log here: the trainer is the caller.) A mis-shaped
+    weight always stops with an error."""
 
     def finalize(self) -> None:
         require(self.save_interval is None or self.save_interval >= 1, "--save-interval must be >= 1")
         require(self.save_interval is None or self.save, "--save-interval needs --save DIR")
         require(
-            self.ckpt_format == "torch",
-            f"--ckpt-format {self.ckpt_format}: checkpoints that load under another parallel layout are issue 18 (not"
-            " implemented yet); use --ckpt-format torch (per-rank torch.save files)",
+            self.ckpt_format in ("torch", "torch_dist"),
+            f"--ckpt-format {self.ckpt_format}: Megatron-LM's format for its FSDP is not implemented here; use"
+            " --ckpt-format torch_dist (loads under any parallel layout) or torch",
         )
-        for flag, value in (
-            ("--async-save", self.async_save),
-            ("--use-persistent-ckpt-worker", self.use_persistent_ckpt_worker),
-        ):
-            require(
-                not value,
-                f"{flag}: asynchronous checkpoint saving comes with --ckpt-format torch_dist (issue 18, not implemented"
-                " yet); drop the flag (saves are synchronous)",
-            )
         require(
-            self.dist_ckpt_strictness == "assume_ok_unexpected",
-            "--dist-ckpt-strictness applies to --ckpt-format torch_dist checkpoints (issue 18, not implemented yet);"
-            " drop the flag",
+            not self.async_save or self.ckpt_format == "torch_dist",
+            "--async-save writes --ckpt-format torch_dist checkpoints: add --ckpt-format torch_dist or drop"
+            " --async-save",
+        )
+        require(
+            not self.use_persistent_ckpt_worker,
+            "--use-persistent-ckpt-worker: --async-save writes from a thread of the training process here (no worker"
+            " process to keep); drop the flag",
+        )
+        require(
+            self.dist_ckpt_strictness == "assume_ok_unexpected" or self.ckpt_format == "torch_dist",
+            "--dist-ckpt-strictness applies to --ckpt-format torch_dist checkpoints (a torch checkpoint must match"
+            " the model exactly); add --ckpt-format torch_dist or drop the flag",
         )
 
 

@@ -321,21 +321,57 @@ class MixedPrecisionAdamW:
         decays = [self.cfg.weight_decay if d else 0.0 for d in self._decays]
         scratch = PrecisionAwareAdamW([self._main(i).detach().clone() for i in range(len(decays))], decays, lr=0.0)
         note = scratch.load_state_dict(saved)
-        fp32 = scratch.fp32_state_dict()
-        torch_state = self.optimizer.state_dict()
-        torch_state["state"] = {
-            k: {
-                "step": torch.tensor(float(fp32["step"])),
-                "exp_avg": fp32["exp_avg"][i],
-                "exp_avg_sq": fp32["exp_avg_sq"][i],
-            }
-            for k, i in enumerate(self._order)
-        }
-        self.optimizer.load_state_dict(torch_state)
-        with torch.no_grad():
-            for i, master in enumerate(fp32["masters"]):
-                self._set_main(i, master)
+        self.load_fp32_state(scratch.fp32_state_dict(), copy_to_model=False)
         return note or "optimizer states converted: the precision-aware optimizer's -> fp32 (torch AdamW)"
+
+    def owned(self) -> list[tuple[nn.Parameter, int, int]]:
+        """(parameter, start, stop) for each main copy, by main index: the range of the parameter's flattened
+        elements it covers (all of them unless --use-distributed-optimizer cuts the parameter)."""
+        if self.buffers is None:
+            return [(p, 0, p.numel()) for p in self.params]
+        return [(p, a, b) for p, (a, b) in self.pieces]
+
+    def fp32_state(self) -> dict[str, Any]:
+        """{"step": int, "masters", "exp_avg", "exp_avg_sq": [fp32 tensor by main index]}, whatever the optimizer
+        holds them in (the precision-aware optimizer's are decoded); with fp32 parameters "masters" holds the
+        parameters (pieces) themselves. Layout-independent checkpoints store this form."""
+        if self.precision_aware:
+            return self.optimizer.fp32_state_dict()
+        masters = [m.detach() for m in (self.main_params if self.mixed else self._targets)]
+        state: dict[str, Any] = {"step": 0, "masters": masters, "exp_avg": [], "exp_avg_sq": []}
+        for main in self.main_params:
+            saved = self.optimizer.state.get(main)
+            if saved:
+                state["step"] = int(saved["step"])
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key].append(saved[key] if saved else torch.zeros_like(main, dtype=torch.float32))
+        return state
+
+    def load_fp32_state(self, state: dict[str, Any], copy_to_model: bool = True) -> str | None:
+        """Load the form of `fp32_state` (a master given as None is left as it is: with fp32 parameters, the
+        parameter itself); the precision-aware optimizer encodes it and returns a note naming the conversion."""
+        note = None
+        if self.precision_aware:
+            note = self.optimizer.load_fp32_state_dict(state)
+        else:
+            torch_state = self.optimizer.state_dict()
+            torch_state["state"] = {
+                k: {
+                    "step": torch.tensor(float(state["step"])),
+                    "exp_avg": state["exp_avg"][i],
+                    "exp_avg_sq": state["exp_avg_sq"][i],
+                }
+                for k, i in enumerate(self._order)
+            }
+            self.optimizer.load_state_dict(torch_state)
+        if not self.precision_aware:
+            with torch.no_grad():
+                for i, master in enumerate(state["masters"]):
+                    if master is not None:
+                        self._set_main(i, master)
+        if self.mixed and copy_to_model:
+            self._copy_main_to_model()
+        return note
 
     def reload_model_params(self) -> None:
         """Refresh the fp32 main copies from the model (after loading model weights without optimizer state)."""

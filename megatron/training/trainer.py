@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from megatron.checkpoint import (
     CheckpointError,
+    DistCheckpointer,
     check_model_state,
     load_checkpoint,
     load_rank_file,
@@ -148,6 +149,10 @@ class Trainer:
         )
         self.loss_scaler = build_loss_scaler(cfg.precision)
         self.state = TrainState()
+        self.dist_ckpt = None  # --ckpt-format torch_dist (layout-independent; megatron/checkpoint/dist.py)
+        if cfg.checkpoint.ckpt_format == "torch_dist" and (cfg.checkpoint.save or cfg.checkpoint.load):
+            parts = self.model, self.optimizer, self.loss_scaler, self.fp8, self.fp8_monitor
+            self.dist_ckpt = DistCheckpointer(cfg, dims, *parts)
         self._load()
         # Each step's batch size and learning rate follow the consumed samples (a resumed run: the checkpoint's)
         self.batch_schedule, self.train_iters = BatchSchedule.from_config(cfg), train_iterations(cfg)
@@ -249,13 +254,17 @@ class Trainer:
         ckpt_cfg = self.cfg.checkpoint
         if not ckpt_cfg.load:
             return
-        state = load_checkpoint(ckpt_cfg.load, self._shard_name(), self._layout())
+        if self.dist_ckpt is not None:  # loads every part itself, under any layout
+            state = self.dist_ckpt.load(ckpt_cfg.load)
+        else:
+            state = load_checkpoint(ckpt_cfg.load, self._shard_name(), self._layout())
         if state is None:
             print_rank_0(f"> no checkpoint found in {ckpt_cfg.load}: starting from scratch")
             return
-        check_model_state(state["model"], self.model.state_dict(), ckpt_cfg.load)
-        self.model.load_state_dict(state["model"])
-        print_rank_0(f"> loaded checkpoint from {ckpt_cfg.load} at iteration {state['iteration']}")
+        if self.dist_ckpt is None:
+            check_model_state(state["model"], self.model.state_dict(), ckpt_cfg.load)
+            self.model.load_state_dict(state["model"])
+            print_rank_0(f"> loaded checkpoint from {ckpt_cfg.load} at iteration {state['iteration']}")
         if ckpt_cfg.finetune:
             self.optimizer.reload_model_params()
             return
@@ -263,6 +272,8 @@ class Trainer:
         self.state.consumed_samples = state["consumed_samples"]
         self.state.skipped_iters = state.get("skipped_iters", 0)
         self.state.nan_iters = state.get("nan_iters", 0)
+        if self.dist_ckpt is not None:
+            return
         if self.fp8 is not None and state.get("fp8") is not None:  # first: FP8 weights are cast with its scales
             self.fp8.load_state_dict(state["fp8"])
         if ckpt_cfg.no_load_optim:
@@ -312,6 +323,12 @@ class Trainer:
 
     def save(self) -> None:
         self.grad_buffers.wait_for_params()  # overlapped all-gathers of the last update
+        if self.dist_ckpt is not None:
+            keys = ("consumed_samples", "skipped_iters", "nan_iters")
+            train_state = {k: getattr(self.state, k) for k in keys} | {"config": self.cfg.to_dict()}
+            path = self.dist_ckpt.save(self.cfg.checkpoint.save, self.state.iteration, train_state)
+            print_rank_0(f"  saved checkpoint at iteration {self.state.iteration:7d} to {path} (torch_dist)")
+            return
         sharded = self.grad_buffers.sharded  # then each data-parallel rank saves its optimizer shard
         optimizer_state = self.optimizer.state_dict()
         state: dict[str, Any] = {
@@ -497,6 +514,8 @@ class Trainer:
                 if not math.isfinite(loss) or (not math.isfinite(norm) and not cfg.precision.fp16):
                     state.nan_iters += 1
             state.losses[state.iteration] = loss
+            if self.dist_ckpt is not None:
+                self.dist_ckpt.poll()  # a finished --async-save write becomes visible
             if watched is not None:
                 self.fp8_monitor.report(watched, state.iteration, print_rank_0, self.tensorboard.scalars)
             interval_time += elapsed
@@ -524,6 +543,8 @@ class Trainer:
             self.evaluate(self.datasets.test, "test")
         if cfg.checkpoint.save and saved_at != state.iteration:
             self.save()
+        if self.dist_ckpt is not None:
+            self.dist_ckpt.finalize()  # never end with a background write unfinished or invisible
         self.runtime.end_training()
         self.tensorboard.close()
         return state

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from megatron.checkpoint import CheckpointError, load_checkpoint, model_parallel_name, save_checkpoint
+from megatron.checkpoint.sharding import flat_range_boxes, global_name, placement
+from megatron.config import ConfigError, parse_args
 
 
 def test_shard_folder_names_follow_megatron():
@@ -37,3 +39,38 @@ def test_truncated_file_is_reported(tmp_path):
     path.write_bytes(path.read_bytes()[:50])
     with pytest.raises(CheckpointError, match="cannot read"):
         load_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        ("--ckpt-format torch_dcp", "--ckpt-format torch_dcp: Megatron-LM's format for its FSDP"),
+        ("--ckpt-format fsdp_dtensor", "--ckpt-format fsdp_dtensor: Megatron-LM's format for its FSDP"),
+        ("--async-save --ckpt-format torch", "--async-save writes --ckpt-format torch_dist checkpoints"),
+        ("--ckpt-format torch_dist --async-save --use-persistent-ckpt-worker", "--use-persistent-ckpt-worker: "),
+        ("--ckpt-format torch --dist-ckpt-strictness log_all", "--dist-ckpt-strictness applies to --ckpt-format"),
+    ],
+)
+def test_checkpoint_flags_that_cannot_work_are_one_line(flags, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        parse_args(["--mock-data", "--vocab-size", "128", *flags.split()])
+    assert "\n" not in str(err.value)
+    cfg = parse_args(["--mock-data", "--vocab-size", "128", "--ckpt-format", "torch_dist", "--async-save"])
+    assert cfg.checkpoint.async_save and cfg.checkpoint.ckpt_format == "torch_dist"
+
+
+def test_flat_ranges_are_tiled_by_boxes_in_order():
+    shape = (3, 4, 5)
+    full = torch.arange(60).view(shape)
+    for start, stop in [(0, 60), (7, 8), (3, 47), (20, 40), (19, 41), (59, 60), (0, 1)]:
+        boxes = flat_range_boxes(shape, start, stop)
+        pieces = [full[tuple(slice(o, o + s) for o, s in zip(off, size))].reshape(-1) for off, size in boxes]
+        assert torch.equal(torch.cat(pieces), torch.arange(start, stop)), (start, stop, boxes)
+
+
+def test_parts_are_split_out_so_each_rank_holds_one_chunk():
+    param = torch.nn.Parameter(torch.empty(8, 3))  # rank 1 of 2: [gate_1; up_1], 4 rows each
+    param.tensor_model_parallel, param.partition_dim, param.partition_parts = True, 0, 2
+    where = placement("decoder.layers.0.mlp.linear_fc1.weight", param, param, tp_size=2, tp_rank=1)
+    assert (where.local_shape, where.global_shape, where.offsets) == ((2, 4, 3), (2, 8, 3), (0, 4, 0))
+    assert global_name("decoder.layers.1.mlp.linear_fc1.weight", [3, 4]) == "decoder.layers.3.mlp.linear_fc1.weight"

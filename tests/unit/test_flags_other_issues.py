@@ -9,12 +9,6 @@ from megatron.config import ConfigError, parse_args
 BASE = ["--mock-data", "--vocab-size", "128", "--num-layers", "4"]
 
 PENDING = [
-    ("--ckpt-format torch_dist", "--ckpt-format torch_dist", "issue 18"),
-    ("--ckpt-format torch_dcp", "--ckpt-format torch_dcp", "issue 18"),
-    ("--ckpt-format fsdp_dtensor", "--ckpt-format fsdp_dtensor", "issue 18"),
-    ("--async-save", "--async-save", "issue 18"),
-    ("--use-persistent-ckpt-worker", "--use-persistent-ckpt-worker", "issue 18"),
-    ("--dist-ckpt-strictness log_all", "--dist-ckpt-strictness", "issue 18"),
     ("--context-parallel-size 2", "--context-parallel-size 2", "issue 17"),
     ("--cp-comm-type a2a", "--cp-comm-type", "issue 17"),
     ("--cp-comm-type p2p p2p a2a a2a", "--cp-comm-type", "issue 17"),

@@ -1,0 +1,426 @@
+"""`--ckpt-format torch_dist`: checkpoints on torch.distributed.checkpoint (DCP) that load under any parallel layout.
+
+    SAVE_DIR/
+      latest_checkpointed_iteration.txt     the newest complete checkpoint (moved only once it is complete)
+      iter_0000010/
+        metadata.json                       {"format": "torch_dist", "layout": the tp/pp/dp it was saved with}
+        .metadata                           DCP's index: every entry's global shape and the chunks that hold it
+        __R_N.distcp                        the chunks rank R wrote
+
+Every tensor is stored whole in global form (see `megatron.checkpoint.sharding`): each rank writes its chunks at
+their global offsets, data-parallel replicas once, and on load each rank reads the chunks its own layout needs.
+Entries: `model.<name>` (weights, FP8 ones dequantized; Transformer Engine's `_extra_state` as objects),
+`optimizer.{main,exp_avg,exp_avg_sq}.<name>` (fp32, also for the precision-aware optimizer's encoded states, which
+are decoded on save and encoded again on load), `optimizer.step`, `fp8.<linear>.{amax_history,scale}` (delayed
+scaling of the local FP8 engine: per linear, the same on every rank), `fp8_guard.stage<P>`, `train_state`,
+`loss_scaler`, `rng.<rank>`. The per-rank RNG streams load only under the layout that saved them; under another
+they are seeded afresh (from --seed and the iteration) and the log says so.
+
+Atomicity as for the `torch` format: the checkpoint is written into `iter_XXXXXXX.tmp`, renamed when complete, and
+then the `latest` pointer moves. With --async-save the write runs in a background thread after the state is copied
+to host memory (training waits only for that copy); the rename and the pointer follow once the write has finished,
+which is checked after every step, before the next save and at the end of training (`finalize`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from megatron.fp8.params import is_fp8_param
+
+from .checkpointing import (
+    CHECKPOINT_VERSION,
+    CheckpointError,
+    iteration_dir,
+    latest_iteration,
+    publish_checkpoint,
+    rng_state,
+    set_rng_state,
+)
+from .dist_planner import ChunkLoadPlanner, ChunkSavePlanner, split_entries
+from .sharding import Chunk, Placement, clip_vocab, global_name, piece_chunks, placement
+
+FORMAT = "torch_dist"
+KINDS = ("main", "exp_avg", "exp_avg_sq")
+
+
+def _log(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+class DistCheckpointer:
+    """Saves and loads the training state of one rank in the torch_dist format; every rank calls every method."""
+
+    def __init__(self, cfg: Any, dims: Any, model: nn.Module, optimizer: Any, loss_scaler: Any, fp8: Any, monitor: Any):
+        self.cfg, self.dims, self.model, self.optimizer = cfg, dims, model, optimizer
+        self.loss_scaler, self.fp8, self.monitor = loss_scaler, fp8, monitor
+        self.layers = list(model.stage.layer_numbers)
+        # DCP coordinates ranks with collectives of its own; a separate gloo group keeps them apart from training's
+        # (on GPUs too: an --async-save write runs them from a background thread while training goes on).
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.pending: tuple[Future, Path, Path, int, float] | None = None
+        if self.group is None:  # one process: DCP warns that it assumes so, which is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+
+    # ------------------------------------------------------------------ entries
+
+    def _params(self) -> dict[str, nn.Parameter]:
+        return dict(self.model.named_parameters())
+
+    def _placement(self, name: str, tensor: torch.Tensor, param: nn.Parameter | None) -> Placement:
+        return placement(name, tensor, param, self.dims.tp, self.dims.tp_rank)
+
+    def _skip(self, param: nn.Parameter | None) -> bool:
+        """The last stage's copy of tied word embeddings: the first stage's copy (equal, with its optimizer state
+        sharded differently over the data-parallel ranks) is the one saved."""
+        return param is not None and getattr(param, "shared_embedding", False) and not self.model.stage.pre_process
+
+    def _model_entries(self, state: dict[str, Any], saving: bool) -> tuple[list[Chunk], dict[str, Any]]:
+        params = self._params()
+        chunks, objects = [], {}
+        for name, value in state.items():
+            fqn = "model." + global_name(name, self.layers)
+            param = params.get(name)
+            if saving and self._skip(param):
+                continue
+            if isinstance(value, torch.Tensor) and not name.endswith("_extra_state"):
+                where = self._placement(name, value, param)
+                chunks.append(Chunk(fqn, where.global_shape, where.offsets, where.view(value)))
+            else:
+                objects[fqn] = value
+        return chunks, objects
+
+    def _optimizer_entries(self, fp32: dict[str, Any], saving: bool) -> list[Chunk]:
+        names = {id(p): n for n, p in self._params().items()}
+        chunks = []
+        for i, (param, start, stop) in enumerate(self.optimizer.owned()):
+            if saving and self._skip(param):
+                continue
+            name = names[id(param)]
+            where = self._placement(name, param, param)
+            for kind in KINDS:
+                tensor = fp32["masters" if kind == "main" else kind][i]
+                if tensor is None:
+                    continue
+                fqn = f"optimizer.{kind}.{global_name(name, self.layers)}"
+                if (start, stop) == (0, param.numel()):
+                    chunks.append(Chunk(fqn, where.global_shape, where.offsets, where.view(tensor)))
+                else:
+                    chunks += piece_chunks(fqn, where, tensor.view(-1), start)
+        return chunks
+
+    def _fp8_entries(self, history: torch.Tensor, scale: torch.Tensor) -> list[Chunk]:
+        chunks = []
+        for name, state in self.fp8.states.items():
+            fqn = f"fp8.{global_name(name, self.layers)}"
+            h, s = history[:, state.index], scale[state.index]
+            chunks += [Chunk(f"{fqn}.amax_history", tuple(h.shape), (0, 0), h), Chunk(f"{fqn}.scale", (3,), (0,), s)]
+        return chunks
+
+    def _masters_saved(self) -> bool:
+        """fp32 parameters are their own main copies: saved once, as the model's weights."""
+        return self.optimizer.mixed or self.optimizer.precision_aware
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, root: str, iteration: int, train_state: dict[str, Any]) -> Path:
+        """Write iteration `iteration`; with --async-save return once the state is in host memory."""
+        self.finalize()  # a previous background write completes (and becomes visible) first
+        chunks, objects = self._model_entries(self.model.state_dict(), saving=True)
+        fp32 = self.optimizer.fp32_state()
+        if not self._masters_saved():
+            fp32["masters"] = [None] * len(fp32["masters"])
+        chunks += self._optimizer_entries(fp32, saving=True)
+        objects["optimizer.step"] = fp32["step"]
+        if self.fp8 is not None:
+            amax = self.fp8.amax
+            if amax.history is not None:
+                chunks += self._fp8_entries(amax.history, amax.scale)
+            objects["fp8.recipe"] = self.fp8.recipe.name
+        if self.monitor is not None:
+            objects[f"fp8_guard.stage{self.dims.pp_rank}"] = self.monitor.state_dict()
+        layout = {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp}
+        objects["train_state"] = dict(train_state, iteration=iteration, checkpoint_version=CHECKPOINT_VERSION)
+        objects["layout"] = layout
+        objects["loss_scaler"] = self.loss_scaler.state_dict()
+        objects[f"rng.{self.dims.rank}"] = rng_state()
+        state, where = split_entries(chunks, objects)
+
+        final = iteration_dir(root, iteration)
+        tmp = final.with_name(final.name + ".tmp")
+        if self._first():
+            Path(root).mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            (tmp / "metadata.json").write_text(
+                json.dumps({"format": FORMAT, "layout": layout, "iteration": iteration}) + "\n"
+            )
+        self._barrier()
+        writer, planner = FileSystemWriter(tmp), ChunkSavePlanner(where)
+        if self.cfg.checkpoint.async_save:
+            start = time.perf_counter()
+            future = dcp.async_save(
+                state, storage_writer=writer, planner=planner, process_group=self.group, no_dist=self.group is None
+            )
+            self.pending = (future, tmp, final, iteration, time.perf_counter() - start)
+            return final
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=self.group, no_dist=self.group is None)
+        self._barrier()
+        if self._first():
+            publish_checkpoint(root, tmp, final, iteration)
+        self._barrier()
+        return final
+
+    def poll(self) -> None:
+        """Make a finished background write visible (rank 0 alone: its write completes DCP's metadata last, after
+        every rank's data is written, so no collective is needed)."""
+        if self.pending is not None and self.pending[0].done():
+            self._publish_pending()
+
+    def finalize(self) -> None:
+        """Wait for a background write and make it visible; at the next save and at the end of training."""
+        if self.pending is not None:
+            self.pending[0].result()
+            self._publish_pending()
+        if self.cfg.checkpoint.async_save:  # every rank, pending or not (rank 0 may have published in `poll`)
+            self._barrier()
+
+    def _publish_pending(self) -> None:
+        future, tmp, final, iteration, blocked = self.pending
+        self.pending = None
+        future.result()  # a failed write raises here, before anything is made visible
+        if self._first():
+            publish_checkpoint(str(final.parent), tmp, final, iteration)
+            _log(f"  checkpoint at iteration {iteration} written in the background (training blocked {blocked:.2f} s)")
+
+    # ------------------------------------------------------------------ load
+
+    def load(self, root: str) -> dict[str, Any] | None:
+        """Load the newest checkpoint under `root` into the model (and unless --finetune / --no-load-optim /
+        --no-load-rng, the optimizer, FP8 state and RNG); returns its train state, or None when there is none."""
+        iteration = latest_iteration(root)
+        if iteration is None:
+            return None
+        path = iteration_dir(root, iteration)
+        _check_format(root, path, iteration)
+        try:
+            metadata = FileSystemReader(path).read_metadata()
+        except Exception as exc:  # a missing or truncated .metadata
+            raise CheckpointError(f"cannot read the torch_dist checkpoint index {path / '.metadata'}: {exc}") from exc
+        saved = metadata.state_dict_metadata
+        ckpt = self.cfg.checkpoint
+        load_optim = not (ckpt.finetune or ckpt.no_load_optim)
+
+        model_state = self.model.state_dict()
+        chunks, objects = self._model_entries(model_state, saving=False)
+        chunks = self._fit(chunks, saved, root, tensors="model")
+        fp32 = None
+        if load_optim:
+            fp32 = self.optimizer.fp32_state()
+            fp32["masters"] = [m.detach().clone() if m is not None else None for m in fp32["masters"]]
+            if not self.optimizer.precision_aware and not self.optimizer.mixed:
+                fp32["masters"] = [None] * len(fp32["masters"])
+            chunks += self._fit(self._optimizer_entries(fp32, saving=False), saved, root, tensors="optimizer")
+        fp8_history = fp8_scale = None
+        has_fp8 = any(k.startswith("fp8.") and k.endswith(".scale") for k in saved)
+        if self.fp8 is not None and self.fp8.amax.history is not None and has_fp8 and not ckpt.finetune:
+            fp8_history, fp8_scale = self.fp8.amax.history.clone(), self.fp8.amax.scale.clone()
+            chunks += self._fit(self._fp8_entries(fp8_history, fp8_scale), saved, root, tensors="fp8")
+        wanted = set(objects) | {"train_state", "layout", "loss_scaler", "optimizer.step", "fp8.recipe"}
+        wanted |= {f"rng.{self.dims.rank}"} | {k for k in saved if k.startswith("fp8_guard.")}
+        objects = {k: None for k in wanted if isinstance(saved.get(k), BytesStorageMetadata)}
+        state, where = split_entries(chunks, objects)
+        planner = ChunkLoadPlanner(where)
+        try:
+            reader = FileSystemReader(path)
+            dcp.load(
+                state, storage_reader=reader, planner=planner, process_group=self.group, no_dist=self.group is None
+            )
+        except (CheckpointException, Exception) as exc:
+            raise CheckpointError(f"cannot read torch_dist checkpoint {path}: {_first_line(exc)}") from exc
+        loaded = planner.state_dict
+        train_state = loaded["train_state"]
+        _log(
+            f"> loaded torch_dist checkpoint {root} at iteration {iteration}, saved with layout {loaded['layout']}"
+            f" (this run: tp {self.dims.tp}, pp {self.dims.pp}, dp {self.dims.dp})"
+        )
+
+        # FP8 scales first: loading FP8 weights quantizes them with the current scales
+        if fp8_history is not None:
+            self.fp8.load_state_dict(
+                {"linears": list(self.fp8.states), "amax_history": fp8_history, "scale": fp8_scale}
+            )
+        for name in model_state:
+            fqn = "model." + global_name(name, self.layers)
+            if name.endswith("_extra_state"):
+                model_state[name] = loaded.get(fqn)
+        self.model.load_state_dict(model_state)
+        if ckpt.finetune:
+            return train_state
+        if load_optim:
+            assert fp32 is not None
+            owned = self.optimizer.owned()
+            for i, master in enumerate(fp32["masters"]):
+                if master is not None and self._absent(i, "main", saved):
+                    # saved from fp32 parameters: the loaded weights are the main copies
+                    param, start, stop = owned[i]
+                    value = param.dequantize() if is_fp8_param(param) else param.detach()
+                    fp32["masters"][i] = value.float().reshape(-1)[start:stop].reshape(master.shape).clone()
+            fp32["step"] = loaded.get("optimizer.step", 0)
+            note = self.optimizer.load_fp32_state(fp32)
+            if note:
+                _log(f"> {note} (checkpoint {root})")
+            self.loss_scaler.load_state_dict(loaded.get("loss_scaler") or {})
+        else:
+            self.optimizer.reload_model_params()
+        if self.monitor is not None:
+            stages = [v for k, v in loaded.items() if k.startswith("fp8_guard.") and v]
+            ours = set(self.layers)
+            layers = sorted({n for s in stages for n in s.get("bf16_layers", []) if n in ours})
+            self.monitor.load_state_dict({"bf16_layers": layers})
+        if not ckpt.no_load_rng:
+            self._load_rng(loaded, iteration)
+        return train_state
+
+    def _absent(self, index: int, kind: str, saved: dict[str, Any]) -> bool:
+        names = {id(p): n for n, p in self._params().items()}
+        param = self.optimizer.owned()[index][0]
+        return f"optimizer.{kind}.{global_name(names[id(param)], self.layers)}" not in saved
+
+    def _fit(self, chunks: list[Chunk], saved: dict[str, Any], root: str, tensors: str) -> list[Chunk]:
+        """Check this rank's chunks against the checkpoint's entries (missing, other shapes: one line naming them,
+        as --dist-ckpt-strictness says) and clip vocabulary chunks to the checkpoint's padding."""
+        strictness = self.cfg.checkpoint.dist_ckpt_strictness
+        fitted, missing, mismatched, padding = [], set(), set(), set()
+        for chunk in chunks:
+            entry = saved.get(chunk.fqn)
+            if not isinstance(entry, TensorStorageMetadata):
+                if chunk.fqn.startswith("optimizer.main."):
+                    continue  # saved from fp32 parameters: rebuilt from the weights
+                missing.add(chunk.fqn)
+                continue
+            shape = tuple(entry.size)
+            if shape != tuple(chunk.global_shape):
+                if chunk.fqn.endswith(VOCAB) and shape[1:] == tuple(chunk.global_shape[1:]):
+                    padding.add((chunk.global_shape[0], shape[0]))
+                    chunk = clip_vocab(chunk, shape[0])
+                    if chunk is None:
+                        continue
+                else:
+                    mismatched.add(f"{chunk.fqn}: checkpoint {list(shape)} vs this run {list(chunk.global_shape)}")
+                    continue
+            fitted.append(chunk)
+        if missing and strictness in ("log_all", "return_all", "ignore_all"):
+            if strictness != "ignore_all":
+                _log(f"> checkpoint {root} lacks {len(missing)} {tensors} tensors, left as they are: {_few(missing)}")
+        elif missing:
+            raise CheckpointError(
+                f"checkpoint {root} lacks {tensors} tensors this run needs (other model flags than the saved run?):"
+                f" {_few(missing)}"
+            )
+        if mismatched:
+            raise CheckpointError(
+                f"checkpoint {root} does not match the model (same model flags as the saved run?): {_few(mismatched)}"
+            )
+        for ours, theirs in sorted(padding):
+            _log(f"> vocabulary padded to {theirs} rows in the checkpoint, {ours} here: the rows both have are loaded")
+        if tensors == "model":
+            self._check_unexpected(saved, {c.fqn for c in chunks}, root, strictness)
+        return fitted
+
+    def _check_unexpected(self, saved: dict[str, Any], ours: set[str], root: str, strictness: str) -> None:
+        """Weights in the checkpoint that this model has no place for (another pipeline split is fine: ranks see
+        only their own layers, so the check counts this stage's layer range)."""
+        if strictness in ("assume_ok_unexpected", "ignore_all"):
+            return
+        stage = {f"decoder.layers.{n - 1}." for n in self.layers}
+        extra = set()
+        for fqn in saved:
+            if not fqn.startswith("model.") or fqn.endswith("_extra_state") or fqn in ours:
+                continue
+            name = fqn[len("model.") :]
+            if name.startswith("decoder.layers.") and not any(name.startswith(p) for p in stage):
+                continue
+            if not name.startswith("decoder.layers."):
+                continue  # embeddings, final norm, output layer: held by the first or last stage only
+            extra.add(fqn)
+        if not extra:
+            return
+        if strictness.startswith("raise"):
+            raise CheckpointError(f"checkpoint {root} holds weights this model has no place for: {_few(extra)}")
+        _log(f"> checkpoint {root} holds weights this model has no place for, ignored: {_few(extra)}")
+
+    def _load_rng(self, loaded: dict[str, Any], iteration: int) -> None:
+        layout = loaded["layout"]
+        same = (layout["tp"], layout["pp"], layout["dp"]) == (self.dims.tp, self.dims.pp, self.dims.dp)
+        state = loaded.get(f"rng.{self.dims.rank}")
+        if same and state is not None:
+            set_rng_state(state)
+            return
+        seed = self.cfg.training.seed + iteration
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        _log(
+            f"> random-number generators seeded afresh from --seed + iteration ({seed}): the checkpoint's per-rank"
+            f" streams belong to layout {layout}, not this one"
+        )
+
+    # ------------------------------------------------------------------ helpers
+
+    def _first(self) -> bool:
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+
+VOCAB = ("word_embeddings.weight", "output_layer.weight")
+
+
+def _check_format(root: str, path: Path, iteration: int) -> None:
+    if not path.is_dir():
+        raise CheckpointError(
+            f"{root}: {path.name} (named by the latest pointer, iteration {iteration}) is missing or damaged"
+        )
+    info = path / "metadata.json"
+    fmt = json.loads(info.read_text()).get("format", "torch") if info.exists() else None
+    if fmt != FORMAT:
+        raise CheckpointError(
+            f"{path} is not a torch_dist checkpoint (format {fmt or 'unknown'}): load it with --ckpt-format"
+            f" {fmt or 'torch'}, or convert it by resuming with that format and saving with --ckpt-format torch_dist"
+        )
+
+
+def _few(names: set[str], limit: int = 6) -> str:
+    names_list = sorted(names)
+    more = f" and {len(names_list) - limit} more" if len(names_list) > limit else ""
+    return ", ".join(names_list[:limit]) + more
+
+
+def _first_line(exc: BaseException) -> str:
+    failures = getattr(exc, "failures", None) or getattr(exc, "_failures", None)
+    if failures:
+        rank, failure = next(iter(failures.items()))
+        inner = getattr(failure, "exc", failure)
+        return f"rank {rank}: {str(inner).splitlines()[0] if str(inner) else type(inner).__name__}"
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
