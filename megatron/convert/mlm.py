@@ -126,7 +126,11 @@ def read_mlm(root: str | Path, true_vocab_size: int | None = None, log=print) ->
     def name(t: int, p: int) -> str:
         return f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
 
-    states = {(t, p): load_torch_file(folder / name(t, p) / "model_optim_rng.pt", foreign=True) for p in range(pp) for t in range(tp)}  # fmt: skip
+    states = {
+        (t, p): load_torch_file(folder / name(t, p) / "model_optim_rng.pt", foreign=True)
+        for p in range(pp)
+        for t in range(tp)
+    }
     first = states[(0, 0)]
     args = first.get("args")
     if args is None or not hasattr(args, "num_layers"):
@@ -151,7 +155,8 @@ def read_mlm(root: str | Path, true_vocab_size: int | None = None, log=print) ->
             key = pattern.sub(replacement, key)
         return key
 
-    first_layers, last_layers = _arg(args, "decoder_first_pipeline_num_layers"), _arg(args, "decoder_last_pipeline_num_layers")  # fmt: skip
+    first_layers = _arg(args, "decoder_first_pipeline_num_layers")
+    last_layers = _arg(args, "decoder_last_pipeline_num_layers")
     state = merge_layout({k: s["model"] for k, s in states.items()}, cfg, tp, pp, first_layers, last_layers, rename)
     source = f"Megatron-LM checkpoint {root} (iteration {iteration})"
     data = _tokenizer(args)
