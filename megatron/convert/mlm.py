@@ -146,6 +146,8 @@ def read_mlm(root: str | Path, true_vocab_size: int | None = None, log=print) ->
             f" {args.pipeline_model_parallel_size}, the folder holds mp_rank_* folders for {tp} x {pp}"
         )
     cfg = model_config(**config_from_args(args))
+    if _arg(args, "openai_gelu") and not cfg.swiglu:
+        log("> note: Megatron-LM's --openai-gelu (tanh approximation) runs as exact GELU here; logits differ slightly")
     tied = not cfg.untie_embeddings_and_output_weights
 
     def rename(key: str) -> str | None:

@@ -16,6 +16,7 @@ from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.unit.test_convert_checkpoint import LLAMA, full_of, write_megatron_lm
 
+transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools" / "checkpoint"))
 import convert as tool  # noqa: E402
@@ -51,7 +52,7 @@ def test_megatron_lm_checkpoint_converts_and_trains(tmp_path):
     convert(tmp_path / "mlm", tmp_path / "tp2", tp=2)
 
     tp1 = f"{FLAGS} --load {tmp_path / 'tp1'} --make-vocab-size-divisible-by 256"
-    trainer = Trainer(parse_args(f"{tp1} --finetune".split()))
+    trainer = Trainer(parse_args(f"{tp1} --finetune --save {tmp_path / 'trained'}".split()))
     loaded = full_of(trainer.model).state
     for name, tensor in full_of(model).state.items():
         torch.testing.assert_close(loaded[name], tensor, atol=0, rtol=0, msg=name)
@@ -61,6 +62,15 @@ def test_megatron_lm_checkpoint_converts_and_trains(tmp_path):
     run_distributed(_tp2_body, world_size=2, args=(str(tmp_path / "tp2"), str(tmp_path / "tp2.json")))
     tp2 = {int(k): v for k, v in json.loads((tmp_path / "tp2.json").read_text()).items()}
     assert tp2 == pytest.approx(losses, abs=1e-5)
+
+    # The trainer's own checkpoint (optimizer, RNG, no recorded vocabulary size) exports: same logits in transformers.
+    hf = tmp_path / "hf"
+    tool.convert(tool.parse(f"--loader native --saver hf --load-dir {tmp_path / 'trained'} --save-dir {hf}".split()))
+    tokens = torch.randint(0, 100, (2, 16))
+    with torch.no_grad():
+        ours = trainer.model.eval()(tokens)[..., :100]
+        theirs = transformers.LlamaForCausalLM.from_pretrained(hf).eval()(tokens).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
 
     with pytest.raises(CheckpointError, match="holds weights only .* add --finetune, or --no-load-optim"):
         Trainer(parse_args(tp1.split()))
