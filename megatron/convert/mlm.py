@@ -169,6 +169,7 @@ def read_mlm(root: str | Path, true_vocab_size: int | None = None, log=print) ->
     vocab = _vocab_size(args, data, rows, true_vocab_size, log)
     unpad_vocab(state, vocab, source)
     consumed = int(_arg(args, "consumed_train_samples", 0) or 0)
-    full = FullModel(cfg, vocab, state, source, 0 if iteration == "release" else int(iteration), consumed, data)
+    iteration = 0 if iteration == "release" else int(iteration)
+    full = FullModel(cfg, vocab, state, source, iteration, consumed, data, layout=(tp, pp))
     check_complete(full)
     return full

@@ -165,7 +165,8 @@ def read_torch(root: Path, true_vocab_size: int | None = None) -> FullModel:
     vocab = _true_vocab_size(config, true_vocab_size, first.get("vocab_size"))
     unpad_vocab(state, vocab, source)
     data = {k: v for k, v in config.get("data", {}).items() if k in _TOKENIZER_FIELDS}
-    full = FullModel(cfg, vocab, state, source, int(first.get("iteration", 0)), first.get("consumed_samples", 0), data)
+    iteration, consumed = int(first.get("iteration", 0)), first.get("consumed_samples", 0)
+    full = FullModel(cfg, vocab, state, source, iteration, consumed, data, layout=(tp, pp))
     check_complete(full)
     return full
 

@@ -46,6 +46,8 @@ class FullModel:
     consumed_samples: int = 0
     data: dict[str, Any] = field(default_factory=dict)
     """Tokenizer settings (DataConfig fields) the source names, carried into the written config."""
+    layout: tuple[int, int] | None = None
+    """The source's (tensor, pipeline) parallel sizes, where it has them: the saver's default layout."""
 
 
 def model_config(**values: Any) -> ModelConfig:

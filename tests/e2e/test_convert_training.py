@@ -33,6 +33,7 @@ FLAGS = (
 def convert(src: Path, dst: Path, tp: int, divisible_by: int = 128) -> None:
     argv = (
         f"--loader mcore --saver native --load-dir {src} --save-dir {dst} --target-tensor-parallel-size {tp}"
+        " --target-pipeline-parallel-size 1"
         f" --make-vocab-size-divisible-by {divisible_by}"
     )
     tool.convert(tool.parse(argv.split()), log=lambda *_: None)

@@ -104,7 +104,12 @@ def check_round_trip(tmp: Path, hf_dir: Path, hf_model, cls) -> None:
     expected = hf_model(x).logits.detach()
     run(f"--loader hf --saver native --load-dir {hf_dir} --save-dir {tmp / 'tp2pp2'} --target-tensor-parallel-size 2"
         " --target-pipeline-parallel-size 2")  # fmt: skip
-    run(f"--loader native --saver native --load-dir {tmp / 'tp2pp2'} --save-dir {tmp / 'tp1'}")
+    run(f"--loader native --saver native --load-dir {tmp / 'tp2pp2'} --save-dir {tmp / 'same'}")  # default: same layout
+    assert sorted(p.name for p in (tmp / "same" / "iter_0000000").glob("mp_rank_*"))[-1] == "mp_rank_01_001"
+    run(
+        f"--loader native --saver native --load-dir {tmp / 'same'} --save-dir {tmp / 'tp1'}"
+        " --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1"
+    )
     cfg = model_config(**load_checkpoint(str(tmp / "tp1"))["config"]["model"])
     cfg.hidden_dropout = cfg.attention_dropout = 0.0
     torch.testing.assert_close(logits_of(load_ours(tmp / "tp1", cfg), x), expected, atol=1e-5, rtol=0)
@@ -118,9 +123,9 @@ def test_llama_gqa_untied_round_trip(tmp_path):
     check_round_trip(tmp_path, hf_dir, model, transformers.LlamaForCausalLM)
 
 
-def test_llama_tied_with_biases_round_trip(tmp_path):
+def test_llama_tied_with_biases_and_kv_channels_round_trip(tmp_path):
     hf_dir, model = hf_llama(tmp_path, tie_word_embeddings=True, num_key_value_heads=4, attention_bias=True,
-                             mlp_bias=True)  # fmt: skip
+                             mlp_bias=True, head_dim=16)  # fmt: skip
     check_round_trip(tmp_path, hf_dir, model, transformers.LlamaForCausalLM)
 
 

@@ -45,11 +45,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--save-dir", required=True, help="Output folder; must not exist or be empty.")
     parser.add_argument(
         "--target-tensor-parallel-size", type=int, default=None,
-        help="Saver native: tensor-parallel size of the written checkpoint (default 1).",
+        help="Saver native: tensor-parallel size of the written checkpoint (default: the source's, else 1).",
     )  # fmt: skip
     parser.add_argument(
         "--target-pipeline-parallel-size", type=int, default=None,
-        help="Saver native: pipeline-parallel size of the written checkpoint (default 1).",
+        help="Saver native: pipeline-parallel size of the written checkpoint (default: the source's, else 1).",
     )  # fmt: skip
     parser.add_argument(
         "--true-vocab-size", type=int, default=None,
@@ -84,7 +84,8 @@ def convert(args: argparse.Namespace, log=print) -> None:
         if args.saver == "hf":
             what = write_hf(full, out)
         else:
-            tp, pp = args.target_tensor_parallel_size or 1, args.target_pipeline_parallel_size or 1
+            tp, pp = full.layout or (1, 1)
+            tp, pp = args.target_tensor_parallel_size or tp, args.target_pipeline_parallel_size or pp
             write_torch(full, out, tp, pp, args.make_vocab_size_divisible_by)
             what = f"checkpoint for tensor x pipeline {tp} x {pp} (iteration {full.iteration})"
     log(f"> wrote {what} to {args.save_dir} ({time.perf_counter() - start:.1f} s)")
