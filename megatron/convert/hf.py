@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .state import ConvertError, FullModel, check_complete, model_config
+from .state import ConvertError, FullModel, check_complete, model_config, own_storage
 
 INSTALL = "pip install -e .[hf] (transformers, safetensors)"
 
@@ -181,11 +181,7 @@ def write_hf(full: FullModel, out: Path) -> str:
     config, tensors = _hf_llama(full) if arch == "llama" else _hf_gpt2(full)
     dtypes = {t.dtype for t in tensors.values()}
     config["torch_dtype"] = str(max(dtypes, key=lambda d: torch.finfo(d).bits)).removeprefix("torch.")
-    for name, tensor in tensors.items():
-        tensor = tensor.contiguous()
-        if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-            tensor = tensor.clone()  # a view into a larger tensor (a split or a shared buffer): give it its own bytes
-        tensors[name] = tensor
+    tensors = {name: own_storage(tensor) for name, tensor in tensors.items()}
     safetensors.torch.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return config["architectures"][0]

@@ -12,9 +12,9 @@ Its QKV rows (per query group: the group's query heads, its key, its value) and 
 tensor-parallel rank) are laid out as here. A pipeline's last stage holds `output_layer.weight` also with tied
 embeddings (its copy of the word embeddings): dropped then.
 
-Megatron-LM's `torch_dist` checkpoints (iter_XXXXXXX/.metadata, *.distcp) are refused with a one-line error: their
-tensors are keyed by Megatron-Core's sharded-state-dict factories (layers stacked, SwiGLU split into its own axis),
-whose layout is not reproduced here yet; convert them to `torch` with Megatron-LM first (--ckpt-convert-format).
+Megatron-LM's `torch_dist` checkpoints (iter_XXXXXXX/.metadata, *.distcp, common.pt with the args) are read with
+torch.distributed.checkpoint in one process: Megatron-Core keys each tensor by name with its global shape, so no
+layout needs joining; homogeneous layers come stacked along a leading axis (see `_read_torch_dist`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from megatron.config.data import TOKENIZER_TYPES, DataConfig
 from megatron.data.tokenizers import build_tokenizer
@@ -110,15 +112,8 @@ def _vocab_size(args: Any, data: dict[str, Any], rows: int, given: int | None, l
         return rows
 
 
-def read_mlm(root: str | Path, true_vocab_size: int | None = None, log=print) -> FullModel:
-    """The newest checkpoint under a Megatron-LM --save folder as a FullModel."""
-    root = Path(root)
-    iteration, folder = find_iteration(root, "Megatron-LM checkpoint")
-    if (folder / ".metadata").exists() or (folder / "common.pt").exists():
-        raise ConvertError(
-            f"{folder} is a Megatron-LM torch_dist checkpoint, not supported yet: convert it to the legacy format"
-            " with Megatron-LM (--ckpt-convert-format torch --ckpt-convert-save DIR) and load that"
-        )
+def _read_legacy(folder: Path) -> tuple[Any, dict[str, Any], tuple[int, int]]:
+    """(args, merged Megatron-Core state dict, (tp, pp)) of a legacy `torch` checkpoint folder."""
     if any(len(p.name.split("_")) > 4 for p in folder.glob("mp_rank_*")):
         raise ConvertError(f"another architecture: {folder} has expert-parallel shards (mixture of experts)")
     tp, pp = detect_layout(folder)
@@ -132,9 +127,7 @@ def read_mlm(root: str | Path, true_vocab_size: int | None = None, log=print) ->
         for t in range(tp)
     }
     first = states[(0, 0)]
-    args = first.get("args")
-    if args is None or not hasattr(args, "num_layers"):
-        raise ConvertError(f"{folder} holds no Megatron-LM args: not a Megatron-LM checkpoint")
+    args = _check_args(first.get("args"), folder)
     if "model" not in first:
         chunks = sorted(k for k in first if re.fullmatch(r"model\d+", k))
         raise ConvertError(
@@ -146,20 +139,77 @@ def read_mlm(root: str | Path, true_vocab_size: int | None = None, log=print) ->
             f" {args.pipeline_model_parallel_size}, the folder holds mp_rank_* folders for {tp} x {pp}"
         )
     cfg = model_config(**config_from_args(args))
-    if _arg(args, "openai_gelu") and not cfg.swiglu:
-        log("> note: Megatron-LM's --openai-gelu (tanh approximation) runs as exact GELU here; logits differ slightly")
-    tied = not cfg.untie_embeddings_and_output_weights
-
-    def rename(key: str) -> str | None:
-        if key == "output_layer.weight" and tied:
-            return None
-        for pattern, replacement in _RENAMES:
-            key = pattern.sub(replacement, key)
-        return key
-
     first_layers = _arg(args, "decoder_first_pipeline_num_layers")
     last_layers = _arg(args, "decoder_last_pipeline_num_layers")
-    state = merge_layout({k: s["model"] for k, s in states.items()}, cfg, tp, pp, first_layers, last_layers, rename)
+    state = merge_layout({k: s["model"] for k, s in states.items()}, cfg, tp, pp, first_layers, last_layers)
+    return args, state, (tp, pp)
+
+
+def _check_args(args: Any, folder: Path) -> Any:
+    if args is None or not hasattr(args, "num_layers"):
+        raise ConvertError(f"{folder} holds no Megatron-LM args: not a Megatron-LM checkpoint")
+    return args
+
+
+_MODEL_KEY = re.compile(r"^(embedding|decoder|output_layer)\.")
+_STACKED = re.compile(r"^decoder\.layers\.(?!\d)(.*)$")
+
+
+def _read_torch_dist(folder: Path) -> tuple[Any, dict[str, Any], tuple[int, int]]:
+    """(args, Megatron-Core state dict, (tp, pp)) of a `torch_dist` checkpoint folder, read with
+    torch.distributed.checkpoint in this one process. Megatron-Core saves each model tensor whole (global shape,
+    whatever the layout): homogeneous layers stacked along a leading layer axis under `decoder.layers.<name>`,
+    SwiGLU's linear_fc1 as [gate; up] (or, with singleton local shards, as `<name>_w` and `<name>_v`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    args = _check_args(load_torch_file(folder / "common.pt", foreign=True).get("args"), folder)
+    reader = dcp.FileSystemReader(str(folder))
+    try:
+        metadata = reader.read_metadata()
+    except Exception as exc:
+        raise ConvertError(f"cannot read {folder / '.metadata'} (truncated?): {exc}") from None
+    tensors = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata) and _MODEL_KEY.match(key) and "_extra_state" not in key
+    }
+    try:
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
+    except Exception as exc:
+        raise ConvertError(
+            f"cannot read the tensors of {folder} (missing or truncated *.distcp files?): {exc}"
+        ) from None
+    state: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        match = _STACKED.match(key)
+        if match:
+            for i, layer in enumerate(tensor.unbind(0)):
+                state[f"decoder.layers.{i}.{match.group(1)}"] = layer
+        else:
+            state[key] = tensor
+    for key in [k for k in state if k.endswith("linear_fc1.weight_w") or k.endswith("linear_fc1.bias_w")]:
+        whole = key[:-2]
+        state[whole] = torch.cat([state.pop(key), state.pop(whole + "_v")], 0)
+    return args, state, (_arg(args, "tensor_model_parallel_size", 1), _arg(args, "pipeline_model_parallel_size", 1))
+
+
+def read_mlm(root: str | Path, true_vocab_size: int | None = None, log=print) -> FullModel:
+    """The newest checkpoint under a Megatron-LM --save folder (legacy `torch` or `torch_dist`) as a FullModel."""
+    root = Path(root)
+    iteration, folder = find_iteration(root, "Megatron-LM checkpoint")
+    dist = (folder / ".metadata").exists() or (folder / "common.pt").exists()
+    args, state, layout = _read_torch_dist(folder) if dist else _read_legacy(folder)
+    cfg = model_config(**config_from_args(args))
+    if _arg(args, "openai_gelu") and not cfg.swiglu:
+        log("> note: Megatron-LM's --openai-gelu (tanh approximation) runs as exact GELU here; logits differ slightly")
+    if not cfg.untie_embeddings_and_output_weights:
+        state.pop("output_layer.weight", None)  # the last pipeline stage's copy of the word embeddings
+    for key in list(state):
+        ours = key
+        for pattern, replacement in _RENAMES:
+            ours = pattern.sub(replacement, ours)
+        state[ours] = state.pop(key)
     source = f"Megatron-LM checkpoint {root} (iteration {iteration})"
     data = _tokenizer(args)
     rows = state["embedding.word_embeddings.weight"].shape[0] if "embedding.word_embeddings.weight" in state else 0
@@ -170,6 +220,6 @@ def read_mlm(root: str | Path, true_vocab_size: int | None = None, log=print) ->
     unpad_vocab(state, vocab, source)
     consumed = int(_arg(args, "consumed_train_samples", 0) or 0)
     iteration = 0 if iteration == "release" else int(iteration)
-    full = FullModel(cfg, vocab, state, source, iteration, consumed, data, layout=(tp, pp))
+    full = FullModel(cfg, vocab, state, source, iteration, consumed, data, layout=layout)
     check_complete(full)
     return full

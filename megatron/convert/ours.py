@@ -32,6 +32,7 @@ from .state import (
     check_complete,
     merge_tp,
     model_config,
+    own_storage,
     pad_vocab,
     split_tp,
     unpad_vocab,
@@ -236,7 +237,7 @@ def write_torch(full: FullModel, out: Path, tp: int, pp: int, divisible_by: int 
         shard = folder / model_parallel_name(t, p, pp)
         shard.mkdir()
         payload = {
-            "model": model,
+            "model": {name: own_storage(tensor) for name, tensor in model.items()},
             "config": config,
             "layout": layout,
             "iteration": full.iteration,

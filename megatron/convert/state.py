@@ -97,6 +97,15 @@ def split_tp(name: str, tensor: torch.Tensor, cfg: ModelConfig, tp: int) -> list
     return [torch.cat([c[r] for c in chunks], dim).clone() for r in range(tp)]
 
 
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` contiguous and alone in its storage: a view into a larger tensor (a split, a stacked layer, a
+    shared parameter buffer) would otherwise write that whole storage into the file."""
+    tensor = tensor.contiguous()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
+
+
 def pad_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     """Vocabulary rows padded to `rows` with zeros (Megatron-LM pads with copies of the mean; the padded ids never
     occur in data, so their value only matters for the softmax, where a zero row is a neutral logit)."""

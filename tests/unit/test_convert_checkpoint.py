@@ -15,7 +15,7 @@ import torch
 
 from megatron.checkpoint import check_model_state, load_checkpoint
 from megatron.convert import ConvertError, FullModel, atomic_output_dir, read_hf, read_mlm, read_ours, write_hf
-from megatron.convert.files import partial_dir
+from megatron.convert.files import load_torch_file, partial_dir
 from megatron.convert.ours import shard_state, write_torch
 from megatron.convert.state import model_config
 from megatron.data import padded_vocab_size
@@ -257,12 +257,43 @@ def test_megatron_lm_legacy_checkpoint_imports(tmp_path, te_spec, tied):
         torch.testing.assert_close(full.state[name], want[name], atol=0, rtol=0)
 
 
-def test_megatron_lm_torch_dist_is_refused(tmp_path):
-    (tmp_path / "iter_0000010").mkdir()
-    (tmp_path / "iter_0000010" / ".metadata").write_bytes(b"")
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")
-    with pytest.raises(ConvertError, match="torch_dist checkpoint, not supported yet"):
-        read_mlm(tmp_path)
+@pytest.mark.parametrize("singleton_swiglu", [False, True])
+def test_megatron_lm_torch_dist_checkpoint_imports(tmp_path, singleton_swiglu):
+    """Megatron-Core's torch_dist layout: whole tensors by name, homogeneous layers stacked on a leading axis,
+    linear_fc1 as [gate; up] (or `_w` / `_v` with singleton local shards), TE `_extra_state` as byte objects, the
+    args in common.pt."""
+    import torch.distributed.checkpoint as dcp
+
+    cfg = model_config(**LLAMA)
+    model = our_model(cfg)
+    write_megatron_lm(tmp_path / "legacy", cfg, tp=1, pp=1, te_spec=True)  # for its args
+    args = load_torch_file(tmp_path / "legacy/iter_0000050/mp_rank_00/model_optim_rng.pt", foreign=True)["args"]
+    args.attention_backend = "auto"  # the stand-in for Megatron-Core's enum does not pickle again
+    state, layers = {}, {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("decoder.layers."):
+            rest = name.split(".", 3)[3]
+            layers.setdefault(rest, []).append(tensor)
+        else:
+            state[name] = tensor
+    for rest, tensors in layers.items():
+        stacked = torch.stack(tensors)
+        if singleton_swiglu and rest == "mlp.linear_fc1.weight":
+            gate, up = stacked.chunk(2, 1)
+            state[f"decoder.layers.{rest}_w"], state[f"decoder.layers.{rest}_v"] = gate.clone(), up.clone()
+        else:
+            state[f"decoder.layers.{rest}"] = stacked
+    state["decoder.layers.self_attention.linear_qkv._extra_state/shard_0_4"] = io.BytesIO(b"te")
+    folder = tmp_path / "dist" / "iter_0000020"
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    torch.save({"args": args, "iteration": 20, "checkpoint_version": 3.0}, folder / "common.pt")
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (tmp_path / "dist" / "latest_checkpointed_iteration.txt").write_text("20")
+    full = read_mlm(tmp_path / "dist", log=lambda *_: None)
+    want = full_of(model).state
+    assert full.iteration == 20 and full.state.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(full.state[name], want[name], atol=0, rtol=0)
 
 
 # -------------------------------------------------------------------------------------------------- errors

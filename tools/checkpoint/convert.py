@@ -7,12 +7,12 @@ Megatron-LM's tools/checkpoint/convert.py: a loader reads the source, a saver wr
         --target-pipeline-parallel-size 2
     # this project (any layout) -> Hugging Face (config.json + model.safetensors)
     python tools/checkpoint/convert.py --model-type GPT --loader native --saver hf --load-dir ckpt/run --save-dir hf/run
-    # Megatron-LM (legacy torch format, Megatron-Core names) -> this project, resharded
+    # Megatron-LM (torch or torch_dist format, Megatron-Core names) -> this project, resharded
     python tools/checkpoint/convert.py --model-type GPT --loader mcore --saver native --load-dir mlm/ckpt \\
         --save-dir ckpt/from_mlm --target-tensor-parallel-size 1
 
 Loaders: native (this project's checkpoints, --ckpt-format torch), hf (LlamaForCausalLM or GPT2LMHeadModel, told
-apart by config.json), mcore (Megatron-LM's --ckpt-format torch checkpoints). Savers: native, hf (Llama when the
+apart by config.json), mcore (Megatron-LM's torch and torch_dist checkpoints). Savers: native, hf (Llama when the
 model is RMSNorm + SwiGLU + RoPE, GPT-2 when LayerNorm + GELU + learned positions). A native checkpoint written
 here holds weights and the model configuration only: train from it with `--load DIR --finetune`, or with
 `--no-load-optim --no-load-rng` to keep counting from the source's iteration. The output appears only when
