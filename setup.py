@@ -11,7 +11,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "numpy", "sentencepiece", "regex", "tensorboard"],
     extras_require={
-        "test": ["pytest", "ruff", "tokenizers", "matplotlib", "tiktoken", "pyyaml"],
+        "test": ["pytest", "ruff", "tokenizers", "matplotlib", "tiktoken", "pyyaml", "transformers", "safetensors"],
         "tiktoken": ["tiktoken"],
         "te": ["transformer-engine[pytorch]"],
         "hf": ["tokenizers", "transformers", "safetensors"],

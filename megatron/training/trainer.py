@@ -268,6 +268,11 @@ class Trainer:
         if ckpt_cfg.finetune:
             self.optimizer.reload_model_params()
             return
+        if "converted_from" in state and not (ckpt_cfg.no_load_optim and ckpt_cfg.no_load_rng):
+            raise CheckpointError(
+                f"checkpoint {ckpt_cfg.load} holds weights only (converted from {state['converted_from']}): add"
+                " --finetune, or --no-load-optim --no-load-rng to continue from its iteration"
+            )
         self.state.iteration = state["iteration"]
         self.state.consumed_samples = state["consumed_samples"]
         self.state.skipped_iters = state.get("skipped_iters", 0)

@@ -1,0 +1,105 @@
+"""Convert checkpoints between this project, Hugging Face `transformers` and Megatron-LM (command line shaped like
+Megatron-LM's tools/checkpoint/convert.py: a loader reads the source, a saver writes the target).
+
+    # Hugging Face Llama / GPT-2 -> this project, for 2-way tensor x 2-way pipeline parallelism
+    python tools/checkpoint/convert.py --model-type GPT --loader hf --saver native \\
+        --load-dir Llama-3.2-1B --save-dir ckpt/llama --target-tensor-parallel-size 2 \\
+        --target-pipeline-parallel-size 2
+    # this project (any layout) -> Hugging Face (config.json + model.safetensors)
+    python tools/checkpoint/convert.py --model-type GPT --loader native --saver hf --load-dir ckpt/run --save-dir hf/run
+    # Megatron-LM (torch or torch_dist format, Megatron-Core names) -> this project, resharded
+    python tools/checkpoint/convert.py --model-type GPT --loader mcore --saver native --load-dir mlm/ckpt \\
+        --save-dir ckpt/from_mlm --target-tensor-parallel-size 1
+
+Loaders: native (this project's checkpoints, --ckpt-format torch), hf (LlamaForCausalLM or GPT2LMHeadModel, told
+apart by config.json), mcore (Megatron-LM's torch and torch_dist checkpoints). Savers: native, hf (Llama when the
+model is RMSNorm + SwiGLU + RoPE, GPT-2 when LayerNorm + GELU + learned positions). A native checkpoint written
+here holds weights and the model configuration only: train from it with `--load DIR --finetune`, or with
+`--no-load-optim --no-load-rng` to keep counting from the source's iteration. The output appears only when
+complete (it is written to a hidden `.NAME.partial` folder beside --save-dir, then renamed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from megatron.errors import UserError  # noqa: E402
+
+LOADERS = ("native", "hf", "mcore")
+SAVERS = ("native", "hf")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--model-type", default="GPT", choices=["GPT"], help="Model family (GPT only, as here).")
+    parser.add_argument("--loader", required=True, choices=LOADERS, help="Format of --load-dir.")
+    parser.add_argument("--saver", required=True, choices=SAVERS, help="Format to write into --save-dir.")
+    parser.add_argument("--load-dir", required=True, help="Checkpoint folder (--save of a run) or Hugging Face folder.")
+    parser.add_argument("--save-dir", required=True, help="Output folder; must not exist or be empty.")
+    parser.add_argument(
+        "--target-tensor-parallel-size", type=int, default=None,
+        help="Saver native: tensor-parallel size of the written checkpoint (default: the source's, else 1).",
+    )  # fmt: skip
+    parser.add_argument(
+        "--target-pipeline-parallel-size", type=int, default=None,
+        help="Saver native: pipeline-parallel size of the written checkpoint (default: the source's, else 1).",
+    )  # fmt: skip
+    parser.add_argument(
+        "--true-vocab-size", type=int, default=None,
+        help="The tokenizer's vocabulary size, without padding (default: from the source's tokenizer settings).",
+    )  # fmt: skip
+    parser.add_argument(
+        "--make-vocab-size-divisible-by", type=int, default=128,
+        help="Saver native: pad the vocabulary to a multiple of this times the tensor-parallel size (Megatron-LM's"
+        " rule; use the value the training run will be given).",
+    )  # fmt: skip
+    return parser.parse_args(argv)
+
+
+def convert(args: argparse.Namespace, log=print) -> None:
+    from megatron.convert import atomic_output_dir, read_hf, read_mlm, read_ours, write_hf, write_torch
+    from megatron.convert.state import ConvertError
+
+    if args.saver != "native" and (args.target_tensor_parallel_size or args.target_pipeline_parallel_size):
+        raise ConvertError("--target-tensor/pipeline-parallel-size apply to --saver native only")
+    start = time.perf_counter()
+    if args.loader == "native":
+        full = read_ours(args.load_dir, args.true_vocab_size)
+    elif args.loader == "hf":
+        full = read_hf(args.load_dir, args.true_vocab_size, log)
+    else:
+        full = read_mlm(args.load_dir, args.true_vocab_size, log)
+    count = sum(t.numel() for t in full.state.values())
+    log(f"> read {full.source}: {count / 1e6:.1f}M parameters, vocabulary {full.vocab_size}"
+        f" ({time.perf_counter() - start:.1f} s)")  # fmt: skip
+    start = time.perf_counter()
+    with atomic_output_dir(args.save_dir, log) as out:
+        if args.saver == "hf":
+            what = write_hf(full, out)
+        else:
+            tp, pp = full.layout or (1, 1)
+            tp, pp = args.target_tensor_parallel_size or tp, args.target_pipeline_parallel_size or pp
+            write_torch(full, out, tp, pp, args.make_vocab_size_divisible_by)
+            what = f"checkpoint for tensor x pipeline {tp} x {pp} (iteration {full.iteration})"
+    log(f"> wrote {what} to {args.save_dir} ({time.perf_counter() - start:.1f} s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        convert(args)
+    except UserError as exc:
+        print(f"convert.py: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
