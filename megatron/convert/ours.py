@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -256,14 +257,55 @@ def detect_format(root: Path) -> str:
     return "torch_dist" if (folder / ".metadata").exists() else "torch"
 
 
-def _read_torch_dist(root: Path, true_vocab_size: int | None = None) -> FullModel:
-    raise ConvertError(
-        f"{root} is a --ckpt-format torch_dist checkpoint, which this tool cannot read yet; load it in a run and"
-        " save it with --ckpt-format torch"
-    )
+def read_torch_dist(root: Path, true_vocab_size: int | None = None) -> FullModel:
+    """A `--ckpt-format torch_dist` checkpoint as a FullModel: its weights are stored whole under global layer
+    numbers (docs/checkpoints.md), so one process reads them with DCP whatever layout saved them; the optimizer's
+    entries are not read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    iteration, folder = find_iteration(root)
+    reader = dcp.FileSystemReader(str(folder))
+    try:
+        entries = reader.read_metadata().state_dict_metadata
+    except Exception as exc:  # DCP raises what its unpickler or the file system raised
+        raise ConvertError(f"{folder}: cannot read the torch_dist metadata ({type(exc).__name__}: {exc})") from None
+    if "train_state" not in entries:
+        raise ConvertError(f"{folder} is not a torch_dist checkpoint of this project (no train_state)")
+    state: dict[str, Any] = {
+        name: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for name, meta in entries.items()
+        if name.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    state["train_state"] = None
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in a single process: that is the intent
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except Exception as exc:
+        raise ConvertError(f"{folder}: the torch_dist checkpoint does not load ({type(exc).__name__}: {exc})") from None
+    train_state = state.pop("train_state")
+    config = train_state["config"]
+    cfg = model_config(**config["model"])
+    # Stacked matrices split separately over tensor-parallel ranks are stored with a leading parts axis (SwiGLU's
+    # fc1 [gate; up] as [2, ffn, hidden], its bias [2, ffn]): one axis more than a weight (2) or a bias (1) has.
+    def whole(name: str, t: torch.Tensor) -> torch.Tensor:
+        return t.flatten(0, 1) if t.dim() == (3 if name.endswith("weight") else 2) else t
+
+    weights = {name.removeprefix("model."): whole(name, t) for name, t in state.items()}
+    source = f"checkpoint {root} (iteration {iteration})"
+    vocab = _true_vocab_size(config, true_vocab_size, None)
+    unpad_vocab(weights, vocab, source)
+    data = {k: v for k, v in config.get("data", {}).items() if k in _TOKENIZER_FIELDS}
+    par = config.get("parallel", {})
+    layout = (par.get("tensor_model_parallel_size", 1), par.get("pipeline_model_parallel_size", 1))
+    consumed = int(train_state.get("consumed_samples", 0))
+    full = FullModel(cfg, vocab, weights, source, int(train_state.get("iteration", iteration)), consumed, data, layout)
+    check_complete(full)
+    return full
 
 
-READERS: dict[str, Callable[..., FullModel]] = {"torch": read_torch, "torch_dist": _read_torch_dist}
+READERS: dict[str, Callable[..., FullModel]] = {"torch": read_torch, "torch_dist": read_torch_dist}
 WRITERS: dict[str, Callable[..., None]] = {"torch": write_torch}
 
 

@@ -367,3 +367,24 @@ def test_vocabulary_rows_and_padding():
     shards = shard_state(full, tp=2, pp=1, padded=256)
     assert shards[(0, 0)]["embedding.word_embeddings.weight"].shape == (128, 32)
     assert torch.all(shards[(1, 0)]["output_layer.weight"][VOCAB - 128 :] == 0)
+
+
+def test_torch_dist_checkpoint_reads_as_the_torch_one(tmp_path):
+    """The same run saved in both formats converts to the same weights (SwiGLU's fc1 stored [2, ffn, hidden] and its
+    bias [2, ffn] in torch_dist come back [gate; up]); the HF export of the torch_dist one loads in transformers."""
+    import pretrain_gpt
+
+    flags = (
+        "--mock-data --vocab-size 100 --num-layers 2 --hidden-size 32 --num-attention-heads 4 --group-query-attention"
+        " --num-query-groups 2 --swiglu --ffn-hidden-size 48 --normalization RMSNorm --position-embedding-type rope"
+        " --seq-length 16 --max-position-embeddings 16 --micro-batch-size 2 --train-iters 2 --eval-iters 0"
+        " --hidden-dropout 0 --attention-dropout 0 --untie-embeddings-and-output-weights --transformer-impl local"
+    )
+    for fmt in ("torch", "torch_dist"):
+        assert pretrain_gpt.main(f"{flags} --ckpt-format {fmt} --save {tmp_path / fmt}".split()) == 0
+    plain, dist = read_ours(tmp_path / "torch"), read_ours(tmp_path / "torch_dist")
+    assert dist.state.keys() == plain.state.keys() and (dist.iteration, dist.vocab_size) == (2, plain.vocab_size)
+    for name in plain.state:
+        torch.testing.assert_close(dist.state[name], plain.state[name], atol=0, rtol=0, msg=name)
+    run(f"--loader native --saver hf --load-dir {tmp_path / 'torch_dist'} --save-dir {tmp_path / 'hf'}")
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf") is not None
