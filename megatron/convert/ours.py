@@ -287,6 +287,7 @@ def read_torch_dist(root: Path, true_vocab_size: int | None = None) -> FullModel
     train_state = state.pop("train_state")
     config = train_state["config"]
     cfg = model_config(**config["model"])
+
     # Stacked matrices split separately over tensor-parallel ranks are stored with a leading parts axis (SwiGLU's
     # fc1 [gate; up] as [2, ffn, hidden], its bias [2, ffn]): one axis more than a weight (2) or a bias (1) has.
     def whole(name: str, t: torch.Tensor) -> torch.Tensor:
