@@ -228,20 +228,30 @@ class Config:
             return
         require(
             pp > 1,
-            f"{vpp} virtual pipeline stages per rank need --pipeline-model-parallel-size > 1 (the interleaved"
-            " schedule interleaves pipeline stages); drop the virtual pipeline flag",
+            f"--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank: {vpp} virtual pipeline"
+            " stages per rank need --pipeline-model-parallel-size > 1; drop the virtual pipeline flag",
         )
         chunk_layer_numbers(
             layers, pp, 0, vpp, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
         )
+        group = par.microbatch_group_size_per_virtual_pipeline_stage or pp
+        flag = "--microbatch-group-size-per-virtual-pipeline-stage"
         per_step = self.training.micro_batch_size * self.data_parallel_size
         for _, batch in BatchSchedule.from_config(self).phases:
             micro = batch // per_step
+            what = f"global batch size {batch} makes {micro} micro-batches (of --micro-batch-size x data-parallel size"
+            what += f" = {per_step})"
             require(
-                micro % pp == 0,
-                f"the interleaved pipeline schedule needs a number of micro-batches per step that is a multiple of"
-                f" --pipeline-model-parallel-size ({pp}); global batch size {batch} makes {micro} (of"
-                f" --micro-batch-size x data-parallel size = {per_step})",
+                pp <= group <= micro,
+                f"the interleaved pipeline schedule runs micro-batches in groups of {flag} (default"
+                f" --pipeline-model-parallel-size), {group}, which must lie between the pipeline size {pp} and the"
+                f" micro-batches per step: {what}",
+            )
+            require(
+                micro % group == 0 or micro % group >= pp,
+                f"the interleaved pipeline schedule needs the micro-batches per step to be a multiple of {flag}"
+                f" (default --pipeline-model-parallel-size), {group}, or to leave a last group of at least {pp}:"
+                f" {what}",
             )
 
     def _resolve_transformer_impl(self) -> None:

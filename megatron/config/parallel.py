@@ -69,6 +69,11 @@ class ParallelConfig:
     """Model chunks (virtual pipeline stages) per pipeline rank for the interleaved 1F1B schedule (the other way to
     ask for it than --num-layers-per-virtual-pipeline-stage; give one of the two). Each rank's layers, also those of
     an uneven first or last stage, must divide evenly over its chunks."""
+    microbatch_group_size_per_virtual_pipeline_stage: int | None = None
+    """Interleaved schedule: micro-batches that each virtual stage runs in a row (forward, and backward) before the
+    next chunk takes them; default the pipeline size (depth-first). Between --pipeline-model-parallel-size and the
+    micro-batches per step, and those must be a multiple of it or leave a last group of at least the pipeline
+    size. Larger groups keep more micro-batches' activations in flight."""
 
     def finalize(self) -> None:
         require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size must be >= 1")
@@ -97,7 +102,11 @@ class ParallelConfig:
             self.cp_comm_type == ["p2p"],
             "--cp-comm-type configures context parallelism, issue 17 (not implemented yet); drop the flag",
         )
-        for name in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"):
+        for name in (
+            "num_layers_per_virtual_pipeline_stage",
+            "num_virtual_stages_per_pipeline_rank",
+            "microbatch_group_size_per_virtual_pipeline_stage",
+        ):
             value = getattr(self, name)
             require(value is None or value >= 1, f"--{name.replace('_', '-')} must be >= 1")
         require(

@@ -3,11 +3,12 @@ chunk c of rank r is virtual stage c * pp + r, so a micro-batch passes every ran
 split into vpp times more, vpp times smaller pieces, which shrinks the pipeline bubble by vpp (at vpp times the
 point-to-point traffic).
 
-Compute order (what each rank runs, in Megatron-LM's order): the micro-batches go in groups of pp; within a group,
-chunk 0 runs forward for each of the group's micro-batches, then chunk 1, ...; backward passes visit the chunks in
-reverse. Rank r first runs (pp - r - 1) * 2 + (vpp - 1) * pp forward passes (warm-up), then alternates one forward
-and one backward, then drains the remaining backward passes. Megatron-LM needs the number of micro-batches to be a
-multiple of pp for this order (the config checks it for every step's batch size).
+Compute order (what each rank runs, in Megatron-LM's order): the micro-batches go in groups of g (default pp,
+--microbatch-group-size-per-virtual-pipeline-stage); within a group, chunk 0 runs forward for each of the group's
+micro-batches, then chunk 1, ...; backward passes visit the chunks in reverse. Rank r first runs
+(pp - r - 1) * 2 + (vpp - 1) * g forward passes (warm-up), then alternates one forward and one backward, then drains
+the remaining backward passes. As in Megatron-LM, pp <= g <= m, and the last group is whole or at least pp long
+(the config checks it for every step's batch size).
 
 Communication: every rank knows every rank's compute order, so the whole schedule is laid out on a common clock
 (`tick_plan`): at each tick a rank runs its next pass if its input was produced at an earlier tick, then exchanges,
@@ -40,17 +41,21 @@ class Pass:
     chunk: int
 
 
-def compute_order(pp: int, rank: int, vpp: int, num_micro: int, forward_only: bool = False) -> list[Pass]:
-    """Rank `rank`'s forward and backward passes in Megatron-LM's interleaved order."""
+def compute_order(
+    pp: int, rank: int, vpp: int, num_micro: int, forward_only: bool = False, group: int | None = None
+) -> list[Pass]:
+    """Rank `rank`'s forward and backward passes in Megatron-LM's interleaved order, micro-batches in groups of
+    `group` (default `pp`)."""
+    group = group or pp
     table = []  # (micro-batch, chunk) of each forward pass
-    for start in range(0, num_micro, pp):
-        stop = num_micro if start + pp >= num_micro else start + pp  # a short last group takes the rest
+    for start in range(0, num_micro, group):
+        stop = num_micro if start + group >= num_micro else start + group  # the last group takes the rest
         table += [(micro, chunk) for chunk in range(vpp) for micro in range(start, stop)]
     forwards = [Pass(True, micro, chunk) for micro, chunk in table]
     if forward_only:
         return forwards
     backwards = [Pass(False, micro, vpp - 1 - chunk) for micro, chunk in table]
-    warmup = min((pp - rank - 1) * 2 + (vpp - 1) * pp, len(table))
+    warmup = min((pp - rank - 1) * 2 + (vpp - 1) * group, len(table))
     order = forwards[:warmup]
     for i in range(len(table) - warmup):
         order += [forwards[warmup + i], backwards[i]]
@@ -66,9 +71,11 @@ def _producer(pp: int, vpp: int, rank: int, p: Pass) -> tuple[int, Pass] | None:
     return stage % pp, Pass(p.forward, p.micro, stage // pp)
 
 
-def tick_plan(pp: int, vpp: int, num_micro: int, forward_only: bool = False) -> list[list[Pass | None]]:
+def tick_plan(
+    pp: int, vpp: int, num_micro: int, forward_only: bool = False, group: int | None = None
+) -> list[list[Pass | None]]:
     """For every rank, the pass it runs at each tick (None: idle): as early as its order and its input allow."""
-    orders = [compute_order(pp, r, vpp, num_micro, forward_only) for r in range(pp)]
+    orders = [compute_order(pp, r, vpp, num_micro, forward_only, group) for r in range(pp)]
     done: dict[tuple[int, Pass], int] = {}
     plan: list[list[Pass | None]] = [[] for _ in range(pp)]
     position = [0] * pp
@@ -101,12 +108,14 @@ def run_interleaved(
     dtype: torch.dtype,
     device: torch.device,
     forward_only: bool = False,
+    group: int | None = None,
 ) -> list[torch.Tensor]:
-    """Run the interleaved schedule over `num_micro_batches` (forward and backward, or forward only); returns the
-    detached losses (last rank only). Every rank draws each micro-batch from `batches` once, in order."""
+    """Run the interleaved schedule over `num_micro_batches` (forward and backward, or forward only), micro-batches
+    in groups of `group` (default pp); returns the detached losses (last rank only). Every rank draws each
+    micro-batch from `batches` once, in order."""
     pp, rank = dims.pp, dims.pp_rank
     last_stage = pp * vpp - 1
-    plan = tick_plan(pp, vpp, num_micro_batches, forward_only)
+    plan = tick_plan(pp, vpp, num_micro_batches, forward_only, group)
     prev, nxt = (rank - 1) % pp, (rank + 1) % pp
     inputs: dict[tuple[int, int], torch.Tensor | None] = {}  # (micro, chunk) -> received activations
     output_grads: dict[tuple[int, int], torch.Tensor] = {}

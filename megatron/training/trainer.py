@@ -415,7 +415,8 @@ class Trainer:
         where = (self.dims, shape, self.dtype, self.device)
         if self.stage.num_chunks > 1:
             vpp = self.stage.num_chunks
-            losses = run_interleaved(stage_forward, batches, num_micro, vpp, *where, forward_only=not train)
+            group = self.cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage
+            losses = run_interleaved(stage_forward, batches, num_micro, vpp, *where, not train, group)
         else:
             schedule = forward_backward_1f1b if train else forward_only
             losses = schedule(stage_forward, batches, num_micro, *where)
