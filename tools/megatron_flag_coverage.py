@@ -115,12 +115,14 @@ REASONS = {
     "--hierarchical-context-parallel-sizes": "context parallelism: issue 17",
     **dict.fromkeys(
         [
-            "--overlap-p2p-communication-warmup-flush",
-            "--microbatch-group-size-per-virtual-pipeline-stage",
             "--account-for-embedding-in-pipeline-split",
             "--account-for-loss-in-pipeline-split",
         ],
-        "interleaved/virtual pipeline layout: issue 17",
+        "embedding or loss counted as a layer in the pipeline split: not implemented",
+    ),
+    **dict.fromkeys(
+        ["--overlap-p2p-communication-warmup-flush"],
+        "overlapped point-to-point communication in the pipeline's warm-up and flush: not implemented",
     ),
     "--use-tp-pp-dp-mapping": "alternative rank order of the process groups: not implemented",
     "--num-distributed-optimizer-instances": "several distributed-optimizer instances: not implemented",

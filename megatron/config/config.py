@@ -187,15 +187,71 @@ class Config:
                     f"--seq-length ({model.seq_length}) must be divisible by --tensor-model-parallel-size ({tp})"
                     " with --sequence-parallel",
                 )
-        per_virtual_stage = par.num_layers_per_virtual_pipeline_stage
-        require(
-            per_virtual_stage is None or per_virtual_stage * pp == model.num_layers,
-            "--num-layers-per-virtual-pipeline-stage: the interleaved pipeline schedule is issue 17 (not implemented"
-            " yet); drop the flag",
-        )
         if pp > 1:
             stage_layer_numbers(
                 model.num_layers, pp, 0, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
+            )
+        self._check_virtual_pipeline()
+
+    @property
+    def virtual_pipeline_size(self) -> int:
+        """Model chunks per pipeline rank: more than 1 runs the interleaved 1F1B schedule."""
+        par = self.parallel
+        if par.num_virtual_stages_per_pipeline_rank is not None:
+            return par.num_virtual_stages_per_pipeline_rank
+        if par.num_layers_per_virtual_pipeline_stage is not None:
+            per_rank = self.model.num_layers // par.pipeline_model_parallel_size
+            return per_rank // par.num_layers_per_virtual_pipeline_stage
+        return 1
+
+    def _check_virtual_pipeline(self) -> None:
+        """What the interleaved schedule needs (Megatron-LM's rules)."""
+        from megatron.parallel.pipeline import chunk_layer_numbers
+        from megatron.training.batch_schedule import BatchSchedule
+
+        par, layers, pp = self.parallel, self.model.num_layers, self.parallel.pipeline_model_parallel_size
+        per_stage = par.num_layers_per_virtual_pipeline_stage
+        if per_stage is not None:
+            flag = f"--num-layers-per-virtual-pipeline-stage {per_stage}"
+            require(
+                par.decoder_first_pipeline_num_layers is None and par.decoder_last_pipeline_num_layers is None,
+                f"{flag} with --decoder-first/last-pipeline-num-layers: give the virtual pipeline size as"
+                " --num-virtual-stages-per-pipeline-rank instead",
+            )
+            require(
+                layers % pp == 0 and (layers // pp) % per_stage == 0,
+                f"{flag}: the layers per pipeline stage (--num-layers {layers} / --pipeline-model-parallel-size"
+                f" {pp}) must be a multiple of it",
+            )
+        vpp = self.virtual_pipeline_size
+        if vpp == 1:
+            return
+        require(
+            pp > 1,
+            f"--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank: {vpp} virtual pipeline"
+            " stages per rank need --pipeline-model-parallel-size > 1; drop the virtual pipeline flag",
+        )
+        chunk_layer_numbers(
+            layers, pp, 0, vpp, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
+        )
+        group = par.microbatch_group_size_per_virtual_pipeline_stage or pp
+        flag = "--microbatch-group-size-per-virtual-pipeline-stage"
+        per_step = self.training.micro_batch_size * self.data_parallel_size
+        for _, batch in BatchSchedule.from_config(self).phases:
+            micro = batch // per_step
+            what = f"global batch size {batch} makes {micro} micro-batches (of --micro-batch-size x data-parallel size"
+            what += f" = {per_step})"
+            require(
+                pp <= group <= micro,
+                f"the interleaved pipeline schedule runs micro-batches in groups of {flag} (default"
+                f" --pipeline-model-parallel-size), {group}, which must lie between the pipeline size {pp} and the"
+                f" micro-batches per step: {what}",
+            )
+            require(
+                micro % group == 0 or micro % group >= pp,
+                f"the interleaved pipeline schedule needs the micro-batches per step to be a multiple of {flag}"
+                f" (default --pipeline-model-parallel-size), {group}, or to leave a last group of at least {pp}:"
+                f" {what}",
             )
 
     def _resolve_transformer_impl(self) -> None:

@@ -59,11 +59,21 @@ class ParallelConfig:
     """Megatron-LM: the context-parallel attention's communication (p2p, all_gather, a2a, a2a+p2p), one value or
     one per layer. Only the default parses (there is no context parallelism here yet, issue 17)."""
     num_layers_per_virtual_pipeline_stage: int | None = None
-    """Megatron-LM: layers per virtual stage of the interleaved pipeline schedule. Interleaving is issue 17: a
-    value stops with an error unless it is the whole stage (no interleaving)."""
+    """Transformer layers per virtual pipeline stage: each pipeline rank holds (layers per rank) / this many model
+    chunks and runs the interleaved 1F1B schedule, whose pipeline bubble is that many times smaller (at as many
+    times the point-to-point traffic). Chunk c of rank r is virtual stage c * PP + r. Needs
+    --pipeline-model-parallel-size > 1 when it makes more than one chunk, and a number of micro-batches per step
+    that is a multiple of the pipeline size; with --decoder-first/last-pipeline-num-layers use
+    --num-virtual-stages-per-pipeline-rank instead."""
     num_virtual_stages_per_pipeline_rank: int | None = None
-    """Megatron-LM: virtual stages per pipeline rank (interleaved schedule). Interleaving is issue 17: only 1 (no
-    interleaving) parses."""
+    """Model chunks (virtual pipeline stages) per pipeline rank for the interleaved 1F1B schedule (the other way to
+    ask for it than --num-layers-per-virtual-pipeline-stage; give one of the two). Each rank's layers, also those of
+    an uneven first or last stage, must divide evenly over its chunks."""
+    microbatch_group_size_per_virtual_pipeline_stage: int | None = None
+    """Interleaved schedule: micro-batches that each virtual stage runs in a row (forward, and backward) before the
+    next chunk takes them; default the pipeline size (depth-first). Between --pipeline-model-parallel-size and the
+    micro-batches per step, and those must be a multiple of it or leave a last group of at least the pipeline
+    size. Larger groups keep more micro-batches' activations in flight."""
 
     def finalize(self) -> None:
         require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size must be >= 1")
@@ -92,8 +102,15 @@ class ParallelConfig:
             self.cp_comm_type == ["p2p"],
             "--cp-comm-type configures context parallelism, issue 17 (not implemented yet); drop the flag",
         )
+        for name in (
+            "num_layers_per_virtual_pipeline_stage",
+            "num_virtual_stages_per_pipeline_rank",
+            "microbatch_group_size_per_virtual_pipeline_stage",
+        ):
+            value = getattr(self, name)
+            require(value is None or value >= 1, f"--{name.replace('_', '-')} must be >= 1")
         require(
-            self.num_virtual_stages_per_pipeline_rank in (None, 1),
-            "--num-virtual-stages-per-pipeline-rank: the interleaved pipeline schedule is issue 17 (not implemented"
-            " yet); drop the flag",
+            self.num_layers_per_virtual_pipeline_stage is None or self.num_virtual_stages_per_pipeline_rank is None,
+            "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank both set the virtual"
+            " pipeline size: give one of them",
         )

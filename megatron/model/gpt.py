@@ -47,15 +47,43 @@ from .transformer import TransformerLayer
 @dataclass(frozen=True)
 class Stage:
     """The part of the model a pipeline stage holds: global layer numbers (1-based), and whether it embeds the
-    tokens (first stage) and computes the loss (last stage). One stage holds everything."""
+    tokens (first stage) and computes the loss (last stage). One stage holds everything.
+
+    Under the interleaved schedule a stage holds several model chunks (virtual stages), each a run of consecutive
+    layers: `chunk_sizes` gives their layer counts, in `layer_numbers`' order (empty: one chunk). Chunk 0 of the
+    first stage embeds, the last chunk of the last stage computes the loss. One module holds all chunks, so the
+    optimizer, gradient buffers, FP8 state and checkpoints (which name layers by their global numbers) see one model
+    per rank, as without interleaving."""
 
     layer_numbers: tuple[int, ...]
     pre_process: bool = True
     post_process: bool = True
+    chunk_sizes: tuple[int, ...] = ()
 
     @classmethod
     def whole(cls, num_layers: int) -> Stage:
         return cls(tuple(range(1, num_layers + 1)))
+
+    @classmethod
+    def of_chunks(cls, chunks: tuple[tuple[int, ...], ...], pre_process: bool, post_process: bool) -> Stage:
+        """A stage of the given chunks' layers (global numbers, as `chunk_layer_numbers` gives them)."""
+        sizes = tuple(len(c) for c in chunks) if len(chunks) > 1 else ()
+        return cls(tuple(n for c in chunks for n in c), pre_process, post_process, sizes)
+
+    @property
+    def num_chunks(self) -> int:
+        return max(1, len(self.chunk_sizes))
+
+    def computes_loss(self, chunk: int | None = None) -> bool:
+        """Whether running `chunk` (None: the whole stage) ends in the loss."""
+        return self.post_process and chunk in (None, self.num_chunks - 1)
+
+    def chunk_slice(self, chunk: int) -> slice:
+        """The stage-local indices of chunk `chunk`'s layers."""
+        if not self.chunk_sizes:
+            return slice(0, len(self.layer_numbers))
+        start = sum(self.chunk_sizes[:chunk])
+        return slice(start, start + self.chunk_sizes[chunk])
 
 
 @contextlib.contextmanager
@@ -214,16 +242,19 @@ class GPTModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor:
         """tokens, position_ids, labels: [b, s]; attention_mask: bool [b, 1, s, s], True where a query may attend
-        (None: causal); hidden: the previous pipeline stage's output (stages after the first).
+        (None: causal); hidden: the previous pipeline stage's output (stages after the first); chunk: run only this
+        model chunk of the stage (interleaved schedule; None: all layers).
         Returns logits [b, s, V], or the per-token loss [b, s] (fp32) when labels are given; a stage other than the
         last returns its output activations [s, b, h] ([s/tp, b, h] with sequence parallelism)."""
         b, s = tokens.shape
         given = position_ids is not None
         if not given:
             position_ids = torch.arange(s, device=tokens.device).expand(b, s)
-        x = self.embedding(tokens, position_ids) if self.stage.pre_process else hidden  # [s, b, h]
+        embeds = self.stage.pre_process and chunk in (None, 0)
+        x = self.embedding(tokens, position_ids) if embeds else hidden  # [s, b, h]
         rotary = None
         if self.rotary is not None:
             # Comparing given ids with 0..s-1 reads a device tensor on the host: a synchronization that drains the
@@ -231,9 +262,10 @@ class GPTModel(nn.Module):
             per_sample = given and not torch.equal(position_ids, position_ids[:1].expand_as(position_ids))
             rotary = self.rotary(s, position_ids if per_sample else None)
         with self.te_fp8.stack() if self.te_fp8 is not None else contextlib.nullcontext():
-            for layer in self.decoder.layers:
+            layers = self.decoder.layers if chunk is None else self.decoder.layers[self.stage.chunk_slice(chunk)]
+            for layer in layers:
                 x = layer(x, rotary, attention_mask)
-        if not self.stage.post_process:
+        if not self.stage.computes_loss(chunk):
             return x
         x = self.decoder.final_layernorm(x)
         x = gather_from_sp(x, self.tp.group) if self.tp.sequence_parallel else copy_to_tp(x, self.tp.group)

@@ -123,12 +123,9 @@ def forward_backward_1f1b(
     return losses
 
 
-def stage_layer_numbers(
-    num_layers: int, pp: int, pp_rank: int, first: int | None = None, last: int | None = None
-) -> tuple[int, ...]:
-    """Global (1-based) layer numbers of pipeline stage `pp_rank`: `first` / `last` layers on the first / last
-    stage when given, the remaining layers split evenly over the other stages. Raises ConfigError naming the flags
-    when the layers cannot be split that way."""
+def _stage_layer_counts(num_layers: int, pp: int, first: int | None, last: int | None) -> list[int]:
+    """Transformer layers of each pipeline stage: `first` / `last` on the first / last stage when given, the rest
+    split evenly over the other stages (ConfigError naming the flags when they cannot be)."""
     from megatron.config import ConfigError
 
     counts = [None] * pp
@@ -149,8 +146,62 @@ def stage_layer_numbers(
         raise ConfigError(
             f"--num-layers ({num_layers}) leaves an empty pipeline stage with --pipeline-model-parallel-size ({pp})"
         )
-    start = sum(counts[:pp_rank])
-    return tuple(range(start + 1, start + counts[pp_rank] + 1))
+    return counts
+
+
+def chunk_layer_numbers(
+    num_layers: int, pp: int, pp_rank: int, vpp: int = 1, first: int | None = None, last: int | None = None
+) -> tuple[tuple[int, ...], ...]:
+    """Global (1-based) layer numbers of each of the `vpp` model chunks of pipeline stage `pp_rank`, as Megatron-LM
+    assigns them: each stage's layers (see `_stage_layer_counts`) are divided evenly over its chunks, and chunk c of
+    stage r is virtual stage c * pp + r, so the model runs chunk 0 of every stage, then chunk 1 of every stage, ...
+    With 8 layers, pp 2, vpp 2: stage 0 holds [1, 2] and [5, 6], stage 1 [3, 4] and [7, 8]."""
+    from megatron.config import ConfigError
+
+    counts = _stage_layer_counts(num_layers, pp, first, last)
+    if any(c % vpp for c in counts):
+        raise ConfigError(
+            f"pipeline stages of {counts} layers cannot be divided into {vpp} virtual stages each: every stage's"
+            " layers (--num-layers, --decoder-first/last-pipeline-num-layers) must be a multiple of"
+            " --num-virtual-stages-per-pipeline-rank"
+        )
+    per_chunk = [c // vpp for c in counts]
+    start = sum(per_chunk[:pp_rank])
+    return tuple(
+        tuple(range(c * sum(per_chunk) + start + 1, c * sum(per_chunk) + start + per_chunk[pp_rank] + 1))
+        for c in range(vpp)
+    )
+
+
+def stage_layer_numbers(
+    num_layers: int, pp: int, pp_rank: int, first: int | None = None, last: int | None = None
+) -> tuple[int, ...]:
+    """Global (1-based) layer numbers of pipeline stage `pp_rank` without interleaving: `first` / `last` layers on
+    the first / last stage when given, the remaining layers split evenly over the other stages. Raises ConfigError
+    naming the flags when the layers cannot be split that way."""
+    return chunk_layer_numbers(num_layers, pp, pp_rank, 1, first, last)[0]
+
+
+def bubble_fraction(pp: int, vpp: int, num_micro_batches: int) -> float:
+    """The idle share of an ideal pipeline step relative to its compute (Megatron-LM's (p - 1) / (v * m): 1F1B
+    idles p - 1 micro-batch times per stage, and interleaving divides each stage's micro-batch time by v)."""
+    return (pp - 1) / (vpp * num_micro_batches)
+
+
+def schedule_line(pp: int, vpp: int, num_micro_batches: int) -> str:
+    """The startup line naming the pipeline schedule and its bubble fraction."""
+    bubble = bubble_fraction(pp, vpp, num_micro_batches)
+    if vpp > 1:
+        name, formula = (
+            f"interleaved 1F1B, {vpp} virtual stages per rank",
+            f"(p - 1) / (v * m) = {pp - 1} / {vpp * num_micro_batches}",
+        )
+    else:
+        name, formula = "1F1B", f"(p - 1) / m = {pp - 1} / {num_micro_batches}"
+    return (
+        f"pipeline schedule: {name} over {pp} stages, {num_micro_batches} micro-batches;"
+        f" bubble fraction {formula} = {bubble:.3f}"
+    )
 
 
 def forward_only(

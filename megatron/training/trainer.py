@@ -50,7 +50,8 @@ from megatron.parallel import (
     reduce_sequence_parallel_grads,
     reduce_tied_embedding_grads,
 )
-from megatron.parallel.pipeline import forward_backward_1f1b, forward_only, stage_layer_numbers
+from megatron.parallel.interleaved import run_interleaved
+from megatron.parallel.pipeline import chunk_layer_numbers, forward_backward_1f1b, forward_only, schedule_line
 from megatron.parallel.tensor_parallel import TensorParallel
 
 from .batch_schedule import BatchSchedule, train_iterations
@@ -103,14 +104,11 @@ class Trainer:
             from megatron.model.te_comm_overlap import initialize_userbuffers
 
             initialize_userbuffers(cfg, dims.tp)
-        layers = stage_layer_numbers(
-            cfg.model.num_layers,
-            dims.pp,
-            dims.pp_rank,
-            par.decoder_first_pipeline_num_layers,
-            par.decoder_last_pipeline_num_layers,
+        first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
+        chunks = chunk_layer_numbers(
+            cfg.model.num_layers, dims.pp, dims.pp_rank, cfg.virtual_pipeline_size, first, last
         )
-        self.stage = Stage(layers, pre_process=dims.is_first_stage, post_process=dims.is_last_stage)
+        self.stage = Stage.of_chunks(chunks, pre_process=dims.is_first_stage, post_process=dims.is_last_stage)
         self.model = GPTModel(
             cfg.model,
             self.vocab_size,
@@ -186,6 +184,8 @@ class Trainer:
             f"> device: {self.device} ({name}), world size {self.dims.world_size}, data-parallel size {self.dims.dp},"
             f" {cfg.num_micro_batches} micro-batches of {cfg.training.micro_batch_size} per step"
         )
+        if self.dims.pp > 1:
+            print_rank_0(f"> {schedule_line(self.dims.pp, self.stage.num_chunks, cfg.num_micro_batches)}")
         if not self.batch_schedule.is_constant:
             phases = ", ".join(f"{batch} from sample {start}" for start, batch in self.batch_schedule.phases)
             print_rank_0(f"> global batch size schedule: {phases}; {self.train_iters} iterations")
@@ -378,17 +378,26 @@ class Trainer:
     # ------------------------------------------------------------------ steps
 
     def _loss(
-        self, batch: dict[str, torch.Tensor], hidden: torch.Tensor | None = None, step: StepLoss | None = None
+        self,
+        batch: dict[str, torch.Tensor],
+        hidden: torch.Tensor | None = None,
+        step: StepLoss | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor:
         """The micro-batch's mean loss over its unmasked tokens, or in training (`step`) what its backward runs on
-        (on a pipeline stage before the last: its output)."""
+        (on a pipeline stage before the last: its output; `chunk`: one model chunk of the interleaved schedule)."""
         # Position ids are 0..s-1 unless --reset-position-ids; None spares the model a host-device sync per micro-batch.
         position_ids = batch.get("position_ids") if self.cfg.data.reset_position_ids else None
         out = self.model(
-            batch["tokens"], position_ids, batch.get("attention_mask"), labels=batch["labels"], hidden=hidden
+            batch["tokens"],
+            position_ids,
+            batch.get("attention_mask"),
+            labels=batch["labels"],
+            hidden=hidden,
+            chunk=chunk,
         )
-        if not self.stage.post_process:
-            if step is not None:
+        if not self.stage.computes_loss(chunk):
+            if step is not None and chunk in (None, self.stage.num_chunks - 1):  # once per micro-batch
                 step.count(batch["loss_mask"])
             return out
         mask = batch["loss_mask"]
@@ -400,16 +409,22 @@ class Trainer:
         """Mean loss over the micro-batches, through the pipeline stages; every stage returns it (training: `step`
         records the loss, and the return value is meaningless)."""
 
-        def stage_forward(batch, hidden):
-            out = self._loss(_to_device(batch, self.device), hidden, step)
+        def stage_forward(batch, hidden, chunk=None):
+            out = self._loss(_to_device(batch, self.device), hidden, step, chunk)
             if step is not None:
-                return self.loss_scaler.scale_loss(out) if self.stage.post_process else out
-            return out / num_micro if self.stage.post_process else out
+                return self.loss_scaler.scale_loss(out) if self.stage.computes_loss(chunk) else out
+            return out / num_micro if self.stage.computes_loss(chunk) else out
 
         s, h = self.cfg.model.seq_length, self.cfg.model.hidden_size
         shape = (s // self.dims.tp if self.tp.sequence_parallel else s, self.cfg.training.micro_batch_size, h)
-        schedule = forward_backward_1f1b if train else forward_only
-        losses = schedule(stage_forward, batches, num_micro, self.dims, shape, self.dtype, self.device)
+        where = (self.dims, shape, self.dtype, self.device)
+        if self.stage.num_chunks > 1:
+            vpp = self.stage.num_chunks
+            group = self.cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage
+            losses = run_interleaved(stage_forward, batches, num_micro, vpp, *where, not train, group)
+        else:
+            schedule = forward_backward_1f1b if train else forward_only
+            losses = schedule(stage_forward, batches, num_micro, *where)
         if step is not None:
             return torch.zeros((), device=self.device)
         total = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.device)

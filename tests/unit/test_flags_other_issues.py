@@ -12,8 +12,6 @@ PENDING = [
     ("--context-parallel-size 2", "--context-parallel-size 2", "issue 17"),
     ("--cp-comm-type a2a", "--cp-comm-type", "issue 17"),
     ("--cp-comm-type p2p p2p a2a a2a", "--cp-comm-type", "issue 17"),
-    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1", "--num-layers-per-virtual", "17"),
-    ("--num-virtual-stages-per-pipeline-rank 2", "--num-virtual-stages-per-pipeline-rank", "issue 17"),
     ("--recompute-activations", "--recompute-activations", "issue 17"),
     ("--recompute-granularity full", "--recompute-granularity", "issue 17"),
     ("--recompute-granularity selective", "--recompute-granularity", "issue 17"),
@@ -47,7 +45,7 @@ def test_defaults_and_todays_behaviour_parse():
     assert cfg.model.recompute_modules is None
     explicit = (
         "--ckpt-format torch --context-parallel-size 1 --cp-comm-type p2p --dist-ckpt-strictness assume_ok_unexpected"
-        " --num-virtual-stages-per-pipeline-rank 1 --num-layers-per-virtual-pipeline-stage 2"
+        " --num-layers-per-virtual-pipeline-stage 2"
         " --pipeline-model-parallel-size 2"
     )
     cfg = parse_args(BASE + explicit.split(), world_size=2)  # 4 layers over 2 stages: 2 per stage, no interleaving

@@ -1,0 +1,88 @@
+"""The interleaved (virtual-pipeline) 1F1B schedule trains the single-process model: PP=2 x VPP=2 on 2 gloo ranks
+(also with an uneven first stage, and with FP8 delayed scaling) and TP=2 x SP x PP=2 x VPP=2 on 4 match one process
+(losses and gradients at the tolerances of test_parallel_layouts.py: only summation orders differ); checkpoints
+saved under VPP resume exactly under it (--ckpt-format torch and torch_dist) and, with torch_dist, in one process;
+the startup log states the bubble fraction."""
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.training import Trainer
+from tests.dist_utils import run_distributed
+from tests.distributed.test_parallel_layouts import (
+    BASE,
+    FP8,
+    GPT2,
+    _assemble,
+    _compare,
+    _parse,
+    _record,
+    _resume_check,
+)
+
+VPP2 = "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1"
+# 6 layers: the first stage holds 2 (1 per chunk), the last 4 (2 per chunk)
+UNEVEN = "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2"
+UNEVEN += " --decoder-first-pipeline-num-layers 2"
+FP32_TOLS, FP8_TOLS = (1e-5, 1e-3), (1e-3, 3e-2)  # (loss rtol, gradient rtol), as in test_parallel_layouts.py
+# name: (model flags, layout flags, tolerances); FP8 delayed scaling also calibrates through the interleaved schedule
+LAYOUTS_2 = {
+    "vpp2": (BASE, VPP2, FP32_TOLS),
+    "vpp2_uneven": (f"{BASE} --num-layers 6", UNEVEN, FP32_TOLS),
+    "vpp2_fp8": (f"{BASE}{FP8}", VPP2, FP8_TOLS),
+}
+LAYOUTS_4 = {"tp2_vpp2": (BASE, f"{VPP2} --tensor-model-parallel-size 2 --sequence-parallel", FP32_TOLS)}
+
+
+def _two_rank_body(rank, world_size, out):
+    for name, (base, extra, _) in LAYOUTS_2.items():
+        if name == "vpp2":  # the startup line, from rank 0's log
+            log = io.StringIO()
+            with contextlib.redirect_stdout(log):
+                record = _record(f"{base} {extra}", world_size)
+            if rank == 0:
+                Path(out, "log.txt").write_text(log.getvalue())
+        else:
+            record = _record(f"{base} {extra}", world_size)
+        torch.save(record, Path(out, f"{name}.rank{rank}.pt"))
+    _resume_check(f"{GPT2} {VPP2}", world_size, str(Path(out, "ckpt_torch")))
+    dist_flags = f"{GPT2} {VPP2} --ckpt-format torch_dist"
+    _resume_check(dist_flags, world_size, str(Path(out, "ckpt_dist")))
+    full = Trainer(_parse(f"{dist_flags} --train-iters 4", world_size)).train()
+    if rank == 0:
+        torch.save(full.losses, Path(out, "dist_reference.pt"))
+
+
+def _four_rank_body(rank, world_size, out):
+    for name, (base, extra, _) in LAYOUTS_4.items():
+        torch.save(_record(f"{base} {extra}", world_size), Path(out, f"{name}.rank{rank}.pt"))
+
+
+def _check(out: Path, layouts: dict, world_size: int) -> None:
+    for name, (base, _, tols) in layouts.items():
+        reference = _record(base, 1)
+        records = [torch.load(p, weights_only=False) for p in sorted(out.glob(f"{name}.rank*.pt"))]
+        assert len(records) == world_size
+        _compare(_assemble(records), reference, *tols, label=name)
+
+
+def test_two_rank_interleaved_matches_single_process_and_resumes(tmp_path):
+    run_distributed(_two_rank_body, world_size=2, args=(str(tmp_path),))
+    _check(tmp_path, LAYOUTS_2, 2)
+    log = (tmp_path / "log.txt").read_text()
+    assert "interleaved 1F1B, 2 virtual stages per rank over 2 stages, 4 micro-batches" in log
+    assert "bubble fraction (p - 1) / (v * m) = 1 / 8 = 0.125" in log
+    # the torch_dist checkpoint saved under PP=2 x VPP=2 at iteration 2, resumed in one process
+    reference = torch.load(tmp_path / "dist_reference.pt")
+    flags = f"{GPT2} --ckpt-format torch_dist --train-iters 4 --load {tmp_path / 'ckpt_dist'}"
+    resumed = Trainer(_parse(flags, 1)).train().losses
+    assert [resumed[i] for i in (3, 4)] == pytest.approx([reference[i] for i in (3, 4)], rel=1e-5)
+
+
+def test_four_rank_interleaved_with_tensor_parallel_matches_single_process(tmp_path):
+    run_distributed(_four_rank_body, world_size=4, args=(str(tmp_path),))
+    _check(tmp_path, LAYOUTS_4, 4)
