@@ -326,6 +326,22 @@ class Config:
                 f" --context-parallel-size ({cp}); use p2p",
             )
         require(
+            not (te_attention and model.attention_backend == "unfused"),
+            "--attention-backend unfused: Transformer Engine's unfused attention has no context parallelism; use"
+            " auto, flash or fused, or local (this project's attention, which all-gathers keys and values)",
+        )
+        require(
+            not te_attention or self.precision.bf16 or self.precision.fp16,
+            "--context-parallel-size > 1 with Transformer Engine's attention needs --bf16 or --fp16 (its"
+            " context-parallel kernels, flash and fused attention, take half-precision inputs); or use"
+            " --attention-backend local",
+        )
+        require(
+            self.training.cuda_graph_impl == "none",
+            f"--cuda-graph-impl {self.training.cuda_graph_impl} with --context-parallel-size > 1: capturing the"
+            " context-parallel attention is not implemented; drop one of the two",
+        )
+        require(
             not (te_attention and self.data.reset_attention_mask),
             "--reset-attention-mask with --context-parallel-size > 1: Transformer Engine's context-parallel attention"
             " is causal only; drop --reset-attention-mask or use --attention-backend local",

@@ -7,16 +7,23 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron.config import ConfigError, parse_args
+from megatron.parallel import ParallelDims
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.distributed.test_parallel_layouts import BASE, FP8, GPT2, _check, _parse, _record
 
-LAYOUTS_2 = {"cp2": "--context-parallel-size 2"}
+# With full loss masks and equal micro-batches the per-token mean is the mean of micro-batch means: same reference.
+LAYOUTS_2 = {
+    "cp2": "--context-parallel-size 2",
+    "cp2_per_token": "--context-parallel-size 2 --calculate-per-token-loss",
+}
 LAYOUTS_4 = {
     "cp2_tp2": "--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel",
     "cp2_dp2": "--context-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000",
+    "cp2_pp2": "--context-parallel-size 2 --pipeline-model-parallel-size 2",
 }
 
 
@@ -41,7 +48,28 @@ def _resume(flags: str, world_size: int, ckpt: str) -> None:
     assert [resumed.losses[i] for i in (3, 4)] == [full.losses[i] for i in (3, 4)]
 
 
+def _check_rank_layout(rank: int) -> None:
+    """Megatron's tp-cp-dp-pp order on 4 ranks: the groups each rank sees."""
+    ranks = lambda group: None if group is None else dist.get_process_group_ranks(group)  # noqa: E731
+    tp2 = ParallelDims.create(4, rank, tp=2, pp=1, cp=2)
+    assert (tp2.tp_rank, tp2.cp_rank, tp2.dp, tp2.dp_cp_rank) == (rank % 2, rank // 2, 1, rank // 2)
+    assert ranks(tp2.cp_group) == list(tp2.cp_ranks) == [rank % 2, rank % 2 + 2]
+    assert ranks(tp2.dp_cp_group) == ranks(tp2.cp_group) and tp2.dp_group is None
+    assert ranks(tp2.amax_group) == [0, 1, 2, 3] and ranks(tp2.mp_group) == ranks(tp2.tp_group)
+    dp2 = ParallelDims.create(4, rank, tp=1, pp=1, cp=2)
+    assert ranks(dp2.cp_group) == [rank - rank % 2, rank - rank % 2 + 1] and ranks(dp2.dp_group) == [
+        rank % 2,
+        rank % 2 + 2,
+    ]
+    assert ranks(dp2.dp_cp_group) == [0, 1, 2, 3] and dp2.dp_cp == 4 and dp2.dp_cp_rank == rank
+    assert dp2.is_checkpoint_writer == (rank == 0)
+    pp2 = ParallelDims.create(4, rank, tp=1, pp=2, cp=2)
+    assert pp2.pp_ranks == (rank % 2, rank % 2 + 2) and ranks(pp2.dp_cp_group) == ranks(pp2.cp_group)
+
+
 def _body(rank, world_size, out_dir, layouts, fp8_layouts, resume_layouts):
+    if world_size == 4:
+        _check_rank_layout(rank)
     for name, extra in layouts.items():
         for tag, flags in (("", f"{BASE} {extra}"), ("_fp8", f"{BASE} {extra}{FP8}")):
             if tag and name not in fp8_layouts:
