@@ -156,7 +156,7 @@ class DistCheckpointer:
             objects["fp8.recipe"] = self.fp8.recipe.name
         if self.monitor is not None:
             objects[f"fp8_guard.stage{self.dims.pp_rank}"] = self.monitor.state_dict()
-        layout = {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp}
+        layout = {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "cp": self.dims.cp}
         objects["train_state"] = dict(train_state, iteration=iteration, checkpoint_version=CHECKPOINT_VERSION)
         objects["layout"] = layout
         objects["loss_scaler"] = self.loss_scaler.state_dict()
@@ -369,7 +369,8 @@ class DistCheckpointer:
 
     def _load_rng(self, loaded: dict[str, Any], iteration: int) -> None:
         layout = loaded["layout"]
-        same = (layout["tp"], layout["pp"], layout["dp"]) == (self.dims.tp, self.dims.pp, self.dims.dp)
+        saved = (layout["tp"], layout["pp"], layout["dp"], layout.get("cp", 1))
+        same = saved == (self.dims.tp, self.dims.pp, self.dims.dp, self.dims.cp)
         state = loaded.get(f"rng.{self.dims.rank}")
         if same and state is not None:
             set_rng_state(state)

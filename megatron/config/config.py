@@ -48,7 +48,8 @@ class Config:
 
     @property
     def data_parallel_size(self) -> int:
-        model_parallel = self.parallel.tensor_model_parallel_size * self.parallel.pipeline_model_parallel_size
+        par = self.parallel
+        model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size
         return self.world_size // model_parallel
 
     @property
@@ -67,14 +68,14 @@ class Config:
 
     def _check_cross_section(self) -> None:
         par, train, opt, prec = self.parallel, self.training, self.optimizer, self.precision
-        model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+        model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size
         if par.sequence_parallel and par.tensor_model_parallel_size == 1:
             par.sequence_parallel = False
             self.notes.append("--sequence-parallel turned off: --tensor-model-parallel-size 1 has nothing to split")
         require(
             self.world_size % model_parallel == 0,
             f"world size {self.world_size} is not divisible by --tensor-model-parallel-size x"
-            f" --pipeline-model-parallel-size ({model_parallel})",
+            f" --pipeline-model-parallel-size x --context-parallel-size ({model_parallel})",
         )
         per_step = train.micro_batch_size * self.data_parallel_size
         self._resolve_batch_schedule()
@@ -174,6 +175,7 @@ class Config:
 
         par, model = self.parallel, self.model
         tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+        cp = par.context_parallel_size
         if tp > 1:
             for flag, value in (
                 ("--num-attention-heads", model.num_attention_heads),
@@ -183,10 +185,12 @@ class Config:
                 require(value % tp == 0, f"{flag} ({value}) must be divisible by --tensor-model-parallel-size ({tp})")
             if par.sequence_parallel:
                 require(
-                    model.seq_length % tp == 0,
-                    f"--seq-length ({model.seq_length}) must be divisible by --tensor-model-parallel-size ({tp})"
-                    " with --sequence-parallel",
+                    model.seq_length % (tp * cp) == 0,
+                    f"--seq-length ({model.seq_length}) must be divisible by --tensor-model-parallel-size ({tp}) x"
+                    f" --context-parallel-size ({cp}) with --sequence-parallel",
                 )
+        if cp > 1:
+            self._check_context_parallel()
         if pp > 1:
             stage_layer_numbers(
                 model.num_layers, pp, 0, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
@@ -354,6 +358,50 @@ class Config:
                 f" Engine's {recipe} weights cannot be all-gathered as FP8 bytes; use --fp8-recipe"
                 f" {'|'.join(TE_RECIPES)}, or drop one of the two flags",
             )
+
+    def _check_context_parallel(self) -> None:
+        """What splitting each sequence over --context-parallel-size ranks needs (parallel/context_parallel.py)."""
+        par, model = self.parallel, self.model
+        cp, tp, comm = par.context_parallel_size, par.tensor_model_parallel_size, par.cp_comm_type
+        require(
+            model.seq_length % (2 * cp) == 0,
+            f"--seq-length ({model.seq_length}) must be divisible by 2 x --context-parallel-size ({2 * cp}): each rank"
+            " holds two of 2 x cp equal chunks",
+        )
+        require(
+            len(comm) in (1, model.num_layers),
+            f"--cp-comm-type takes one value or one per layer ({model.num_layers}), not {len(comm)}",
+        )
+        te_attention = model.transformer_impl == "transformer_engine" and model.attention_backend != "local"
+        if te_attention and "a2a" in comm:
+            heads = (model.num_attention_heads // tp, model.num_query_groups // tp)
+            require(
+                heads[0] % cp == 0 and heads[1] % cp == 0,
+                f"--cp-comm-type a2a scatters the attention heads over the context-parallel ranks: the heads"
+                f" ({heads[0]}) and query groups ({heads[1]}) per tensor-parallel rank must be divisible by"
+                f" --context-parallel-size ({cp}); use p2p",
+            )
+        require(
+            not (te_attention and model.attention_backend == "unfused"),
+            "--attention-backend unfused: Transformer Engine's unfused attention has no context parallelism; use"
+            " auto, flash or fused, or local (this project's attention, which all-gathers keys and values)",
+        )
+        require(
+            not te_attention or self.precision.bf16 or self.precision.fp16,
+            "--context-parallel-size > 1 with Transformer Engine's attention needs --bf16 or --fp16 (its"
+            " context-parallel kernels, flash and fused attention, take half-precision inputs); or use"
+            " --attention-backend local",
+        )
+        require(
+            self.training.cuda_graph_impl == "none",
+            f"--cuda-graph-impl {self.training.cuda_graph_impl} with --context-parallel-size > 1: capturing the"
+            " context-parallel attention is not implemented; drop one of the two",
+        )
+        require(
+            not (te_attention and self.data.reset_attention_mask),
+            "--reset-attention-mask with --context-parallel-size > 1: Transformer Engine's context-parallel attention"
+            " is causal only; drop --reset-attention-mask or use --attention-backend local",
+        )
 
     def _check_cuda_graphs(self) -> None:
         if self.training.cuda_graph_impl == "none":

@@ -1,10 +1,12 @@
-"""Parallel layout. Data parallelism is inferred: world size / (tensor x pipeline)."""
+"""Parallel layout. Data parallelism is inferred: world size / (tensor x context x pipeline)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .base import option, require
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
 @dataclass
@@ -53,11 +55,17 @@ class ParallelConfig:
     """Timeout of torch.distributed in minutes: of the default process group and of every group built from it
     (tensor, pipeline, data parallel, ...); a collective that waits longer fails."""
     context_parallel_size: int = 1
-    """Megatron-LM: ranks that split each sequence (context parallelism). Only 1 (no splitting) works here;
-    more is issue 17 and stops with an error."""
+    """Ranks that split each sequence (context parallelism): the sequence is cut into 2 x this many chunks and each
+    rank keeps two (one early, one late: the same causal-attention work everywhere), for the tokens, labels, loss
+    mask and positions alike; attention exchanges keys and values over the group; gradients are averaged over data
+    x context parallel ranks. --seq-length must be divisible by 2 x this."""
     cp_comm_type: list[str] = option(["p2p"], nargs="+")
-    """Megatron-LM: the context-parallel attention's communication (p2p, all_gather, a2a, a2a+p2p), one value or
-    one per layer. Only the default parses (there is no context parallelism here yet, issue 17)."""
+    """How Transformer Engine's attention exchanges keys and values over the context-parallel ranks: p2p (a ring of
+    point-to-point sends, overlapped with the attention), all_gather, or a2a (all-to-all: heads scattered, the
+    sequence gathered; the heads per tensor-parallel rank must divide by the context-parallel size); one value, or
+    one per layer. a2a+p2p needs --hierarchical-context-parallel-sizes, which does not exist here. The local
+    attention (--transformer-impl local, --attention-backend local) all-gathers keys and values whatever this says:
+    the same result, without TE's overlap."""
     num_layers_per_virtual_pipeline_stage: int | None = None
     """Transformer layers per virtual pipeline stage: each pipeline rank holds (layers per rank) / this many model
     chunks and runs the interleaved 1F1B schedule, whose pipeline bubble is that many times smaller (at as many
@@ -93,14 +101,13 @@ class ParallelConfig:
             )
         require(self.ddp_bucket_size >= 1, "--ddp-bucket-size must be >= 1")
         require(self.distributed_timeout_minutes >= 1, "--distributed-timeout-minutes must be >= 1")
+        require(self.context_parallel_size >= 1, "--context-parallel-size must be >= 1")
+        for value in self.cp_comm_type:
+            require(value in CP_COMM_TYPES, f"--cp-comm-type {value}: choose from {', '.join(CP_COMM_TYPES)}")
         require(
-            self.context_parallel_size == 1,
-            f"--context-parallel-size {self.context_parallel_size}: context parallelism is issue 17 (not implemented"
-            " yet); use 1",
-        )
-        require(
-            self.cp_comm_type == ["p2p"],
-            "--cp-comm-type configures context parallelism, issue 17 (not implemented yet); drop the flag",
+            "a2a+p2p" not in self.cp_comm_type,
+            "--cp-comm-type a2a+p2p (hierarchical context parallelism) needs --hierarchical-context-parallel-sizes,"
+            " which is not implemented; use p2p, all_gather or a2a",
         )
         for name in (
             "num_layers_per_virtual_pipeline_stage",

@@ -156,10 +156,12 @@ def check_te_fp8_shapes(
     sp = bool(parallel and parallel.sequence_parallel)
     multiple = 32 if precision.fp8_recipe == "mxfp8" else 16
     rule = f"Transformer Engine's FP8 GEMMs ({precision.fp8_recipe}) need multiples of {multiple}"
-    tokens = micro_batch_size * model.seq_length // (tp if sp else 1)
+    cp = parallel.context_parallel_size if parallel else 1  # each rank's GEMMs see its part of the sequence
+    tokens = micro_batch_size * model.seq_length // cp // (tp if sp else 1)
     require(
         tokens % multiple == 0,
-        f"{rule}: --micro-batch-size x --seq-length{' / tensor-parallel size' if sp else ''} is {tokens}; change"
+        f"{rule}: --micro-batch-size x --seq-length{' / context-parallel size' if cp > 1 else ''}"
+        f"{' / tensor-parallel size' if sp else ''} is {tokens}; change"
         " --seq-length or --micro-batch-size",
     )
     heads, groups, head_dim = model.num_attention_heads, model.num_query_groups, model.kv_channels

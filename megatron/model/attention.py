@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.config import ModelConfig
 from megatron.errors import UserError
+from megatron.parallel.context_parallel import NO_CP, ContextParallel, attention_inputs
 
 SDPA_BACKENDS: dict[str, list[SDPBackend] | None] = {
     "auto": None,  # PyTorch chooses among all its kernels
@@ -42,20 +43,21 @@ def explicit_attention(
     softmax_in_fp32: bool = False,
     layer_scale: int | None = None,
 ) -> torch.Tensor:
-    """q [b, np, s, hn], k and v [b, ng, s, hn] (ng divides np) -> [b, np, s, hn].
+    """q [b, np, sq, hn], k and v [b, ng, sk, hn] (ng divides np) -> [b, np, sq, hn].
 
-    `attention_mask`: bool [b|1, 1, s, s], True where a query may attend (None: causal). `softmax_in_fp32`: upcast
-    half-precision scores before masking and softmax. `layer_scale` (--apply-query-key-layer-scaling): divide the
-    scores by it inside the QK^T GEMM and multiply them back in fp32 before the softmax (Megatron-LM's fp16 trick;
-    mathematically the identity)."""
+    `attention_mask`: bool [b|1, 1, sq, sk], True where a query may attend (None: causal, sq = sk).
+    `softmax_in_fp32`: upcast half-precision scores before masking and softmax. `layer_scale`
+    (--apply-query-key-layer-scaling): divide the scores by it inside the QK^T GEMM and multiply them back in fp32
+    before the softmax (Megatron-LM's fp16 trick; mathematically the identity)."""
     b, heads, s, hn = q.shape
+    sk = k.shape[2]
     if k.shape[1] != heads:  # grouped-query attention: each key/value head serves heads/ng query heads
         k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
     scale = 1.0 / math.sqrt(hn) / (layer_scale or 1)
     # The scale inside the GEMM (alpha), so that fp16 scores are never formed unscaled.
-    q3, k3 = q.reshape(b * heads, s, hn), k.reshape(b * heads, s, hn)
-    scores = torch.baddbmm(q3.new_empty(b * heads, s, s), q3, k3.transpose(1, 2), beta=0.0, alpha=scale)
-    scores = scores.view(b, heads, s, s)  # in the activations' dtype
+    q3, k3 = q.reshape(b * heads, s, hn), k.reshape(b * heads, sk, hn)
+    scores = torch.baddbmm(q3.new_empty(b * heads, s, sk), q3, k3.transpose(1, 2), beta=0.0, alpha=scale)
+    scores = scores.view(b, heads, s, sk)  # in the activations' dtype
     if softmax_in_fp32 or layer_scale:
         scores = scores.float()
     if layer_scale:
@@ -68,7 +70,13 @@ def explicit_attention(
 
 
 class CoreAttention(nn.Module):
-    """The attention between linear_qkv and linear_proj, as --attention-backend picks it (no parameters)."""
+    """The attention between linear_qkv and linear_proj, as --attention-backend picks it (no parameters).
+
+    With context parallelism (`context_parallel`, set by megatron.parallel.context_parallel.attach_context_parallel)
+    q, k and v hold this rank's two sequence chunks: keys and values are all-gathered over the group and the queries
+    attend to them under the mask of their positions, whatever --cp-comm-type says (that is Transformer Engine's)."""
+
+    context_parallel: ContextParallel = NO_CP
 
     def __init__(self, cfg: ModelConfig, layer_number: int, backend: str | None = None):
         super().__init__()
@@ -82,6 +90,8 @@ class CoreAttention(nn.Module):
     ) -> torch.Tensor:
         """q [b, np, s, hn], k and v [b, ng, s, hn] -> [b, np, s, hn]."""
         dropout = self.dropout if self.training else 0.0
+        if self.context_parallel.size > 1:
+            k, v, attention_mask = attention_inputs(q, k, v, attention_mask, self.context_parallel)
         if self.backend in EXPLICIT_BACKENDS:
             return explicit_attention(
                 q, k, v, attention_mask, dropout=dropout, softmax_in_fp32=self.softmax_in_fp32,

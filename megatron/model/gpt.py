@@ -28,6 +28,7 @@ from torch import nn
 
 from megatron.config import ModelConfig, PrecisionConfig
 from megatron.fp8.params import Fp8Parameter
+from megatron.parallel.context_parallel import NO_CP, ContextParallel, local_positions
 from megatron.parallel.tensor_parallel import (
     NO_TP,
     TensorParallel,
@@ -168,6 +169,9 @@ class Decoder(nn.Module):
 
 
 class GPTModel(nn.Module):
+    context_parallel: ContextParallel = NO_CP
+    """Set by megatron.parallel.context_parallel.attach_context_parallel: the inputs are this rank's sequence chunks."""
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -250,9 +254,10 @@ class GPTModel(nn.Module):
         Returns logits [b, s, V], or the per-token loss [b, s] (fp32) when labels are given; a stage other than the
         last returns its output activations [s, b, h] ([s/tp, b, h] with sequence parallelism)."""
         b, s = tokens.shape
+        cp = self.context_parallel
         given = position_ids is not None
-        if not given:
-            position_ids = torch.arange(s, device=tokens.device).expand(b, s)
+        if not given:  # the chunks' positions in the whole sequence under context parallelism
+            position_ids = local_positions(s * cp.size, cp, tokens.device).expand(b, s)
         embeds = self.stage.pre_process and chunk in (None, 0)
         x = self.embedding(tokens, position_ids) if embeds else hidden  # [s, b, h]
         rotary = None
@@ -260,7 +265,7 @@ class GPTModel(nn.Module):
             # Comparing given ids with 0..s-1 reads a device tensor on the host: a synchronization that drains the
             # GPU's queue once per micro-batch. Without position ids there is nothing to compare.
             per_sample = given and not torch.equal(position_ids, position_ids[:1].expand_as(position_ids))
-            rotary = self.rotary(s, position_ids if per_sample else None)
+            rotary = self.rotary(s, position_ids if per_sample else position_ids[:1] if cp.size > 1 else None)
         with self.te_fp8.stack() if self.te_fp8 is not None else contextlib.nullcontext():
             layers = self.decoder.layers if chunk is None else self.decoder.layers[self.stage.chunk_slice(chunk)]
             for layer in layers:

@@ -1,19 +1,25 @@
 """Process groups, owned by one explicit object (no module-level globals).
 
-Rank layout, Megatron-LM's order: tensor-parallel ranks innermost, then data-parallel, then pipeline:
+Rank layout, Megatron-LM's default order (tp-cp-dp-pp): tensor-parallel ranks innermost, then context-parallel,
+then data-parallel, then pipeline:
 
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
 
-so a tensor-parallel group is `tp` consecutive ranks (one node's NVLink domain when tp <= GPUs per node).
+so a tensor-parallel group is `tp` consecutive ranks (one node's NVLink domain when tp <= GPUs per node), and a
+context-parallel group the next-closest ranks (its attention exchanges keys and values every layer).
 
 Groups every rank belongs to:
-    tp         same (pp, dp): splits each layer's weights
-    dp         same (pp, tp): replicas; gradients are averaged over it
-    pp         same (dp, tp): the stages of one pipeline
-    mp         same dp: one whole model copy (tp x pp ranks)
-    amax       same pp: tp x dp ranks whose FP8 amaxes are max-reduced together (same layers, same tensors);
-               the tp group only with --tp-only-amax-red
-    embedding  first and last pipeline stage of the same (dp, tp): keeps tied input/output embeddings in sync
+    tp         same (pp, dp, cp): splits each layer's weights
+    cp         same (pp, dp, tp): splits each sequence (context parallelism, megatron/parallel/context_parallel.py)
+    dp         same (pp, cp, tp): replicas fed different samples
+    dp_cp      same (pp, tp): dp x cp ranks that hold the same weights; gradients are averaged over it and the
+               distributed optimizer shards over it (Megatron-LM's data-parallel group "with context parallel");
+               the dp group itself when cp = 1
+    pp         same (dp, cp, tp): the stages of one pipeline
+    mp         same (dp, cp): one whole model copy (tp x pp ranks)
+    amax       same pp: tp x cp x dp ranks whose FP8 amaxes are max-reduced together (same layers, same tensors,
+               different tokens); only the tp (x cp) group with --tp-only-amax-red
+    embedding  first and last pipeline stage of the same (dp, cp, tp): keeps tied input/output embeddings in sync
 """
 
 from __future__ import annotations
@@ -35,19 +41,37 @@ class ParallelDims:
     tp: int
     pp: int
     dp: int
+    cp: int = 1
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
+    cp_rank: int = 0
     tp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
-    """Replicas of the same model shard (gradients are averaged over it); None in one process."""
+    """Replicas of the same model shard fed different samples; None in one process."""
+    cp_group: dist.ProcessGroup | None = None
+    """Ranks that split each sequence (None without context parallelism)."""
+    dp_cp_group: dist.ProcessGroup | None = None
+    """dp x cp ranks with the same weights: gradients are averaged over it, the distributed optimizer shards over it."""
     mp_group: dist.ProcessGroup | None = None
     amax_group: dist.ProcessGroup | None = None
     """Ranks whose FP8 amaxes are max-reduced together (tensor x data parallel of one pipeline stage)."""
     embedding_group: dist.ProcessGroup | None = None
     pp_ranks: tuple[int, ...] = (0,)
     """Global ranks of this rank's pipeline, stage by stage (point-to-point peers)."""
+    cp_ranks: tuple[int, ...] = (0,)
+    """Global ranks of this rank's context-parallel group, by cp rank (Transformer Engine's cp_global_ranks)."""
+
+    @property
+    def dp_cp(self) -> int:
+        """Size of the dp x cp group (gradient averaging, optimizer sharding)."""
+        return self.dp * self.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """Rank in the dp x cp group (its ranks ordered by global rank: cp inner, dp outer)."""
+        return self.dp_rank * self.cp + self.cp_rank
 
     @property
     def is_first_rank(self) -> bool:
@@ -63,8 +87,8 @@ class ParallelDims:
 
     @property
     def is_checkpoint_writer(self) -> bool:
-        """The first data-parallel replica writes each model shard."""
-        return self.dp_rank == 0
+        """The first data-parallel replica (its first context-parallel rank) writes each model shard."""
+        return self.dp_rank == 0 and self.cp_rank == 0
 
     @classmethod
     def single(cls) -> ParallelDims:
@@ -80,20 +104,32 @@ class ParallelDims:
             dist.get_rank(),
             cfg.parallel.tensor_model_parallel_size,
             cfg.parallel.pipeline_model_parallel_size,
+            cp=cfg.parallel.context_parallel_size,
             tp_only_amax=cfg.precision.tp_only_amax_red,
             timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
         )
 
     @classmethod
     def create(
-        cls, world: int, rank: int, tp: int, pp: int, tp_only_amax: bool = False, timeout: timedelta | None = None
+        cls,
+        world: int,
+        rank: int,
+        tp: int,
+        pp: int,
+        tp_only_amax: bool = False,
+        timeout: timedelta | None = None,
+        cp: int = 1,
     ) -> ParallelDims:
         """`timeout`: of every group (torch gives a new group its backend's default, not the default group's)."""
-        if world % (tp * pp):
-            raise ValueError(f"world size {world} is not divisible by tensor x pipeline parallel size {tp * pp}")
-        dp = world // (tp * pp)
-        tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
-        at = lambda p, d, t: p * dp * tp + d * tp + t  # noqa: E731 - the layout formula, once
+        if world % (tp * cp * pp):
+            raise ValueError(
+                f"world size {world} is not divisible by tensor x context x pipeline parallel size {tp * cp * pp}"
+            )
+        dp = world // (tp * cp * pp)
+        tp_rank, cp_rank = rank % tp, (rank // tp) % cp
+        dp_rank, pp_rank = (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
+        at = lambda p, d, c, t: ((p * dp + d) * cp + c) * tp + t  # noqa: E731 - the layout formula, once
+        P, D, C, T = range(pp), range(dp), range(cp), range(tp)
 
         def make(all_groups: list[list[int]]) -> dist.ProcessGroup | None:
             # Every rank must create every group, in the same order; it keeps the one it belongs to.
@@ -104,31 +140,42 @@ class ParallelDims:
                     mine = group
             return mine
 
-        tp_group = make([[at(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)])
-        dp_group = make([[at(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)])
-        pp_group = make([[at(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)])
-        mp_group = make([[at(p, d, t) for p in range(pp) for t in range(tp)] for d in range(dp)])
-        if tp_only_amax:
+        tp_group = make([[at(p, d, c, t) for t in T] for p in P for d in D for c in C])
+        dp_group = make([[at(p, d, c, t) for d in D] for p in P for c in C for t in T])
+        pp_group = make([[at(p, d, c, t) for p in P] for d in D for c in C for t in T])
+        mp_group = make([[at(p, d, c, t) for p in P for t in T] for d in D for c in C])
+        if tp_only_amax and cp == 1:
             amax_group = tp_group
+        elif tp_only_amax:  # the cp ranks' tokens are parts of the same samples: Megatron-LM reduces over tp x cp
+            amax_group = make([[at(p, d, c, t) for c in C for t in T] for p in P for d in D])
         else:
-            amax_group = make([[at(p, d, t) for d in range(dp) for t in range(tp)] for p in range(pp)])
-        embedding_group = make([sorted({at(0, d, t), at(pp - 1, d, t)}) for d in range(dp) for t in range(tp)])
+            amax_group = make([[at(p, d, c, t) for d in D for c in C for t in T] for p in P])
+        embedding_group = make([sorted({at(0, d, c, t), at(pp - 1, d, c, t)}) for d in D for c in C for t in T])
+        cp_group, dp_cp_group = None, dp_group
+        if cp > 1:  # no extra groups without context parallelism
+            cp_group = make([[at(p, d, c, t) for c in C] for p in P for d in D for t in T])
+            dp_cp_group = make([[at(p, d, c, t) for d in D for c in C] for p in P for t in T])
         return cls(
             world_size=world,
             rank=rank,
             tp=tp,
             pp=pp,
             dp=dp,
+            cp=cp,
             tp_rank=tp_rank,
             pp_rank=pp_rank,
             dp_rank=dp_rank,
+            cp_rank=cp_rank,
             tp_group=tp_group,
             pp_group=pp_group,
             dp_group=dp_group,
+            cp_group=cp_group,
+            dp_cp_group=dp_cp_group,
             mp_group=mp_group,
             amax_group=amax_group,
             embedding_group=embedding_group,
-            pp_ranks=tuple(at(p, dp_rank, tp_rank) for p in range(pp)),
+            pp_ranks=tuple(at(p, dp_rank, cp_rank, tp_rank) for p in P),
+            cp_ranks=tuple(at(pp_rank, dp_rank, c, tp_rank) for c in C),
         )
 
 

@@ -60,9 +60,9 @@ def grad_norm(
 ) -> torch.Tensor:
     """Global L2 norm of the model's gradient from this rank's part of it (`grads`: the gradients of its
     parameters that `counts_in_grad_norm`, or with the distributed optimizer (`sharded`) their parts in this rank's
-    shard): squares summed here, then over the model-parallel group (tensor x pipeline), and over the data-parallel
-    group when each replica holds a different shard. `device`: where the sum lives when this rank has no
-    gradients. `skip`: make the norm infinite on every rank of the reduction, so that all of them skip the step
+    shard): squares summed here, then over the model-parallel group (tensor x pipeline), and over the data- (x
+    context-) parallel group when each replica holds a different shard. `device`: where the sum lives when this rank
+    has no gradients. `skip`: make the norm infinite on every rank of the reduction, so that all of them skip the step
     (this rank found inf/NaN FP8 amaxes, which other pipeline stages did not see)."""
     if grads:
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # bf16 gradients too: an fp32 norm
@@ -71,8 +71,8 @@ def grad_norm(
         squares = torch.zeros((), device=device)
     if skip:
         squares = squares + float("inf")
-    if sharded and dims.dp_group is not None:
-        dist.all_reduce(squares)  # data x model parallel ranks: the whole world, in one reduction
+    if sharded and dims.dp_cp_group is not None:
+        dist.all_reduce(squares)  # data (x context) x model parallel ranks: the whole world, in one reduction
     elif dims.mp_group is not None:
         dist.all_reduce(squares, group=dims.mp_group)
     return squares.sqrt()

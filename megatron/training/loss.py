@@ -8,6 +8,12 @@ more than one of a full micro-batch.
 on each micro-batch's *sum* of token losses; the data-parallel average of the gradients is then multiplied by
 dp / (unmasked tokens of the global batch), which turns it into that mean (one all-reduce of the token count over
 the data-parallel group; every pipeline stage counts the tokens of its own copy of the batch).
+
+Context parallelism (cp ranks each hold part of every sample's tokens): a micro-batch's mean is over the unmasked
+tokens of all cp ranks, as in one process: each rank divides its own token losses' sum by that count (one
+all-reduce over the cp group) and multiplies by cp, because gradients and losses are then averaged over the
+dp x cp group (Megatron-LM's loss function does the same). The data-parallel group of the functions below is
+that dp x cp group (ParallelDims.dp_cp_group); per-token counting needs nothing more.
 """
 
 from __future__ import annotations
@@ -16,9 +22,24 @@ import torch
 import torch.distributed as dist
 
 
+def masked_mean(
+    token_losses: torch.Tensor, mask: torch.Tensor, cp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """The micro-batch's mean loss over its unmasked tokens; under context parallelism this rank's share of it
+    times cp (see the module docstring; averaged over the cp ranks it is the mean)."""
+    total, tokens = (token_losses * mask).sum(), mask.sum().float()
+    if cp_group is None:
+        return total / tokens.clamp(min=1.0)
+    tokens = tokens.clone()
+    dist.all_reduce(tokens, group=cp_group)
+    return total * dist.get_world_size(cp_group) / tokens.clamp(min=1.0)
+
+
 class StepLoss:
-    def __init__(self, per_token: bool, num_micro: int, device: torch.device):
-        self.per_token, self.num_micro = per_token, num_micro
+    def __init__(
+        self, per_token: bool, num_micro: int, device: torch.device, cp_group: dist.ProcessGroup | None = None
+    ):
+        self.per_token, self.num_micro, self.cp_group = per_token, num_micro, cp_group
         self.loss = torch.zeros((), device=device)
         """Sum of token losses (per token), or of micro-batch means (default); only the last stage sees losses."""
         self.tokens = torch.zeros((), device=device)
@@ -26,12 +47,12 @@ class StepLoss:
 
     def add(self, token_losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Record a micro-batch's per-token losses; returns what its backward runs on (before loss scaling)."""
-        total = (token_losses * mask).sum()
-        tokens = self.count(mask)
+        self.count(mask)
         if self.per_token:
+            total = (token_losses * mask).sum()
             self.loss += total.detach().float()
             return total
-        mean = total / tokens.clamp(min=1.0)
+        mean = masked_mean(token_losses, mask, self.cp_group)
         self.loss += mean.detach().float()
         return mean / self.num_micro
 

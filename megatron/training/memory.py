@@ -51,8 +51,10 @@ def _per(num_bytes: float) -> str:
 
 
 def _optimizer_shards(cfg: Config) -> int:
-    """How many ranks share the main parameters and Adam states (the distributed optimizer's data-parallel size)."""
-    return cfg.data_parallel_size if cfg.optimizer.use_distributed_optimizer else 1
+    """How many ranks share the main parameters and Adam states (the distributed optimizer's data x context parallel
+    size)."""
+    shards = cfg.data_parallel_size * cfg.parallel.context_parallel_size
+    return shards if cfg.optimizer.use_distributed_optimizer else 1
 
 
 def estimate_bytes(
@@ -79,7 +81,8 @@ def estimate_bytes(
     grads = num_params * (2 if cfg.parallel.grad_reduce_in_bf16 else 4)
     adam = num_params * (state_bytes(opt.exp_avg_dtype) + state_bytes(opt.exp_avg_sq_dtype)) / shards
     m = cfg.model
-    s, b, h = m.seq_length, cfg.training.micro_batch_size, m.hidden_size
+    # this rank's part of the sequence under context parallelism
+    s, b, h = m.seq_length // cfg.parallel.context_parallel_size, cfg.training.micro_batch_size, m.hidden_size
     act_scale = dtype.itemsize / 2
     tp = cfg.parallel.tensor_model_parallel_size
     per_layer = 34 / tp if cfg.parallel.sequence_parallel else 10 + 24 / tp

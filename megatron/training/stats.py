@@ -22,7 +22,7 @@ class Stats:
         self._zeros: torch.Tensor | None = None
 
     def _sum(self, value: torch.Tensor) -> torch.Tensor:
-        if self.sharded and self.dims.dp_group is not None:
+        if self.sharded and self.dims.dp_cp_group is not None:
             dist.all_reduce(value)  # data x model parallel ranks: the whole world
         elif self.dims.mp_group is not None:
             dist.all_reduce(value, group=self.dims.mp_group)

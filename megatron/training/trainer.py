@@ -50,6 +50,7 @@ from megatron.parallel import (
     reduce_sequence_parallel_grads,
     reduce_tied_embedding_grads,
 )
+from megatron.parallel.context_parallel import NO_CP, ContextParallel, attach_context_parallel, split_batch
 from megatron.parallel.interleaved import run_interleaved
 from megatron.parallel.pipeline import chunk_layer_numbers, forward_backward_1f1b, forward_only, schedule_line
 from megatron.parallel.tensor_parallel import TensorParallel
@@ -58,7 +59,7 @@ from .batch_schedule import BatchSchedule, train_iterations
 from .determinism import apply_deterministic_mode
 from .flops import num_floating_point_operations, peak_tflops
 from .logger import TensorBoardWriter, print_rank_0, training_log_line, validation_log_lines
-from .loss import StepLoss
+from .loss import StepLoss, masked_mean
 from .memory import estimate_bytes, memory_estimate_lines
 from .runtime import Runtime
 from .stats import Stats
@@ -81,8 +82,12 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def _to_device(
+    batch: dict[str, torch.Tensor], device: torch.device, cp: ContextParallel = NO_CP
+) -> dict[str, torch.Tensor]:
+    """On the device, this context-parallel rank's chunks of the sequence (after the copy: the pinned batch moves
+    whole, asynchronously)."""
+    return split_batch({k: v.to(device, non_blocking=True) for k, v in batch.items()}, cp)
 
 
 class Trainer:
@@ -100,6 +105,7 @@ class Trainer:
         self.dtype = cfg.precision.params_dtype
         dims, par = self.dims, cfg.parallel
         self.tp = TensorParallel(dims.tp_group, dims.tp, dims.tp_rank, par.sequence_parallel, par.tp_comm_overlap)
+        self.cp = ContextParallel.from_dims(dims, par.cp_comm_type)
         if par.tp_comm_overlap:  # TE's userbuffers must exist before the TE modules that use them are built
             from megatron.model.te_comm_overlap import initialize_userbuffers
 
@@ -117,6 +123,7 @@ class Trainer:
             tp=self.tp,
             stage=self.stage,
         ).to(self.device, self.dtype)
+        attach_context_parallel(self.model, self.cp)
         self.fp8 = None
         if cfg.precision.fp8 and cfg.model.transformer_impl == "local":  # TE runs its FP8 inside the model
             from megatron.fp8 import attach_fp8
@@ -129,7 +136,7 @@ class Trainer:
         sharded = cfg.optimizer.use_distributed_optimizer
         self.grad_buffers = GradientBuffers(
             self.model,
-            dims.dp_group,
+            dims.dp_cp_group,
             overlap,
             par.ddp_bucket_size,
             sharded,
@@ -141,7 +148,7 @@ class Trainer:
             self.grad_buffers.wait_for_params_in_forward(self.model, list(self.model.decoder.layers))
         # FP8 weights' amaxes, when their main copies are cast: TE scales each tensor-parallel shard by itself, the
         # local engine the whole tensor (as in one process)
-        fp8_group = dims.amax_group if cfg.model.transformer_impl == "local" else dims.dp_group
+        fp8_group = dims.amax_group if cfg.model.transformer_impl == "local" else dims.dp_cp_group
         self.optimizer = MixedPrecisionAdamW(
             self.model, cfg.optimizer, self.device.type == "cuda", self.grad_buffers, fp8_group
         )
@@ -182,7 +189,8 @@ class Trainer:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         print_rank_0(
             f"> device: {self.device} ({name}), world size {self.dims.world_size}, data-parallel size {self.dims.dp},"
-            f" {cfg.num_micro_batches} micro-batches of {cfg.training.micro_batch_size} per step"
+            + (f" context-parallel size {self.dims.cp}," if self.dims.cp > 1 else "")
+            + f" {cfg.num_micro_batches} micro-batches of {cfg.training.micro_batch_size} per step"
         )
         if self.dims.pp > 1:
             print_rank_0(f"> {schedule_line(self.dims.pp, self.stage.num_chunks, cfg.num_micro_batches)}")
@@ -227,7 +235,7 @@ class Trainer:
             if self.dims.pp > 1:
                 self._pipeline(batches, 1, train=True)
             else:
-                self._loss(_to_device(next(batches), self.device)).backward()
+                self._loss(_to_device(next(batches), self.device, self.cp)).backward()
 
         assert self.fp8_monitor is not None
         self.model.train()
@@ -293,17 +301,17 @@ class Trainer:
 
     def _optimizer_file(self) -> str:
         """This data-parallel rank's optimizer shard in a checkpoint (--use-distributed-optimizer)."""
-        return f"optim_dp_rank_{self.dims.dp_rank:03d}.pt"
+        return f"optim_dp_rank_{self.dims.dp_cp_rank:03d}.pt"
 
     def _load_optimizer(self, state: dict[str, Any]) -> None:
         load = self.cfg.checkpoint.load
         fix = "relaunch with the saved run's settings, or add --no-load-optim to start the optimizer afresh"
         if self.grad_buffers.sharded:
             saved = load_rank_file(load, self._shard_name(), self._optimizer_file())
-            if saved["dp"] != self.dims.dp:
+            if saved["dp"] != self.dims.dp_cp:
                 raise CheckpointError(
                     f"checkpoint {load}: its distributed-optimizer state was saved with data-parallel size"
-                    f" {saved['dp']}, this run has {self.dims.dp}; {fix}"
+                    f" {saved['dp']}, this run has {self.dims.dp_cp}; {fix}"
                 )
             optimizer_state = saved["optimizer"]
         else:
@@ -321,7 +329,7 @@ class Trainer:
             print_rank_0(f"> {note} (checkpoint {load})")
 
     def _layout(self) -> dict[str, int]:
-        return {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp}
+        return {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "cp": self.dims.cp}
 
     def _shard_name(self) -> str:
         return model_parallel_name(self.dims.tp_rank, self.dims.pp_rank, self.dims.pp)
@@ -357,7 +365,9 @@ class Trainer:
             writer=self.dims.is_checkpoint_writer,
             shard=self._shard_name(),
             layout=self._layout(),
-            rank_files={self._optimizer_file(): {"optimizer": optimizer_state, "dp": self.dims.dp}} if sharded else {},
+            rank_files={self._optimizer_file(): {"optimizer": optimizer_state, "dp": self.dims.dp_cp}}
+            if sharded
+            else {},
         )
         print_rank_0(f"  successfully saved checkpoint at iteration {self.state.iteration:7d} to {path}")
 
@@ -403,19 +413,19 @@ class Trainer:
         mask = batch["loss_mask"]
         if step is not None:
             return step.add(out, mask)
-        return (out * mask).sum() / mask.sum().clamp(min=1.0)
+        return masked_mean(out, mask, self.cp.group)
 
     def _pipeline(self, batches, num_micro: int, train: bool, step: StepLoss | None = None) -> torch.Tensor:
         """Mean loss over the micro-batches, through the pipeline stages; every stage returns it (training: `step`
         records the loss, and the return value is meaningless)."""
 
         def stage_forward(batch, hidden, chunk=None):
-            out = self._loss(_to_device(batch, self.device), hidden, step, chunk)
+            out = self._loss(_to_device(batch, self.device, self.cp), hidden, step, chunk)
             if step is not None:
                 return self.loss_scaler.scale_loss(out) if self.stage.computes_loss(chunk) else out
             return out / num_micro if self.stage.computes_loss(chunk) else out
 
-        s, h = self.cfg.model.seq_length, self.cfg.model.hidden_size
+        s, h = self.cfg.model.seq_length // self.cp.size, self.cfg.model.hidden_size
         shape = (s // self.dims.tp if self.tp.sequence_parallel else s, self.cfg.training.micro_batch_size, h)
         where = (self.dims, shape, self.dtype, self.device)
         if self.stage.num_chunks > 1:
@@ -432,10 +442,10 @@ class Trainer:
         return total
 
     def _average_over_dp(self, value: torch.Tensor) -> float:
-        if self.dims.dp_group is not None:
+        if self.dims.dp_cp_group is not None:
             value = value.clone()
-            dist.all_reduce(value, group=self.dims.dp_group)
-            value /= self.dims.dp
+            dist.all_reduce(value, group=self.dims.dp_cp_group)
+            value /= self.dims.dp_cp
         return float(value)
 
     def train_step(self, batches, lr: float | LearningRates, num_micro: int | None = None) -> tuple[float, float, bool]:
@@ -443,7 +453,7 @@ class Trainer:
         returns (loss, grad norm, whether it was applied)."""
         self.model.train()
         num_micro = num_micro or self.cfg.num_micro_batches
-        step = StepLoss(self.cfg.training.calculate_per_token_loss, num_micro, self.device)
+        step = StepLoss(self.cfg.training.calculate_per_token_loss, num_micro, self.device, self.cp.group)
         timers = self.runtime.timers
         timers("forward-backward", 1).start()
         if self.dims.pp > 1:
@@ -452,7 +462,7 @@ class Trainer:
             for micro in range(num_micro):
                 self.grad_buffers.is_last_micro_batch = micro == num_micro - 1
                 timers("forward-compute", 2).start()
-                loss = self._loss(_to_device(next(batches), self.device), step=step)
+                loss = self._loss(_to_device(next(batches), self.device, self.cp), step=step)
                 timers("forward-compute", 2).stop()
                 timers("backward-compute", 2).start()
                 self.loss_scaler.scale_loss(loss).backward()
@@ -466,7 +476,7 @@ class Trainer:
         self.grad_buffers.finish()
         reduce_sequence_parallel_grads(params, self.dims)
         timers("all-grads-sync", 1).stop()
-        self.loss_scaler.unscale_(self.optimizer.grads(), step.grad_factor(self.dims.dp_group))
+        self.loss_scaler.unscale_(self.optimizer.grads(), step.grad_factor(self.dims.dp_cp_group))
         self.stats.count_zeros()
         timers("optimizer", 1).start()
         # An inf/NaN FP8 amax skips the step through an infinite gradient norm, which the norm's reduction carries
@@ -480,7 +490,7 @@ class Trainer:
         self.grad_buffers.zero()
         # The host waits for the GPU only here, with the whole step queued (the loss first; norm and the skip
         # decision are ready by then). fp16: inf/NaN gradients give an infinite norm on every rank and skip the step.
-        loss = step.value(self.dims.pp_group, self.dims.dp_group)
+        loss = step.value(self.dims.pp_group, self.dims.dp_cp_group)
         self.loss_scaler.update(found_inf=not bool(stepped))
         return loss, float(norm), bool(stepped)
 
@@ -497,7 +507,7 @@ class Trainer:
         else:
             total = torch.zeros((), device=self.device)
             for _ in range(steps):
-                total += self._loss(_to_device(next(batches), self.device)).float()
+                total += self._loss(_to_device(next(batches), self.device, self.cp)).float()
             loss = self._average_over_dp(total / steps)
         self.runtime.after_evaluation()
         print_rank_0(validation_log_lines(self.state.iteration, loss, split))

@@ -9,9 +9,6 @@ from megatron.config import ConfigError, parse_args
 BASE = ["--mock-data", "--vocab-size", "128", "--num-layers", "4"]
 
 PENDING = [
-    ("--context-parallel-size 2", "--context-parallel-size 2", "issue 17"),
-    ("--cp-comm-type a2a", "--cp-comm-type", "issue 17"),
-    ("--cp-comm-type p2p p2p a2a a2a", "--cp-comm-type", "issue 17"),
     ("--recompute-activations", "--recompute-activations", "issue 17"),
     ("--recompute-granularity full", "--recompute-granularity", "issue 17"),
     ("--recompute-granularity selective", "--recompute-granularity", "issue 17"),
