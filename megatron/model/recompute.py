@@ -72,7 +72,9 @@ class RecomputePlan:
             if self.method == "uniform":
                 what = f"full, uniform: all {num_layers} layers of this stage in groups of {self.num_layers}"
             else:
-                what = f"full, block: the first {self.recomputed_layers(num_layers)} of this stage's {num_layers} layers"
+                what = (
+                    f"full, block: the first {self.recomputed_layers(num_layers)} of this stage's {num_layers} layers"
+                )
         else:
             what = f"selective: {', '.join(sorted(self.modules))} in every layer"
         return [

@@ -14,12 +14,6 @@ PENDING = [
     ("--cp-comm-type p2p p2p a2a a2a", "--cp-comm-type", "issue 17"),
     ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1", "--num-layers-per-virtual", "17"),
     ("--num-virtual-stages-per-pipeline-rank 2", "--num-virtual-stages-per-pipeline-rank", "issue 17"),
-    ("--recompute-activations", "--recompute-activations", "issue 17"),
-    ("--recompute-granularity full", "--recompute-granularity", "issue 17"),
-    ("--recompute-granularity selective", "--recompute-granularity", "issue 17"),
-    ("--recompute-method uniform", "--recompute-method", "issue 17"),
-    ("--recompute-num-layers 1", "--recompute-num-layers", "issue 17"),
-    ("--recompute-modules core_attn mlp", "--recompute-modules", "issue 17"),
 ]
 
 

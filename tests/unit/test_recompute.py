@@ -189,12 +189,3 @@ def test_config_errors_are_one_line(flags, match):
     with pytest.raises(ConfigError, match=match) as err:
         parse_args(f"{BASE} {flags}".split())
     assert "\n" not in str(err.value)
-
-
-def test_cuda_graphs_with_recomputation_is_a_config_error():
-    flags = (
-        "--transformer-impl transformer_engine --cuda-graph-impl transformer_engine"
-        " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
-    )
-    with pytest.raises(ConfigError, match="--cuda-graph-impl transformer_engine with --recompute-granularity"):
-        parse_args(f"{BASE} {flags}".split(), device_type="cuda")
