@@ -15,9 +15,9 @@ gradients are bitwise those of no recomputation.
 FP8. Local engine: delayed scaling's scales change only in `Fp8Manager.step()`, so the recomputed forward casts with
 the scales of the first; it records the same amaxes again, into a running max that they leave unchanged, and the
 monitor counts each tensor at its first cast only: histories and statistics are those of no recomputation.
-Transformer Engine: its layers are checkpointed with TE's own `checkpoint` (`transformer_engine.pytorch.distributed`),
-which stashes each module's FP8 scales and amax history in the first forward and runs the recomputation on them
-without registering the module's amaxes again.
+Transformer Engine: its layers are checkpointed with TE's own `checkpoint` (`te_layers.te_checkpoint`), which
+stashes each module's FP8 scales and amax history in the first forward and runs the recomputation on them without
+registering the module's amaxes again.
 """
 
 from __future__ import annotations
@@ -149,34 +149,11 @@ def checkpoint(function: Callable[..., torch.Tensor], *args: Any, te: bool = Fal
     if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         return function(*args)
     if te:
-        from transformer_engine.pytorch.distributed import checkpoint as te_checkpoint
+        from .te_layers import te_checkpoint  # late: te_layers imports this module
 
         with _entered("first_forward"):
-            return te_checkpoint(
-                function, *args, distribute_saved_activations=False, use_reentrant=True, context_fn=_te_contexts
-            )
+            return te_checkpoint(function, *args)
     return _Checkpoint.apply(function, *args)
-
-
-def _te_contexts() -> tuple[Any, Any]:
-    """TE checkpoint's (forward, recompute) contexts: nothing around the first forward; around the recomputation,
-    one more level of FP8 autocast nesting. TE's checkpoint runs the recomputation inside an autocast of its own,
-    whose exit at the outermost level would reduce and update every module's forward amax history once more (in
-    backward, with no new amaxes: an extra roll of the histories per checkpoint). Nested, it leaves that update to
-    the model's own autocast, which runs it once per forward as without recomputation."""
-    return contextlib.nullcontext(), _nested_te_autocast()
-
-
-@contextlib.contextmanager
-def _nested_te_autocast() -> Iterator[None]:
-    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-
-    state = FP8GlobalStateManager.quantization_state
-    state.autocast_depth += 1
-    try:
-        yield
-    finally:
-        state.autocast_depth -= 1
 
 
 def run_layers(

@@ -513,6 +513,36 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
+def te_checkpoint(function: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """function(*args) under TE's reentrant activation checkpoint (see megatron/model/recompute.py)."""
+    from transformer_engine.pytorch.distributed import checkpoint
+
+    return checkpoint(
+        function, *args, distribute_saved_activations=False, use_reentrant=True, context_fn=_te_checkpoint_contexts
+    )
+
+
+def _te_checkpoint_contexts() -> tuple[Any, Any]:
+    """TE checkpoint's (forward, recompute) contexts: nothing around the first forward; around the recomputation,
+    one more level of FP8 autocast nesting. TE's checkpoint runs the recomputation inside an autocast of its own,
+    whose exit at the outermost level would reduce and update every module's forward amax history once more (in
+    backward, with no new amaxes: an extra roll of the histories per checkpoint). Nested, it leaves that update to
+    the model's own autocast, which runs it once per forward as without recomputation."""
+    return contextlib.nullcontext(), _nested_te_autocast()
+
+
+@contextlib.contextmanager
+def _nested_te_autocast() -> Iterator[None]:
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    state = FP8GlobalStateManager.quantization_state
+    state.autocast_depth += 1
+    try:
+        yield
+    finally:
+        state.autocast_depth -= 1
+
+
 def te_cross_entropy(
     logits: torch.Tensor, labels: torch.Tensor, tp_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
