@@ -279,8 +279,8 @@ class TESelfAttention(nn.Module):
                 q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         if not self.te_attention:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-            if self.recompute_core_attn:
-                out = checkpoint(self.core_attention, q, k, v, attention_mask, te=True)
+            if self.recompute_core_attn:  # no TE module inside: this project's checkpoint
+                out = checkpoint(self.core_attention, q, k, v, attention_mask)
             else:
                 out = self.core_attention(q, k, v, attention_mask)  # [b, np, s, hn]
             out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * hn)

@@ -29,6 +29,7 @@ MODES = [
     "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
     "--recompute-granularity full --recompute-method block --recompute-num-layers 1",
     "--recompute-granularity selective --recompute-modules core_attn mlp",
+    "--recompute-granularity selective --recompute-modules core_attn mlp layernorm --attention-backend local",
 ]
 
 
