@@ -192,6 +192,8 @@ class _DiscardableNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, torch.Tensor | None]:
         owner: NormRecompute = ctx.owner
+        if owner.recomputed is None:  # the linear's output took no gradient of its own (the hook did not run)
+            owner.recompute()
         x, out = owner.inputs, owner.recomputed
         owner.inputs = owner.recomputed = None
         torch.autograd.backward(out, grad)
@@ -209,6 +211,7 @@ class NormRecompute:
         self.inputs: torch.Tensor | None = None
         self.recomputed: torch.Tensor | None = None
         self.output: torch.Tensor | None = None
+        self._x: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.output = _DiscardableNorm.apply(self.norm, self, x)
@@ -222,11 +225,12 @@ class NormRecompute:
         if not consumer_output.requires_grad:
             return
         out.untyped_storage().resize_(0)
-        consumer_output.register_hook(self._recompute)
+        consumer_output.register_hook(lambda grad: self.recompute())
 
-    def _recompute(self, grad: torch.Tensor) -> None:
+    def recompute(self) -> None:
+        """Refill the norm output's storage (the linear's backward reads it) and keep the norm's graph."""
         out = self.output
-        assert out is not None
+        assert out is not None and self._x is not None
         x = self._x.detach().requires_grad_(self._x.requires_grad)
         with torch.enable_grad(), _entered("recompute"):
             recomputed = self.norm(x)

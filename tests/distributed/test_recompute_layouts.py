@@ -14,6 +14,7 @@ BASE = (
     " --transformer-impl local --hidden-dropout 0.1 --attention-dropout 0.1 --attention-backend unfused"
 )
 LAYOUTS = {
+    "tp2": "--tensor-model-parallel-size 2",
     "tp2_sp": "--tensor-model-parallel-size 2 --sequence-parallel",
     "pp2": "--pipeline-model-parallel-size 2",
 }
