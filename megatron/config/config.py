@@ -417,6 +417,11 @@ class Config:
             " per layer, and a layer's graph holds one micro-batch's activations",
         )
         require(
+            self.model.recompute_granularity is None,
+            f"{flag} with --recompute-granularity: a graphed layer replays its captured backward, which needs the"
+            " activations the recomputation drops; drop one of the two",
+        )
+        require(
             not self.precision.fp8_stats_interval,
             f"--fp8-stats-interval observes the layers through hooks, which {flag} does not run; drop one of the two",
         )

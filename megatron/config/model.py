@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from .base import option, require
 
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+"""What --recompute-modules can name here (the dense-GPT subset of Megatron-LM's choices)."""
+
 
 @dataclass
 class ModelConfig:
@@ -110,20 +113,29 @@ class ModelConfig:
     recipes; CUDA only) or `local` (pure PyTorch: runs anywhere, emulates FP8 recipes the GPU lacks). Default:
     transformer_engine on a CUDA machine where Transformer Engine imports, else local (the log says which and why)."""
     recompute_activations: bool = False
-    """Megatron-LM: recompute the core attention in the backward pass (selective recomputation). Not implemented
-    yet (issue 17): the flag stops with an error; every activation is kept."""
+    """Recompute activations in the backward pass instead of keeping them: Megatron-LM's shorthand for
+    --recompute-granularity selective (with --recompute-modules, default core_attn)."""
     recompute_granularity: str | None = option(None, choices=["full", "selective"])
-    """Megatron-LM: recompute whole layers (full) or --recompute-modules (selective) in the backward pass. Not
-    implemented yet (issue 17): a value stops with an error; unset (no recomputation) is the behaviour here."""
+    """Activation recomputation (docs/recompute.md). `full`: keep only the input of each recomputed transformer
+    layer (which layers: --recompute-method and --recompute-num-layers) and run the layer's forward again in the
+    backward pass. `selective`: keep everything but the outputs of --recompute-modules, recomputed in backward.
+    Unset: no recomputation. The recomputed forward draws the same dropout masks and uses the same FP8 scales as
+    the first; TFLOP/s keep counting model FLOPs (the recomputation is not counted)."""
     recompute_method: str | None = option(None, choices=["uniform", "block"])
-    """Megatron-LM: which layers full recomputation covers. Not implemented yet (issue 17): a value stops with an
-    error."""
+    """Which layers --recompute-granularity full recomputes (required there). `uniform`: every layer of the pipeline
+    stage (model chunk), in groups of --recompute-num-layers consecutive layers whose inputs only are kept. `block`:
+    only the first --recompute-num-layers layers of each pipeline stage (model chunk), one at a time; the rest keep
+    their activations."""
     recompute_num_layers: int | None = None
-    """Megatron-LM: layers per recomputed chunk (uniform) or per stage (block). Not implemented yet (issue 17): a
-    value stops with an error."""
+    """With --recompute-granularity full (required there): layers per recomputed group (uniform) or layers
+    recomputed per pipeline stage (block). Must be unset with selective."""
     recompute_modules: list[str] | None = option(None, nargs="+")
-    """Megatron-LM: the submodules selective recomputation covers (core_attn, mlp, layernorm, ...). Not
-    implemented yet (issue 17): a value stops with an error."""
+    """The parts of each transformer layer --recompute-granularity selective recomputes (Megatron-LM's names;
+    default core_attn): `core_attn` (the attention between linear_qkv and linear_proj: softmax(QK^T)V with its
+    dropout), `mlp` (the whole MLP, its fused pre-MLP norm included), `layernorm` (the outputs of the two norms fused
+    into linear_qkv and linear_fc1, on the local engine; with --transformer-impl transformer_engine those norms run
+    inside te.LayerNormLinear, which Megatron-LM does not recompute either, so there it recomputes nothing). The
+    MoE, MLA and hyper-connection modules of Megatron-LM do not exist in this model (an error)."""
     no_persist_layer_norm: bool = False
     """Accepted and ignored: in Megatron-LM it turns off apex's persistent layer-norm kernel; no layer norm here
     uses that kernel (they are PyTorch's or Transformer Engine's), which is what the flag asks for."""
@@ -188,20 +200,54 @@ class ModelConfig:
         self._check_recompute()
 
     def _check_recompute(self) -> None:
-        """Activation recomputation is issue 17; until then only "no recomputation" parses."""
-        for name in (
-            "recompute_activations",
-            "recompute_granularity",
-            "recompute_method",
-            "recompute_num_layers",
-            "recompute_modules",
-        ):
-            value = getattr(self, name)
+        """Megatron-LM's rules for the recomputation flags (its TransformerConfig and argument checks)."""
+        if self.recompute_activations:
             require(
-                value is None or value is False,
-                f"--{name.replace('_', '-')}: activation recomputation is not implemented yet (issue 17); drop the"
-                " flag (every activation is kept)",
+                self.recompute_granularity != "full",
+                "--recompute-activations means --recompute-granularity selective; drop one of the two",
             )
+            self.recompute_granularity = "selective"
+        granularity = self.recompute_granularity
+        if granularity is None:
+            for name in ("recompute_method", "recompute_num_layers", "recompute_modules"):
+                require(
+                    getattr(self, name) is None,
+                    f"--{name.replace('_', '-')} needs --recompute-granularity"
+                    f" {'selective' if name == 'recompute_modules' else 'full'}; add it or drop the flag",
+                )
+            return
+        if granularity == "full":
+            require(
+                self.recompute_method is not None,
+                "--recompute-granularity full needs --recompute-method uniform or block",
+            )
+            require(
+                self.recompute_num_layers is not None and 1 <= self.recompute_num_layers <= self.num_layers,
+                f"--recompute-granularity full needs --recompute-num-layers between 1 and --num-layers"
+                f" ({self.num_layers}), got {self.recompute_num_layers}",
+            )
+            require(
+                self.recompute_modules is None,
+                "--recompute-modules applies to --recompute-granularity selective; full recomputes whole layers",
+            )
+            return
+        require(
+            self.recompute_method is None,
+            "--recompute-method applies to --recompute-granularity full; selective recomputes in every layer",
+        )
+        require(
+            self.recompute_num_layers is None,
+            "--recompute-num-layers applies to --recompute-granularity full; selective recomputes in every layer",
+        )
+        if self.recompute_modules is None:
+            self.recompute_modules = ["core_attn"]  # Megatron-LM's default
+        unknown = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        require(
+            not unknown,
+            f"--recompute-modules {' '.join(unknown)}: this model has no such module to recompute; choose among"
+            f" {', '.join(RECOMPUTE_MODULES)}",
+        )
+        require(bool(self.recompute_modules), "--recompute-modules needs at least one of core_attn, mlp, layernorm")
 
     @property
     def add_bias(self) -> bool:

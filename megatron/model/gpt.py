@@ -42,6 +42,7 @@ from megatron.parallel.tensor_parallel import (
 
 from .cross_entropy import fused_cross_entropy
 from .layers import Linear, Norm, RotaryEmbedding, is_fp8_param, mark_tensor_parallel
+from .recompute import RecomputePlan, run_layers
 from .transformer import TransformerLayer
 
 
@@ -220,6 +221,7 @@ class GPTModel(nn.Module):
         if cfg.position_embedding_type == "rope":
             self.rotary = RotaryEmbedding(int(cfg.kv_channels * cfg.rotary_percent), cfg.rotary_base)
         self.decoder = Decoder(cfg, dtype, self.te_fp8, tp, stage, base_seed)
+        self.recompute = RecomputePlan.from_config(cfg)
         self.output_layer = None
         if not tied and stage.post_process:
             with _seeded(base_seed + cfg.num_layers + 1):
@@ -268,8 +270,7 @@ class GPTModel(nn.Module):
             rotary = self.rotary(s, position_ids if per_sample else position_ids[:1] if cp.size > 1 else None)
         with self.te_fp8.stack() if self.te_fp8 is not None else contextlib.nullcontext():
             layers = self.decoder.layers if chunk is None else self.decoder.layers[self.stage.chunk_slice(chunk)]
-            for layer in layers:
-                x = layer(x, rotary, attention_mask)
+            x = run_layers(layers, x, rotary, attention_mask, self.recompute, te=self.uses_te)
         if not self.stage.computes_loss(chunk):
             return x
         x = self.decoder.final_layernorm(x)
@@ -287,12 +288,18 @@ class GPTModel(nn.Module):
         return vocab_parallel_cross_entropy(logits.transpose(0, 1), labels, self.tp.group)
 
     def describe(self) -> list[str]:
-        """Startup log lines about the layer implementation (none for the local one)."""
+        """Startup log lines about the layer implementation (the local one has none) and the recomputation."""
+        lines = self.recompute.describe(len(self.decoder.layers))
+        if self.uses_te and "layernorm" in self.recompute.modules:
+            lines.append(
+                "--recompute-modules layernorm: the norms run inside Transformer Engine's LayerNormLinear, which has"
+                " no separate norm output to recompute (as in Megatron-LM); nothing is recomputed for it"
+            )
         if not self.uses_te:
-            return []
+            return lines
         from .te_layers import describe_te
 
-        return describe_te(self)
+        return describe_te(self) + lines
 
 
 def extra_state_keys(model: nn.Module, prefix: str = "") -> set[str]:

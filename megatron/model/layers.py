@@ -35,6 +35,7 @@ from megatron.parallel.tensor_parallel import (
 )
 
 from .grad_accumulation import fuses_wgrad, linear_accumulating_wgrad
+from .recompute import NormRecompute
 
 
 def mark_replicated(param: nn.Parameter, tp: TensorParallel) -> None:
@@ -196,10 +197,19 @@ class LayerNormLinear(Linear):
         for param in (self.layer_norm_weight, self.layer_norm_bias):
             if param is not None:
                 mark_replicated(param, self.tp)
+        self.recompute_norm = False
+        """--recompute-modules layernorm: free the norm output after the GEMM, recompute it in backward."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return normalize(x, self.layer_norm_weight, self.layer_norm_bias, self.norm_kind, self.eps, self.zero_centered)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        norm = normalize(x, self.layer_norm_weight, self.layer_norm_bias, self.norm_kind, self.eps, self.zero_centered)
-        return super().forward(norm)
+        if self.recompute_norm and torch.is_grad_enabled() and x.requires_grad:
+            recompute = NormRecompute(self._norm)
+            y = super().forward(recompute.forward(x))
+            recompute.discard(y)
+            return y
+        return super().forward(self._norm(x))
 
 
 class RotaryEmbedding(nn.Module):

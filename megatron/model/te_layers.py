@@ -57,6 +57,7 @@ from megatron.parallel.tensor_parallel import NO_TP, TensorParallel
 
 from .attention import CoreAttention
 from .layers import apply_rotary, init_std_of_output, mark_replicated, mlp_activation
+from .recompute import RecomputePlan, checkpoint, in_checkpointed_forward
 from .transformer import qk_norms
 
 
@@ -243,6 +244,7 @@ class TESelfAttention(nn.Module):
                 )
         else:  # --attention-backend local: this project's PyTorch attention between TE's linears
             self.core_attention = CoreAttention(cfg, layer_number)
+        self.recompute_core_attn = False  # --recompute-modules core_attn (set by TETransformerLayer)
         from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
 
         self._qkv_rope = apply_fused_qkv_rotary_pos_emb
@@ -276,13 +278,25 @@ class TESelfAttention(nn.Module):
             if rotary is not None:  # per-sample positions (TE's kernels take [s, 1, 1, d] angles only) or unfused
                 q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         if not self.te_attention:
-            out = self.core_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), attention_mask)  # [b, np, s, hn]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+            if self.recompute_core_attn:  # no TE module inside: this project's checkpoint
+                out = checkpoint(self.core_attention, q, k, v, attention_mask)
+            else:
+                out = self.core_attention(q, k, v, attention_mask)  # [b, np, s, hn]
             out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * hn)
-        elif attention_mask is None:
-            out = self._te_attention(q, k, v)  # [s, b, np * hn]
-        else:  # TE masks where the mask is True; ours marks where a query may attend
-            out = self._te_attention(q, k, v, attention_mask=~attention_mask, attn_mask_type="arbitrary")
+        elif self.recompute_core_attn:  # TE's checkpoint: its RNG and FP8 (attention) handling
+            out = checkpoint(self._te_attention_masked, q, k, v, attention_mask, te=True)
+        else:
+            out = self._te_attention_masked(q, k, v, attention_mask)  # [s, b, np * hn]
         return self.linear_proj(out, is_first_microbatch=first_microbatch)
+
+    def _te_attention_masked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        if attention_mask is None:
+            return self._te_attention(q, k, v)
+        # TE masks where the mask is True; ours marks where a query may attend
+        return self._te_attention(q, k, v, attention_mask=~attention_mask, attn_mask_type="arbitrary")
 
     def _te_attention(self, *args, **kwargs) -> torch.Tensor:
         try:
@@ -353,9 +367,15 @@ class TEMLP(nn.Module):
         (Blackwell) could take this path too but is left on TE's own cast until it can be tested on such a GPU. The
         quantizers are shallow copies of the modules' own: they share the scale and amax tensors TE quantizes with."""
         from transformer_engine.pytorch.constants import FP8BwdTensorIdx, FP8FwdTensorIdx
+        from transformer_engine.pytorch.distributed import is_fp8_activation_recompute_enabled
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
         if not (self.fp8_swiglu and FP8GlobalStateManager.is_fp8_enabled()):
+            return None, None
+        if is_fp8_activation_recompute_enabled():
+            # Inside TE's checkpoint (recomputed MLP or layer): linear_fc2 swaps in the scales of the first forward
+            # only when its own forward starts, after this kernel; TE's own cast of the bf16 output keeps both
+            # passes on the same scales and records linear_fc2's input amax once.
             return None, None
         recipe = FP8GlobalStateManager.get_fp8_recipe()
         if not recipe.delayed():
@@ -406,6 +426,9 @@ class TETransformerLayer(nn.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.gradient_accumulation_fusion = cfg.gradient_accumulation_fusion
         self.fp8 = fp8
+        plan = RecomputePlan.from_config(cfg)
+        self.self_attention.recompute_core_attn = plan.selective("core_attn")
+        self.recompute_mlp = plan.selective("mlp")
         self._weights_version: int | None = None
         self._graphed: Callable[..., torch.Tensor] | None = None  # see `use_graph`
 
@@ -427,8 +450,8 @@ class TETransformerLayer(nn.Module):
         having to say so. With True TE casts each weight to FP8 and keeps the cast; with False it reuses it; and its
         fused wgrad GEMM writes the first micro-batch's gradient into main_grad instead of adding it (main_grad is
         zero then anyway)."""
-        if not (self.training and torch.is_grad_enabled()):
-            return None
+        if not (self.training and (torch.is_grad_enabled() or in_checkpointed_forward())):
+            return None  # (a recomputed layer's first forward runs without autograd, yet is a training forward)
         version = sum(module.weight._version for module in self.te_modules())
         first = version != self._weights_version
         self._weights_version = version
@@ -471,7 +494,8 @@ class TETransformerLayer(nn.Module):
         self, x: torch.Tensor, rotary: torch.Tensor | None, attention_mask: torch.Tensor | None, first: bool | None
     ) -> torch.Tensor:
         x = x + self._dropout(self.self_attention(x, rotary, attention_mask, first))
-        return x + self._dropout(self.mlp(x, first))
+        mlp = checkpoint(self.mlp, x, first, te=True) if self.recompute_mlp else self.mlp(x, first)
+        return x + self._dropout(mlp)
 
 
 @contextlib.contextmanager
@@ -487,6 +511,36 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def te_checkpoint(function: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """function(*args) under TE's reentrant activation checkpoint (see megatron/model/recompute.py)."""
+    from transformer_engine.pytorch.distributed import checkpoint
+
+    return checkpoint(
+        function, *args, distribute_saved_activations=False, use_reentrant=True, context_fn=_te_checkpoint_contexts
+    )
+
+
+def _te_checkpoint_contexts() -> tuple[Any, Any]:
+    """TE checkpoint's (forward, recompute) contexts: nothing around the first forward; around the recomputation,
+    one more level of FP8 autocast nesting. TE's checkpoint runs the recomputation inside an autocast of its own,
+    whose exit at the outermost level would reduce and update every module's forward amax history once more (in
+    backward, with no new amaxes: an extra roll of the histories per checkpoint). Nested, it leaves that update to
+    the model's own autocast, which runs it once per forward as without recomputation."""
+    return contextlib.nullcontext(), _nested_te_autocast()
+
+
+@contextlib.contextmanager
+def _nested_te_autocast() -> Iterator[None]:
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    state = FP8GlobalStateManager.quantization_state
+    state.autocast_depth += 1
+    try:
+        yield
+    finally:
+        state.autocast_depth -= 1
 
 
 def te_cross_entropy(

@@ -20,6 +20,7 @@ from megatron.parallel.tensor_parallel import NO_TP, TensorParallel
 
 from .attention import CoreAttention
 from .layers import LayerNormLinear, Linear, Norm, apply_rotary, init_std_of_output, mlp_activation
+from .recompute import RecomputePlan, checkpoint
 
 
 def norm_column_linear(
@@ -81,6 +82,7 @@ class SelfAttention(nn.Module):
             self.q_layernorm, self.k_layernorm = norms
         self.core_attention = CoreAttention(cfg, layer_number)
         self.linear_proj = row_linear(cfg, cfg.num_attention_heads * self.head_dim, dtype, tp)
+        self.recompute_core_attn = False  # --recompute-modules core_attn (set by TransformerLayer)
 
     def forward(
         self, x: torch.Tensor, rotary: torch.Tensor | None, attention_mask: torch.Tensor | None
@@ -96,7 +98,10 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)  # k: [s, b, ng, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hn]
-        out = self.core_attention(q, k, v, attention_mask)  # [b, np, s, hn]
+        if self.recompute_core_attn:
+            out = checkpoint(self.core_attention, q, k, v, attention_mask)  # [b, np, s, hn]
+        else:
+            out = self.core_attention(q, k, v, attention_mask)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
         return self.linear_proj(out)
 
@@ -130,9 +135,15 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(cfg, layer_number, dtype, tp)
         self.mlp = MLP(cfg, dtype, tp)
         self.hidden_dropout = cfg.hidden_dropout
+        plan = RecomputePlan.from_config(cfg)
+        self.self_attention.recompute_core_attn = plan.selective("core_attn")
+        self.recompute_mlp = plan.selective("mlp")
+        for linear in (self.self_attention.linear_qkv, self.mlp.linear_fc1):
+            linear.recompute_norm = plan.selective("layernorm")
 
     def forward(
         self, x: torch.Tensor, rotary: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         x = x + F.dropout(self.self_attention(x, rotary, attention_mask), self.hidden_dropout, self.training)
-        return x + F.dropout(self.mlp(x), self.hidden_dropout, self.training)
+        mlp = checkpoint(self.mlp, x) if self.recompute_mlp else self.mlp(x)
+        return x + F.dropout(mlp, self.hidden_dropout, self.training)

@@ -17,8 +17,9 @@ The distributed optimizer keeps 1/dp of the main copy and the moments (the gradi
 reduce-scattered in place). Activations of one micro-batch without recomputation, Korthikanti et al. (2022), for
 16-bit activations: per layer s * b * h * (34 + 5 * a * s / h) bytes; SDPA's fused kernels do not keep the
 a * s * s attention matrix, so we drop that term. With tensor parallelism t that is s * b * h * (10 + 24 / t), and
-34 * s * b * h / t with sequence parallelism; only this pipeline stage's layers count. Plus the fp32 logits and
-their gradient (8 * s * b * V / t).
+34 * s * b * h / t with sequence parallelism; only this pipeline stage's layers count. Activation recomputation
+removes what it recomputes (`recomputed_activation_units`). Plus the fp32 logits and their gradient
+(8 * s * b * V / t).
 
 `estimate_bytes` gives the numbers (the trainer prints the total again beside the measured peak at the end of the
 run); `memory_estimate_lines` writes them as the start-of-run log line.
@@ -84,10 +85,11 @@ def estimate_bytes(
     # this rank's part of the sequence under context parallelism
     s, b, h = m.seq_length // cfg.parallel.context_parallel_size, cfg.training.micro_batch_size, m.hidden_size
     act_scale = dtype.itemsize / 2
-    tp = cfg.parallel.tensor_model_parallel_size
-    per_layer = 34 / tp if cfg.parallel.sequence_parallel else 10 + 24 / tp
     layers = m.num_layers if num_layers is None else num_layers
-    activations = layers * per_layer * s * b * h * act_scale + 8 * s * b * vocab_size / tp
+    per_layer_sum = recomputed_activation_units(cfg, layers)
+    activations = (
+        per_layer_sum * s * b * h * act_scale + 8 * s * b * vocab_size / cfg.parallel.tensor_model_parallel_size
+    )
     static = weights + grads + main_params + adam
     return {
         "weights": weights,
@@ -98,6 +100,38 @@ def estimate_bytes(
         "static": static,
         "total": static + activations,
     }
+
+
+def recomputed_activation_units(cfg: Config, layers: int) -> float:
+    """Activations of `layers` transformer layers of one micro-batch in bytes per s*b*h (16-bit activations), with
+    the --recompute-* flags applied.
+
+    Korthikanti et al.'s terms per layer (t: tensor-parallel size; /t on all of them with sequence parallelism):
+    10 unsplit (the two norm inputs 4, the QKV and fc1 GEMM inputs 2 + 2, the two dropout masks 2) and 24/t split
+    (q, k, v 6, the proj input 2, the fc1 output and the fc2 input 8 + 8). Recomputing
+      full       keeps a recomputed layer's input only (2), plus, during its backward, one recomputed group whole
+      mlp        drops the fc1 GEMM input (2) and the MLP's 16/t inside (its input is kept: the residual stream)
+      layernorm  drops the QKV and fc1 GEMM inputs (the norm outputs, 2 + 2)
+      core_attn  nothing here: SDPA's kernels keep no s x s matrix, which is what it drops in Megatron-LM"""
+    from megatron.model.recompute import RecomputePlan  # late: the model package imports the config as well
+
+    tp = cfg.parallel.tensor_model_parallel_size
+    sp = cfg.parallel.sequence_parallel
+    unsplit, split = (10 / tp, 24 / tp) if sp else (10.0, 24 / tp)
+    per_layer = unsplit + split
+    plan = RecomputePlan.from_config(cfg.model)
+    if plan.granularity == "full":
+        recomputed = plan.recomputed_layers(layers)
+        group = max((end - start for start, end, r in plan.chunks(layers) if r), default=0)
+        kept_input = 2 / tp if sp else 2.0
+        return (layers - recomputed) * per_layer + recomputed * kept_input + group * per_layer
+    dropped = 0.0
+    gemm_input = 2 / tp if sp else 2.0  # one norm output, the input of linear_qkv or linear_fc1
+    if plan.selective("mlp"):
+        dropped += gemm_input + 16 / tp
+    if plan.selective("layernorm"):
+        dropped += gemm_input * (1 if plan.selective("mlp") else 2)
+    return layers * (per_layer - dropped)
 
 
 def memory_estimate_lines(

@@ -272,6 +272,11 @@ def test_fp8_param_gather_needs_fp8_and_a_recipe_with_fp8_weights(te_present, ex
         ("--reset-position-ids", "drop --reset-position-ids or the CUDA graphs"),
         ("--reset-attention-mask", "drop --reset-attention-mask or the CUDA graphs"),
         ("--fp8-format hybrid --fp8-stats-interval 10", "--fp8-stats-interval observes the layers through hooks"),
+        (
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+            "--cuda-graph-impl transformer_engine with --recompute-granularity",
+        ),
+        ("--recompute-activations", "--cuda-graph-impl transformer_engine with --recompute-granularity"),
     ],
 )
 def test_cuda_graphs_need_te_one_stage_and_fixed_shapes(te_present, extra, expected):
