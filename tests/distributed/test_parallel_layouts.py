@@ -217,7 +217,6 @@ def test_four_rank_layouts_match_single_process(tmp_path):
         ("--tensor-model-parallel-size 4", 4, "--num-query-groups (2) must be divisible"),
         ("--pipeline-model-parallel-size 3", 3, "--num-layers (4) cannot be split"),
         ("--tensor-model-parallel-size 2", 3, "world size 3 is not divisible"),
-        ("--sequence-parallel", 2, "--sequence-parallel needs --tensor-model-parallel-size"),
         ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 4", 2, "empty pipeline stage"),
     ],
 )

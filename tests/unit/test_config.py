@@ -120,3 +120,13 @@ def test_megatron_flags_exist():
     ).split()
     missing = set(required) - set(all_flags())
     assert not missing
+
+
+def test_sequence_parallel_at_tp1_is_turned_off_with_a_note():
+    """Megatron-LM's FP8 Llama script passes --sequence-parallel at TP=1: nothing to split, so it is off, and said."""
+    cfg = parse_args(["--mock-data", "--vocab-size", "128", "--sequence-parallel"])
+    assert not cfg.parallel.sequence_parallel
+    assert any("--sequence-parallel turned off" in note for note in cfg.notes)
+    assert parse_args(
+        ["--mock-data", "--vocab-size", "128", "--sequence-parallel", "--tensor-model-parallel-size", "2"], world_size=2
+    ).parallel.sequence_parallel
