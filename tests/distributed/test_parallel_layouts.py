@@ -218,6 +218,11 @@ def test_four_rank_layouts_match_single_process(tmp_path):
         ("--pipeline-model-parallel-size 3", 3, "--num-layers (4) cannot be split"),
         ("--tensor-model-parallel-size 2", 3, "world size 3 is not divisible"),
         ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 4", 2, "empty pipeline stage"),
+        ("--context-parallel-size 2 --seq-length 18", 2, "must be divisible by 2 x --context-parallel-size (4)"),
+        ("--context-parallel-size 2", 3, "world size 3 is not divisible"),
+        ("--context-parallel-size 2 --cp-comm-type ring", 2, "--cp-comm-type ring: choose from"),
+        ("--context-parallel-size 2 --cp-comm-type a2a+p2p", 2, "needs --hierarchical-context-parallel-sizes"),
+        ("--context-parallel-size 2 --cp-comm-type p2p a2a", 2, "one value or one per layer (4), not 2"),
     ],
 )
 def test_impossible_layouts_fail_at_startup(flags, world_size, message):

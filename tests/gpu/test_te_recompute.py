@@ -11,6 +11,7 @@ from megatron.fp8.te_recipe import te_import_error
 from megatron.model import GPTModel
 from megatron.optim import MixedPrecisionAdamW
 from megatron.parallel import GradientBuffers
+from tests.gpu.test_te_model import LLAMA as TE_MODEL_LLAMA
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,12 +19,7 @@ pytestmark = [
 ]
 
 VOCAB = 256
-LLAMA = (
-    "--num-layers 3 --hidden-size 128 --num-attention-heads 4 --group-query-attention --num-query-groups 2"
-    " --ffn-hidden-size 256 --seq-length 64 --position-embedding-type rope --normalization RMSNorm --swiglu"
-    " --disable-bias-linear --untie-embeddings-and-output-weights --transformer-impl transformer_engine --bf16"
-    " --micro-batch-size 2"
-)
+LLAMA = f"{TE_MODEL_LLAMA} --transformer-impl transformer_engine --bf16 --micro-batch-size 2"
 DELAYED = "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max"
 MODES = [
     "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
