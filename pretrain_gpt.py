@@ -11,7 +11,7 @@ import sys
 import torch
 
 from megatron.config import parse_args
-from megatron.errors import UserError
+from megatron.errors import TrainingAborted, UserError
 from megatron.parallel import world_size_from_env
 from megatron.training import pretrain
 
@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
         return 2
+    except TrainingAborted as exc:  # diverged, a rank lost: nothing was saved
+        print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     return 0
 
 

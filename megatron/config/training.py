@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from .base import option, require
 
+EXIT_SIGNALS = ["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"]
+"""What --exit-signal can name."""
+
 
 @dataclass
 class TrainingConfig:
@@ -55,6 +58,25 @@ class TrainingConfig:
     every step, all ranks agree through one all-reduce so they stop after the same step, a checkpoint is saved when
     --save is set, the final evaluation is skipped and the program exits normally (status 0). 0 or unset: no
     limit."""
+    exit_signal_handler: bool = False
+    """Stop cleanly on --exit-signal (what Slurm sends at preemption or at the time limit, e.g. `#SBATCH
+    --signal=B:USR1@120`): the handler only records the signal; the current step finishes, all ranks agree after it
+    through the one all-reduce per step that --exit-duration-in-mins uses (so a signal that reached one rank stops
+    every rank after the same step), a checkpoint is saved when --save is set, the final evaluation is skipped and
+    the program exits with status 0. Further signals while it saves are recorded and ignored."""
+    exit_signal: str = option("SIGTERM", choices=EXIT_SIGNALS)
+    """The signal --exit-signal-handler handles."""
+    check_for_nan_in_loss_and_grad: bool = option(
+        True, flag="--no-check-for-nan-in-loss-and-grad", action="store_false"
+    )
+    """Stop a diverged run: a step whose loss or gradient norm is not finite is skipped (as always) and, after
+    --max-consecutive-skipped-iterations such steps in a row, the run stops with a one-line error and exit status 3,
+    saving nothing (the last good checkpoint stays the latest). fp16: steps skipped while the loss scaler backs off
+    count only once the scale is at --min-loss-scale. `--no-check-for-nan-in-loss-and-grad`: skip such steps and go
+    on. (Megatron-LM raises at the first non-finite loss or gradient norm.)"""
+    max_consecutive_skipped_iterations: int = 10
+    """With --check-for-nan-in-loss-and-grad: how many non-finite steps in a row stop the run (1: the first one,
+    as Megatron-LM does)."""
     manual_gc: bool = False
     """Turn Python's automatic garbage collector off and collect at fixed points instead (before training, every
     --manual-gc-interval steps, around each evaluation), so that every rank collects at the same step and no rank
@@ -107,6 +129,10 @@ class TrainingConfig:
         require(
             self.exit_duration_in_mins is None or self.exit_duration_in_mins >= 0,
             "--exit-duration-in-mins must be >= 0",
+        )
+        require(
+            self.max_consecutive_skipped_iterations >= 1,
+            f"--max-consecutive-skipped-iterations must be >= 1, got {self.max_consecutive_skipped_iterations}",
         )
         require(self.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}")
 

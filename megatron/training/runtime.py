@@ -1,7 +1,7 @@
 """What the training loop does between and around steps, besides training: Python's garbage collection
 (--manual-gc), returning cached GPU memory (--empty-unused-memory-level), the wall-clock budget
-(--exit-duration-in-mins), the step timers and the profiler window. The trainer calls these hooks; each is a cheap
-no-op unless its flag is set.
+(--exit-duration-in-mins) and the exit signal (--exit-signal-handler), the step timers and the profiler window.
+The trainer calls these hooks; each is a cheap no-op unless its flag is set.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from megatron.config import Config
 
 from .logger import TensorBoardWriter, print_rank_0
 from .profiling import Profiler
+from .signals import ExitSignal
 from .timers import Timers
 
 PROGRAM_START = time.time()
@@ -36,6 +37,7 @@ class Runtime:
         self.timers = Timers(self.log_cfg.timing_log_level, self.log_cfg.timing_log_option, device)
         self.profiler = Profiler(self.log_cfg, rank, device, self.timers)
         self._gc_was_enabled = gc.isenabled()
+        self.exit_signal = ExitSignal(self.train_cfg.exit_signal) if self.train_cfg.exit_signal_handler else None
         for note in self._notes():
             if note not in cfg.notes:
                 cfg.notes.append(note)  # printed with the arguments at start
@@ -76,6 +78,8 @@ class Runtime:
         self.profiler.stop()
         if self.train_cfg.manual_gc and self._gc_was_enabled:
             gc.enable()  # the process may go on (tests, notebooks): hand the collector back as it was
+        if self.exit_signal is not None:  # after the final save: a signal during it must not kill the process
+            self.exit_signal.release()
 
     def empty_cache(self, level: int) -> None:
         """Return the allocator's unused cached blocks to the device at --empty-unused-memory-level >= `level`
@@ -97,20 +101,33 @@ class Runtime:
 
     # ------------------------------------------------------------------ exit
 
-    def out_of_time(self) -> bool:
-        """Whether the --exit-duration-in-mins budget is spent. Every rank must call it after the same step: one
-        all-reduce (max) over all ranks makes them agree although each reads its own clock."""
+    def exit_requested(self, iteration: int) -> bool:
+        """Whether to stop after this step: the --exit-duration-in-mins budget is spent or --exit-signal arrived, on
+        any rank. Every rank must call it after the same step (`iteration`: steps completed): one all-reduce (max)
+        of both conditions makes them agree although each reads its own clock and receives its own signals. No
+        collective when neither flag is set."""
         budget = self.train_cfg.exit_duration_in_mins
-        if not budget:
+        if not budget and self.exit_signal is None:
             return False
         minutes = (now() - self.start_time) / 60.0
-        done = torch.tensor([1 if minutes > budget else 0], dtype=torch.int32, device=self.device)
+        signalled = self.exit_signal is not None and self.exit_signal.received
+        flags = torch.tensor([int(bool(budget) and minutes > budget), int(signalled)], dtype=torch.int32)
+        flags = flags.to(self.device)
         if dist.is_initialized():
-            dist.all_reduce(done, op=dist.ReduceOp.MAX)
-        if not done.item():
-            return False
-        print_rank_0(f"> exiting program after {minutes:.2f} minutes (--exit-duration-in-mins {budget})")
-        return True
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        out_of_time, signalled = flags.tolist()
+        if signalled:
+            assert self.exit_signal is not None
+            where = "" if self.exit_signal.received else " on another rank"
+            print_rank_0(
+                f"> exiting program at iteration {iteration} after receiving {self.exit_signal.name}{where}"
+                " (--exit-signal-handler)"
+            )
+            return True
+        if out_of_time:
+            print_rank_0(f"> exiting program after {minutes:.2f} minutes (--exit-duration-in-mins {budget})")
+            return True
+        return False
 
     # ------------------------------------------------------------------ logging
 

@@ -58,6 +58,7 @@ from megatron.parallel.tensor_parallel import TensorParallel
 from .batch_schedule import BatchSchedule, train_iterations
 from .determinism import apply_deterministic_mode
 from .flops import num_floating_point_operations, peak_tflops
+from .guards import RunGuards, guard_collectives
 from .logger import TensorBoardWriter, print_rank_0, training_log_line, validation_log_lines
 from .loss import StepLoss, masked_mean
 from .memory import estimate_bytes, memory_estimate_lines
@@ -166,6 +167,7 @@ class Trainer:
         self.datasets = build_datasets(cfg, self.tokenizer, self.vocab_size)
         self.tensorboard = TensorBoardWriter(cfg.logging.tensorboard_dir)
         self.runtime = Runtime(cfg, dims.rank, self.device)  # gc, empty cache, exit budget, timers, profiler
+        self.guards = RunGuards(cfg, self.loss_scaler, self.tensorboard)  # divergence stop, loss spikes
         self.stats = Stats(cfg.logging, dims, self.optimizer, self.grad_buffers.sharded, self.device)
         self.flops_per_sample = num_floating_point_operations(cfg.model, 1, self.vocab_size)
         self.peak = peak_tflops(self.device)
@@ -538,11 +540,8 @@ class Trainer:
             state.iteration += 1
             self.runtime.after_step(state.iteration)
             state.consumed_samples += gbs
-            if not stepped:
-                state.skipped_iters += 1
-                # fp16's overflow steps are the loss scaler's business, not nan iterations (as in Megatron-LM)
-                if not math.isfinite(loss) or (not math.isfinite(norm) and not cfg.precision.fp16):
-                    state.nan_iters += 1
+            state.skipped_iters += not stepped
+            state.nan_iters += self.guards.after_step(state.iteration, loss, norm, stepped)
             state.losses[state.iteration] = loss
             if self.dist_ckpt is not None:
                 self.dist_ckpt.poll()  # a finished --async-save write becomes visible
@@ -565,7 +564,7 @@ class Trainer:
             if train_cfg.exit_interval and state.iteration % train_cfg.exit_interval == 0:
                 print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval {train_cfg.exit_interval})")
                 break
-            if self.runtime.out_of_time():  # Megatron-LM's time limit skips the final evaluation
+            if self.runtime.exit_requested(state.iteration):  # time limit or signal: no final evaluation
                 out_of_time = True
                 break
         if train_cfg.eval_iters > 0 and not out_of_time:
@@ -637,7 +636,12 @@ class Trainer:
 
 
 def pretrain(cfg: Config) -> TrainState:
-    """Build and train; the entry point of pretrain_gpt.py."""
+    """Build and train; the entry point of pretrain_gpt.py. A collective that fails because another rank died
+    raises LostRankError (one line) instead of its backend's traceback."""
+    return guard_collectives(lambda: _pretrain(cfg), cfg.parallel.distributed_timeout_minutes)
+
+
+def _pretrain(cfg: Config) -> TrainState:
     trainer = Trainer(cfg)
     state = trainer.train()
     if trainer.device.type == "cuda":
