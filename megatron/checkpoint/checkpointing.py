@@ -151,7 +151,7 @@ def save_checkpoint(
         checksums = gather_checksums(tmp)
         if _is_first_rank():
             publish_checkpoint(root, tmp, final, iteration, checksums, retain)
-    except OSError as exc:  # a full disk, a lost mount: the previous checkpoint and `latest` are untouched
+    except (OSError, RuntimeError) as exc:  # a full disk, a lost mount (torch.save reports those as RuntimeError)
         if _is_first_rank():
             shutil.rmtree(tmp, ignore_errors=True)
         raise save_failed(root, iteration, exc) from exc
@@ -161,7 +161,15 @@ def save_checkpoint(
 
 def save_failed(root: str | os.PathLike, iteration: int, exc: BaseException) -> CheckpointError:
     """The one-line error of a save that could not be written."""
-    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+    cause: BaseException | None = exc
+    while isinstance(cause, BaseException) and not isinstance(
+        cause, OSError
+    ):  # torch.save wraps the OSError of its file
+        cause = cause.__context__
+    if isinstance(cause, OSError) and cause.strerror:
+        reason = cause.strerror
+    else:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     previous = latest_iteration(str(root)) if (Path(root) / LATEST).exists() else None
     kept = f"the checkpoint at iteration {previous} is untouched" if previous is not None else "no checkpoint was kept"
     return CheckpointError(

@@ -440,7 +440,11 @@ def _cause(exc: BaseException) -> BaseException:
     failures = getattr(exc, "failures", None) or getattr(exc, "_failures", None)
     if failures:
         failure = next(iter(failures.values()))
-        return getattr(failure, "exc", failure)
+        inner = getattr(failure, "exc", failure)
+        if isinstance(inner, tuple):  # (exception, traceback) in some torch versions
+            inner = next((x for x in inner if isinstance(x, BaseException)), None)
+        if isinstance(inner, BaseException):
+            return inner
     return exc
 
 

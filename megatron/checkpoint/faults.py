@@ -46,7 +46,7 @@ def point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-class _FaultyFile:
+class FaultyFile:
     """A binary file that dies (or runs out of space) after the process has written `limit` bytes in all."""
 
     def __init__(self, path: Any, kind: str, limit: int) -> None:
@@ -66,10 +66,13 @@ class _FaultyFile:
         _written += len(view)
         return self.file.write(view)
 
-    def flush(self) -> None:
-        self.file.flush()
+    def __getattr__(self, name: str) -> Any:  # tell, fileno, flush, close, ...: the real file's
+        return getattr(self.file, name)
 
-    def close(self) -> None:
+    def __enter__(self) -> FaultyFile:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
         self.file.close()
 
 
@@ -79,7 +82,7 @@ def save(obj: Any, path: Any) -> None:
     if spec is None or spec[0] not in ("kill-bytes", "enospc-bytes"):
         torch.save(obj, path)
         return
-    f = _FaultyFile(path, *spec)
+    f = FaultyFile(path, *spec)
     try:
         torch.save(obj, f)
     finally:
