@@ -10,14 +10,17 @@ from .checkpointing import (
     publish_checkpoint,
     rng_state,
     save_checkpoint,
+    select_checkpoint,
     set_rng_state,
 )
 from .dist import DistCheckpointer
+from .integrity import checkpoint_is_finite
 
 __all__ = [
     "CheckpointError",
     "DistCheckpointer",
     "check_model_state",
+    "checkpoint_is_finite",
     "latest_iteration",
     "load_checkpoint",
     "load_rank_file",
@@ -25,5 +28,6 @@ __all__ = [
     "publish_checkpoint",
     "rng_state",
     "save_checkpoint",
+    "select_checkpoint",
     "set_rng_state",
 ]

@@ -15,6 +15,10 @@ Atomicity: a checkpoint is written into `iter_XXXXXXX.tmp`, flushed to disk, the
 (rename is atomic on POSIX file systems), and only after that is the `latest` pointer replaced (itself written to a
 temporary file and renamed). A crash at any point leaves the previous checkpoint and the pointer to it intact; a
 stale `.tmp` folder is removed by the next save.
+
+Verification (megatron/checkpoint/integrity.py): metadata.json records every file's size and CRC-32; loading checks
+them and, when the checkpoint `latest` names is damaged, falls back to the newest older one that verifies (and says
+so). --save-retain-last N deletes all but the newest N after each successful save.
 """
 
 from __future__ import annotations
@@ -31,6 +35,17 @@ import torch
 import torch.distributed as dist
 
 from megatron.errors import UserError
+
+from . import faults
+from .integrity import (
+    Unusable,
+    gather_checksums,
+    iterations,
+    local_checksums,
+    record_checksums,
+    retain_last,
+    verify_checkpoint,
+)
 
 LATEST = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 1
@@ -107,38 +122,75 @@ def save_checkpoint(
     shard: str = "mp_rank_00",
     layout: dict[str, int] | None = None,
     rank_files: dict[str, Any] | None = None,
+    retain: int | None = None,
 ) -> Path:
     """Write `state` as iteration `iteration` under `root`. Only `writer` ranks write (one per model shard: the
     first data-parallel replica); every rank must call this, because of the barriers. `rank_files`: file name ->
     state that this rank writes into its shard's folder whether or not it is the writer (per-rank optimizer
-    shards)."""
+    shards). `retain`: --save-retain-last."""
     layout = layout or {"tp": 1, "pp": 1, "dp": 1}
     root_path = Path(root)
     final = iteration_dir(root_path, iteration)
     tmp = final.with_name(final.name + ".tmp")
-    if _is_first_rank():
-        root_path.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        (tmp / "metadata.json").write_text(json.dumps({"layout": layout, "iteration": iteration}) + "\n")
-    _barrier()
-    if writer:
-        (tmp / shard).mkdir(parents=True, exist_ok=True)
-        payload = dict(state, iteration=iteration, checkpoint_version=CHECKPOINT_VERSION)
-        torch.save(payload, tmp / shard / "model_optim_rng.pt")
-    for name, rank_state in (rank_files or {}).items():
-        (tmp / shard).mkdir(parents=True, exist_ok=True)
-        torch.save(rank_state, tmp / shard / name)
-    _barrier()
-    if _is_first_rank():
-        publish_checkpoint(root, tmp, final, iteration)
+    try:
+        if _is_first_rank():
+            root_path.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            (tmp / "metadata.json").write_text(json.dumps({"layout": layout, "iteration": iteration}) + "\n")
+        _barrier()
+        if writer:
+            (tmp / shard).mkdir(parents=True, exist_ok=True)
+            payload = dict(state, iteration=iteration, checkpoint_version=CHECKPOINT_VERSION)
+            faults.save(payload, tmp / shard / "model_optim_rng.pt")
+        for name, rank_state in (rank_files or {}).items():
+            (tmp / shard).mkdir(parents=True, exist_ok=True)
+            faults.save(rank_state, tmp / shard / name)
+        faults.point("save:written")
+        _barrier()
+        checksums = gather_checksums(tmp)
+        if _is_first_rank():
+            publish_checkpoint(root, tmp, final, iteration, checksums, retain)
+    except (OSError, RuntimeError) as exc:  # a full disk, a lost mount (torch.save reports those as RuntimeError)
+        if _is_first_rank():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise save_failed(root, iteration, exc) from exc
     _barrier()
     return final
 
 
-def publish_checkpoint(root: str | os.PathLike, tmp: Path, final: Path, iteration: int) -> None:
+def save_failed(root: str | os.PathLike, iteration: int, exc: BaseException) -> CheckpointError:
+    """The one-line error of a save that could not be written."""
+    cause: BaseException | None = exc
+    while isinstance(cause, BaseException) and not isinstance(
+        cause, OSError
+    ):  # torch.save wraps the OSError of its file
+        cause = cause.__context__
+    if isinstance(cause, OSError) and cause.strerror:
+        reason = cause.strerror
+    else:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    previous = latest_iteration(str(root)) if (Path(root) / LATEST).exists() else None
+    kept = f"the checkpoint at iteration {previous} is untouched" if previous is not None else "no checkpoint was kept"
+    return CheckpointError(
+        f"saving the checkpoint of iteration {iteration} to {root} failed ({reason}); {kept} and `latest` still names"
+        " it: free space or fix the file system, then resume with --load"
+    )
+
+
+def publish_checkpoint(
+    root: str | os.PathLike,
+    tmp: Path,
+    final: Path,
+    iteration: int,
+    checksums: dict[str, Any] | None = None,
+    retain: int | None = None,
+) -> None:
     """Make the complete checkpoint in `tmp` visible as `final` and point `latest` at it (one rank, after every
-    rank's files are written)."""
+    rank's files are written). `checksums`: of `tmp`'s files, computed by all ranks together; None: computed here.
+    `retain`: --save-retain-last (None keeps every checkpoint)."""
+    record_checksums(tmp, checksums if checksums is not None else local_checksums(tmp))
+    faults.point("publish:checksummed")
     _fsync_tree(tmp)
     if final.exists():  # re-saving an iteration: move the old copy aside first, drop it once the new is in place
         old = final.with_name(final.name + ".old")
@@ -148,7 +200,11 @@ def publish_checkpoint(root: str | os.PathLike, tmp: Path, final: Path, iteratio
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
+    faults.point("publish:renamed")
     _write_atomically(Path(root) / LATEST, f"{iteration}\n")
+    faults.point("publish:pointer")
+    if retain is not None:
+        retain_last(root, retain, iteration)
 
 
 def latest_iteration(root: str) -> int | None:
@@ -162,13 +218,47 @@ def latest_iteration(root: str) -> int | None:
     return int(text)
 
 
+def select_checkpoint(root: str, group: Any = None) -> int | None:
+    """The iteration to load from `root`: the one `latest` names if it verifies, else the newest older one that
+    does (logged); None when `root` holds no checkpoint. Raises CheckpointError (one line) when none verifies: a run
+    never starts from scratch silently. Every rank of `group` calls this and gets the same answer."""
+    latest = latest_iteration(root)
+    if latest is None:
+        return None
+    first_problem = None
+    for iteration in [latest] + [i for i in iterations(root) if i < latest]:
+        try:
+            verified = verify_checkpoint(iteration_dir(root, iteration), group)
+        except Unusable as exc:
+            _log(f"> checkpoint at iteration {iteration} fails verification: {exc}")
+            first_problem = first_problem or str(exc)
+            continue
+        if iteration != latest:
+            _log(
+                f"> WARNING: falling back to the checkpoint at iteration {iteration} in {root}, the newest that"
+                f" verifies (iteration {latest}, named by {LATEST}, is damaged)"
+            )
+        if not verified:
+            _log(f"> checkpoint at iteration {iteration} in {root} predates checksums: loaded without verification")
+        return iteration
+    raise CheckpointError(
+        f"no checkpoint in {root} verifies, so none can be resumed: {first_problem}; restore the files, or remove"
+        " --load to start from scratch"
+    )
+
+
+def _log(message: str) -> None:
+    if _is_first_rank():
+        print(message, flush=True)
+
+
 def load_checkpoint(
-    root: str, shard: str = "mp_rank_00", layout: dict[str, int] | None = None
+    root: str, shard: str = "mp_rank_00", layout: dict[str, int] | None = None, group: Any = None
 ) -> dict[str, Any] | None:
-    """The state of this rank's shard of the newest checkpoint under `root`, or None when there is none.
-    A checkpoint saved with another tensor or pipeline parallel size is refused (the torch_dist format reshards);
-    a different data-parallel size is fine (replicas are identical)."""
-    iteration = latest_iteration(root)
+    """The state of this rank's shard of the newest verified checkpoint under `root` (see `select_checkpoint`),
+    or None when there is none. A checkpoint saved with another tensor or pipeline parallel size is refused (the
+    torch_dist format reshards); a different data-parallel size is fine (replicas are identical)."""
+    iteration = select_checkpoint(root, group)
     if iteration is None:
         return None
     metadata = iteration_dir(root, iteration) / "metadata.json"
@@ -195,9 +285,11 @@ def load_checkpoint(
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
 
 
-def load_rank_file(root: str, shard: str, name: str) -> Any:
-    """A per-rank file (see `save_checkpoint`'s `rank_files`) of the newest checkpoint under `root`."""
-    iteration = latest_iteration(root)
+def load_rank_file(root: str, shard: str, name: str, iteration: int | None = None) -> Any:
+    """A per-rank file (see `save_checkpoint`'s `rank_files`) of the checkpoint at `iteration` (default: the one
+    `latest` names) under `root`."""
+    if iteration is None:
+        iteration = latest_iteration(root)
     path = iteration_dir(root, iteration if iteration is not None else 0) / shard / name
     if not path.exists():
         raise CheckpointError(

@@ -16,6 +16,9 @@ scaling of the local FP8 engine: per linear, the same on every rank), `fp8_guard
 `loss_scaler`, `rng.<rank>`. The per-rank RNG streams load only under the layout that saved them; under another
 they are seeded afresh (from --seed and the iteration) and the log says so.
 
+Verification as for the `torch` format: metadata.json records the size and CRC-32 of every file (the .distcp files
+and DCP's .metadata), checked at load, with a fall-back to the newest older checkpoint that verifies.
+
 Atomicity as for the `torch` format: the checkpoint is written into `iter_XXXXXXX.tmp`, renamed when complete, and
 then the `latest` pointer moves. With --async-save the write runs in a background thread after the state is copied
 to host memory (training waits only for that copy); the rename and the pointer follow once the write has finished,
@@ -48,12 +51,14 @@ from .checkpointing import (
     CHECKPOINT_VERSION,
     CheckpointError,
     iteration_dir,
-    latest_iteration,
     publish_checkpoint,
     rng_state,
+    save_failed,
+    select_checkpoint,
     set_rng_state,
 )
 from .dist_planner import ChunkLoadPlanner, ChunkSavePlanner, split_entries
+from .integrity import gather_checksums
 from .sharding import Chunk, Placement, clip_vocab, global_name, piece_chunks, placement
 
 FORMAT = "torch_dist"
@@ -181,10 +186,18 @@ class DistCheckpointer:
             )
             self.pending = (future, tmp, final, iteration, time.perf_counter() - start)
             return final
-        dcp.save(state, storage_writer=writer, planner=planner, process_group=self.group, no_dist=self.group is None)
-        self._barrier()
-        if self._first():
-            publish_checkpoint(root, tmp, final, iteration)
+        try:
+            dcp.save(
+                state, storage_writer=writer, planner=planner, process_group=self.group, no_dist=self.group is None
+            )
+            self._barrier()
+            checksums = gather_checksums(tmp, self.group)
+            if self._first():
+                publish_checkpoint(root, tmp, final, iteration, checksums, self.cfg.checkpoint.save_retain_last)
+        except (CheckpointException, OSError) as exc:  # a full disk: the previous checkpoint stays the latest
+            if self._first():
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise save_failed(root, iteration, _cause(exc)) from exc
         self._barrier()
         return final
 
@@ -205,9 +218,14 @@ class DistCheckpointer:
     def _publish_pending(self) -> None:
         future, tmp, final, iteration, blocked = self.pending
         self.pending = None
-        future.result()  # a failed write raises here, before anything is made visible
-        if self._first():
-            publish_checkpoint(str(final.parent), tmp, final, iteration)
+        try:
+            future.result()  # a failed write raises here, before anything is made visible
+        except (CheckpointException, OSError) as exc:
+            if self._first():
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise save_failed(final.parent, iteration, _cause(exc)) from exc
+        if self._first():  # rank 0 alone (no collective here): it hashes every file itself
+            publish_checkpoint(str(final.parent), tmp, final, iteration, None, self.cfg.checkpoint.save_retain_last)
             _log(f"  checkpoint at iteration {iteration} written in the background (training blocked {blocked:.2f} s)")
 
     # ------------------------------------------------------------------ load
@@ -215,7 +233,7 @@ class DistCheckpointer:
     def load(self, root: str) -> dict[str, Any] | None:
         """Load the newest checkpoint under `root` into the model (and unless --finetune / --no-load-optim /
         --no-load-rng, the optimizer, FP8 state and RNG); returns its train state, or None when there is none."""
-        iteration = latest_iteration(root)
+        iteration = select_checkpoint(root, self.group)
         if iteration is None:
             return None
         path = iteration_dir(root, iteration)
@@ -415,6 +433,19 @@ def _few(names: set[str], limit: int = 6) -> str:
     names_list = sorted(names)
     more = f" and {len(names_list) - limit} more" if len(names_list) > limit else ""
     return ", ".join(names_list[:limit]) + more
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The error inside DCP's per-rank failure report (an OSError such as ENOSPC), else `exc` itself."""
+    failures = getattr(exc, "failures", None) or getattr(exc, "_failures", None)
+    if failures:
+        failure = next(iter(failures.values()))
+        inner = getattr(failure, "exc", failure)
+        if isinstance(inner, tuple):  # (exception, traceback) in some torch versions
+            inner = next((x for x in inner if isinstance(x, BaseException)), None)
+        if isinstance(inner, BaseException):
+            return inner
+    return exc
 
 
 def _first_line(exc: BaseException) -> str:

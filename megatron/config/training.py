@@ -187,8 +187,20 @@ class CheckpointConfig:
     raise_all: stop on both; ignore_all: ignore both. (return_* log here: the trainer is the caller.) A mis-shaped
     weight always stops with an error."""
 
+    save_retain_last: int | None = None
+    """After each successful save, delete all but the newest N checkpoints under --save (default: keep all). The
+    one `latest` names is never deleted; keep N >= 2 so that a checkpoint damaged after its save (they are verified
+    at load) leaves an older one to fall back to. (Megatron-LM's --save-retain-interval, which keeps every checkpoint
+    whose iteration is a multiple of its value, is another rule and not implemented here.)"""
+
     def finalize(self) -> None:
         require(self.save_interval is None or self.save_interval >= 1, "--save-interval must be >= 1")
+        require(
+            self.save_retain_last is None or self.save_retain_last >= 1,
+            "--save-retain-last must be >= 1 (the newest checkpoint is always kept; 2 or more leave one to fall back"
+            " to)",
+        )
+        require(self.save_retain_last is None or self.save, "--save-retain-last needs --save DIR")
         require(self.save_interval is None or self.save, "--save-interval needs --save DIR")
         require(
             self.ckpt_format in ("torch", "torch_dist"),

@@ -26,6 +26,7 @@ from megatron.checkpoint import (
     CheckpointError,
     DistCheckpointer,
     check_model_state,
+    checkpoint_is_finite,
     load_checkpoint,
     load_rank_file,
     model_parallel_name,
@@ -309,7 +310,7 @@ class Trainer:
         load = self.cfg.checkpoint.load
         fix = "relaunch with the saved run's settings, or add --no-load-optim to start the optimizer afresh"
         if self.grad_buffers.sharded:
-            saved = load_rank_file(load, self._shard_name(), self._optimizer_file())
+            saved = load_rank_file(load, self._shard_name(), self._optimizer_file(), state["iteration"])
             if saved["dp"] != self.dims.dp_cp:
                 raise CheckpointError(
                     f"checkpoint {load}: its distributed-optimizer state was saved with data-parallel size"
@@ -338,6 +339,12 @@ class Trainer:
 
     def save(self) -> None:
         self.grad_buffers.wait_for_params()  # overlapped all-gathers of the last update
+        if not checkpoint_is_finite(self.model, self.optimizer):  # never write (nor point `latest` at) a NaN state
+            print_rank_0(
+                f"> WARNING: not saving the checkpoint of iteration {self.state.iteration}: weights or"
+                " optimizer state are not finite; `latest` still names the previous one"
+            )
+            return
         if self.dist_ckpt is not None:
             keys = ("consumed_samples", "skipped_iters", "nan_iters")
             train_state = {k: getattr(self.state, k) for k in keys} | {"config": self.cfg.to_dict()}
@@ -370,6 +377,7 @@ class Trainer:
             rank_files={self._optimizer_file(): {"optimizer": optimizer_state, "dp": self.dims.dp_cp}}
             if sharded
             else {},
+            retain=self.cfg.checkpoint.save_retain_last,
         )
         print_rank_0(f"  successfully saved checkpoint at iteration {self.state.iteration:7d} to {path}")
 

@@ -37,6 +37,11 @@ def test_truncated_file_is_reported(tmp_path):
     save_checkpoint(str(tmp_path), 1, {"x": torch.ones(100)}, writer=True)
     path = tmp_path / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
     path.write_bytes(path.read_bytes()[:50])
+    with pytest.raises(CheckpointError, match=r"model_optim_rng.pt is damaged: 50 bytes, \d+ were written") as err:
+        load_checkpoint(str(tmp_path))
+    assert "\n" not in str(err.value)
+    # A checkpoint from before checksums: the file itself cannot be read
+    (tmp_path / "iter_0000001" / "metadata.json").write_text('{"layout": {"tp": 1, "pp": 1, "dp": 1}}')
     with pytest.raises(CheckpointError, match="cannot read"):
         load_checkpoint(str(tmp_path))
 
