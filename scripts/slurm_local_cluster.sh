@@ -60,6 +60,8 @@ start_munge() {
   chmod 0400 /etc/munge/munge.key
   # munged refuses to run as root; the Debian service runs it as the munge user too.
   runuser -u munge -- /usr/sbin/munged --pid-file="$pidfile" || die "munged did not start (see /var/log/munge/munged.log)"
+  mkdir -p "$DIR"
+  touch "$DIR/munged.started" # `stop` stops munged only when this cluster started it
   for _ in $(seq 50); do
     munge -n </dev/null | unmunge >/dev/null 2>&1 && return 0
     sleep 0.1
@@ -90,6 +92,8 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MpiDefault=none
 SchedulerType=sched/backfill
+# Start pending and requeued jobs within seconds (the defaults poll every 30-60 s).
+SchedulerParameters=sched_interval=2,bf_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
@@ -143,7 +147,10 @@ stop_pidfile() { # stop_pidfile NAME PIDFILE
 stop() {
   stop_pidfile slurmd "$DIR/slurmd.pid"
   stop_pidfile slurmctld "$DIR/slurmctld.pid"
-  stop_pidfile munged /run/munge/munged.pid
+  if [[ -f $DIR/munged.started ]]; then
+    stop_pidfile munged /run/munge/munged.pid
+    rm -f "$DIR/munged.started"
+  fi
 }
 
 status() {
