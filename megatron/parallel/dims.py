@@ -33,6 +33,8 @@ import torch.distributed as dist
 
 from megatron.config import Config
 
+from . import launch
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -180,16 +182,18 @@ class ParallelDims:
 
 
 def world_size_from_env() -> int:
-    """The launcher's world size (torchrun / Slurm set WORLD_SIZE), 1 for a plain `python` run."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """The launcher's world size: torchrun's WORLD_SIZE, else the `srun` step's task count, else 1 (plain `python`)."""
+    return launch.world_size(os.environ)
 
 
 def init_distributed(cfg: Config) -> torch.device:
     """Start torch.distributed when launched with several processes; returns this rank's device.
 
     On CUDA the device is selected *before* init_process_group and passed as device_id: without it, NCCL and TE
-    can pick the wrong device and hang.
+    can pick the wrong device and hang. Under `srun` without torchrun, rank and world come from Slurm's variables
+    (megatron/parallel/launch.py).
     """
+    launch.adopt_slurm_env(os.environ)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cfg.device_type == "cuda":
         torch.cuda.set_device(local_rank)
