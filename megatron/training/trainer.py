@@ -349,7 +349,9 @@ class Trainer:
             keys = ("consumed_samples", "skipped_iters", "nan_iters")
             train_state = {k: getattr(self.state, k) for k in keys} | {"config": self.cfg.to_dict()}
             path = self.dist_ckpt.save(self.cfg.checkpoint.save, self.state.iteration, train_state)
-            print_rank_0(f"  saved checkpoint at iteration {self.state.iteration:7d} to {path} (torch_dist)")
+            # Megatron-LM's line, which log parsers look for; with --async-save the write finishes later
+            written = "queued (--async-save)" if self.cfg.checkpoint.async_save else "successfully saved"
+            print_rank_0(f"  {written} checkpoint at iteration {self.state.iteration:7d} to {path} (torch_dist)")
             return
         sharded = self.grad_buffers.sharded  # then each data-parallel rank saves its optimizer shard
         optimizer_state = self.optimizer.state_dict()
