@@ -15,6 +15,7 @@ from .checkpointing import (
 )
 from .dist import DistCheckpointer
 from .integrity import checkpoint_is_finite
+from .torch_format import TorchCheckpointer
 
 __all__ = [
     "CheckpointError",
@@ -30,4 +31,5 @@ __all__ = [
     "save_checkpoint",
     "select_checkpoint",
     "set_rng_state",
+    "TorchCheckpointer",
 ]

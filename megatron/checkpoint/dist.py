@@ -50,6 +50,7 @@ from megatron.fp8.params import is_fp8_param
 from .checkpointing import (
     CHECKPOINT_VERSION,
     CheckpointError,
+    _log,
     iteration_dir,
     publish_checkpoint,
     rng_state,
@@ -63,11 +64,6 @@ from .sharding import Chunk, Placement, clip_vocab, global_name, piece_chunks, p
 
 FORMAT = "torch_dist"
 KINDS = ("main", "exp_avg", "exp_avg_sq")
-
-
-def _log(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
 
 
 class DistCheckpointer:

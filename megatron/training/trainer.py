@@ -15,25 +15,13 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from megatron.checkpoint import (
-    CheckpointError,
-    DistCheckpointer,
-    check_model_state,
-    checkpoint_is_finite,
-    load_checkpoint,
-    load_rank_file,
-    model_parallel_name,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from megatron.checkpoint import DistCheckpointer, TorchCheckpointer, checkpoint_is_finite
 from megatron.config import Config
 from megatron.data import PretrainingSampler, build_datasets, build_tokenizer, padded_vocab_size
 from megatron.fp8.calibration import calibrate_delayed_scaling
@@ -156,10 +144,11 @@ class Trainer:
         )
         self.loss_scaler = build_loss_scaler(cfg.precision)
         self.state = TrainState()
-        self.dist_ckpt = None  # --ckpt-format torch_dist (layout-independent; megatron/checkpoint/dist.py)
-        if cfg.checkpoint.ckpt_format == "torch_dist" and (cfg.checkpoint.save or cfg.checkpoint.load):
+        self.checkpointer = None  # --ckpt-format torch (per-rank files) or torch_dist (any layout on load)
+        if cfg.checkpoint.save or cfg.checkpoint.load:
+            kind = DistCheckpointer if cfg.checkpoint.ckpt_format == "torch_dist" else TorchCheckpointer
             parts = self.model, self.optimizer, self.loss_scaler, self.fp8, self.fp8_monitor
-            self.dist_ckpt = DistCheckpointer(cfg, dims, *parts)
+            self.checkpointer = kind(cfg, dims, *parts)
         self._load()
         # Each step's batch size and learning rate follow the consumed samples (a resumed run: the checkpoint's)
         self.batch_schedule, self.train_iters = BatchSchedule.from_config(cfg), train_iterations(cfg)
@@ -265,77 +254,17 @@ class Trainer:
         ckpt_cfg = self.cfg.checkpoint
         if not ckpt_cfg.load:
             return
-        if self.dist_ckpt is not None:  # loads every part itself, under any layout
-            state = self.dist_ckpt.load(ckpt_cfg.load)
-        else:
-            state = load_checkpoint(ckpt_cfg.load, self._shard_name(), self._layout())
+        state = self.checkpointer.load(ckpt_cfg.load)  # the model, and the rest unless the flags say otherwise
         if state is None:
             print_rank_0(f"> no checkpoint found in {ckpt_cfg.load}: starting from scratch")
             return
-        if self.dist_ckpt is None:
-            check_model_state(state["model"], self.model.state_dict(), ckpt_cfg.load)
-            self.model.load_state_dict(state["model"])
-            print_rank_0(f"> loaded checkpoint from {ckpt_cfg.load} at iteration {state['iteration']}")
         if ckpt_cfg.finetune:
             self.optimizer.reload_model_params()
             return
-        if "converted_from" in state and not (ckpt_cfg.no_load_optim and ckpt_cfg.no_load_rng):
-            raise CheckpointError(
-                f"checkpoint {ckpt_cfg.load} holds weights only (converted from {state['converted_from']}): add"
-                " --finetune, or --no-load-optim --no-load-rng to continue from its iteration"
-            )
         self.state.iteration = state["iteration"]
         self.state.consumed_samples = state["consumed_samples"]
         self.state.skipped_iters = state.get("skipped_iters", 0)
         self.state.nan_iters = state.get("nan_iters", 0)
-        if self.dist_ckpt is not None:
-            return
-        if self.fp8 is not None and state.get("fp8") is not None:  # first: FP8 weights are cast with its scales
-            self.fp8.load_state_dict(state["fp8"])
-        if ckpt_cfg.no_load_optim:
-            self.optimizer.reload_model_params()
-        else:
-            self._load_optimizer(state)
-            self.loss_scaler.load_state_dict(state.get("loss_scaler") or {})
-        if not ckpt_cfg.no_load_rng:
-            set_rng_state(state["rng"])
-        if self.fp8_monitor is not None and state.get("fp8_guard") is not None:
-            self.fp8_monitor.load_state_dict(state["fp8_guard"])
-
-    def _optimizer_file(self) -> str:
-        """This data-parallel rank's optimizer shard in a checkpoint (--use-distributed-optimizer)."""
-        return f"optim_dp_rank_{self.dims.dp_cp_rank:03d}.pt"
-
-    def _load_optimizer(self, state: dict[str, Any]) -> None:
-        load = self.cfg.checkpoint.load
-        fix = "relaunch with the saved run's settings, or add --no-load-optim to start the optimizer afresh"
-        if self.grad_buffers.sharded:
-            saved = load_rank_file(load, self._shard_name(), self._optimizer_file(), state["iteration"])
-            if saved["dp"] != self.dims.dp_cp:
-                raise CheckpointError(
-                    f"checkpoint {load}: its distributed-optimizer state was saved with data-parallel size"
-                    f" {saved['dp']}, this run has {self.dims.dp_cp}; {fix}"
-                )
-            optimizer_state = saved["optimizer"]
-        else:
-            optimizer_state = state["optimizer"]
-            if optimizer_state is None:
-                raise CheckpointError(
-                    f"checkpoint {load}: its optimizer state is sharded (saved with --use-distributed-optimizer);"
-                    f" add --use-distributed-optimizer with the same data-parallel size, or {fix}"
-                )
-        try:
-            note = self.optimizer.load_state_dict(optimizer_state)
-        except ValueError as exc:
-            raise CheckpointError(f"checkpoint {load}: {exc}; {fix}") from exc
-        if note:
-            print_rank_0(f"> {note} (checkpoint {load})")
-
-    def _layout(self) -> dict[str, int]:
-        return {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "cp": self.dims.cp}
-
-    def _shard_name(self) -> str:
-        return model_parallel_name(self.dims.tp_rank, self.dims.pp_rank, self.dims.pp)
 
     def save(self) -> None:
         self.grad_buffers.wait_for_params()  # overlapped all-gathers of the last update
@@ -345,43 +274,13 @@ class Trainer:
                 " optimizer state are not finite; `latest` still names the previous one"
             )
             return
-        if self.dist_ckpt is not None:
-            keys = ("consumed_samples", "skipped_iters", "nan_iters")
-            train_state = {k: getattr(self.state, k) for k in keys} | {"config": self.cfg.to_dict()}
-            path = self.dist_ckpt.save(self.cfg.checkpoint.save, self.state.iteration, train_state)
-            # Megatron-LM's line, which log parsers look for; with --async-save the write finishes later
-            written = "queued (--async-save)" if self.cfg.checkpoint.async_save else "successfully saved"
-            print_rank_0(f"  {written} checkpoint at iteration {self.state.iteration:7d} to {path} (torch_dist)")
-            return
-        sharded = self.grad_buffers.sharded  # then each data-parallel rank saves its optimizer shard
-        optimizer_state = self.optimizer.state_dict()
-        state: dict[str, Any] = {
-            "model": self.model.state_dict(),
-            "optimizer": None if sharded else optimizer_state,
-            "scheduler": {"num_steps": self.state.iteration},
-            "rng": rng_state(),
-            "consumed_samples": self.state.consumed_samples,
-            "skipped_iters": self.state.skipped_iters,
-            "nan_iters": self.state.nan_iters,
-            "loss_scaler": self.loss_scaler.state_dict(),
-            "fp8": self.fp8.state_dict() if self.fp8 is not None else None,
-            "fp8_guard": self.fp8_monitor.state_dict() if self.fp8_monitor is not None else None,
-            "config": self.cfg.to_dict(),
-            "layout": self._layout(),
-        }
-        path = save_checkpoint(
-            self.cfg.checkpoint.save,
-            self.state.iteration,
-            state,
-            writer=self.dims.is_checkpoint_writer,
-            shard=self._shard_name(),
-            layout=self._layout(),
-            rank_files={self._optimizer_file(): {"optimizer": optimizer_state, "dp": self.dims.dp_cp}}
-            if sharded
-            else {},
-            retain=self.cfg.checkpoint.save_retain_last,
-        )
-        print_rank_0(f"  successfully saved checkpoint at iteration {self.state.iteration:7d} to {path}")
+        keys = ("consumed_samples", "skipped_iters", "nan_iters")
+        train_state = {k: getattr(self.state, k) for k in keys} | {"config": self.cfg.to_dict()}
+        path = self.checkpointer.save(self.cfg.checkpoint.save, self.state.iteration, train_state)
+        # Megatron-LM's line, which log parsers look for; with --async-save the write finishes later
+        written = "queued (--async-save)" if self.cfg.checkpoint.async_save else "successfully saved"
+        fmt = " (torch_dist)" if self.cfg.checkpoint.ckpt_format == "torch_dist" else ""
+        print_rank_0(f"  {written} checkpoint at iteration {self.state.iteration:7d} to {path}{fmt}")
 
     def _loader(self, dataset: Dataset, consumed_samples: int) -> DataLoader:
         sampler = PretrainingSampler(
@@ -534,7 +433,7 @@ class Trainer:
         train_cfg, train_iters = cfg.training, self.train_iters
         batches = iter(self._loader(self.datasets.train, state.consumed_samples))
         interval_time, interval_losses, interval_iters, interval_samples = 0.0, [], 0, 0
-        saved_at, out_of_time = None, False
+        saved_at, stopped_early = None, False
         self.runtime.start_training()
         while state.iteration < train_iters:
             self.runtime.before_step(state.iteration)
@@ -553,8 +452,8 @@ class Trainer:
             state.skipped_iters += not stepped
             state.nan_iters += self.guards.after_step(state.iteration, loss, norm, stepped)
             state.losses[state.iteration] = loss
-            if self.dist_ckpt is not None:
-                self.dist_ckpt.poll()  # a finished --async-save write becomes visible
+            if self.checkpointer is not None:
+                self.checkpointer.poll()  # a finished --async-save write becomes visible
             if watched is not None:
                 self.fp8_monitor.report(watched, state.iteration, print_rank_0, self.tensorboard.scalars)
             interval_time += elapsed
@@ -575,15 +474,15 @@ class Trainer:
                 print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval {train_cfg.exit_interval})")
                 break
             if self.runtime.exit_requested(state.iteration):  # time limit or signal: no final evaluation
-                out_of_time = True
+                stopped_early = True
                 break
-        if train_cfg.eval_iters > 0 and not out_of_time:
+        if train_cfg.eval_iters > 0 and not stopped_early:
             state.valid_losses[state.iteration] = self.evaluate(self.datasets.valid)
             self.evaluate(self.datasets.test, "test")
         if cfg.checkpoint.save and saved_at != state.iteration:
             self.save()
-        if self.dist_ckpt is not None:
-            self.dist_ckpt.finalize()  # never end with a background write unfinished or invisible
+        if self.checkpointer is not None:
+            self.checkpointer.finalize()  # never end with a background write unfinished or invisible
         self.runtime.end_training()
         self.tensorboard.close()
         return state

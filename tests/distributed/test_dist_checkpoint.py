@@ -115,10 +115,10 @@ def test_async_save_moves_the_pointer_only_when_written(tmp_path, monkeypatch):
     with torch.no_grad():
         weight.add_(1.0)  # training goes on: the checkpoint holds the state of the save
     assert entered.wait(60)
-    trainer.dist_ckpt.poll()
+    trainer.checkpointer.poll()
     assert latest_iteration(str(ckpt)) is None and not (ckpt / "iter_0000002").exists()
     release.set()
-    trainer.dist_ckpt.finalize()
+    trainer.checkpointer.finalize()
     assert latest_iteration(str(ckpt)) == 2
     loaded = Trainer(_parse(f"{FLAGS} --train-iters 2 --load {ckpt}", 1))
     assert torch.equal(loaded.model.decoder.final_layernorm.weight, saved_value)

@@ -14,9 +14,9 @@ import time
 import pytest
 
 import pretrain_gpt
-from megatron.checkpoint import latest_iteration
+from megatron.checkpoint import latest_iteration, torch_format
 from megatron.config import ConfigError, parse_args
-from megatron.training import Trainer, runtime, trainer
+from megatron.training import Trainer, runtime
 from tests.assets.data_helpers import ROOT
 from tests.dist_utils import run_distributed
 
@@ -66,7 +66,7 @@ def test_sigterm_mid_run_saves_exits_zero_and_resumes_exactly(tmp_path):
 
 def test_second_signal_during_the_save_is_recorded_and_ignored(tmp_path, monkeypatch, capsys):
     before = signal.getsignal(signal.SIGUSR1)
-    real_after_step, real_save = runtime.Runtime.after_step, trainer.save_checkpoint
+    real_after_step, real_save = runtime.Runtime.after_step, torch_format.save_checkpoint
     saves = []
 
     def after_step(self, iteration):
@@ -82,7 +82,7 @@ def test_second_signal_during_the_save_is_recorded_and_ignored(tmp_path, monkeyp
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(runtime.Runtime, "after_step", after_step)
-    monkeypatch.setattr(trainer, "save_checkpoint", save_checkpoint)
+    monkeypatch.setattr(torch_format, "save_checkpoint", save_checkpoint)
     argv = f"{TINY} --train-iters 20 --exit-signal-handler --exit-signal SIGUSR1 --save {tmp_path} --save-interval 100"
     assert pretrain_gpt.main(argv.split()) == 0
     out = capsys.readouterr().out
