@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from megatron.checkpoint.checkpointing import CHECKPOINT_VERSION, LATEST, iteration_dir, model_parallel_name
+from megatron.checkpoint.sharding import global_name
 from megatron.config import Config, DataConfig, ModelConfig
 from megatron.data.tokenizers import build_tokenizer, padded_vocab_size
 from megatron.errors import UserError
@@ -101,10 +102,9 @@ def merge_layout(
                 continue
             match = _LAYER.match(ours)
             if match:
-                local = int(match.group(1))
-                if local >= len(numbers):
+                if int(match.group(1)) >= len(numbers):
                     raise ConvertError(f"{name} on pipeline stage {pp_rank}: that stage holds {len(numbers)} layers")
-                ours = f"decoder.layers.{numbers[local] - 1}.{match.group(2)}"
+                ours = global_name(ours, numbers)  # the torch_dist format's renumbering
             elif ours.startswith("embedding.") and pp_rank > 0:
                 continue  # the last stage's copy of tied word embeddings
             names[name] = ours

@@ -131,8 +131,3 @@ def _anneal(style: str, ratio: float) -> float:
     if style == "cosine":
         return 0.5 * (math.cos(math.pi * ratio) + 1.0)
     return 1.0 - math.sqrt(ratio)  # minus_sqrt
-
-
-def learning_rate(step: int, cfg: OptimizerConfig) -> float:
-    """--lr's value at optimizer step `step` with one sample per step (the iteration-based curve)."""
-    return LRSchedule.from_config(cfg).lr(step)

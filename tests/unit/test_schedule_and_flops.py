@@ -5,7 +5,7 @@ import math
 import pytest
 
 from megatron.config import OptimizerConfig, parse_args
-from megatron.optim import learning_rate
+from megatron.optim.schedule import LRSchedule
 from megatron.training.flops import num_floating_point_operations
 
 
@@ -15,7 +15,7 @@ def sched(style, warmup=10, decay=110, lr=1.0, min_lr=0.1):
 
 def test_warmup_is_linear_from_zero():
     cfg = sched("cosine")
-    assert [learning_rate(s, cfg) for s in (0, 5, 10)] == [0.0, 0.5, 1.0]
+    assert [LRSchedule.from_config(cfg).lr(s) for s in (0, 5, 10)] == [0.0, 0.5, 1.0]
 
 
 @pytest.mark.parametrize(
@@ -33,7 +33,7 @@ def test_warmup_is_linear_from_zero():
     ],
 )
 def test_decay_values(style, step, expected):
-    assert learning_rate(step, sched(style)) == pytest.approx(expected, rel=1e-12)
+    assert LRSchedule.from_config(sched(style)).lr(step) == pytest.approx(expected, rel=1e-12)
 
 
 def test_flops_gpt2_style_by_hand():
