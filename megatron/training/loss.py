@@ -47,8 +47,8 @@ class StepLoss:
 
     def add(self, token_losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Record a micro-batch's per-token losses; returns what its backward runs on (before loss scaling)."""
-        self.count(mask)
         if self.per_token:
+            self.count(mask)
             total = (token_losses * mask).sum()
             self.loss += total.detach().float()
             return total
@@ -56,11 +56,11 @@ class StepLoss:
         self.loss += mean.detach().float()
         return mean / self.num_micro
 
-    def count(self, mask: torch.Tensor) -> torch.Tensor:
-        """Count a micro-batch's unmasked tokens (pipeline stages without the loss call this alone)."""
-        tokens = mask.sum().float()
-        self.tokens += tokens
-        return tokens
+    def count(self, mask: torch.Tensor) -> None:
+        """Count a micro-batch's unmasked tokens for --calculate-per-token-loss (pipeline stages without the loss
+        call this alone); the default averaging needs no count (a kernel per micro-batch saved)."""
+        if self.per_token:
+            self.tokens += mask.sum().float()
 
     def grad_factor(self, dp_group: dist.ProcessGroup | None) -> torch.Tensor | float:
         """What the data-parallel-averaged gradients are multiplied by (a device tensor: no host sync)."""
