@@ -56,6 +56,8 @@ LOCAL = "--transformer-impl local"
 CONFIGS = {
     "te-bf16": TE,
     "te-delayed": f"{TE} --fp8-format hybrid --fp8-recipe delayed",
+    # every transformer layer in FP8, the first included (Megatron-LM's default; ours keeps the first in bf16)
+    "te-delayed-all-fp8": f"{TE} --fp8-format hybrid --fp8-recipe delayed --no-fp8-first-layer-bf16",
     "te-delayed-fp8params": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather",
     # MS-AMP's levels (FP8 gradient communication; O2 also low-precision optimizer states and bf16 gradients)
     "te-delayed-fp8params-o1": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather"

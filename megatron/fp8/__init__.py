@@ -9,7 +9,7 @@ Nothing here imports Transformer Engine.
 from .formats import E4M3, E5M2, E8M0, Fp8Format, Role, fp8_max
 from .gemm import fp8_gemm
 from .linear import Fp8LinearState
-from .manager import Fp8Manager, attach_fp8, fp8_layer_numbers
+from .manager import Fp8Manager, attach_fp8
 from .quantize import Fp8Tensor, quantize
 from .recipes import RECIPES, Recipe
 
@@ -26,7 +26,6 @@ __all__ = [
     "Role",
     "attach_fp8",
     "fp8_gemm",
-    "fp8_layer_numbers",
     "fp8_max",
     "quantize",
 ]

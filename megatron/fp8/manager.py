@@ -7,9 +7,10 @@
     else:
         skipped_iterations += 1                       # an inf/NaN amax: nothing was updated
 
-FP8 covers the four linears of each transformer layer (linear_qkv, linear_proj, linear_fc1, linear_fc2), except the
-first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 layers under --first-last-layers-bf16
-(by global 1-based layer number). Embeddings, the output layer, norms and softmax stay in high precision.
+FP8 covers the four linears of each transformer layer (linear_qkv, linear_proj, linear_fc1, linear_fc2) that
+`PrecisionConfig.fp8_layer_numbers` names: all but the first by default, or all but the first
+--num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 layers under --first-last-layers-bf16.
+Embeddings, the output layer, norms and softmax stay in high precision.
 """
 
 from __future__ import annotations
@@ -31,15 +32,6 @@ from .scaling import AmaxState
 _KIND = {"delayed": "tensor", "tensorwise": "tensor", "rowwise": "row", "mxfp8": "mx"}
 
 
-def fp8_layer_numbers(cfg: Config) -> list[int]:
-    """1-based numbers of the transformer layers whose linears run in FP8."""
-    prec, layers = cfg.precision, cfg.model.num_layers
-    if not prec.first_last_layers_bf16:
-        return list(range(1, layers + 1))
-    first, last = prec.num_layers_at_start_in_bf16, prec.num_layers_at_end_in_bf16
-    return [n for n in range(1, layers + 1) if first < n <= layers - last]
-
-
 def attach_fp8(
     model: nn.Module, cfg: Config, amax_group: dist.ProcessGroup | None = None, *, compile_kernels: bool | None = None
 ) -> Fp8Manager | None:
@@ -56,7 +48,7 @@ def attach_fp8(
     from megatron.model.layers import Linear  # late: megatron.model imports the config package too
 
     recipe = Recipe.from_config(cfg.precision)
-    fp8_layers = set(fp8_layer_numbers(cfg))
+    fp8_layers = set(cfg.precision.fp8_layer_numbers(cfg.model.num_layers))
     targets: list[tuple[str, Linear, int]] = []
     for name, module in model.named_modules():
         number = getattr(module, "layer_number", None)
@@ -126,8 +118,8 @@ class Fp8Manager:
     def load_state_dict(self, state: dict) -> None:
         if state.get("linears") != list(self.states):
             raise ValueError(
-                "the checkpoint's FP8 linears differ from this model's (other --num-layers or"
-                " --first-last-layers-bf16 settings); resume with the checkpoint's flags"
+                "the checkpoint's FP8 linears differ from this model's (other --num-layers, --first-last-layers-bf16"
+                " or --no-fp8-first-layer-bf16 settings); resume with the checkpoint's flags"
             )
         self.amax.load_state_dict({k: v for k, v in state.items() if k in ("amax_history", "scale")})
         self.forget_weight_casts()
@@ -142,11 +134,15 @@ class Fp8Manager:
             lines.append("FP8 wgrad dY^T.x: high precision (--no-fp8-wgrad)")
         kernels = "; ".join(["torch.compile (fused)", *KERNEL_NOTES]) if self.compiled else "eager PyTorch"
         lines.append(f"FP8 quantization kernels: {kernels}")
-        numbers = fp8_layer_numbers(self.cfg)
+        numbers = self.cfg.precision.fp8_layer_numbers(self.cfg.model.num_layers)
         kept = sorted(set(range(1, self.cfg.model.num_layers + 1)) - set(numbers))
         lines.append(
             f"FP8 linears: {len(self.states)} in transformer layers {_ranges(numbers)}"
-            + (f"; layers {_ranges(kept)} kept in high precision (--first-last-layers-bf16)" if kept else "")
+            + (
+                f"; layers {_ranges(kept)} kept in high precision ({self.cfg.precision.fp8_kept_layers_reason()})"
+                if kept
+                else ""
+            )
             + "; embeddings, output layer, norms and softmax in high precision"
         )
         group = f"{dist.get_world_size(self.amax_group)} ranks" if dist.is_initialized() else "this process"

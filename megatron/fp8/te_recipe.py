@@ -83,17 +83,6 @@ def require_te() -> None:
     )
 
 
-def te_fp8_layer_numbers(num_layers: int, precision: PrecisionConfig) -> set[int]:
-    """1-based numbers of the transformer layers that run in FP8 (all but the first/last ones kept in high
-    precision by --first-last-layers-bf16); empty with FP8 off."""
-    if not precision.fp8:
-        return set()
-    if not precision.first_last_layers_bf16:
-        return set(range(1, num_layers + 1))
-    first, last = precision.num_layers_at_start_in_bf16, precision.num_layers_at_end_in_bf16
-    return {n for n in range(1, num_layers + 1) if first < n <= num_layers - last}
-
-
 def te_recipe(precision: PrecisionConfig, recipe_module: Any = None) -> Any:
     """The TE recipe object for the FP8 flags. `recipe_module` defaults to `transformer_engine.common.recipe`
     (tests pass a stand-in). Raises ConfigError for settings TE cannot express."""
@@ -242,10 +231,10 @@ def check_te_config(
     check_te_fp8_shapes(model, micro_batch_size, precision, parallel)
 
 
-def describe_te_recipe(recipe: Any, fp8_layers: set[int], num_layers: int) -> str:
-    """One startup log line: the TE recipe and the layers it covers."""
+def describe_te_recipe(recipe: Any, fp8_layers: set[int], num_layers: int, reason: str) -> str:
+    """One startup log line: the TE recipe and the layers it covers (`reason`: why the others are not)."""
     kept = num_layers - len(fp8_layers)
     return (
         f"Transformer Engine FP8 recipe {type(recipe).__name__} ({recipe!r}) in {len(fp8_layers)} of {num_layers}"
-        f" transformer layers" + (f"; {kept} kept in high precision (--first-last-layers-bf16)" if kept else "")
+        f" transformer layers" + (f"; {kept} kept in high precision ({reason})" if kept else "")
     )

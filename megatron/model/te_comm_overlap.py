@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 
 from megatron.config import Config
-from megatron.fp8.te_recipe import te_fp8_layer_numbers
 
 
 def initialize_userbuffers(cfg: Config, tp_size: int) -> None:
@@ -31,7 +30,7 @@ def initialize_userbuffers(cfg: Config, tp_size: int) -> None:
     if te_base.is_ub_initialized():
         te_base.destroy_ub()
     model, prec = cfg.model, cfg.precision
-    fp8_layers = te_fp8_layer_numbers(model.num_layers, prec)
+    fp8_layers = set(prec.fp8_layer_numbers(model.num_layers))
     modes = []
     if fp8_layers:
         modes.append(te_base.UserBufferQuantizationMode.FP8)

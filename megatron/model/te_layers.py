@@ -49,7 +49,6 @@ from megatron.fp8.te_recipe import (
     check_te_recipe_name,
     describe_te_recipe,
     require_te,
-    te_fp8_layer_numbers,
     te_recipe,
     te_version,
 )
@@ -165,9 +164,16 @@ class TEFp8Autocast:
     """
 
     def __init__(
-        self, recipe: Any, amax_group: dist.ProcessGroup | None, fp8_layers: set[int], fp8_params: bool = False
+        self,
+        recipe: Any,
+        amax_group: dist.ProcessGroup | None,
+        fp8_layers: set[int],
+        fp8_params: bool = False,
+        kept_reason: str = "",
     ):
         self.recipe, self.amax_group, self.fp8_layers = recipe, amax_group, fp8_layers
+        self.kept_reason = kept_reason
+        """Why the layers not in `fp8_layers` are kept out of FP8 (for the startup log)."""
         self.fp8_params = fp8_params
         """--fp8-param-gather: the FP8 layers' weights are built as TE quantized tensors (see `param_init`)."""
         self.calibrating = False
@@ -570,14 +576,14 @@ def build_te_fp8(
     check_te_fp8_on_this_gpu(precision)
     if precision.fp8_dot_product_attention:
         check_fp8_attention_on_gpu(cfg.kv_channels, torch.cuda.get_device_capability(), torch.cuda.get_device_name())
-    fp8_layers = te_fp8_layer_numbers(cfg.num_layers, precision)
+    fp8_layers = set(precision.fp8_layer_numbers(cfg.num_layers))
     require(bool(fp8_layers), "FP8 is on but no transformer layer is left in FP8; lower --num-layers-at-*-in-bf16")
     recipe = te_recipe(precision)
     if amax_group is None and hasattr(recipe, "reduce_amax"):
         # Nothing to reduce with. TE would otherwise all-reduce the amaxes over the *world* group whenever
         # torch.distributed is up: across pipeline stages, whose layers and timing differ, that hangs.
         recipe.reduce_amax = False
-    return TEFp8Autocast(recipe, amax_group, fp8_layers, precision.fp8_param_gather)
+    return TEFp8Autocast(recipe, amax_group, fp8_layers, precision.fp8_param_gather, precision.fp8_kept_layers_reason())
 
 
 def describe_te(model: nn.Module) -> list[str]:
@@ -589,5 +595,5 @@ def describe_te(model: nn.Module) -> list[str]:
     fp8 = getattr(model, "te_fp8", None)
     if fp8 is not None:
         stage = {layer.layer_number for layer in model.decoder.layers}  # this pipeline stage's layers
-        lines.append(describe_te_recipe(fp8.recipe, fp8.fp8_layers & stage, len(stage)))
+        lines.append(describe_te_recipe(fp8.recipe, fp8.fp8_layers & stage, len(stage), fp8.kept_reason))
     return lines

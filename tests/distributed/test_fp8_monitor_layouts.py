@@ -16,6 +16,7 @@ BASE = (
     " --ffn-hidden-size 64 --position-embedding-type rope --normalization RMSNorm --micro-batch-size 2"
     " --global-batch-size 4 --lr 1e-3 --hidden-dropout 0 --attention-dropout 0 --eval-iters 0 --log-interval 1"
     " --transformer-impl local --fp8-format hybrid --fp8-recipe delayed --fp8-stats-interval 1 --train-iters 1"
+    " --no-fp8-first-layer-bf16"  # both layers in FP8: under pp2 each stage then has FP8 linears to report
 )
 LAYOUTS = {"tp2_sp": "--tensor-model-parallel-size 2 --sequence-parallel", "pp2": "--pipeline-model-parallel-size 2"}
 

@@ -99,6 +99,7 @@ def _gather_bytes_body(rank, world_size):
         for name, extra in (("bf16", ""), ("fp8", "--fp8-param-gather")):
             counted.clear()
             flags = f"{WIDE} --bf16 --fp8-format hybrid --fp8-recipe tensorwise {DISTOPT} {extra} --train-iters 1"
+            flags += " --no-fp8-first-layer-bf16"  # every weight in FP8: the bound is for FP8 weights alone
             trainer = Trainer(_parse(flags, world_size))
             counted.clear()  # the optimizer's first cast at construction gathers nothing; count one step
             trainer.train_step(iter(trainer._loader(trainer.datasets.train, 0)), 1e-3)
@@ -149,15 +150,15 @@ def test_local_fp8_weights_refuse_recipes_without_one_scale_per_tensor(recipe):
 def test_fp8_weights_checkpoint_as_high_precision_values(tmp_path):
     flags = f"{BASE} {FP8_PARAMS} --fp8-recipe tensorwise --train-iters 1 --save {tmp_path}"
     trainer = Trainer(_parse(flags, 1))
-    trainer.train()
+    trainer.train()  # layer 2: the first stays in bf16 by default
     state = trainer.model.state_dict()
-    weight = trainer.model.decoder.layers[0].mlp.linear_fc1.weight
+    weight = trainer.model.decoder.layers[1].mlp.linear_fc1.weight
     assert isinstance(weight, Fp8Parameter)
-    saved = state["decoder.layers.0.mlp.linear_fc1.weight"]
+    saved = state["decoder.layers.1.mlp.linear_fc1.weight"]
     assert saved.dtype == torch.float32 and torch.equal(saved, weight.dequantize())
     # a model without FP8 weights loads them; loading them back into FP8 weights gives the same bytes
     plain = Trainer(_parse(f"{BASE} --train-iters 1 --load {tmp_path} --no-load-optim", 1))
-    assert torch.equal(plain.model.decoder.layers[0].mlp.linear_fc1.weight.detach(), saved)
+    assert torch.equal(plain.model.decoder.layers[1].mlp.linear_fc1.weight.detach(), saved)
     again = Trainer(_parse(f"{BASE} {FP8_PARAMS} --fp8-recipe tensorwise --load {tmp_path} --no-load-optim", 1))
-    assert torch.equal(again.model.decoder.layers[0].mlp.linear_fc1.weight.data, weight.data)
+    assert torch.equal(again.model.decoder.layers[1].mlp.linear_fc1.weight.data, weight.data)
     assert Path(tmp_path, "latest_checkpointed_iteration.txt").exists()

@@ -29,8 +29,9 @@ BASE = (
 GPT2 = BASE.replace(" --swiglu", "").replace(" --position-embedding-type rope --normalization RMSNorm", "")
 # FP8 variants train at a 10x smaller learning rate: Adam's first steps move each weight by about lr * sign(g), so a
 # gradient near zero whose sign an FP8 rounding flip changes would otherwise dominate the next step's comparison.
-FP8 = " --fp8-format hybrid --fp8-recipe delayed --lr 1e-3"
-TENSORWISE = " --fp8-format hybrid --fp8-recipe tensorwise --lr 1e-3"
+# Every layer in FP8 (not the default's bf16 first layer): under pp2 each stage then runs FP8 linears.
+FP8 = " --fp8-format hybrid --fp8-recipe delayed --lr 1e-3 --no-fp8-first-layer-bf16"
+TENSORWISE = " --fp8-format hybrid --fp8-recipe tensorwise --lr 1e-3 --no-fp8-first-layer-bf16"
 STEPS = 3
 
 LAYOUTS_2 = {

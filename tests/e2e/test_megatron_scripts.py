@@ -26,7 +26,10 @@ def _torchrun(args: list[str], nproc: int) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "pretrain_gpt.py", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    if result.returncode != 0:  # the error lines first: the flag dump fills the tail of stdout
+        lines = (result.stdout + result.stderr).splitlines()
+        errors = [line for line in lines if "rror" in line or "Traceback" in line]
+        pytest.fail("\n".join([f"exit {result.returncode}", *errors[-20:], "--- stderr tail:", *lines[-40:]]))
     return result.stdout
 
 

@@ -91,6 +91,40 @@ def test_first_and_last_layers_stay_unquantized():
     assert not torch.allclose(outputs["fp8"][1], outputs["ref"][1], rtol=1e-4, atol=1e-6)  # layer 2: FP8
 
 
+@pytest.mark.parametrize(
+    ("flags", "layers"),
+    [
+        ("", [2, 3, 4]),  # the default: the first layer, which reads the embeddings, stays in bf16
+        ("--no-fp8-first-layer-bf16", [1, 2, 3, 4]),  # Megatron-LM's default
+        ("--first-last-layers-bf16 --num-layers-at-end-in-bf16 2", [2]),  # Megatron's counts replace ours
+        ("--first-last-layers-bf16 --num-layers-at-start-in-bf16 0", [1, 2, 3]),
+    ],
+)
+def test_which_layers_run_in_fp8(flags, layers):
+    precision = parse_args(f"{BASE} --num-layers 4 --fp8-format hybrid {flags}".split()).precision
+    assert precision.fp8_layer_numbers(4) == layers
+
+
+def test_a_one_layer_model_runs_its_layer_in_fp8_and_fp8_off_runs_none():
+    assert parse_args(f"{BASE} --num-layers 1 --fp8-format hybrid".split()).precision.fp8_layer_numbers(1) == [1]
+    assert parse_args(f"{BASE} --num-layers 4".split()).precision.fp8_layer_numbers(4) == []
+
+
+def test_the_first_layer_stays_unquantized_by_default():
+    cfg = parse_args(f"{BASE} --num-layers 2 --fp8-format hybrid --fp8-recipe delayed".split())
+    torch.manual_seed(0)
+    model = GPTModel(cfg.model, 128)
+    manager = attach_fp8(model, cfg)
+    layers = model.decoder.layers
+    assert all(m.fp8 is None for m in _linears(layers[0]))
+    assert all(m.fp8 is not None and m.fp8.enabled for m in _linears(layers[1]))
+    assert "layers 1 kept in high precision (the first layer: --no-fp8-first-layer-bf16" in "\n".join(
+        manager.describe()
+    )
+    all_fp8 = parse_args(f"{BASE} --num-layers 2 --fp8-format hybrid --no-fp8-first-layer-bf16".split())
+    assert len(attach_fp8(GPTModel(all_fp8.model, 128), all_fp8).states) == 8
+
+
 def _linears(layer):
     return [
         layer.self_attention.linear_qkv,

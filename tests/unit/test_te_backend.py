@@ -12,7 +12,7 @@ import torch
 
 from megatron.config import ConfigError, parse_args
 from megatron.fp8 import te_recipe
-from megatron.fp8.te_recipe import check_fp8_attention_on_gpu, check_recipe_on_gpu, te_fp8_layer_numbers
+from megatron.fp8.te_recipe import check_fp8_attention_on_gpu, check_recipe_on_gpu
 from megatron.model import GPTModel
 
 BASE = "--mock-data --vocab-size 128 --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32"
@@ -221,13 +221,6 @@ def test_gpu_capability_check_names_gpu_recipe_and_alternative():
     with pytest.raises(ConfigError, match="8.9.*NVIDIA A100.*--transformer-impl local"):
         check_recipe_on_gpu("delayed", (8, 0), "NVIDIA A100")
     check_recipe_on_gpu("tensorwise", (8, 9), "NVIDIA L40S")
-
-
-def test_fp8_layer_numbers():
-    precision = parse("--fp8-format hybrid --first-last-layers-bf16 --num-layers-at-end-in-bf16 2").precision
-    assert te_fp8_layer_numbers(4, precision) == {2}
-    assert te_fp8_layer_numbers(4, parse("--fp8-format hybrid").precision) == {1, 2, 3, 4}
-    assert te_fp8_layer_numbers(4, parse().precision) == set()
 
 
 def test_local_model_loads_a_state_dict_with_te_extra_state():
