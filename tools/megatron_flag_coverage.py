@@ -68,7 +68,6 @@ REASONS = {
             "--ckpt-fully-parallel-save",
             "--no-ckpt-fully-parallel-save",
             "--ckpt-assume-constant-structure",
-            "--auto-detect-ckpt-format",
             "--async-strategy",
             "--async-ckpt-use-cpu-shm",
         ],

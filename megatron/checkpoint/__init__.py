@@ -1,5 +1,6 @@
 """Atomic, Megatron-layout checkpoints."""
 
+from .checkpointer import Checkpointer, folder_format
 from .checkpointing import (
     CheckpointError,
     check_model_state,
@@ -18,10 +19,12 @@ from .integrity import checkpoint_is_finite
 from .torch_format import TorchCheckpointer
 
 __all__ = [
+    "Checkpointer",
     "CheckpointError",
     "DistCheckpointer",
     "check_model_state",
     "checkpoint_is_finite",
+    "folder_format",
     "latest_iteration",
     "load_checkpoint",
     "load_rank_file",

@@ -253,19 +253,25 @@ def _log(message: str) -> None:
 
 
 def load_checkpoint(
-    root: str, shard: str = "mp_rank_00", layout: dict[str, int] | None = None, group: Any = None
+    root: str,
+    shard: str = "mp_rank_00",
+    layout: dict[str, int] | None = None,
+    group: Any = None,
+    iteration: int | None = None,
 ) -> dict[str, Any] | None:
-    """The state of this rank's shard of the newest verified checkpoint under `root` (see `select_checkpoint`),
-    or None when there is none. A checkpoint saved with another tensor or pipeline parallel size is refused (the
-    torch_dist format reshards); a different data-parallel size is fine (replicas are identical)."""
-    iteration = select_checkpoint(root, group)
+    """The state of this rank's shard of the newest verified checkpoint under `root` (see `select_checkpoint`;
+    `iteration`: one already selected), or None when there is none. A checkpoint saved with another tensor or
+    pipeline parallel size is refused (the torch_dist format reshards); a different data-parallel size is fine
+    (replicas are identical)."""
+    if iteration is None:
+        iteration = select_checkpoint(root, group)
     if iteration is None:
         return None
     metadata = iteration_dir(root, iteration) / "metadata.json"
     if metadata.exists() and json.loads(metadata.read_text()).get("format", "torch") != "torch":
         raise CheckpointError(
             f"{iteration_dir(root, iteration)} is a {json.loads(metadata.read_text())['format']} checkpoint: load it"
-            " with --ckpt-format torch_dist"
+            " with --ckpt-format torch_dist or --auto-detect-ckpt-format"
         )
     if layout is not None and metadata.exists():
         saved = json.loads(metadata.read_text())["layout"]

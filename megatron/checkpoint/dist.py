@@ -45,8 +45,6 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from megatron.fp8.params import is_fp8_param
-
 from .checkpointing import (
     CHECKPOINT_VERSION,
     CheckpointError,
@@ -58,12 +56,12 @@ from .checkpointing import (
     select_checkpoint,
     set_rng_state,
 )
+from .dist_optimizer import ENCODING, OptimizerEntries
 from .dist_planner import ChunkLoadPlanner, ChunkSavePlanner, split_entries
 from .integrity import gather_checksums
-from .sharding import Chunk, Placement, clip_vocab, global_name, piece_chunks, placement
+from .sharding import Chunk, Placement, clip_vocab, global_name, placement
 
 FORMAT = "torch_dist"
-KINDS = ("main", "exp_avg", "exp_avg_sq")
 
 
 class DistCheckpointer:
@@ -76,7 +74,9 @@ class DistCheckpointer:
         # DCP coordinates ranks with collectives of its own; a separate gloo group keeps them apart from training's
         # (on GPUs too: an --async-save write runs them from a background thread while training goes on).
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self.pending: tuple[Future, Path, Path, int, float] | None = None
+        # a background write: (its future, tmp folder, final folder, iteration, [queued at, written at])
+        self.pending: tuple[Future, Path, Path, int, list[float]] | None = None
+        self.optimizer_entries = OptimizerEntries(optimizer, model, self.layers, dims, self.group)
         if self.group is None:  # one process: DCP warns that it assumes so, which is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
@@ -108,25 +108,6 @@ class DistCheckpointer:
                 objects[fqn] = value
         return chunks, objects
 
-    def _optimizer_entries(self, fp32: dict[str, Any], saving: bool) -> list[Chunk]:
-        names = {id(p): n for n, p in self._params().items()}
-        chunks = []
-        for i, (param, start, stop) in enumerate(self.optimizer.owned()):
-            if saving and self._skip(param):
-                continue
-            name = names[id(param)]
-            where = self._placement(name, param, param)
-            for kind in KINDS:
-                tensor = fp32["masters" if kind == "main" else kind][i]
-                if tensor is None:
-                    continue
-                fqn = f"optimizer.{kind}.{global_name(name, self.layers)}"
-                if (start, stop) == (0, param.numel()):
-                    chunks.append(Chunk(fqn, where.global_shape, where.offsets, where.view(tensor)))
-                else:
-                    chunks += piece_chunks(fqn, where, tensor.view(-1), start)
-        return chunks
-
     def _fp8_entries(self, history: torch.Tensor, scale: torch.Tensor) -> list[Chunk]:
         chunks = []
         for name, state in self.fp8.states.items():
@@ -135,21 +116,15 @@ class DistCheckpointer:
             chunks += [Chunk(f"{fqn}.amax_history", tuple(h.shape), (0, 0), h), Chunk(f"{fqn}.scale", (3,), (0,), s)]
         return chunks
 
-    def _masters_saved(self) -> bool:
-        """fp32 parameters are their own main copies: saved once, as the model's weights."""
-        return self.optimizer.mixed or self.optimizer.precision_aware
-
     # ------------------------------------------------------------------ save
 
     def save(self, root: str, iteration: int, train_state: dict[str, Any]) -> Path:
         """Write iteration `iteration`; with --async-save return once the state is in host memory."""
         self.finalize()  # a previous background write completes (and becomes visible) first
         chunks, objects = self._model_entries(self.model.state_dict(), saving=True)
-        fp32 = self.optimizer.fp32_state()
-        if not self._masters_saved():
-            fp32["masters"] = [None] * len(fp32["masters"])
-        chunks += self._optimizer_entries(fp32, saving=True)
-        objects["optimizer.step"] = fp32["step"]
+        optimizer_chunks, optimizer_objects = self.optimizer_entries.save()
+        chunks += optimizer_chunks
+        objects.update(optimizer_objects)
         if self.fp8 is not None:
             amax = self.fp8.amax
             if amax.history is not None:
@@ -176,11 +151,12 @@ class DistCheckpointer:
         self._barrier()
         writer, planner = FileSystemWriter(tmp), ChunkSavePlanner(where)
         if self.cfg.checkpoint.async_save:
-            start = time.perf_counter()
+            times = [time.perf_counter()]
             future = dcp.async_save(
                 state, storage_writer=writer, planner=planner, process_group=self.group, no_dist=self.group is None
             )
-            self.pending = (future, tmp, final, iteration, time.perf_counter() - start)
+            future.add_done_callback(lambda _: times.append(time.perf_counter()))  # when written, seen or not
+            self.pending = (future, tmp, final, iteration, times)
             return final
         try:
             dcp.save(
@@ -212,7 +188,7 @@ class DistCheckpointer:
             self._barrier()
 
     def _publish_pending(self) -> None:
-        future, tmp, final, iteration, blocked = self.pending
+        future, tmp, final, iteration, times = self.pending
         self.pending = None
         try:
             future.result()  # a failed write raises here, before anything is made visible
@@ -222,14 +198,17 @@ class DistCheckpointer:
             raise save_failed(final.parent, iteration, _cause(exc)) from exc
         if self._first():  # rank 0 alone (no collective here): it hashes every file itself
             publish_checkpoint(str(final.parent), tmp, final, iteration, None, self.cfg.checkpoint.save_retain_last)
-            _log(f"  checkpoint at iteration {iteration} written in the background (training blocked {blocked:.2f} s)")
+            seconds = (times[1] if len(times) > 1 else time.perf_counter()) - times[0]  # callbacks run after result()
+            _log(f"  checkpoint at iteration {iteration:7d} written in the background to {final} in {seconds:.2f} s")
 
     # ------------------------------------------------------------------ load
 
-    def load(self, root: str) -> dict[str, Any] | None:
-        """Load the newest checkpoint under `root` into the model (and unless --finetune / --no-load-optim /
-        --no-load-rng, the optimizer, FP8 state and RNG); returns its train state, or None when there is none."""
-        iteration = select_checkpoint(root, self.group)
+    def load(self, root: str, iteration: int | None = None) -> dict[str, Any] | None:
+        """Load the newest checkpoint under `root` (`iteration`: one already selected) into the model (and unless
+        --finetune / --no-load-optim / --no-load-rng, the optimizer, FP8 state and RNG); returns its train state,
+        or None when there is none."""
+        if iteration is None:
+            iteration = select_checkpoint(root, self.group)
         if iteration is None:
             return None
         path = iteration_dir(root, iteration)
@@ -242,39 +221,28 @@ class DistCheckpointer:
         ckpt = self.cfg.checkpoint
         load_optim = not (ckpt.finetune or ckpt.no_load_optim)
 
+        # Objects first (small): the optimizer's encoding decides which tensors to read
         model_state = self.model.state_dict()
         chunks, objects = self._model_entries(model_state, saving=False)
+        wanted = set(objects) | {"train_state", "layout", "loss_scaler", "optimizer.step", "fp8.recipe"}
+        wanted |= {f"rng.{self.dims.rank}", ENCODING, self.optimizer_entries.rounding_key}
+        wanted |= {k for k in saved if k.startswith("fp8_guard.")}
+        loaded = self._read(path, [], {k: None for k in wanted if isinstance(saved.get(k), BytesStorageMetadata)})
+        train_state = loaded["train_state"]
+        _log(
+            f"> torch_dist checkpoint {root} at iteration {iteration} was saved with layout {loaded['layout']}"
+            f" (this run: tp {self.dims.tp}, pp {self.dims.pp}, dp {self.dims.dp}, cp {self.dims.cp})"
+        )
+
         chunks = self._fit(chunks, saved, root, tensors="model")
-        fp32 = None
         if load_optim:
-            fp32 = self.optimizer.fp32_state()
-            fp32["masters"] = [m.detach().clone() if m is not None else None for m in fp32["masters"]]
-            if not self.optimizer.precision_aware and not self.optimizer.mixed:
-                fp32["masters"] = [None] * len(fp32["masters"])
-            chunks += self._fit(self._optimizer_entries(fp32, saving=False), saved, root, tensors="optimizer")
+            chunks += self._fit(self.optimizer_entries.plan(saved, loaded), saved, root, tensors="optimizer")
         fp8_history = fp8_scale = None
         has_fp8 = any(k.startswith("fp8.") and k.endswith(".scale") for k in saved)
         if self.fp8 is not None and self.fp8.amax.history is not None and has_fp8 and not ckpt.finetune:
             fp8_history, fp8_scale = self.fp8.amax.history.clone(), self.fp8.amax.scale.clone()
             chunks += self._fit(self._fp8_entries(fp8_history, fp8_scale), saved, root, tensors="fp8")
-        wanted = set(objects) | {"train_state", "layout", "loss_scaler", "optimizer.step", "fp8.recipe"}
-        wanted |= {f"rng.{self.dims.rank}"} | {k for k in saved if k.startswith("fp8_guard.")}
-        objects = {k: None for k in wanted if isinstance(saved.get(k), BytesStorageMetadata)}
-        state, where = split_entries(chunks, objects)
-        planner = ChunkLoadPlanner(where)
-        try:
-            reader = FileSystemReader(path)
-            dcp.load(
-                state, storage_reader=reader, planner=planner, process_group=self.group, no_dist=self.group is None
-            )
-        except (CheckpointException, Exception) as exc:
-            raise CheckpointError(f"cannot read torch_dist checkpoint {path}: {_first_line(exc)}") from exc
-        loaded = planner.state_dict
-        train_state = loaded["train_state"]
-        _log(
-            f"> loaded torch_dist checkpoint {root} at iteration {iteration}, saved with layout {loaded['layout']}"
-            f" (this run: tp {self.dims.tp}, pp {self.dims.pp}, dp {self.dims.dp})"
-        )
+        self._read(path, chunks, {})
 
         # FP8 scales first: loading FP8 weights quantizes them with the current scales
         if fp8_history is not None:
@@ -289,16 +257,8 @@ class DistCheckpointer:
         if ckpt.finetune:
             return train_state
         if load_optim:
-            assert fp32 is not None
-            owned = self.optimizer.owned()
-            for i, master in enumerate(fp32["masters"]):
-                if master is not None and self._absent(i, "main", saved):
-                    # saved from fp32 parameters: the loaded weights are the main copies
-                    param, start, stop = owned[i]
-                    value = param.dequantize() if is_fp8_param(param) else param.detach()
-                    fp32["masters"][i] = value.float().reshape(-1)[start:stop].reshape(master.shape).clone()
-            fp32["step"] = loaded.get("optimizer.step", 0)
-            note = self.optimizer.load_fp32_state(fp32)
+            step = loaded.get("optimizer.step", 0)
+            note = self.optimizer_entries.apply(step, loaded["layout"], iteration, _log)
             if note:
                 _log(f"> {note} (checkpoint {root})")
             self.loss_scaler.load_state_dict(loaded.get("loss_scaler") or {})
@@ -313,10 +273,18 @@ class DistCheckpointer:
             self._load_rng(loaded, iteration)
         return train_state
 
-    def _absent(self, index: int, kind: str, saved: dict[str, Any]) -> bool:
-        names = {id(p): n for n, p in self._params().items()}
-        param = self.optimizer.owned()[index][0]
-        return f"optimizer.{kind}.{global_name(names[id(param)], self.layers)}" not in saved
+    def _read(self, path: Path, chunks: list[Chunk], objects: dict[str, Any]) -> dict[str, Any]:
+        """Load `chunks` in place and `objects` (returned by name) from the checkpoint folder `path`."""
+        state, where = split_entries(chunks, objects)
+        planner = ChunkLoadPlanner(where)
+        try:
+            reader = FileSystemReader(path)
+            dcp.load(
+                state, storage_reader=reader, planner=planner, process_group=self.group, no_dist=self.group is None
+            )
+        except (CheckpointException, Exception) as exc:
+            raise CheckpointError(f"cannot read torch_dist checkpoint {path}: {_first_line(exc)}") from exc
+        return planner.state_dict
 
     def _fit(self, chunks: list[Chunk], saved: dict[str, Any], root: str, tensors: str) -> list[Chunk]:
         """Check this rank's chunks against the checkpoint's entries (missing, other shapes: one line naming them,
@@ -338,20 +306,21 @@ class DistCheckpointer:
                     if chunk is None:
                         continue
                 else:
-                    mismatched.add(f"{chunk.fqn}: checkpoint {list(shape)} vs this run {list(chunk.global_shape)}")
+                    mismatched.add(f"{chunk.fqn}: checkpoint {list(shape)} vs model {list(chunk.global_shape)}")
                     continue
             fitted.append(chunk)
+        problems = []
         if missing and strictness in ("log_all", "return_all", "ignore_all"):
             if strictness != "ignore_all":
                 _log(f"> checkpoint {root} lacks {len(missing)} {tensors} tensors, left as they are: {_few(missing)}")
         elif missing:
-            raise CheckpointError(
-                f"checkpoint {root} lacks {tensors} tensors this run needs (other model flags than the saved run?):"
-                f" {_few(missing)}"
-            )
+            problems.append(f"missing in checkpoint: {_few(missing)}")
         if mismatched:
+            problems.append(f"{len(mismatched)} of another shape: {_few(mismatched)}")
+        if problems:
             raise CheckpointError(
-                f"checkpoint {root} does not match the model (same model flags as the saved run?): {_few(mismatched)}"
+                f"checkpoint {root} does not match the model (same model flags as the saved run?): "
+                + "; ".join(problems)
             )
         for ours, theirs in sorted(padding):
             _log(f"> vocabulary padded to {theirs} rows in the checkpoint, {ours} here: the rows both have are loaded")

@@ -60,16 +60,16 @@ class TorchCheckpointer:
             retain=self.cfg.checkpoint.save_retain_last,
         )
 
-    def load(self, root: str) -> dict[str, Any] | None:
-        """Load the newest checkpoint under `root` into the model (and unless --finetune / --no-load-optim /
-        --no-load-rng, the FP8 state, optimizer, loss scaler and RNG); returns its state, or None when there is none."""
+    def load(self, root: str, iteration: int | None = None) -> dict[str, Any] | None:
+        """Load the newest checkpoint under `root` (`iteration`: one already selected) into the model (and unless
+        --finetune / --no-load-optim / --no-load-rng, the FP8 state, optimizer, loss scaler and RNG); returns its
+        state, or None when there is none."""
         ckpt = self.cfg.checkpoint
-        state = load_checkpoint(root, self.shard, self.layout)
+        state = load_checkpoint(root, self.shard, self.layout, iteration=iteration)
         if state is None:
             return None
         check_model_state(state["model"], self.model.state_dict(), root)
         self.model.load_state_dict(state["model"])
-        _log(f"> loaded checkpoint from {root} at iteration {state['iteration']}")
         if ckpt.finetune:
             return state
         if "converted_from" in state and not (ckpt.no_load_optim and ckpt.no_load_rng):

@@ -151,14 +151,22 @@ class CheckpointConfig:
     """Do not load the random-number-generator states from the checkpoint."""
     finetune: bool = False
     """Load only the model weights and start at iteration 0 (no optimizer, scheduler, RNG or data position)."""
-    ckpt_format: str = option("torch", choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"])
-    """Checkpoint format. `torch_dist`: torch.distributed.checkpoint (DCP) files holding every tensor in global form
-    (each rank writes its chunks at their global offsets), so a checkpoint loads under any tensor, pipeline and
-    data-parallel layout, optimizer state (also the distributed optimizer's) and FP8 scaling state included; see
-    docs/checkpoints.md. `torch`: torch.save files per tensor x pipeline rank in Megatron-LM's legacy layout
+    ckpt_format: str = option("torch_dist", choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"])
+    """Checkpoint format to save in. `torch_dist` (the default): torch.distributed.checkpoint (DCP) files holding
+    every tensor in global form (each rank writes its chunks at their global offsets), so a checkpoint loads under
+    any tensor, pipeline and data-parallel layout, optimizer state (also the distributed optimizer's and the
+    precision-aware optimizer's encoded states) and FP8 scaling state included; see docs/checkpoints.md. `torch`:
+    torch.save files per tensor x pipeline rank in Megatron-LM's legacy layout
     (iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt), loaded only with the layout that wrote them. Both write a
-    checkpoint completely before the latest pointer moves to it. torch_dcp and fsdp_dtensor (Megatron-LM's formats
-    for its FSDP) stop with an error."""
+    checkpoint completely before the latest pointer moves to it. Loading: with torch_dist the format is read from
+    the checkpoint (a torch checkpoint loads as such, as in Megatron-LM); with torch a torch_dist checkpoint stops
+    with an error unless --auto-detect-ckpt-format is given. torch_dcp and fsdp_dtensor (Megatron-LM's formats for
+    its FSDP) stop with an error."""
+    auto_detect_ckpt_format: bool = False
+    """Load a checkpoint in the format found on disk (torch or torch_dist, told apart by its files) whatever
+    --ckpt-format says; saves still use --ckpt-format. With --ckpt-format torch_dist loading already does this (as in
+    Megatron-LM); with --ckpt-format torch it lets a torch_dist checkpoint load (under any parallel layout). The
+    log names the format found when it differs from --ckpt-format."""
     async_save: bool = False
     """With --ckpt-format torch_dist: write checkpoints in the background. Training waits only while the state is
     copied to host memory; the write runs in a thread, and the checkpoint becomes visible (renamed, latest pointer
@@ -213,9 +221,11 @@ class CheckpointConfig:
             " --async-save",
         )
         require(
-            self.dist_ckpt_strictness == "assume_ok_unexpected" or self.ckpt_format == "torch_dist",
-            "--dist-ckpt-strictness applies to --ckpt-format torch_dist checkpoints (a torch checkpoint must match"
-            " the model exactly); add --ckpt-format torch_dist or drop the flag",
+            self.dist_ckpt_strictness == "assume_ok_unexpected"
+            or self.ckpt_format == "torch_dist"
+            or self.auto_detect_ckpt_format,
+            "--dist-ckpt-strictness applies to loading torch_dist checkpoints (a torch checkpoint must match the"
+            " model exactly); add --ckpt-format torch_dist or --auto-detect-ckpt-format, or drop the flag",
         )
 
 

@@ -32,7 +32,7 @@ from megatron.fp8.params import is_fp8_param, quantize_masters
 from megatron.parallel import GradientBuffers, counts_in_grad_norm
 
 from .schedule import DECOUPLED, DEFAULT, LearningRates, lr_group
-from .states import PrecisionAwareAdamW
+from .states import PrecisionAwareAdamW, ScaledState
 
 
 def _initial_main_value(param: torch.Tensor) -> torch.Tensor:
@@ -323,6 +323,22 @@ class MixedPrecisionAdamW:
         note = scratch.load_state_dict(saved)
         self.load_fp32_state(scratch.fp32_state_dict(), copy_to_model=False)
         return note or "optimizer states converted: the precision-aware optimizer's -> fp32 (torch AdamW)"
+
+    def encoded_states(self) -> dict[str, list[ScaledState]] | None:
+        """The precision-aware optimizer's states as it holds them, by kind ("main", "exp_avg", "exp_avg_sq") and
+        main index (None for torch's AdamW): a torch_dist checkpoint saves and loads these in place, bit for bit;
+        call `encoded_states_loaded` after writing them."""
+        if not self.precision_aware:
+            return None
+        held = self.optimizer
+        return {"main": held.masters, "exp_avg": held.exp_avg, "exp_avg_sq": held.exp_avg_sq}
+
+    def encoded_states_loaded(self, step: int) -> None:
+        """After `encoded_states()` were written in place: set the step count and write the model's weights from
+        the main params (gathered, with the distributed optimizer)."""
+        self.optimizer.set_step_count(step)
+        if self.mixed:
+            self._copy_main_to_model()
 
     def owned(self) -> list[tuple[nn.Parameter, int, int]]:
         """(parameter, start, stop) for each main copy, by main index: the range of the parameter's flattened

@@ -136,6 +136,26 @@ def _fp16_quantum(hi: torch.Tensor) -> torch.Tensor:
     return e.add_(127 - 33).bitwise_left_shift_(23).view(torch.float32)
 
 
+def storage_dtype(dtype_name: str) -> torch.dtype:
+    """The torch dtype a state held as `dtype_name` stores its data in."""
+    return _STORAGE[dtype_name]
+
+
+def decode_elements(
+    data: torch.Tensor, scales: torch.Tensor | None, remainder: torch.Tensor | None = None, root: bool = False
+) -> torch.Tensor:
+    """fp32 values of encoded elements given each element's own scale (`scales`: data's shape, or None for fp32
+    and bf16): `ScaledState.decode`'s arithmetic element for element, so the same bits (a checkpoint decodes the
+    blocks of another layout this way)."""
+    out = data.float()
+    if scales is None:
+        return out
+    if remainder is not None:
+        out.add_(remainder.float().mul_(_fp16_quantum(data)))
+    out.div_(scales)
+    return out.square_() if root else out
+
+
 class ScaledState:
     """fp32 values (any shape) held as fp32, bf16, fp16 or fp8 (e4m3fn), see the module docstring.
 
@@ -585,12 +605,31 @@ class PrecisionAwareAdamW:
             if saved and not states[0].same_format(saved[0]):
                 converted.append(_conversion(name, saved[0], states[0]))
         self._step.copy_(torch.as_tensor(state["step"], dtype=torch.float64))
+        self.load_rounding_state(state)
+        return f"optimizer states converted: {', '.join(converted)}" if converted else None
+
+    def rounding_state(self) -> dict[str, Any]:
+        """What stochastic rounding continues from: the seed (the fused kernel's Philox key) and the generator's
+        state (the eager step's stream; None without stochastic rounding)."""
+        return {"seed": self.seed, "rng": None if self.generator is None else self.generator.get_state()}
+
+    def load_rounding_state(self, state: dict[str, Any]) -> None:
+        """Continue the stream of `rounding_state()` (or of a `state_dict()`)."""
         self.seed = int(state.get("seed", self.seed))  # states saved before the fused kernel have none
         rng = state.get("rng")
         # A generator's state fits only its own device type; elsewhere the stream starts afresh (not bitwise then).
         if self.generator is not None and rng is not None and rng.numel() == self.generator.get_state().numel():
             self.generator.set_state(rng)
-        return f"optimizer states converted: {', '.join(converted)}" if converted else None
+
+    def reseed_rounding(self, seed: int) -> None:
+        """Start the eager step's stochastic-rounding stream afresh from `seed` (the fused kernel's stream is keyed
+        by the seed and the step: it needs nothing)."""
+        if self.generator is not None:
+            self.generator.manual_seed(seed)
+
+    def set_step_count(self, step: int) -> None:
+        """The step count after loading encodings in place."""
+        self._step.fill_(float(step))
 
     def fp32_state_dict(self) -> dict[str, Any]:
         """{"step": int, "masters": [fp32], "exp_avg": [fp32], "exp_avg_sq": [fp32]}: new tensors, the values

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from megatron.checkpoint import DistCheckpointer, TorchCheckpointer, checkpoint_is_finite
+from megatron.checkpoint import Checkpointer, checkpoint_is_finite
 from megatron.config import Config
 from megatron.data import PretrainingSampler, build_datasets, build_tokenizer, padded_vocab_size
 from megatron.fp8.calibration import calibrate_delayed_scaling
@@ -144,11 +144,10 @@ class Trainer:
         )
         self.loss_scaler = build_loss_scaler(cfg.precision)
         self.state = TrainState()
-        self.checkpointer = None  # --ckpt-format torch (per-rank files) or torch_dist (any layout on load)
+        self.checkpointer = None  # saves in --ckpt-format, loads the format on disk, logs the seconds
         if cfg.checkpoint.save or cfg.checkpoint.load:
-            kind = DistCheckpointer if cfg.checkpoint.ckpt_format == "torch_dist" else TorchCheckpointer
             parts = self.model, self.optimizer, self.loss_scaler, self.fp8, self.fp8_monitor
-            self.checkpointer = kind(cfg, dims, *parts)
+            self.checkpointer = Checkpointer(cfg, dims, *parts)
         self._load()
         # Each step's batch size and learning rate follow the consumed samples (a resumed run: the checkpoint's)
         self.batch_schedule, self.train_iters = BatchSchedule.from_config(cfg), train_iterations(cfg)
@@ -276,11 +275,7 @@ class Trainer:
             return
         keys = ("consumed_samples", "skipped_iters", "nan_iters")
         train_state = {k: getattr(self.state, k) for k in keys} | {"config": self.cfg.to_dict()}
-        path = self.checkpointer.save(self.cfg.checkpoint.save, self.state.iteration, train_state)
-        # Megatron-LM's line, which log parsers look for; with --async-save the write finishes later
-        written = "queued (--async-save)" if self.cfg.checkpoint.async_save else "successfully saved"
-        fmt = " (torch_dist)" if self.cfg.checkpoint.ckpt_format == "torch_dist" else ""
-        print_rank_0(f"  {written} checkpoint at iteration {self.state.iteration:7d} to {path}{fmt}")
+        self.checkpointer.save(self.cfg.checkpoint.save, self.state.iteration, train_state)  # logs Megatron's line
 
     def _loader(self, dataset: Dataset, consumed_samples: int) -> DataLoader:
         sampler = PretrainingSampler(

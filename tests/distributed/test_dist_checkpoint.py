@@ -3,8 +3,9 @@ optimizer and in one process (TP=1 x PP=1), and one saved with the distributed o
 --async-save on 4 ranks) resumes in one process; the next steps' losses equal the uninterrupted run's (fp32, at the
 cross-layout tolerance of test_parallel_layouts.py: only reduction orders differ). In one process: local FP8 delayed
 scaling resumes with its scales, the precision-aware optimizer resumes, other vocabulary padding loads the rows both
-have, --async-save moves the latest pointer only once the write is complete and resumes like a synchronous save, and
-damaged checkpoints fail with one line."""
+have, --async-save moves the latest pointer only once the write is complete and resumes like a synchronous save,
+damaged checkpoints fail with one line, and the format on disk decides how a checkpoint loads (--auto-detect-ckpt-
+format)."""
 
 import json
 import math
@@ -129,9 +130,6 @@ def test_async_save_moves_the_pointer_only_when_written(tmp_path, monkeypatch):
 def test_damaged_checkpoints_fail_with_one_line(tmp_path):
     ckpt = tmp_path / "ckpt"
     Trainer(_parse(f"{FLAGS} --train-iters 1 --save {ckpt}", 1)).train()
-    torch_format = FLAGS.replace("torch_dist", "torch")
-    with pytest.raises(CheckpointError, match="is a torch_dist checkpoint: load it with --ckpt-format torch_dist"):
-        Trainer(_parse(f"{torch_format} --train-iters 2 --load {ckpt}", 1))
     with pytest.raises(CheckpointError, match="does not match the model .*hidden|does not match the model"):
         Trainer(_parse(f"{FLAGS.replace('--hidden-size 32', '--hidden-size 64')} --train-iters 2 --load {ckpt}", 1))
     (ckpt / "latest_checkpointed_iteration.txt").write_text("7\n")  # a pointer to a missing folder: falls back
@@ -148,7 +146,28 @@ def test_damaged_checkpoints_fail_with_one_line(tmp_path):
     (ckpt / "iter_0000001" / ".metadata").write_bytes(b"")
     with pytest.raises(CheckpointError, match="cannot read the torch_dist checkpoint index"):
         Trainer(_parse(f"{FLAGS} --train-iters 2 --load {ckpt}", 1))
-    legacy = tmp_path / "legacy"
-    Trainer(_parse(f"{torch_format} --train-iters 1 --save {legacy}", 1)).train()
-    with pytest.raises(CheckpointError, match="not a torch_dist checkpoint .* load it with --ckpt-format torch"):
-        Trainer(_parse(f"{FLAGS} --train-iters 2 --load {legacy}", 1))
+
+
+def test_the_format_on_disk_decides_the_load(tmp_path, capsys):
+    """Megatron-LM's rule: under --ckpt-format torch_dist (the default) a torch checkpoint loads as such and the run
+    goes on saving torch_dist; under --ckpt-format torch a torch_dist checkpoint needs --auto-detect-ckpt-format."""
+    torch_format = FLAGS.replace("torch_dist", "torch")
+    legacy, dist = tmp_path / "legacy", tmp_path / "dist"
+    full = Trainer(_parse(f"{FLAGS} --train-iters 4", 1)).train().losses
+    Trainer(_parse(f"{torch_format} --train-iters 4 --exit-interval 2 --save {legacy}", 1)).train()
+    resumed = Trainer(_parse(f"{BASE} --train-iters 4 --exit-interval 3 --load {legacy} --save {legacy}", 1))
+    out = capsys.readouterr().out
+    assert f"{legacy} holds a torch checkpoint: loading it as such (saves use --ckpt-format torch_dist)" in out
+    assert f"successfully loaded checkpoint from {legacy} at iteration 2 (torch) in " in out
+    assert resumed.train().losses[3] == full[3]
+    assert (legacy / "iter_0000003" / ".metadata").exists() and latest_iteration(str(legacy)) == 3
+
+    Trainer(_parse(f"{FLAGS} --train-iters 4 --exit-interval 2 --save {dist}", 1)).train()
+    with pytest.raises(
+        CheckpointError,
+        match="holds a torch_dist checkpoint and --ckpt-format is torch: add"
+        " --auto-detect-ckpt-format .* or use --ckpt-format torch_dist",
+    ):
+        Trainer(_parse(f"{torch_format} --train-iters 4 --load {dist}", 1))
+    detected = Trainer(_parse(f"{torch_format} --auto-detect-ckpt-format --train-iters 4 --load {dist}", 1))
+    assert detected.train().losses[3] == full[3]

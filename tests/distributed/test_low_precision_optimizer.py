@@ -2,7 +2,8 @@
 buffers, and the precision-aware optimizer's low-precision states (O2: fp16 masters, FP8 first moment, fp16 second
 moment; bf16 gradients in one run), with and without the distributed optimizer. A small GPT trained 200 steps ends
 within 1% of the fp32-state run on the same data; a resumed O2 run continues with the same losses; a checkpoint
-saved with other state dtypes is converted on load, and the log says so. The encodings themselves:
+saved with other state dtypes is converted on load, and the log says so. Resumes are checked in both checkpoint
+formats (other layouts under torch_dist: tests/distributed/test_dist_checkpoint_states.py). The encodings themselves:
 tests/unit/test_optim_states.py; the FP8 reduction's error bound: tests/distributed/test_fp8_reduce.py."""
 
 from pathlib import Path
@@ -55,7 +56,18 @@ def _resume_body(rank, world_size, out_dir, extra):
     assert [resumed.losses[i] for i in (4, 5, 6)] == [whole.losses[i] for i in (4, 5, 6)]
 
 
-@pytest.mark.parametrize("extra", ["", DISTOPT])
+# torch_dist (the default) saves the encoded states, their scales and each rank's stochastic-rounding generator as
+# they are (megatron/checkpoint/dist_optimizer.py); pipeline stages: the last stage's copy of tied embeddings too
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "--ckpt-format torch",
+        f"--ckpt-format torch {DISTOPT}",
+        "--ckpt-format torch_dist",
+        f"--ckpt-format torch_dist {DISTOPT}",
+        "--ckpt-format torch_dist --pipeline-model-parallel-size 2",
+    ],
+)
 def test_o2_resumes_exactly(tmp_path, extra):
     run_distributed(_resume_body, world_size=2, args=(str(tmp_path), extra))
 

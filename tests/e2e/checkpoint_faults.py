@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     ref_dir = base / "reference"
     ref_dir.mkdir(parents=True)
     start = time.perf_counter()
-    flags = f"--save {ref_dir / 'ckpt'} --save-interval {INTERVAL}"
+    # torch format: its files' bytes are what the kill-bytes trials count
+    flags = f"--ckpt-format torch --save {ref_dir / 'ckpt'} --save-interval {INTERVAL}"
     code, log, _, reference = run(ref_dir, "reference", flags)
     duration = time.perf_counter() - start
     assert reference is not None, log

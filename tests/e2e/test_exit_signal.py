@@ -83,7 +83,9 @@ def test_second_signal_during_the_save_is_recorded_and_ignored(tmp_path, monkeyp
 
     monkeypatch.setattr(runtime.Runtime, "after_step", after_step)
     monkeypatch.setattr(torch_format, "save_checkpoint", save_checkpoint)
+    # the torch format's writer is the one slowed down here (a torch_dist save: test_sigterm_mid_run_...)
     argv = f"{TINY} --train-iters 20 --exit-signal-handler --exit-signal SIGUSR1 --save {tmp_path} --save-interval 100"
+    argv += " --ckpt-format torch"
     assert pretrain_gpt.main(argv.split()) == 0
     out = capsys.readouterr().out
     assert "exiting program at iteration 3 after receiving SIGUSR1 (--exit-signal-handler)" in out

@@ -52,7 +52,7 @@ def test_truncated_file_is_reported(tmp_path):
         ("--ckpt-format torch_dcp", "--ckpt-format torch_dcp: Megatron-LM's format for its FSDP"),
         ("--ckpt-format fsdp_dtensor", "--ckpt-format fsdp_dtensor: Megatron-LM's format for its FSDP"),
         ("--async-save --ckpt-format torch", "--async-save writes --ckpt-format torch_dist checkpoints"),
-        ("--ckpt-format torch --dist-ckpt-strictness log_all", "--dist-ckpt-strictness applies to --ckpt-format"),
+        ("--ckpt-format torch --dist-ckpt-strictness log_all", "--dist-ckpt-strictness applies to loading torch_dist"),
     ],
 )
 def test_checkpoint_flags_that_cannot_work_are_one_line(flags, match):
@@ -62,6 +62,10 @@ def test_checkpoint_flags_that_cannot_work_are_one_line(flags, match):
     flags = "--ckpt-format torch_dist --async-save --use-persistent-ckpt-worker"
     cfg = parse_args(["--mock-data", "--vocab-size", "128", *flags.split()])
     assert cfg.checkpoint.async_save and cfg.checkpoint.ckpt_format == "torch_dist"
+    # a torch run that may load a torch_dist checkpoint (Megatron-LM's resume tests pass both)
+    flags = "--ckpt-format torch --auto-detect-ckpt-format --dist-ckpt-strictness log_all"
+    cfg = parse_args(["--mock-data", "--vocab-size", "128", *flags.split()])
+    assert cfg.checkpoint.auto_detect_ckpt_format and cfg.checkpoint.dist_ckpt_strictness == "log_all"
 
 
 def test_flat_ranges_are_tiled_by_boxes_in_order():

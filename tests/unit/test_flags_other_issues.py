@@ -8,7 +8,7 @@ BASE = ["--mock-data", "--vocab-size", "128", "--num-layers", "4"]
 
 def test_defaults_and_todays_behaviour_parse():
     cfg = parse_args(BASE)
-    assert cfg.checkpoint.ckpt_format == "torch"
+    assert cfg.checkpoint.ckpt_format == "torch_dist" and not cfg.checkpoint.auto_detect_ckpt_format
     assert not cfg.checkpoint.async_save and not cfg.checkpoint.use_persistent_ckpt_worker
     assert cfg.checkpoint.dist_ckpt_strictness == "assume_ok_unexpected"
     assert cfg.parallel.context_parallel_size == 1 and cfg.parallel.cp_comm_type == ["p2p"]

@@ -37,8 +37,6 @@ DIFFERENT_ON_PURPOSE = {
     "--log-interval": "10: short runs get a line every 10 steps (Megatron-LM 100); its scripts pass it",
     "--lr-decay-style": "cosine, the GPT-3 and Llama recipes' schedule (Megatron-LM linear); its scripts pass it",
     "--num-query-groups": "None: 1 with --group-query-attention (Megatron-LM's MQA), one per head without it",
-    "--ckpt-format": "torch, the per-rank format; torch_dist (Megatron-LM's default) works and is tested"
-    " (docs/checkpoints.md), the default moves once the whole test suite has run with it",
 }
 
 

@@ -1,0 +1,51 @@
+"""scripts/bench_checkpoint.py: the runs it launches, the log lines it reads, and a CPU run of a tiny model whose
+table holds the save, blocked and load seconds."""
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_checkpoint.py"
+spec = importlib.util.spec_from_file_location("bench_checkpoint", SCRIPT)
+bench = importlib.util.module_from_spec(spec)
+sys.modules.setdefault("bench_checkpoint", bench)  # dataclasses look their module up there
+spec.loader.exec_module(bench)
+
+
+def test_the_saving_run_saves_at_its_last_iteration_and_the_loading_run_trains_one_more(tmp_path):
+    save, load = bench.commands("llama-1b", "te-delayed", "torch_dist_async", 3, tmp_path / "ckpt")
+    assert save[save.index("--save-interval") + 1] == "3" and save[save.index("--train-iters") + 1] == "3"
+    assert "--async-save" in save and "--save" not in load and load[load.index("--train-iters") + 1] == "4"
+    assert load[load.index("--load") + 1] == str(tmp_path / "ckpt") and "--fp8-recipe" in load
+    assert bench.PRESETS["llama-1b"] is bench.benchmark.PRESETS["llama-1b"]  # scripts/benchmark.py's, not a copy
+
+
+def test_parse_times_reads_the_checkpointer_lines():
+    log = (
+        "  successfully saved checkpoint at iteration       3 to /c/iter_0000003 (torch_dist) in 3.21 s\n"
+        "  queued (--async-save) checkpoint at iteration       3 to /c/iter_0000003 (torch_dist): training blocked"
+        " 0.41 s\n"
+        "  checkpoint at iteration       3 written in the background to /c/iter_0000003 in 5.50 s\n"
+        "  successfully loaded checkpoint from /c at iteration 3 (torch_dist) in 2.05 s\n"
+    )
+    assert bench.parse_times(log) == {"save_s": 3.21, "blocked_s": 0.41, "written_s": 5.5, "load_s": 2.05}
+
+
+@pytest.mark.slow
+def test_a_tiny_cpu_run_fills_the_table(capsys):
+    results = bench.main(["--presets", "tiny", "--configs", "local-bf16", "--iters", "2"] + ["--formats", "torch"])
+    results += bench.main(
+        ["--presets", "tiny", "--configs", "local-bf16", "--iters", "1", "--formats"] + ["torch_dist_async"]
+    )
+    out = capsys.readouterr().out
+    assert [r.error for r in results] == [None, None], out
+    rows = [line for line in out.splitlines() if line.startswith("| tiny |")]
+    number = r"\d+\.\d\d"
+    assert re.fullmatch(rf"\| tiny \| local-bf16 \| torch \| {number} \|  \|  \| {number} \| {number} \|", rows[0])
+    assert re.fullmatch(
+        rf"\| tiny \| local-bf16 \| torch_dist_async \|  \| {number} \| {number} \| {number} \| {number} \|", rows[1]
+    )
+    assert results[0].size_gib > 0 and results[1].size_gib > 0
