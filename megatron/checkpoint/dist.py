@@ -387,10 +387,15 @@ def _check_format(root: str, path: Path, iteration: int) -> None:
         )
     info = path / "metadata.json"
     fmt = json.loads(info.read_text()).get("format", "torch") if info.exists() else None
+    if fmt is None and (path / ".metadata").exists():
+        raise CheckpointError(
+            f"{path} is a torch_dist checkpoint of another program (no metadata.json; Megatron-LM's?): convert it"
+            " with tools/checkpoint/convert.py --loader mcore --saver native"
+        )
     if fmt != FORMAT:
         raise CheckpointError(
             f"{path} is not a torch_dist checkpoint (format {fmt or 'unknown'}): load it with --ckpt-format"
-            f" {fmt or 'torch'}, or convert it by resuming with that format and saving with --ckpt-format torch_dist"
+            f" {fmt or 'torch'} or --auto-detect-ckpt-format"
         )
 
 

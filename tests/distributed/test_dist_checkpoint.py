@@ -171,3 +171,10 @@ def test_the_format_on_disk_decides_the_load(tmp_path, capsys):
         Trainer(_parse(f"{torch_format} --train-iters 4 --load {dist}", 1))
     detected = Trainer(_parse(f"{torch_format} --auto-detect-ckpt-format --train-iters 4 --load {dist}", 1))
     assert detected.train().losses[3] == full[3]
+
+    foreign = tmp_path / "megatron_lm"  # DCP files without this project's metadata.json
+    (foreign / "iter_0000005").mkdir(parents=True)
+    (foreign / "iter_0000005" / ".metadata").write_bytes(b"")
+    (foreign / "latest_checkpointed_iteration.txt").write_text("5\n")
+    with pytest.raises(CheckpointError, match="torch_dist checkpoint of another program .* --loader mcore"):
+        Trainer(_parse(f"{FLAGS} --train-iters 4 --load {foreign}", 1))
