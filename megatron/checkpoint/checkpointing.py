@@ -55,6 +55,25 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used for this run (missing, corrupt, or of another model shape)."""
 
 
+TE_UNSAFE_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+
+
+def load_model_state(model: torch.nn.Module, state: dict[str, Any], root: str | os.PathLike) -> None:
+    """`model.load_state_dict(state)`, with Transformer Engine's refusal of its own pickled FP8 state turned into
+    a one-line error. TE (2.20 and later) keeps delayed scaling's scales and amax histories in a pickled
+    `_extra_state` and unpickles it only when the environment opts in, since a pickle can run code."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        if TE_UNSAFE_PICKLE_ENV not in str(exc):
+            raise
+        raise CheckpointError(
+            f"checkpoint {root} holds Transformer Engine's delayed-scaling FP8 state as a pickle, which this TE"
+            f" loads only with {TE_UNSAFE_PICKLE_ENV}=1 in the environment: set it if you trust the checkpoint"
+            " (this framework wrote it, and nobody else could change it)"
+        ) from exc
+
+
 def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 

@@ -50,6 +50,7 @@ from .checkpointing import (
     CheckpointError,
     _log,
     iteration_dir,
+    load_model_state,
     publish_checkpoint,
     rng_state,
     save_failed,
@@ -77,6 +78,7 @@ class DistCheckpointer:
         # a background write: (its future, tmp folder, final folder, iteration, [queued at, written at])
         self.pending: tuple[Future, Path, Path, int, list[float]] | None = None
         self.optimizer_entries = OptimizerEntries(optimizer, model, self.layers, dims, self.group)
+        self._stager: Any = None  # --async-save's copy to host memory, kept for its pinned buffers (see _host_stager)
         if self.group is None:  # one process: DCP warns that it assumes so, which is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
@@ -153,7 +155,12 @@ class DistCheckpointer:
         if self.cfg.checkpoint.async_save:
             times = [time.perf_counter()]
             future = dcp.async_save(
-                state, storage_writer=writer, planner=planner, process_group=self.group, no_dist=self.group is None
+                state,
+                storage_writer=writer,
+                planner=planner,
+                process_group=self.group,
+                no_dist=self.group is None,
+                async_stager=self._host_stager(),
             )
             future.add_done_callback(lambda _: times.append(time.perf_counter()))  # when written, seen or not
             self.pending = (future, tmp, final, iteration, times)
@@ -172,6 +179,24 @@ class DistCheckpointer:
             raise save_failed(root, iteration, _cause(exc)) from exc
         self._barrier()
         return final
+
+    def _host_stager(self) -> Any:
+        """The stager of --async-save: training blocks while it copies the state to host memory. DCP's default
+        copies into fresh pageable memory (about 1 GB/s: 15 s for llama-1b's 15 GB on an H100); into pinned
+        buffers, kept by this stager from one save to the next, the copy runs at PCIe speed."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            on_gpu = torch.cuda.is_available()
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=on_gpu,
+                    use_shared_memory=False,  # the background write is a thread of this process
+                    use_async_staging=False,  # the next step changes the weights in place: copy them first
+                    use_non_blocking_copy=on_gpu,
+                )
+            )
+        return self._stager
 
     def poll(self) -> None:
         """Make a finished background write visible (rank 0 alone: its write completes DCP's metadata last, after
@@ -253,7 +278,7 @@ class DistCheckpointer:
             fqn = "model." + global_name(name, self.layers)
             if name.endswith("_extra_state"):
                 model_state[name] = loaded.get(fqn)
-        self.model.load_state_dict(model_state)
+        load_model_state(self.model, model_state, root)
         if ckpt.finetune:
             return train_state
         if load_optim:

@@ -14,6 +14,7 @@ from .checkpointing import (
     _log,
     check_model_state,
     load_checkpoint,
+    load_model_state,
     load_rank_file,
     model_parallel_name,
     rng_state,
@@ -69,7 +70,7 @@ class TorchCheckpointer:
         if state is None:
             return None
         check_model_state(state["model"], self.model.state_dict(), root)
-        self.model.load_state_dict(state["model"])
+        load_model_state(self.model, state["model"], root)
         if ckpt.finetune:
             return state
         if "converted_from" in state and not (ckpt.no_load_optim and ckpt.no_load_rng):

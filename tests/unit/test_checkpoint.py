@@ -83,3 +83,35 @@ def test_parts_are_split_out_so_each_rank_holds_one_chunk():
     where = placement("decoder.layers.0.mlp.linear_fc1.weight", param, param, tp_size=2, tp_rank=1)
     assert (where.local_shape, where.global_shape, where.offsets) == ((2, 4, 3), (2, 8, 3), (0, 4, 0))
     assert global_name("decoder.layers.1.mlp.linear_fc1.weight", [3, 4]) == "decoder.layers.3.mlp.linear_fc1.weight"
+
+
+class _RefusesItsPickledState(torch.nn.Module):
+    """Stands in for a Transformer Engine module whose pickled delayed-scaling state TE refuses to unpickle."""
+
+    def __init__(self, message: str):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(2))
+        self.message = message
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.ones(3, dtype=torch.uint8)
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        raise RuntimeError(self.message)
+
+
+def test_te_refusing_its_pickled_fp8_state_is_one_line_naming_the_variable(tmp_path):
+    from megatron.checkpoint.checkpointing import load_model_state
+
+    te_message = (
+        "Refusing to load pickled Transformer Engine extra state for LayerNormLinear. ... To load it anyway, set"
+        " NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1."
+    )
+    module = _RefusesItsPickledState(te_message)
+    with pytest.raises(CheckpointError, match=f"{tmp_path}.*NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1") as info:
+        load_model_state(module, module.state_dict(), tmp_path)
+    assert "\n" not in str(info.value)
+    other = _RefusesItsPickledState("something else broke")
+    with pytest.raises(RuntimeError, match="something else broke") as info:  # other errors pass through as they are
+        load_model_state(other, other.state_dict(), tmp_path)
+    assert not isinstance(info.value, CheckpointError)
