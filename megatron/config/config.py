@@ -108,6 +108,11 @@ class Config:
             "--cross-entropy-fusion-impl te runs Transformer Engine's kernel on a CUDA GPU; use"
             " --cross-entropy-fusion-impl native",
         )
+        require(
+            not (self.model.cross_entropy_loss_fusion and self.model.cross_entropy_fusion_impl == "te" and prec.fp16),
+            "--cross-entropy-fusion-impl te: Transformer Engine's kernel takes bf16 or fp32 logits, not --fp16's; use"
+            " --cross-entropy-fusion-impl native",
+        )
         if opt.fp8_optimizer_level is not None:  # O1 and O2 both communicate gradients in FP8
             par.fp8_grad_reduce = True
         if opt.main_grads_dtype == "bf16":

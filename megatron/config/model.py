@@ -104,7 +104,8 @@ class ModelConfig:
     """Compute the output layer's cross-entropy with a fused implementation (--cross-entropy-fusion-impl): `native`
     keeps only the logits and one fp32 value per token for backward and recomputes the softmax there, instead of
     holding fp32 log-probabilities of the whole vocabulary. With --transformer-impl transformer_engine the loss
-    always uses Transformer Engine's fused kernel unless `native` is chosen here."""
+    always uses Transformer Engine's fused kernel unless `native` is chosen here (or --fp16, whose logits that
+    kernel does not take)."""
     cross_entropy_fusion_impl: str = option("native", choices=["native", "te"])
     """With --cross-entropy-loss-fusion: `native` (PyTorch, any device) or `te` (Transformer Engine's
     parallel_cross_entropy; needs a CUDA GPU with Transformer Engine)."""

@@ -279,7 +279,8 @@ class GPTModel(nn.Module):
         if labels is None:
             return gather_from_tp(logits, self.tp.group).transpose(0, 1)
         fused = self.cfg.cross_entropy_fusion_impl if self.cfg.cross_entropy_loss_fusion else None
-        if fused == "te" or (fused is None and self.uses_te):
+        te_takes = logits.dtype != torch.float16  # TE's kernel refuses fp16 logits (--fp16 is refused with `te`)
+        if fused == "te" or (fused is None and self.uses_te and te_takes):
             from .te_layers import te_cross_entropy
 
             return te_cross_entropy(logits, labels, self.tp.group)

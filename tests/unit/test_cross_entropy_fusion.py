@@ -49,3 +49,9 @@ def test_model_uses_it_under_the_flag():
 def test_te_impl_needs_a_gpu():
     with pytest.raises(ConfigError, match="--cross-entropy-fusion-impl"):
         parse_args(f"{TINY} --cross-entropy-loss-fusion --cross-entropy-fusion-impl te".split())
+
+
+def test_te_impl_refuses_fp16_logits():
+    flags = f"{TINY} --fp16 --cross-entropy-loss-fusion --cross-entropy-fusion-impl te".split()
+    with pytest.raises(ConfigError, match="bf16 or fp32 logits.*--cross-entropy-fusion-impl native"):
+        parse_args(flags, device_type="cuda")
