@@ -46,6 +46,7 @@ from .integrity import (
     retain_last,
     verify_checkpoint,
 )
+from .te_state import TE_UNSAFE_PICKLE_ENV, UnsafeTePickle, te_pickles_allowed, verify_te_pickles
 
 LATEST = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 1
@@ -55,22 +56,22 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used for this run (missing, corrupt, or of another model shape)."""
 
 
-TE_UNSAFE_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
-
-
 def load_model_state(model: torch.nn.Module, state: dict[str, Any], root: str | os.PathLike) -> None:
-    """`model.load_state_dict(state)`, with Transformer Engine's refusal of its own pickled FP8 state turned into
-    a one-line error. TE (2.20 and later) keeps delayed scaling's scales and amax histories in a pickled
-    `_extra_state` and unpickles it only when the environment opts in, since a pickle can run code."""
+    """`model.load_state_dict(state)`. Transformer Engine's pickled FP8 state is unpickled only once every pickle in
+    `state` has been checked to hold nothing but that state (megatron/checkpoint/te_state.py)."""
     try:
-        model.load_state_dict(state)
+        pickled = verify_te_pickles(state)
+    except UnsafeTePickle as exc:
+        raise CheckpointError(f"checkpoint {root} is not loaded: {exc}, not Transformer Engine's FP8 state") from exc
+    try:
+        with te_pickles_allowed(bool(pickled)):
+            model.load_state_dict(state)
     except RuntimeError as exc:
         if TE_UNSAFE_PICKLE_ENV not in str(exc):
             raise
-        raise CheckpointError(
-            f"checkpoint {root} holds Transformer Engine's delayed-scaling FP8 state as a pickle, which this TE"
-            f" loads only with {TE_UNSAFE_PICKLE_ENV}=1 in the environment: set it if you trust the checkpoint"
-            " (this framework wrote it, and nobody else could change it)"
+        raise CheckpointError(  # a pickle in a form the check does not read (TE 1.x's BytesIO)
+            f"checkpoint {root} holds Transformer Engine FP8 state in a form TE loads only with"
+            f" {TE_UNSAFE_PICKLE_ENV}=1 in the environment: set it if you trust the checkpoint"
         ) from exc
 
 

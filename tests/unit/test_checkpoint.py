@@ -1,5 +1,13 @@
 """Checkpoint layout: folder names, metadata, the layout check and corrupt pointers."""
 
+import dataclasses
+import enum
+import os
+import pickle
+import sys
+import types
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -85,33 +93,95 @@ def test_parts_are_split_out_so_each_rank_holds_one_chunk():
     assert global_name("decoder.layers.1.mlp.linear_fc1.weight", [3, 4]) == "decoder.layers.3.mlp.linear_fc1.weight"
 
 
-class _RefusesItsPickledState(torch.nn.Module):
-    """Stands in for a Transformer Engine module whose pickled delayed-scaling state TE refuses to unpickle."""
+# --- Transformer Engine's pickled FP8 state (megatron/checkpoint/te_state.py), with stand-ins for TE's classes ---
+TE_RECIPE = "transformer_engine.common.recipe"
 
-    def __init__(self, message: str):
+
+class _FormatHelper(NamedTuple):
+    max_fwd: float
+    max_bwd: float
+
+
+class Format(enum.Enum):
+    HYBRID = _FormatHelper(448.0, 57344.0)
+
+
+@dataclasses.dataclass
+class DelayedScaling:
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 16
+    amax_compute_algo: str = "max"
+
+
+for _cls in (_FormatHelper, Format, DelayedScaling):
+    _cls.__module__ = TE_RECIPE
+
+
+class _TeLikeModule(torch.nn.Module):
+    """Saves its FP8 state as TE does (a pickle in a uint8 tensor) and, like TE 2.20, unpickles it only when
+    NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1."""
+
+    def __init__(self, payload: object = None):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(2))
-        self.message = message
+        self.payload, self.loaded = payload, None
 
     def get_extra_state(self) -> torch.Tensor:
-        return torch.ones(3, dtype=torch.uint8)
+        return torch.frombuffer(bytearray(pickle.dumps(self.payload)), dtype=torch.uint8)
 
     def set_extra_state(self, state: torch.Tensor) -> None:
-        raise RuntimeError(self.message)
+        if os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE") != "1":
+            raise RuntimeError("Refusing to load ... set NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1.")
+        self.loaded = pickle.loads(state.numpy().tobytes())
 
 
-def test_te_refusing_its_pickled_fp8_state_is_one_line_naming_the_variable(tmp_path):
+class _RunsCode:
+    def __reduce__(self):
+        return (os.getcwd, ())
+
+
+@pytest.fixture
+def te_recipe_module(monkeypatch):
+    module = types.ModuleType(TE_RECIPE)
+    for cls in (_FormatHelper, Format, DelayedScaling):
+        setattr(module, cls.__name__, cls)
+    for parent in ("transformer_engine", "transformer_engine.common"):  # pickle imports the module by its name
+        monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+    monkeypatch.setitem(sys.modules, TE_RECIPE, module)
+    monkeypatch.delenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", raising=False)
+
+
+def test_te_fp8_state_loads_after_its_pickle_is_checked(te_recipe_module, tmp_path):
     from megatron.checkpoint.checkpointing import load_model_state
 
-    te_message = (
-        "Refusing to load pickled Transformer Engine extra state for LayerNormLinear. ... To load it anyway, set"
-        " NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1."
-    )
-    module = _RefusesItsPickledState(te_message)
-    with pytest.raises(CheckpointError, match=f"{tmp_path}.*NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1") as info:
-        load_model_state(module, module.state_dict(), tmp_path)
-    assert "\n" not in str(info.value)
-    other = _RefusesItsPickledState("something else broke")
-    with pytest.raises(RuntimeError, match="something else broke") as info:  # other errors pass through as they are
-        load_model_state(other, other.state_dict(), tmp_path)
+    fp8_state = {
+        "recipe": DelayedScaling(),
+        "scale_fwd": torch.tensor([2.0, 4.0]),
+        "amax_history_fwd": torch.rand(16, 2),
+        "extra_fp8_variables": {"num_gemms": 1, "fp8_checkpoint": True},
+    }
+    saved = _TeLikeModule(fp8_state).state_dict()
+    target = _TeLikeModule()
+    load_model_state(target, saved, tmp_path)
+    assert target.loaded["recipe"] == DelayedScaling()
+    assert torch.equal(target.loaded["amax_history_fwd"], fp8_state["amax_history_fwd"])
+    assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE" not in os.environ  # the opt-in lasted for the load only
+
+
+@pytest.mark.parametrize("payload", [_RunsCode(), {"recipe": print}], ids=["reduce", "foreign-global"])
+def test_a_pickle_holding_anything_else_is_refused_in_one_line(te_recipe_module, tmp_path, payload):
+    from megatron.checkpoint.checkpointing import load_model_state
+
+    target = _TeLikeModule()
+    with pytest.raises(CheckpointError, match=f"{tmp_path} is not loaded: _extra_state holds UnpicklingError") as info:
+        load_model_state(target, _TeLikeModule(payload).state_dict(), tmp_path)
+    assert "\n" not in str(info.value) and target.loaded is None
+
+
+def test_other_load_errors_pass_through(tmp_path):
+    from megatron.checkpoint.checkpointing import load_model_state
+
+    with pytest.raises(RuntimeError, match="Missing key") as info:
+        load_model_state(torch.nn.Linear(2, 2), {}, tmp_path)
     assert not isinstance(info.value, CheckpointError)
