@@ -6,6 +6,7 @@ weight casts are cached within a step and refreshed after an update; the startup
 """
 
 import itertools
+import os
 import subprocess
 import sys
 
@@ -338,3 +339,28 @@ def test_fp8_attention_with_heads_of_64_refused_on_hopper():
     fp8 = "--fp8-format hybrid --fp8-recipe delayed --bf16 --fp8-dot-product-attention --kv-channels 64"
     with pytest.raises(ConfigError, match="needs a head size of 128"):
         build(LLAMA, "transformer_engine", fp8)
+
+
+def test_delayed_scaling_state_survives_a_checkpoint_round_trip(tmp_path, monkeypatch):
+    """TE 2.20 unpickles its delayed-scaling `_extra_state` only when NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1; the
+    checkpoint's load checks those pickles itself and lets TE read them (megatron/checkpoint/te_state.py)."""
+    from megatron.checkpoint.checkpointing import load_model_state
+
+    monkeypatch.delenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", raising=False)
+    flags = "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4 --bf16"
+    model = build(LLAMA, "transformer_engine", flags)
+    GradientBuffers(model, None)
+    for batch in batches()[:2]:
+        model(batch["tokens"], labels=batch["labels"]).mean().backward()
+    state = {k: v.clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
+    again = build(LLAMA, "transformer_engine", flags, seed=1)
+    load_model_state(again, state, tmp_path)
+    modules = [m for layer in model.decoder.layers for m in layer.te_modules() if "scaling_fwd" in m.fp8_meta]
+    assert modules  # the FP8 layers (all but the first) have delayed-scaling state
+    targets = [m for layer in again.decoder.layers for m in layer.te_modules() if "scaling_fwd" in m.fp8_meta]
+    assert len(targets) == len(modules)
+    for source, target in zip(modules, targets):
+        for key in ("scaling_fwd", "scaling_bwd"):
+            assert torch.equal(source.fp8_meta[key].scale, target.fp8_meta[key].scale)
+            assert torch.equal(source.fp8_meta[key].amax_history, target.fp8_meta[key].amax_history)
+    assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE" not in os.environ  # the opt-in lasted for the load only
