@@ -194,6 +194,18 @@ class TEFp8Autocast:
         """`fp8_layers` is live: the FP8 guard (megatron/fp8/guard.py) removes layers it moves to bf16."""
         return self._autocast(layer_number in self.fp8_layers)
 
+    def update_backward_amaxes_after(self, x: torch.Tensor) -> None:
+        """Inside `stack()`, after the stage's layers ran on `x` (their input): when no FP8 module took TE's
+        first-module mark (every FP8 layer recomputed: see `_unmarked_region`), reduce and update the backward
+        amaxes once `x`'s gradient is formed, which is where the first FP8 module's backward would have done it."""
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+        state = FP8GlobalStateManager.quantization_state
+        if not (state.is_first_fp8_module and FP8GlobalStateManager.is_fp8_enabled() and x.requires_grad):
+            return
+        state.is_first_fp8_module = False
+        x.register_hook(_reduce_and_update_backward_amaxes)
+
     def _autocast(self, fp8: bool) -> Any:
         calibrating = fp8 and self.calibrating
         return _te().autocast(
@@ -528,13 +540,43 @@ def te_checkpoint(function: Callable[..., torch.Tensor], *args: Any) -> torch.Te
     )
 
 
+def _reduce_and_update_backward_amaxes(grad: torch.Tensor) -> None:
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+
+
 def _te_checkpoint_contexts() -> tuple[Any, Any]:
-    """TE checkpoint's (forward, recompute) contexts: nothing around the first forward; around the recomputation,
-    one more level of FP8 autocast nesting. TE's checkpoint runs the recomputation inside an autocast of its own,
-    whose exit at the outermost level would reduce and update every module's forward amax history once more (in
-    backward, with no new amaxes: an extra roll of the histories per checkpoint). Nested, it leaves that update to
-    the model's own autocast, which runs it once per forward as without recomputation."""
-    return contextlib.nullcontext(), _nested_te_autocast()
+    """TE checkpoint's (forward, recompute) contexts.
+
+    Recomputation: one more level of FP8 autocast nesting. TE's checkpoint runs the recomputation inside an autocast
+    of its own, whose exit at the outermost level would reduce and update every module's forward amax history once
+    more (in backward, with no new amaxes: an extra roll of the histories per checkpoint). Nested, it leaves that
+    update to the model's own autocast, which runs it once per forward as without recomputation.
+
+    First forward: no checkpointed module may carry TE's first-module mark (`_unmarked_region`)."""
+    return _unmarked_region(), _nested_te_autocast()
+
+
+@contextlib.contextmanager
+def _unmarked_region() -> Iterator[None]:
+    """Delayed scaling reduces and updates the backward amaxes once per backward, at the end of the backward of
+    the micro-batch's first FP8 module, which TE marks in forward (`is_first_fp8_module`). A checkpointed region
+    runs its first forward without autograd, so none of its modules takes the mark there; TE queues the mark's value
+    at each region's entry (in forward order) and hands the queue out to the recomputations (in backward, reverse
+    order), and while recomputing it leaves the mark set for every module of the region: the update would run
+    early and several times per backward. So the queue holds False for every region and the mark is restored
+    after it: the first FP8 module outside checkpoints takes it as without recomputation, and where every FP8
+    layer is recomputed `TEFp8Autocast.update_backward_amaxes_after` runs the update once, after the layers'
+    backward."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    state = FP8GlobalStateManager.quantization_state
+    mark, state.is_first_fp8_module = state.is_first_fp8_module, False
+    try:
+        yield
+    finally:
+        state.is_first_fp8_module = mark
 
 
 @contextlib.contextmanager
