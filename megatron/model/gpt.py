@@ -270,10 +270,9 @@ class GPTModel(nn.Module):
             rotary = self.rotary(s, position_ids if per_sample else position_ids[:1] if cp.size > 1 else None)
         with self.te_fp8.stack() if self.te_fp8 is not None else contextlib.nullcontext():
             layers = self.decoder.layers if chunk is None else self.decoder.layers[self.stage.chunk_slice(chunk)]
-            stage_input = x
-            x = run_layers(layers, x, rotary, attention_mask, self.recompute, te=self.uses_te)
             if self.te_fp8 is not None and self.recompute.granularity is not None:
-                self.te_fp8.update_backward_amaxes_after(stage_input)
+                self.te_fp8.update_backward_amaxes_at(x)
+            x = run_layers(layers, x, rotary, attention_mask, self.recompute, te=self.uses_te)
         if not self.stage.computes_loss(chunk):
             return x
         x = self.decoder.final_layernorm(x)

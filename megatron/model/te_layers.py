@@ -192,12 +192,17 @@ class TEFp8Autocast:
 
     def layer(self, layer_number: int) -> Any:
         """`fp8_layers` is live: the FP8 guard (megatron/fp8/guard.py) removes layers it moves to bf16."""
-        return self._autocast(layer_number in self.fp8_layers)
+        return _keeping_the_mark(self._autocast(layer_number in self.fp8_layers))
 
-    def update_backward_amaxes_after(self, x: torch.Tensor) -> None:
-        """Inside `stack()`, after the stage's layers ran on `x` (their input): when no FP8 module took TE's
-        first-module mark (every FP8 layer recomputed: see `_unmarked_region`), reduce and update the backward
-        amaxes once `x`'s gradient is formed, which is where the first FP8 module's backward would have done it."""
+    def update_backward_amaxes_at(self, x: torch.Tensor) -> None:
+        """Inside `stack()`, before the stage's layers run on `x` (their input), with recomputation: take TE's
+        first-module mark from every module and reduce and update the backward amaxes once `x`'s gradient is formed,
+        after the last FP8 backward of the stage, which is where the first FP8 module's backward does it without
+        recomputation. A reentrant checkpoint runs its first forward without autograd, so a checkpointed module
+        cannot keep the mark for backward; TE queues the mark at each region's entry in forward order but hands the
+        queue out to the recomputations in reverse order, and while recomputing leaves it set for every module of
+        the region: the update would run early, several times per backward, and (with some layers recomputed and
+        some not) out of step with the modules' amaxes."""
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
         state = FP8GlobalStateManager.quantization_state
@@ -385,15 +390,9 @@ class TEMLP(nn.Module):
         (Blackwell) could take this path too but is left on TE's own cast until it can be tested on such a GPU. The
         quantizers are shallow copies of the modules' own: they share the scale and amax tensors TE quantizes with."""
         from transformer_engine.pytorch.constants import FP8BwdTensorIdx, FP8FwdTensorIdx
-        from transformer_engine.pytorch.distributed import is_fp8_activation_recompute_enabled
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
         if not (self.fp8_swiglu and FP8GlobalStateManager.is_fp8_enabled()):
-            return None, None
-        if is_fp8_activation_recompute_enabled():
-            # Inside TE's checkpoint (recomputed MLP or layer): linear_fc2 swaps in the scales of the first forward
-            # only when its own forward starts, after this kernel; TE's own cast of the bf16 output keeps both
-            # passes on the same scales and records linear_fc2's input amax once.
             return None, None
         recipe = FP8GlobalStateManager.get_fp8_recipe()
         if not recipe.delayed():
@@ -406,6 +405,8 @@ class TEMLP(nn.Module):
         if not all(m.fp8_initialized and m.fp8_meta.get("recipe") == recipe for m in (fc1, fc2)):
             return None, None  # not expected: linear_fc1 ran under this recipe a moment ago
         out_quantizer = fc2.quantizers["scaling_fwd"][FP8FwdTensorIdx.GEMM1_INPUT].copy()
+        if _recomputing():
+            _first_forward_scale(out_quantizer, fc2, FP8FwdTensorIdx.GEMM1_INPUT)
         # Row-wise data only, as linear_fc2 keeps of an input it casts itself: its wgrad transposes it in backward.
         out_quantizer.set_usage(rowwise=True, columnwise=False)
         grad_quantizer = fc1.quantizers["scaling_bwd"][FP8BwdTensorIdx.GRAD_OUTPUT1].copy()
@@ -516,6 +517,30 @@ class TETransformerLayer(nn.Module):
         return x + self._dropout(mlp)
 
 
+def _recomputing() -> bool:
+    """Inside TE's checkpoint, recomputing the forward in backward."""
+    from transformer_engine.pytorch.distributed import in_fp8_activation_recompute_phase
+
+    return in_fp8_activation_recompute_phase()
+
+
+def _first_forward_scale(quantizer: Any, module: nn.Module, index: int) -> None:
+    """Point `quantizer` (a copy of one of `module`'s delayed-scaling quantizers) at the scale the first forward
+    used, and at an amax of its own, for a kernel that writes `module`'s input during a recomputation.
+
+    TE's checkpoint stashes each module's scales and amax history when the module's forward starts in the first
+    forward, and swaps them in when the module's forward starts in the recomputation; a kernel that runs before
+    the module (the fused SwiGLU writing linear_fc2's FP8 input) would otherwise quantize with the scales updated
+    since, and record an amax that the next update would count a second time. The stash to be swapped in next is
+    the oldest of the module's queue (TE pops it in order)."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    queue = FP8GlobalStateManager.quantization_state.fp8_tensors_recompute_buffer
+    _, scale = queue[module.fp8_meta["global_fp8_buffer_pos_fwd_recompute"]][0]
+    quantizer.scale = scale[index]
+    quantizer.amax = torch.zeros(1, dtype=torch.float32, device=scale.device)
+
+
 @contextlib.contextmanager
 def _environ(**values: str) -> Iterator[None]:
     """Set environment variables for the duration of the block, then restore them."""
@@ -547,36 +572,32 @@ def _reduce_and_update_backward_amaxes(grad: torch.Tensor) -> None:
 
 
 def _te_checkpoint_contexts() -> tuple[Any, Any]:
-    """TE checkpoint's (forward, recompute) contexts.
-
-    Recomputation: one more level of FP8 autocast nesting. TE's checkpoint runs the recomputation inside an autocast
-    of its own, whose exit at the outermost level would reduce and update every module's forward amax history once
-    more (in backward, with no new amaxes: an extra roll of the histories per checkpoint). Nested, it leaves that
-    update to the model's own autocast, which runs it once per forward as without recomputation.
-
-    First forward: no checkpointed module may carry TE's first-module mark (`_unmarked_region`)."""
-    return _unmarked_region(), _nested_te_autocast()
+    """TE checkpoint's (forward, recompute) contexts: nothing around the first forward; one more level of FP8
+    autocast nesting around the recomputation. TE's checkpoint runs the recomputation inside an autocast of its own,
+    whose exit at the outermost level would reduce and update every module's forward amax history once more (in
+    backward, with no new amaxes: an extra roll of the histories per checkpoint). Nested, it leaves that update to
+    the model's own autocast, which runs it once per forward as without recomputation. (The backward update:
+    `TEFp8Autocast.update_backward_amaxes_at`.)"""
+    return contextlib.nullcontext(), _nested_te_autocast()
 
 
 @contextlib.contextmanager
-def _unmarked_region() -> Iterator[None]:
-    """Delayed scaling reduces and updates the backward amaxes once per backward, at the end of the backward of
-    the micro-batch's first FP8 module, which TE marks in forward (`is_first_fp8_module`). A checkpointed region
-    runs its first forward without autograd, so none of its modules takes the mark there; TE queues the mark's value
-    at each region's entry (in forward order) and hands the queue out to the recomputations (in backward, reverse
-    order), and while recomputing it leaves the mark set for every module of the region: the update would run
-    early and several times per backward. So the queue holds False for every region and the mark is restored
-    after it: the first FP8 module outside checkpoints takes it as without recomputation, and where every FP8
-    layer is recomputed `TEFp8Autocast.update_backward_amaxes_after` runs the update once, after the layers'
-    backward."""
+def _keeping_the_mark(autocast: Any) -> Iterator[None]:
+    """A layer's FP8 autocast, nested in the stack's, that leaves TE's first-module mark as its body left it.
+
+    Delayed scaling reduces and updates the backward amaxes at the end of the backward of the micro-batch's first
+    FP8 module, which takes the mark (`is_first_fp8_module`) in forward. TE's autocast restores the whole FP8
+    state on exit, mark included: after each layer the mark would be set again, the next layer's first FP8 module
+    would take it too, and the backward would reduce (a collective over the amax group) and roll every backward
+    amax history once per FP8 layer instead of once, where a graphed layer (which takes the mark whether in FP8 or
+    not) or a recomputation updates once."""
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     state = FP8GlobalStateManager.quantization_state
-    mark, state.is_first_fp8_module = state.is_first_fp8_module, False
-    try:
+    with autocast:
         yield
-    finally:
-        state.is_first_fp8_module = mark
+        mark = state.is_first_fp8_module
+    state.is_first_fp8_module = mark
 
 
 @contextlib.contextmanager
