@@ -105,7 +105,7 @@ def test_fp8_linear_in_bf16_is_accurate(recipe):
 def test_tiny_gpt_trains_on_gpu(recipe):
     args = (
         "--vocab-size 256 --num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 128 --mock-data"
-        " --transformer-impl local"
+        " --transformer-impl local --no-fp8-first-layer-bf16"  # both layers in FP8: 8 scaled linears
         f" --fp8-format hybrid --fp8-recipe {recipe}"
     )
     cfg = parse_args(args.split(), device_type="cuda")

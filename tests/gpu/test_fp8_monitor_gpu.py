@@ -21,6 +21,7 @@ LLAMA = (
     " --num-query-groups 2 --ffn-hidden-size 256 --seq-length 64 --position-embedding-type rope --normalization"
     " RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights --hidden-dropout 0"
     " --attention-dropout 0 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --eval-iters 0 --log-interval 1"
+    " --no-fp8-first-layer-bf16"  # both layers in FP8: the per-layer comparisons and the guard need two
 )
 
 
