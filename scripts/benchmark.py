@@ -51,6 +51,8 @@ PRESETS = {
     " --num-query-groups 8 --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1"
     " --global-batch-size 8 --vocab-size 31999",
 }
+# llama-1b at micro-batch 8: four times the activations per micro-batch (recomputation's case); not run by default
+PRESETS["llama-1b-mbs8"] = PRESETS["llama-1b"].replace("--micro-batch-size 2", "--micro-batch-size 8")
 TE = "--transformer-impl transformer_engine"
 LOCAL = "--transformer-impl local"
 CONFIGS = {
@@ -67,6 +69,10 @@ CONFIGS = {
     # --profile's cost outside its window: Nsight's window over steps 3-4, the numbers average steps after it
     "te-delayed-profile-window": f"{TE} --fp8-format hybrid --fp8-recipe delayed --profile --profile-step-start 2"
     " --profile-step-end 4 --timing-log-level 0",
+    # activation recomputation (docs/recompute.md): selective (core attention) and full (every layer, one at a time)
+    "te-delayed-recompute-selective": f"{TE} --fp8-format hybrid --fp8-recipe delayed --recompute-activations",
+    "te-delayed-recompute-full": f"{TE} --fp8-format hybrid --fp8-recipe delayed --recompute-granularity full"
+    " --recompute-method uniform --recompute-num-layers 1",
     "te-delayed-fp8attn": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-dot-product-attention",
     "te-tensorwise": f"{TE} --fp8-format hybrid --fp8-recipe tensorwise",
     "te-blockwise": f"{TE} --fp8-format e4m3 --fp8-recipe blockwise",
@@ -445,7 +451,7 @@ def environment() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
+    parser.add_argument("--presets", nargs="+", default=["llama-1b", "llama-8b-4l"], choices=list(PRESETS))
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--layouts", nargs="+", default=["1gpu"], choices=list(LAYOUTS))
     parser.add_argument("--weak-scaling", action="store_true", help="global batch x data-parallel size")
