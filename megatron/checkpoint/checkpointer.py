@@ -15,8 +15,8 @@ Timing lines (rank 0), the seconds read by scripts/bench_checkpoint.py:
 
 The first is Megatron-LM's line, which log parsers look for; with --async-save the write finishes later and
 DistCheckpointer logs it then. A save's seconds are those training waits for (for --async-save: a previous
-background write still running, then the copy to host memory); a load's run until the state is in place on the
-device.
+background write still running, said apart when there was one, then the copy to host memory); a load's run until
+the state is in place on the device.
 """
 
 from __future__ import annotations
@@ -70,9 +70,11 @@ class Checkpointer:
         path = self.saver.save(root, iteration, train_state)
         seconds = time.perf_counter() - start
         if self.cfg.checkpoint.async_save:
+            waited = getattr(self.saver, "waited_s", 0.0)
             _log(
                 f"  queued (--async-save) checkpoint at iteration {iteration:7d} to {path} ({self.format}): training"
                 f" blocked {seconds:.2f} s"
+                + (f" ({waited:.2f} s of it waiting for the previous background write)" if waited >= 0.01 else "")
             )
         else:
             where = f"{path} ({self.format})"

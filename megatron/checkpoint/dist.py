@@ -21,18 +21,21 @@ and DCP's .metadata), checked at load, with a fall-back to the newest older chec
 
 Atomicity as for the `torch` format: the checkpoint is written into `iter_XXXXXXX.tmp`, renamed when complete, and
 then the `latest` pointer moves. With --async-save the write runs in a background thread after the state is copied
-to host memory (training waits only for that copy); the rename and the pointer follow once the write has finished,
-which is checked after every step, before the next save and at the end of training (`finalize`).
+to host memory (training waits only for that copy); rank 0 then checksums the files, flushes them to disk, renames
+the folder and moves the pointer in a thread of its own, as these read the whole checkpoint back (about 15 GB for
+llama-1b) and would stall training for seconds. Whether that is done is checked after every step, before the next
+save and at the end of training (`finalize`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import shutil
 import time
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from .checkpointing import (
     CHECKPOINT_VERSION,
@@ -75,8 +79,12 @@ class DistCheckpointer:
         # DCP coordinates ranks with collectives of its own; a separate gloo group keeps them apart from training's
         # (on GPUs too: an --async-save write runs them from a background thread while training goes on).
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        # a background write: (its future, tmp folder, final folder, iteration, [queued at, written at])
-        self.pending: tuple[Future, Path, Path, int, list[float]] | None = None
+        # a background write: (its future, which on rank 0 completes once published; tmp folder, final folder,
+        # iteration, {"queued"/"written"/"published": time})
+        self.pending: tuple[Future, Path, Path, int, dict[str, float]] | None = None
+        self._publisher: ThreadPoolExecutor | None = None  # rank 0's thread that publishes --async-save writes
+        self.waited_s = 0.0
+        """Seconds the last save waited for the previous background write (part of its blocked time)."""
         self.optimizer_entries = OptimizerEntries(optimizer, model, self.layers, dims, self.group)
         self._stager: Any = None  # --async-save's copy to host memory, kept for its pinned buffers (see _host_stager)
         if self.group is None:  # one process: DCP warns that it assumes so, which is the intent
@@ -122,7 +130,9 @@ class DistCheckpointer:
 
     def save(self, root: str, iteration: int, train_state: dict[str, Any]) -> Path:
         """Write iteration `iteration`; with --async-save return once the state is in host memory."""
+        start = time.perf_counter()
         self.finalize()  # a previous background write completes (and becomes visible) first
+        self.waited_s = time.perf_counter() - start
         chunks, objects = self._model_entries(self.model.state_dict(), saving=True)
         optimizer_chunks, optimizer_objects = self.optimizer_entries.save()
         chunks += optimizer_chunks
@@ -153,7 +163,7 @@ class DistCheckpointer:
         self._barrier()
         writer, planner = FileSystemWriter(tmp), ChunkSavePlanner(where)
         if self.cfg.checkpoint.async_save:
-            times = [time.perf_counter()]
+            times = {"queued": time.perf_counter()}
             future = dcp.async_save(
                 state,
                 storage_writer=writer,
@@ -162,7 +172,8 @@ class DistCheckpointer:
                 no_dist=self.group is None,
                 async_stager=self._host_stager(),
             )
-            future.add_done_callback(lambda _: times.append(time.perf_counter()))  # when written, seen or not
+            if self._first():
+                future = self._publish_when_written(future, tmp, final, iteration, times)
             self.pending = (future, tmp, final, iteration, times)
             return final
         try:
@@ -181,50 +192,55 @@ class DistCheckpointer:
         return final
 
     def _host_stager(self) -> Any:
-        """The stager of --async-save: training blocks while it copies the state to host memory. DCP's default
-        copies into fresh pageable memory (training blocked 15.2 s for llama-1b's 15 GB on an H100); pinned buffers,
-        kept by this stager from one save to the next, let the copy run at PCIe speed (not yet measured)."""
+        """The stager of --async-save (`_PinnedStager`): training blocks while it copies the state to host memory."""
         if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            on_gpu = torch.cuda.is_available()
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=on_gpu,
-                    use_shared_memory=False,  # the background write is a thread of this process
-                    use_async_staging=False,  # the next step changes the weights in place: copy them first
-                    use_non_blocking_copy=on_gpu,
-                )
-            )
+            self._stager = _PinnedStager()
         return self._stager
 
+    def _publish_when_written(
+        self, written: Future, tmp: Path, final: Path, iteration: int, times: dict[str, float]
+    ) -> Future:
+        """Rank 0: once `written` completes, checksum, flush, rename and point `latest` at the checkpoint in a thread
+        of its own (no collective: rank 0's write completes DCP's metadata last, after every rank's data is
+        written). The returned future completes when the checkpoint is visible, or raises what failed."""
+
+        def publish() -> None:
+            written.result()  # a failed write raises here, before anything is made visible
+            times["written"] = time.perf_counter()
+            publish_checkpoint(str(final.parent), tmp, final, iteration, None, self.cfg.checkpoint.save_retain_last)
+            times["published"] = time.perf_counter()
+
+        if self._publisher is None:
+            self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-publish")
+        return self._publisher.submit(publish)
+
     def poll(self) -> None:
-        """Make a finished background write visible (rank 0 alone: its write completes DCP's metadata last, after
-        every rank's data is written, so no collective is needed)."""
+        """Report a background write that has finished (and on rank 0 been published)."""
         if self.pending is not None and self.pending[0].done():
-            self._publish_pending()
+            self._finish_pending()
 
     def finalize(self) -> None:
         """Wait for a background write and make it visible; at the next save and at the end of training."""
         if self.pending is not None:
-            self.pending[0].result()
-            self._publish_pending()
-        if self.cfg.checkpoint.async_save:  # every rank, pending or not (rank 0 may have published in `poll`)
+            self._finish_pending()
+        if self.cfg.checkpoint.async_save:  # every rank, pending or not (rank 0 may have finished in `poll`)
             self._barrier()
 
-    def _publish_pending(self) -> None:
+    def _finish_pending(self) -> None:
         future, tmp, final, iteration, times = self.pending
         self.pending = None
         try:
-            future.result()  # a failed write raises here, before anything is made visible
+            future.result()
         except (CheckpointException, OSError) as exc:
             if self._first():
                 shutil.rmtree(tmp, ignore_errors=True)
             raise save_failed(final.parent, iteration, _cause(exc)) from exc
-        if self._first():  # rank 0 alone (no collective here): it hashes every file itself
-            publish_checkpoint(str(final.parent), tmp, final, iteration, None, self.cfg.checkpoint.save_retain_last)
-            seconds = (times[1] if len(times) > 1 else time.perf_counter()) - times[0]  # callbacks run after result()
-            _log(f"  checkpoint at iteration {iteration:7d} written in the background to {final} in {seconds:.2f} s")
+        if self._first():
+            written, published = times["written"] - times["queued"], times["published"] - times["written"]
+            _log(
+                f"  checkpoint at iteration {iteration:7d} written in the background to {final} in {written:.2f} s"
+                f" (checksummed and published in {published:.2f} s more)"
+            )
 
     # ------------------------------------------------------------------ load
 
@@ -451,3 +467,41 @@ def _first_line(exc: BaseException) -> str:
         return f"rank {rank}: {str(inner).splitlines()[0] if str(inner) else type(inner).__name__}"
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+class _PinnedStager(AsyncStager):
+    """--async-save's copy of the state to host memory, which the background write then reads: each tensor entry
+    into a pinned buffer kept from one save to the next (on GPUs; plain memory on CPUs), other entries deep-copied.
+
+    Not DCP's DefaultStager: its default copies into fresh pageable memory (training blocked 15.2 s for llama-1b's
+    15 GB on an H100), and with pinned memory, kept across saves, its second save failed under torch 2.11 (its
+    table of object copiers was emptied after the first: "KeyError: <class 'type'>"). The state here is one flat
+    dict with stable keys (`split_entries`), so a buffer per key is all the caching needed."""
+
+    _synchronize_after_execute = False  # the copy is complete when `stage` returns
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        staged, on_gpu = {}, False
+        for key, value in state_dict.items():
+            if not isinstance(value, torch.Tensor):
+                staged[key] = copy.deepcopy(value)
+                continue
+            buffer = self.buffers.get(key)
+            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                self.buffers[key] = buffer
+            buffer.copy_(value.detach(), non_blocking=value.is_cuda)
+            on_gpu |= value.is_cuda
+            staged[key] = buffer
+        if on_gpu:  # the copies were queued on the current stream, after the kernels that wrote the values
+            torch.cuda.current_stream().synchronize()
+        return staged
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -127,6 +127,25 @@ def test_async_save_moves_the_pointer_only_when_written(tmp_path, monkeypatch):
     _resume_matches(tmp_path, f"{FLAGS} --async-save", "async_resume")
 
 
+def test_async_saves_reuse_their_host_buffers(tmp_path):
+    """Two --async-save saves in one process: both are written and published, the second into the host buffers
+    of the first (DCP's own stager, kept across saves, failed at the second save under torch 2.11)."""
+    ckpt = tmp_path / "twice"
+    trainer = Trainer(_parse(f"{FLAGS} --train-iters 2 --async-save --save {ckpt}", 1))
+    data = iter(trainer._loader(trainer.datasets.train, 0))
+    buffers = []
+    for iteration in (1, 2):
+        trainer.train_step(data, 1e-2)
+        trainer.state.iteration, trainer.state.consumed_samples = iteration, 4 * iteration
+        trainer.save()
+        buffers.append({key: t.data_ptr() for key, t in trainer.checkpointer.saver._stager.buffers.items()})
+    trainer.checkpointer.finalize()
+    assert latest_iteration(str(ckpt)) == 2 and (ckpt / "iter_0000001").is_dir()
+    assert buffers[0] and buffers[0] == buffers[1]
+    loaded = Trainer(_parse(f"{FLAGS} --train-iters 2 --load {ckpt}", 1))
+    assert torch.equal(loaded.model.decoder.final_layernorm.weight, trainer.model.decoder.final_layernorm.weight)
+
+
 def test_damaged_checkpoints_fail_with_one_line(tmp_path):
     ckpt = tmp_path / "ckpt"
     Trainer(_parse(f"{FLAGS} --train-iters 1 --save {ckpt}", 1)).train()

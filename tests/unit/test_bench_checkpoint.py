@@ -21,6 +21,9 @@ def test_the_saving_run_saves_at_its_last_iteration_and_the_loading_run_trains_o
     assert "--async-save" in save and "--save" not in load and load[load.index("--train-iters") + 1] == "4"
     assert load[load.index("--load") + 1] == str(tmp_path / "ckpt") and "--fp8-recipe" in load
     assert bench.PRESETS["llama-1b"] is bench.benchmark.PRESETS["llama-1b"]  # scripts/benchmark.py's, not a copy
+    save, load = bench.commands("llama-1b", "te-delayed", "torch_dist_async", 3, tmp_path / "ckpt", saves=2)
+    assert save[save.index("--save-interval") + 1] == "3" and save[save.index("--train-iters") + 1] == "6"
+    assert load[load.index("--train-iters") + 1] == "7"
 
 
 def test_parse_times_reads_the_checkpointer_lines():
@@ -32,13 +35,20 @@ def test_parse_times_reads_the_checkpointer_lines():
         "  successfully loaded checkpoint from /c at iteration 3 (torch_dist) in 2.05 s\n"
     )
     assert bench.parse_times(log) == {"save_s": 3.21, "blocked_s": 0.41, "written_s": 5.5, "load_s": 2.05}
+    log += (  # a second save that first waited for the previous background write: the wait is not the copy's
+        "  queued (--async-save) checkpoint at iteration       6 to /c/iter_0000006 (torch_dist): training blocked"
+        " 4.75 s (4.50 s of it waiting for the previous background write)\n"
+    )
+    times = bench.parse_times(log)
+    assert times["first_blocked_s"] == 0.41 and times["blocked_s"] == pytest.approx(0.25)
 
 
 @pytest.mark.slow
 def test_a_tiny_cpu_run_fills_the_table(capsys):
     results = bench.main(["--presets", "tiny", "--configs", "local-bf16", "--iters", "2"] + ["--formats", "torch"])
     results += bench.main(
-        ["--presets", "tiny", "--configs", "local-bf16", "--iters", "1", "--formats"] + ["torch_dist_async"]
+        ["--presets", "tiny", "--configs", "local-bf16", "--iters", "1", "--saves", "2", "--formats"]
+        + ["torch_dist_async"]
     )
     out = capsys.readouterr().out
     assert [r.error for r in results] == [None, None], out
@@ -46,6 +56,8 @@ def test_a_tiny_cpu_run_fills_the_table(capsys):
     number = r"\d+\.\d\d"
     assert re.fullmatch(rf"\| tiny \| local-bf16 \| torch \| {number} \|  \|  \| {number} \| {number} \|", rows[0])
     assert re.fullmatch(
-        rf"\| tiny \| local-bf16 \| torch_dist_async \|  \| {number} \| {number} \| {number} \| {number} \|", rows[1]
+        rf"\| tiny \| local-bf16 \| torch_dist_async \|  \| {number} \(first {number}\) \| {number} \| {number}"
+        rf" \| {number} \|",
+        rows[1],
     )
     assert results[0].size_gib > 0 and results[1].size_gib > 0
