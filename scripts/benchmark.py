@@ -51,8 +51,16 @@ PRESETS = {
     " --num-query-groups 8 --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1"
     " --global-batch-size 8 --vocab-size 31999",
 }
-# llama-1b at micro-batch 8: four times the activations per micro-batch (recomputation's case); not run by default
+# Not run by default: llama-1b at micro-batch 8, four times the activations per micro-batch (recomputation's case);
+# the whole Llama-3-8B shape (vocabulary 128256: 128255 ids + end-of-document), two GPUs' worth, and its 32k-token
+# sequence for context parallelism (issue 17).
 PRESETS["llama-1b-mbs8"] = PRESETS["llama-1b"].replace("--micro-batch-size 2", "--micro-batch-size 8")
+PRESETS["llama3-8b"] = (
+    "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --num-query-groups 8"
+    " --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1 --global-batch-size 8"
+    " --vocab-size 128255"
+)
+PRESETS["llama3-8b-32k"] = PRESETS["llama3-8b"].replace("8192", "32768")
 TE = "--transformer-impl transformer_engine"
 LOCAL = "--transformer-impl local"
 CONFIGS = {
@@ -99,6 +107,8 @@ LAYOUTS = {  # name: (GPUs, flags)
     "tp2": (2, "--tensor-model-parallel-size 2 --sequence-parallel"),
     "tp2_overlap": (2, "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"),
     "pp2": (2, "--pipeline-model-parallel-size 2"),
+    "pp2_vpp": (2, "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 4"),
+    "cp2": (2, "--context-parallel-size 2"),
     "tp2_pp2": (4, "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2"),
     "tp2_dp2": (4, "--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce"),
     "dp4": (4, "--overlap-grad-reduce"),

@@ -91,3 +91,23 @@ def test_exposed_communication_is_communication_time_no_other_kernel_covers():
         "Memcpy PtoP": 0,
     }
     assert benchmark._union([(5, 9), (0, 2), (1, 3), (9, 10)]) == [(0, 3), (5, 10)]
+
+
+def test_the_llama3_8b_runs_of_issue_17_are_valid_two_gpu_configurations():
+    """The Llama-3-8B shape on two GPUs, each layout the issue names (TE swapped for the local layers: the flags are
+    parsed here, where Transformer Engine does not import)."""
+    from megatron.config import parse_args
+
+    runs = [
+        ("llama3-8b", "te-delayed", "tp2"),
+        ("llama3-8b", "te-delayed", "pp2_vpp"),
+        ("llama3-8b", "te-delayed-recompute-full", "dp2_distopt"),
+        ("llama3-8b-32k", "te-delayed", "cp2"),
+    ]
+    for preset, config, layout in runs:
+        flags = [
+            ("local" if f == "transformer_engine" else f) for f in benchmark.train_flags(preset, config, 10, 5, layout)
+        ]
+        cfg = parse_args(flags, world_size=2, device_type="cuda")
+        assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.ffn_hidden_size) == (32, 4096, 14336)
+        assert cfg.model.seq_length == (32768 if preset.endswith("32k") else 8192)
