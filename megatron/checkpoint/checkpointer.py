@@ -70,7 +70,7 @@ class Checkpointer:
         path = self.saver.save(root, iteration, train_state)
         seconds = time.perf_counter() - start
         if self.cfg.checkpoint.async_save:
-            waited = getattr(self.saver, "waited_s", 0.0)
+            waited = self.saver.waited_s  # --async-save is torch_dist's (DistCheckpointer)
             _log(
                 f"  queued (--async-save) checkpoint at iteration {iteration:7d} to {path} ({self.format}): training"
                 f" blocked {seconds:.2f} s"

@@ -82,11 +82,12 @@ class DistCheckpointer:
         # a background write: (its future, which on rank 0 completes once published; tmp folder, final folder,
         # iteration, {"queued"/"written"/"published": time})
         self.pending: tuple[Future, Path, Path, int, dict[str, float]] | None = None
-        self._publisher: ThreadPoolExecutor | None = None  # rank 0's thread that publishes --async-save writes
+        # rank 0's thread that publishes --async-save writes (started on first use)
+        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-publish")
         self.waited_s = 0.0
         """Seconds the last save waited for the previous background write (part of its blocked time)."""
         self.optimizer_entries = OptimizerEntries(optimizer, model, self.layers, dims, self.group)
-        self._stager: Any = None  # --async-save's copy to host memory, kept for its pinned buffers (see _host_stager)
+        self._stager = _PinnedStager()  # --async-save's copy to host memory: training blocks while it runs
         if self.group is None:  # one process: DCP warns that it assumes so, which is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
@@ -170,7 +171,7 @@ class DistCheckpointer:
                 planner=planner,
                 process_group=self.group,
                 no_dist=self.group is None,
-                async_stager=self._host_stager(),
+                async_stager=self._stager,
             )
             if self._first():
                 future = self._publish_when_written(future, tmp, final, iteration, times)
@@ -191,12 +192,6 @@ class DistCheckpointer:
         self._barrier()
         return final
 
-    def _host_stager(self) -> Any:
-        """The stager of --async-save (`_PinnedStager`): training blocks while it copies the state to host memory."""
-        if self._stager is None:
-            self._stager = _PinnedStager()
-        return self._stager
-
     def _publish_when_written(
         self, written: Future, tmp: Path, final: Path, iteration: int, times: dict[str, float]
     ) -> Future:
@@ -210,8 +205,6 @@ class DistCheckpointer:
             publish_checkpoint(str(final.parent), tmp, final, iteration, None, self.cfg.checkpoint.save_retain_last)
             times["published"] = time.perf_counter()
 
-        if self._publisher is None:
-            self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-publish")
         return self._publisher.submit(publish)
 
     def poll(self) -> None:
@@ -474,9 +467,10 @@ class _PinnedStager(AsyncStager):
     into a pinned buffer kept from one save to the next (on GPUs; plain memory on CPUs), other entries deep-copied.
 
     Not DCP's DefaultStager: its default copies into fresh pageable memory (training blocked 15.2 s for llama-1b's
-    15 GB on an H100), and with pinned memory, kept across saves, its second save failed under torch 2.11 (its
-    table of object copiers was emptied after the first: "KeyError: <class 'type'>"). The state here is one flat
-    dict with stable keys (`split_entries`), so a buffer per key is all the caching needed."""
+    15 GB on an H100), and with pinned memory, kept across saves, its second save failed inside DCP's object copy
+    under torch 2.11 ("KeyError: <class 'type'>"; the cause in DCP was not found, and keeping DCP from closing the
+    stager did not help). The state here is one flat dict with stable keys (`split_entries`), so a buffer per key
+    is all the caching needed."""
 
     _synchronize_after_execute = False  # the copy is complete when `stage` returns
 

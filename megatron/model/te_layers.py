@@ -390,6 +390,7 @@ class TEMLP(nn.Module):
         (Blackwell) could take this path too but is left on TE's own cast until it can be tested on such a GPU. The
         quantizers are shallow copies of the modules' own: they share the scale and amax tensors TE quantizes with."""
         from transformer_engine.pytorch.constants import FP8BwdTensorIdx, FP8FwdTensorIdx
+        from transformer_engine.pytorch.distributed import in_fp8_activation_recompute_phase
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
         if not (self.fp8_swiglu and FP8GlobalStateManager.is_fp8_enabled()):
@@ -405,7 +406,7 @@ class TEMLP(nn.Module):
         if not all(m.fp8_initialized and m.fp8_meta.get("recipe") == recipe for m in (fc1, fc2)):
             return None, None  # not expected: linear_fc1 ran under this recipe a moment ago
         out_quantizer = fc2.quantizers["scaling_fwd"][FP8FwdTensorIdx.GEMM1_INPUT].copy()
-        if _recomputing():
+        if in_fp8_activation_recompute_phase():
             _first_forward_scale(out_quantizer, fc2, FP8FwdTensorIdx.GEMM1_INPUT)
         # Row-wise data only, as linear_fc2 keeps of an input it casts itself: its wgrad transposes it in backward.
         out_quantizer.set_usage(rowwise=True, columnwise=False)
@@ -515,13 +516,6 @@ class TETransformerLayer(nn.Module):
         x = x + self._dropout(self.self_attention(x, rotary, attention_mask, first))
         mlp = checkpoint(self.mlp, x, first, te=True) if self.recompute_mlp else self.mlp(x, first)
         return x + self._dropout(mlp)
-
-
-def _recomputing() -> bool:
-    """Inside TE's checkpoint, recomputing the forward in backward."""
-    from transformer_engine.pytorch.distributed import in_fp8_activation_recompute_phase
-
-    return in_fp8_activation_recompute_phase()
 
 
 def _first_forward_scale(quantizer: Any, module: nn.Module, index: int) -> None:
