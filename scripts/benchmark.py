@@ -77,10 +77,16 @@ CONFIGS = {
     # --profile's cost outside its window: Nsight's window over steps 3-4, the numbers average steps after it
     "te-delayed-profile-window": f"{TE} --fp8-format hybrid --fp8-recipe delayed --profile --profile-step-start 2"
     " --profile-step-end 4 --timing-log-level 0",
+    # O2 with bf16 gradient buffers (accumulated in bf16 before the FP8 reduction): 2 bytes per parameter less
+    "te-delayed-fp8params-o2-bf16grads": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather"
+    " --fp8-optimizer-level O2 --main-grads-dtype bf16",
     # activation recomputation (docs/recompute.md): selective (core attention) and full (every layer, one at a time)
     "te-delayed-recompute-selective": f"{TE} --fp8-format hybrid --fp8-recipe delayed --recompute-activations",
     "te-delayed-recompute-full": f"{TE} --fp8-format hybrid --fp8-recipe delayed --recompute-granularity full"
     " --recompute-method uniform --recompute-num-layers 1",
+    # the fewest bytes a Llama-3-8B replica needs per GPU: FP8 weights, every layer recomputed (32k tokens at CP=2)
+    "te-delayed-fp8params-recompute-full": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather"
+    " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
     "te-delayed-fp8attn": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-dot-product-attention",
     "te-tensorwise": f"{TE} --fp8-format hybrid --fp8-recipe tensorwise",
     "te-blockwise": f"{TE} --fp8-format e4m3 --fp8-recipe blockwise",
@@ -109,6 +115,11 @@ LAYOUTS = {  # name: (GPUs, flags)
     "pp2": (2, "--pipeline-model-parallel-size 2"),
     "pp2_vpp": (2, "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 4"),
     "cp2": (2, "--context-parallel-size 2"),
+    # the optimizer's states sharded over the context-parallel pair (the data x context group)
+    "cp2_distopt": (
+        2,
+        "--context-parallel-size 2 --overlap-grad-reduce --use-distributed-optimizer --overlap-param-gather",
+    ),
     "tp2_pp2": (4, "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2"),
     "tp2_dp2": (4, "--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce"),
     "dp4": (4, "--overlap-grad-reduce"),

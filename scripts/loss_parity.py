@@ -38,7 +38,8 @@ beside the results). The report notes runs whose shared flags (preset, data, sch
 Report (--out, default docs/loss_parity.md; --plot, default the same path with .png; --report-only rebuilds both from
 --results without running anything):
   * gap to bf16 = 100 * (final validation loss - bf16's) / bf16's, in %, against the same engine's bf16 run at the
-    first seed (te-bf16 for te-*, local-bf16 for local-*); positive = worse than bf16;
+    first seed (te-bf16 for te-*, local-bf16 for local-*); positive = worse than bf16. --reference RUN compares every
+    run with RUN instead (optimizer levels against fp32 states: --reference te-delayed-fp8params);
   * largest gap = the gap of largest magnitude over the validation evaluations both runs made (validation batches are
     the same for runs of one seed, so this compares like with like at every evaluation; train losses are noisier);
   * within 0.5% (--tolerance): |final gap| <= 0.5%; within seed spread: |final gap| <= the seed-to-seed spread, the
@@ -172,8 +173,9 @@ def run_flags(
     return flags + config_flags.get(run.name, [])
 
 
-def command(flags: list[str]) -> list[str]:
-    return [*benchmark.launcher(1), str(ROOT / "pretrain_gpt.py"), *flags]
+def command(flags: list[str], nproc: int = 1) -> list[str]:
+    """One run's launch: this Python, through torchrun on one host for `nproc` processes (GPUs)."""
+    return [*benchmark.launcher(nproc), str(ROOT / "pretrain_gpt.py"), *flags]
 
 
 _ITERATION = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*? \| lm loss: (\S+) \|")
@@ -222,7 +224,7 @@ def run_one(
     run: RunName, flags: list[str], setup: dict[str, Any], timeout: int, log_dir: Path | None, env_line: str
 ) -> dict[str, Any]:
     """Train one run and return its record for the results JSON."""
-    cmd = command(flags)
+    cmd = command(flags, setup.get("nproc_per_node", 1))
 
     def echo(line: str) -> None:  # validations only: a 1000-iteration run stays readable
         if match := _VALIDATION.search(line):
@@ -359,8 +361,9 @@ def seed_spreads(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
     return spreads
 
 
-def summarize(runs: dict[str, dict[str, Any]]) -> list[Row]:
-    """One row per run, in table order, with its gaps to its reference and the noise floor that applies to it."""
+def summarize(runs: dict[str, dict[str, Any]], reference: str | None = None) -> list[Row]:
+    """One row per run, in table order, with its gaps to its reference (the same engine's bf16, or the run named
+    `reference` for every run) and the noise floor that applies to it."""
     spreads = seed_spreads(runs)
     rows = []
     for name in sorted(runs, key=_order):
@@ -374,13 +377,14 @@ def summarize(runs: dict[str, dict[str, Any]]) -> list[Row]:
             rows.append(row)
             continue
         row.spread = spreads.get(run.engine, max(spreads.values(), default=None))
-        if name == run.reference:
+        ref_name = reference or run.reference
+        if name == ref_name:
             row.role = "reference"
         else:
             row.role = "seed" if run.is_seed_run else ""
-            ref = runs.get(run.reference)
+            ref = runs.get(ref_name)
             if ref and not ref.get("error") and not row.error:
-                row.reference = run.reference
+                row.reference = ref_name
                 ref_loss = final_loss(ref.get("valid", []))
                 if row.final_valid is not None and ref_loss is not None:
                     row.gap = gap_pct(row.final_valid, ref_loss)
@@ -399,10 +403,11 @@ def _pct(value: float | None) -> str:
     return "" if value is None else (f"{value:+.2f}%" if math.isfinite(value) else str(value))
 
 
-def format_table(rows: list[Row], tolerance: float = 0.5) -> str:
-    """Markdown table of `summarize`'s rows."""
+def format_table(rows: list[Row], tolerance: float = 0.5, reference: str | None = None) -> str:
+    """Markdown table of `summarize`'s rows (`reference`: the run they were compared with, if not bf16)."""
     lines = [
-        f"| run | seed | final valid loss | final train loss | gap to bf16 | largest valid gap (iteration) |"
+        f"| run | seed | final valid loss | final train loss | gap to {reference or 'bf16'} | largest valid gap"
+        " (iteration) |"
         f" within {tolerance:g}% | within seed spread | skipped steps |",
         "|---|---:|---:|---:|---:|---:|:---:|:---:|---:|",
     ]
@@ -454,6 +459,8 @@ def setup_notes(runs: dict[str, dict[str, Any]]) -> list[str]:
         diffs = []
         if setup.get("preset") != base.get("preset"):
             diffs.append(f"preset {setup.get('preset')} vs {base.get('preset')}")
+        if setup.get("nproc_per_node", 1) != base.get("nproc_per_node", 1):
+            diffs.append(f"{setup.get('nproc_per_node', 1)} vs {base.get('nproc_per_node', 1)} processes")
         for key in sorted(set(flags) | set(base_flags)):
             if flags.get(key) != base_flags.get(key):
                 diffs.append(f"{key} {flags.get(key, '(absent)')} vs {base_flags.get(key, '(absent)')}")
@@ -461,9 +468,15 @@ def setup_notes(runs: dict[str, dict[str, Any]]) -> list[str]:
     return notes
 
 
-def plot(runs: dict[str, dict[str, Any]], path: Path, tolerance: float = 0.5, window: int | None = None) -> str | None:
-    """Loss curves (smoothed train lines, validation points) and the gap to bf16 in %; returns why no PNG was
-    written, or None."""
+def plot(
+    runs: dict[str, dict[str, Any]],
+    path: Path,
+    tolerance: float = 0.5,
+    window: int | None = None,
+    reference: str | None = None,
+) -> str | None:
+    """Loss curves (smoothed train lines, validation points) and the gap to bf16 (or `reference`) in %; returns why
+    no PNG was written, or None."""
     try:
         import matplotlib
 
@@ -492,7 +505,7 @@ def plot(runs: dict[str, dict[str, Any]], path: Path, tolerance: float = 0.5, wi
             top.plot(*zip(*record["valid"]), "o", color=color, ms=4)
         # Focus the axes on the part of the run where the curves are close, not on the first steps' drop.
         visible += [loss for it, loss in train + record["valid"] if it >= 0.1 * last and math.isfinite(loss)]
-        ref = ok.get(run.reference) if run else None
+        ref = ok.get(reference or run.reference) if run else None
         if ref is None or ref is record:
             continue
         ref_valid = dict((it, loss) for it, loss in ref["valid"])
@@ -522,7 +535,7 @@ def plot(runs: dict[str, dict[str, Any]], path: Path, tolerance: float = 0.5, wi
     top.set_title(f"train loss (trailing mean over {window} iterations, lines) and validation loss (points)")
     top.legend(fontsize=8, ncol=2)
     top.grid(alpha=0.3)
-    bottom.set_ylabel("gap to bf16 (%)")
+    bottom.set_ylabel(f"gap to {reference or 'bf16'} (%)")
     bottom.set_xlabel("iteration")
     bottom.set_title("gap to the same engine's bf16 run (lines: smoothed train loss, points: validation)")
     bottom.legend(fontsize=7, ncol=2)
@@ -535,12 +548,18 @@ def plot(runs: dict[str, dict[str, Any]], path: Path, tolerance: float = 0.5, wi
 
 
 def write_report(
-    results: dict[str, Any], out: Path, png: Path | None, tolerance: float = 0.5, window: int | None = None
+    results: dict[str, Any],
+    out: Path,
+    png: Path | None,
+    tolerance: float = 0.5,
+    window: int | None = None,
+    reference: str | None = None,
 ) -> str:
-    """Write the markdown report (and the PNG where matplotlib is there); returns the table."""
+    """Write the markdown report (and the PNG where matplotlib is there); returns the table. `reference`: the run
+    every other is compared with (default: each engine's bf16 at the first seed)."""
     runs = results.get("runs", {})
-    rows = summarize(runs)
-    table = format_table(rows, tolerance)
+    rows = summarize(runs, reference)
+    table = format_table(rows, tolerance, reference)
     lines = ["# Loss parity: FP8 against bf16", ""]
     setups = [runs[r.name].get("setup") for r in rows if runs[r.name].get("setup")]
     if setups:
@@ -551,22 +570,26 @@ def write_report(
         lines.append("Environment: " + "; ".join(environments) + ".")
     lines += ["", table, ""]
     lines += [f"Note: {note}" for note in setup_notes(runs)]
+    gap = (
+        f"Gap to {reference}: 100 x (final validation loss - {reference}'s) / {reference}'s"
+        if reference
+        else "Gap to bf16: 100 x (final validation loss - the same engine's bf16 run at the first seed) / bf16's"
+    )
     lines += [
         "",
-        "Gap to bf16: 100 x (final validation loss - the same engine's bf16 run at the first seed) / bf16's; positive"
-        " = worse. Largest valid gap: the gap of largest magnitude over the validation evaluations both runs made."
+        f"{gap}; positive = worse. Largest valid gap: the gap of largest magnitude over the validation evaluations both runs made."
         f" Within {tolerance:g}%: |gap| <= {tolerance:g}%. Within seed spread: |gap| <= the largest |gap| of a bf16"
         " run at another seed (the noise floor, one sample per extra seed). Final train loss: the trailing mean over"
         " the last 5% of the run. Skipped steps: optimizer steps skipped for an inf/NaN (FP8 amax or gradient).",
         "",
     ]
     if png is not None:
-        why_not = plot(runs, png, tolerance, window)
+        why_not = plot(runs, png, tolerance, window, reference)
         if why_not:
             lines.append(f"No plot: {why_not}.")
             print(f"no PNG: {why_not}", file=sys.stderr)
         else:
-            lines.append(f"![loss curves and gap to bf16]({os.path.relpath(png, out.parent)})")
+            lines.append(f"![loss curves and gap to {reference or 'bf16'}]({os.path.relpath(png, out.parent)})")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines).rstrip() + "\n")
     return table
@@ -632,7 +655,18 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--plot", type=Path, help="PNG (default: --out with .png)")
     out.add_argument("--tolerance", type=float, default=0.5, help="parity threshold on |final gap|, in %%")
     out.add_argument("--smooth", type=int, help="train-loss smoothing window in iterations (default 5%% of the run)")
+    out.add_argument(
+        "--reference",
+        metavar="RUN",
+        help="compare every run with this one (e.g. te-delayed-fp8params for optimizer levels), not with bf16",
+    )
     out.add_argument("--report-only", action="store_true", help="rebuild the report from --results, run nothing")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        help="processes (GPUs) per run, through torchrun: data parallelism, or any layout --extra sets up",
+    )
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per run before it counts as failed")
     parser.add_argument(
         "--deadline",
@@ -651,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         if not args.results.exists():
             parser.error(f"--results {args.results}: no such file")
-        print(write_report(load_results(args.results), args.out, png, args.tolerance, args.smooth))
+        print(write_report(load_results(args.results), args.out, png, args.tolerance, args.smooth, args.reference))
         print(f"wrote {args.out}" + (f" and {png}" if png.exists() else ""))
         return 0
     try:
@@ -662,6 +696,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(config_flags) - {run.name for run in runs}
     if unknown:
         parser.error(f"--config-flags names runs not in --configs: {', '.join(sorted(unknown))}")
+    if args.nproc_per_node < 1:
+        parser.error(f"--nproc-per-node {args.nproc_per_node}: give 1 or more processes")
     if args.mock_data and args.data_path:
         parser.error("--mock-data and --data-path exclude each other")
     common = PRESETS[args.preset].split()
@@ -670,10 +706,13 @@ def main(argv: list[str] | None = None) -> int:
             common = set_flag(common, f"--{name.replace('_', '-')}", str(value))
     common += data_flags(args) + shlex.split(args.extra)
     setup = {"preset": args.preset, "flags": shlex.join(common)}
+    if args.nproc_per_node > 1:  # absent for one process, so that earlier one-GPU results compare as the same setup
+        setup["nproc_per_node"] = args.nproc_per_node
     fp8_extra = shlex.split(args.fp8_extra)
     if args.dry_run:
         for run in runs:
-            print(f"{run.name}: {shlex.join(command(run_flags(run, common, args.seed, fp8_extra, config_flags)))}")
+            flags = run_flags(run, common, args.seed, fp8_extra, config_flags)
+            print(f"{run.name}: {shlex.join(command(flags, args.nproc_per_node))}")
         return 0
     results = load_results(args.results)
     log_dir = args.log_dir or args.results.parent / "logs"
@@ -696,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             final = final_loss(record["valid"]) if record["valid"] else final_loss(record["train"])
             print(f"{run.name}: done in {record['wall_s']} s, final loss {final}", flush=True)
-    table = write_report(results, args.out, png, args.tolerance, args.smooth)
+    table = write_report(results, args.out, png, args.tolerance, args.smooth, args.reference)
     print(f"\n{env_line}\n\n{table}\n\nresults: {args.results}; report: {args.out}")
     for note in setup_notes(results["runs"]):
         print(f"note: {note}", file=sys.stderr)

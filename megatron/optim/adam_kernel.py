@@ -86,42 +86,9 @@ State = ScaledState | torch.Tensor
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _round_bits(x, rnd, DROPPED: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """fp32 x with its DROPPED low mantissa bits cleared: rounded to nearest even, or up with probability (dropped
-    part) / ulp using the uniform uint32 `rnd` (its top DROPPED bits). Sign-magnitude bits: the same for negative
-    values, a carry moves into the exponent; NaN is kept."""
-    bits = x.to(tl.int32, bitcast=True)
-    if STOCHASTIC:
-        bias = (rnd >> (32 - DROPPED)).to(tl.int32)
-    else:
-        bias = ((bits >> DROPPED) & 1) + ((1 << (DROPPED - 1)) - 1)
-    rounded = ((bits + bias) & -(1 << DROPPED)).to(tl.float32, bitcast=True)
-    return tl.where(x != x, x, rounded)
-
-
-def _to_fp8_grid(y, rnd, STOCHASTIC: tl.constexpr):
-    """y (|y| <= 448) rounded onto the e4m3 grid in fp32, as torch's cast (nearest even) or `round_stochastically_`
-    then the cast (stochastic above e4m3's smallest normal 2^-6, the cast's nearest below): the cast that follows is
-    exact. Below 2^-6 the grid is the fixed step 2^-9: |x| + 1.5 * 2^14 has exactly that ulp, so the add rounds it
-    to nearest even and the subtraction is exact; the sign is put back so that -0 stays -0 as in torch."""
-    rounded = _round_bits(y, rnd, 20, STOCHASTIC)
-    if STOCHASTIC:
-        src = rounded
-    else:
-        src = y
-    mag = tl.abs(src)
-    sub = (mag + 24576.0) - 24576.0
-    sign = src.to(tl.int32, bitcast=True) & -2147483648
-    sub = (sub.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    return tl.where(mag < 0.015625, sub, rounded)
-
-
-def _to_fp32(raw):
-    """Loaded values as fp32; bf16 through its bits (exact: the top half of the fp32 pattern), which is what the
-    hardware does and what Triton's interpreter, whose bf16 casts garble subnormals, does not."""
-    if raw.dtype == tl.bfloat16:
-        return (raw.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    return raw.to(tl.float32)
+# The rounding helpers (megatron/fp8/triton_rounding.py, shared with the FP8 gradient reduction's kernels), bound
+# by `_build()`.
+_round_bits = _to_fp8_grid = _to_fp32 = _to_bf16 = None
 
 
 def _fp16_quantum(bits):
@@ -178,9 +145,7 @@ def _store_state(
     if KIND == 0:
         tl.store(ptr + offs, x, mask=mask)
     elif KIND == 1:
-        # The rounded pattern's top half is the bf16 (an exact cast, done on the bits as in `_to_fp32`).
-        top = _round_bits(x, rnd, 16, STOCHASTIC).to(tl.int32, bitcast=True) >> 16
-        tl.store(ptr + offs, top.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+        tl.store(ptr + offs, _to_bf16(x, rnd, STOCHASTIC), mask=mask)
     else:
         if KIND == 3:
             target: tl.constexpr = 448.0
@@ -225,8 +190,7 @@ def _store_model_copy(x, ptr, offs, mask, OUT_KIND: tl.constexpr):
     if OUT_KIND == 1:
         tl.store(ptr + offs, x, mask=mask)
     elif OUT_KIND == 2:
-        top = _round_bits(x, 0, 16, False).to(tl.int32, bitcast=True) >> 16
-        tl.store(ptr + offs, top.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+        tl.store(ptr + offs, _to_bf16(x, 0, False), mask=mask)
     elif OUT_KIND == 3:
         tl.store(ptr + offs, x.to(tl.float16), mask=mask)
 
@@ -344,7 +308,7 @@ _TRITON = None
 
 def _build():
     """Import Triton and jit the kernel functions (once); None if Triton is not installed."""
-    global _TRITON, tl, _round_bits, _to_fp8_grid, _to_fp32, _fp16_quantum, _load_state, _store_state
+    global _TRITON, tl, _round_bits, _to_fp8_grid, _to_fp32, _to_bf16, _fp16_quantum, _load_state, _store_state
     global _store_model_copy, _adamw_kernel
     if _TRITON is None:
         try:
@@ -355,7 +319,10 @@ def _build():
             return None
         tl = triton.language
         # The kernel resolves its helpers through this module's globals: rebind them to their jitted versions.
-        _round_bits, _to_fp8_grid, _to_fp32 = triton.jit(_round_bits), triton.jit(_to_fp8_grid), triton.jit(_to_fp32)
+        from megatron.fp8 import triton_rounding
+
+        _round_bits, _to_fp8_grid = triton_rounding.round_bits, triton_rounding.to_fp8_grid
+        _to_fp32, _to_bf16 = triton_rounding.to_fp32, triton_rounding.to_bf16
         _fp16_quantum, _load_state = triton.jit(_fp16_quantum), triton.jit(_load_state)
         _store_state, _store_model_copy = triton.jit(_store_state), triton.jit(_store_model_copy)
         _adamw_kernel = triton.jit(_adamw_kernel)

@@ -58,6 +58,9 @@ threshold local: a value flushes only when its block (its 127 neighbours) holds 
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
 import torch
 import torch.distributed as dist
 
@@ -74,6 +77,26 @@ FP8_REDUCE_ALIGN = FP8_REDUCE_BLOCK
 
 _FP8_MAX = fp8_max(E4M3)
 _E8M0_NAN = 255
+#: Set by tests under TRITON_INTERPRET=1 to run the Triton kernels on CPU tensors; off otherwise, so that CPU runs
+#: keep the torch path whatever the environment says.
+INTERPRET_ON_CPU = False
+
+
+@functools.cache
+def _triton_kernels() -> ModuleType | None:
+    try:
+        from . import fp8_reduce_kernels
+    except ImportError:  # no Triton: the torch path, the same bits
+        return None
+    return fp8_reduce_kernels
+
+
+def _kernels(x: torch.Tensor) -> ModuleType | None:
+    """fp8_reduce_kernels for CUDA tensors (one pass over memory instead of the torch path's twenty), None for the
+    torch path."""
+    if x.is_cuda or (INTERPRET_ON_CPU and x.device.type == "cpu"):
+        return _triton_kernels()
+    return None
 
 
 class Fp8ReduceStats:
@@ -87,14 +110,18 @@ class Fp8ReduceStats:
         self.saturated: torch.Tensor | None = None
         self.flushed: torch.Tensor | None = None
 
-    def _count(self, x: torch.Tensor, scaled: torch.Tensor, q_bytes: torch.Tensor) -> None:
+    def _add(self, device: torch.device, quantized: int, saturated: torch.Tensor, flushed: torch.Tensor) -> None:
         if self.quantized is None:
             self.quantized, self.saturated, self.flushed = (
-                torch.zeros((), dtype=torch.int64, device=x.device) for _ in range(3)
+                torch.zeros((), dtype=torch.int64, device=device) for _ in range(3)
             )
-        self.quantized.add_(x.numel())
-        self.saturated.add_(scaled.abs().gt(_FP8_MAX).sum())
-        self.flushed.add_(((x != 0) & (q_bytes & 0x7F == 0)).sum())  # 0x80 is e4m3's -0
+        self.quantized.add_(quantized)
+        self.saturated.add_(saturated)
+        self.flushed.add_(flushed)
+
+    def _count(self, x: torch.Tensor, scaled: torch.Tensor, q_bytes: torch.Tensor) -> None:
+        flushed = ((x != 0) & (q_bytes & 0x7F == 0)).sum()  # 0x80 is e4m3's -0
+        self._add(x.device, x.numel(), scaled.abs().gt(_FP8_MAX).sum(), flushed)
 
     def counts(self) -> dict[str, int]:
         """{"quantized", "saturated", "flushed"} as ints (one host sync)."""
@@ -131,6 +158,12 @@ def _encode(x: torch.Tensor, stats: Fp8ReduceStats | None) -> torch.Tensor:
     """x [rows, cols] (cols a multiple of the block) -> uint8 [rows, cols + cols / B]: each row's e4m3 bytes, then
     the E8M0 bytes of its block scales, so that one collective moves both."""
     rows, cols = x.shape
+    if (kernels := _kernels(x)) is not None:
+        payload, counts = kernels.encode(x, FP8_REDUCE_BLOCK)
+        if stats is not None:
+            saturated, flushed = counts.sum(dim=0, dtype=torch.int64)
+            stats._add(x.device, x.numel(), saturated, flushed)
+        return payload
     blocks = x.reshape(-1, FP8_REDUCE_BLOCK)
     amax = blocks.abs().amax(dim=1).float()
     scale = scale_from_amax(amax, E4M3, power_of_two=True)
@@ -152,6 +185,29 @@ def _dequantized(row: torch.Tensor, cols: int) -> torch.Tensor:
     """One row of a payload back to fp32 [cols / B, B]: e4m3 value times a power of two, exact."""
     q = row[:cols].view(E4M3).float().view(-1, FP8_REDUCE_BLOCK)
     return q.mul_(row[cols:].view(E8M0).float().unsqueeze(1))
+
+
+def _decode_sum(payload: torch.Tensor, cols: int, out: torch.Tensor, average: bool) -> None:
+    """out (cols elements, fp32 or bf16) = the rows' dequantized values summed in fp32 in row order (rank order),
+    divided by the number of rows when `average`. One fp32 chunk of temporary memory; each addition rounds once."""
+    if (kernels := _kernels(payload)) is not None:
+        kernels.decode_sum(payload, cols, FP8_REDUCE_BLOCK, out, average)
+        return
+    acc = _dequantized(payload[0], cols)
+    for r in range(1, payload.shape[0]):
+        acc.add_(_dequantized(payload[r], cols))
+    if average:  # by a tensor: torch divides by a scalar as a product with its reciprocal on CUDA, not exactly
+        acc.div_(torch.full((1,), payload.shape[0], dtype=acc.dtype, device=acc.device))
+    out.copy_(acc.view(-1))
+
+
+def _decode_rows(payload: torch.Tensor, cols: int, out: torch.Tensor) -> None:
+    """Row r of payload dequantized into out.view(rows, cols)[r]."""
+    if (kernels := _kernels(payload)) is not None:
+        kernels.decode_rows(payload, cols, FP8_REDUCE_BLOCK, out)
+        return
+    for r, shard in enumerate(out.view(payload.shape[0], cols)):
+        shard.copy_(_dequantized(payload[r], cols).view(-1))
 
 
 class Fp8ReduceHandle:
@@ -180,24 +236,18 @@ class Fp8ReduceHandle:
             return
         if self._work is not None:
             self._work.wait()
-        # in rank order, one chunk at a time (one fp32 chunk of temporary memory); each addition rounds once
-        acc = _dequantized(self._recv[0], self._cols)
-        for r in range(1, self._dp):
-            acc.add_(_dequantized(self._recv[r], self._cols))
-        acc = acc.view(-1)
-        if self._average:
-            acc.div_(self._dp)
         shards = self._flat.view(self._dp, -1)
         if not self._all_reduce:
-            shards[self._rank].copy_(acc)
+            _decode_sum(self._recv, self._cols, shards[self._rank], self._average)
         else:
+            acc = torch.empty(self._cols, dtype=torch.float32, device=self._flat.device)
+            _decode_sum(self._recv, self._cols, acc, self._average)
             mine = _encode(acc.view(1, -1), self._stats)
             gathered = mine
             if self._dp > 1:
                 gathered = mine.new_empty(self._dp, mine.shape[1])
                 _all_gather(gathered, mine, group=self._group)
-            for r in range(self._dp):  # the owner too: the same bits on every rank
-                shards[r].copy_(_dequantized(gathered[r], self._cols).view(-1))
+            _decode_rows(gathered, self._cols, self._flat)  # the owner too: the same bits on every rank
         self._send = self._recv = self._work = None
         self._done = True
 

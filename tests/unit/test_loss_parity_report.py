@@ -149,6 +149,29 @@ def test_setup_notes_name_the_differing_flags():
     notes = parity.setup_notes(runs)
     assert len(notes) == 1 and notes[0].startswith("local-mxfp8 differs from local-bf16")
     assert "--train-iters 20 vs 30" in notes[0] and "--lr" not in notes[0]
+    runs["local-mxfp8"] = record([[30, 7.0]], setup={**same, "nproc_per_node": 2})
+    assert parity.setup_notes(runs) == ["local-mxfp8 differs from local-bf16: 2 vs 1 processes"]
+
+
+def test_a_named_reference_replaces_bf16(tmp_path):
+    runs = {
+        "te-bf16": record([[10, 4.0]]),
+        "te-delayed-fp8params": record([[10, 5.0]]),
+        "te-delayed-fp8params-o2": record([[10, 5.02]]),
+    }
+    table = parity.write_report({"runs": runs}, tmp_path / "r.md", None, reference="te-delayed-fp8params")
+    assert "| gap to te-delayed-fp8params |" in table
+    assert "| te-delayed-fp8params-o2 | 1234 | 5.0200 |" in table and "| +0.40% |" in table
+    assert "| te-bf16 | 1234 | 4.0000 |" in table and "-20.00%" in table
+    assert "Gap to te-delayed-fp8params: 100 x" in (tmp_path / "r.md").read_text()
+
+
+def test_nproc_per_node_launches_through_torchrun(capsys):
+    assert parity.main(["--configs", "local-bf16", "--nproc-per-node", "2", "--mock-data", "--dry-run"]) == 0
+    assert "-m torch.distributed.run --standalone --nproc-per-node=2 " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        parity.main(["--configs", "local-bf16", "--nproc-per-node", "0", "--dry-run"])
+    assert "--nproc-per-node 0: give 1 or more processes" in capsys.readouterr().err
 
 
 def test_report_without_matplotlib_still_writes_the_table(tmp_path, monkeypatch):
