@@ -577,7 +577,8 @@ def write_report(
     )
     lines += [
         "",
-        f"{gap}; positive = worse. Largest valid gap: the gap of largest magnitude over the validation evaluations both runs made."
+        f"{gap}; positive = worse. Largest valid gap: the gap of largest magnitude over the validation evaluations"
+        " both runs made."
         f" Within {tolerance:g}%: |gap| <= {tolerance:g}%. Within seed spread: |gap| <= the largest |gap| of a bf16"
         " run at another seed (the noise floor, one sample per extra seed). Final train loss: the trailing mean over"
         " the last 5% of the run. Skipped steps: optimizer steps skipped for an inf/NaN (FP8 amax or gradient).",
