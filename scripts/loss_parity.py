@@ -537,7 +537,8 @@ def plot(
     top.grid(alpha=0.3)
     bottom.set_ylabel(f"gap to {reference or 'bf16'} (%)")
     bottom.set_xlabel("iteration")
-    bottom.set_title("gap to the same engine's bf16 run (lines: smoothed train loss, points: validation)")
+    against = reference or "the same engine's bf16 run"
+    bottom.set_title(f"gap to {against} (lines: smoothed train loss, points: validation)")
     bottom.legend(fontsize=7, ncol=2)
     bottom.grid(alpha=0.3)
     fig.tight_layout()
