@@ -48,6 +48,9 @@ class TorchCheckpointer:
             "fp8": self.fp8.state_dict() if self.fp8 is not None else None,
             "fp8_guard": self.monitor.state_dict() if self.monitor is not None else None,
             "layout": self.layout,
+            # which global layers this rank's stage-local ones are (a virtual pipeline or an uneven split places
+            # other layers on a stage of the same size: checked on load, and read by tools/checkpoint/convert.py)
+            "layer_numbers": list(self.model.stage.layer_numbers),
         }
         rank_files = {self.optimizer_file: {"optimizer": optimizer_state, "dp": self.dims.dp_cp}} if sharded else {}
         return save_checkpoint(
@@ -69,6 +72,13 @@ class TorchCheckpointer:
         state = load_checkpoint(root, self.shard, self.layout, iteration=iteration)
         if state is None:
             return None
+        saved, ours = state.get("layer_numbers"), list(self.model.stage.layer_numbers)
+        if saved is not None and saved != ours:
+            raise CheckpointError(
+                f"checkpoint {root} holds layers {_ranges(saved)} on pipeline stage {self.dims.pp_rank}, this run"
+                f" places layers {_ranges(ours)} there (another virtual pipeline or uneven split): relaunch with the"
+                " layout flags that saved it, or use --ckpt-format torch_dist, whose checkpoints load under any layout"
+            )
         check_model_state(state["model"], self.model.state_dict(), root)
         load_model_state(self.model, state["model"], root)
         if ckpt.finetune:
@@ -120,3 +130,14 @@ class TorchCheckpointer:
 
     def finalize(self) -> None:
         """Nothing in the background: saves are synchronous."""
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[1, 2, 3, 7, 8] -> '1-3, 7-8' (1-based global layer numbers)."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans)

@@ -89,12 +89,15 @@ def merge_layout(
     first: int | None,
     last: int | None,
     rename: Callable[[str], str | None] = lambda name: name,
+    layer_numbers: dict[int, list[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One single-process state dict from per-rank ones keyed (tp_rank, pp_rank): layers renumbered from
-    stage-local to global indices, tensor-parallel shards joined. `rename` maps a source name to ours (None: drop)."""
+    stage-local to global indices, tensor-parallel shards joined. `rename` maps a source name to ours (None: drop).
+    `layer_numbers`: each stage's global layer numbers where the checkpoint records them (a virtual pipeline's
+    stages hold layers apart); otherwise the contiguous split that `first` / `last` give."""
     merged: dict[str, torch.Tensor] = {}
     for pp_rank in range(pp):
-        numbers = stage_layer_numbers(cfg.num_layers, pp, pp_rank, first, last)
+        numbers = (layer_numbers or {}).get(pp_rank) or stage_layer_numbers(cfg.num_layers, pp, pp_rank, first, last)
         names: dict[str, str] = {}
         for name in shards[(0, pp_rank)]:
             ours = rename(name) if not name.endswith("_extra_state") else None
@@ -163,6 +166,7 @@ def read_torch(root: Path, true_vocab_size: int | None = None) -> FullModel:
         pp,
         par.get("decoder_first_pipeline_num_layers"),
         par.get("decoder_last_pipeline_num_layers"),
+        layer_numbers={p: states[(0, p)].get("layer_numbers") for p in range(pp)},
     )
     vocab = _true_vocab_size(config, true_vocab_size, first.get("vocab_size"))
     unpad_vocab(state, vocab, source)
@@ -241,6 +245,7 @@ def write_torch(full: FullModel, out: Path, tp: int, pp: int, divisible_by: int 
             "model": {name: own_storage(tensor) for name, tensor in model.items()},
             "config": config,
             "layout": layout,
+            "layer_numbers": list(stage_layer_numbers(full.model.num_layers, pp, p)),
             "iteration": full.iteration,
             "consumed_samples": full.consumed_samples,
             "checkpoint_version": CHECKPOINT_VERSION,

@@ -2,7 +2,8 @@
 (also with an uneven first stage, and with FP8 delayed scaling) and TP=2 x SP x PP=2 x VPP=2 on 4 match one process
 (losses and gradients at the tolerances of test_parallel_layouts.py: only summation orders differ); checkpoints
 saved under VPP resume exactly under it (--ckpt-format torch and torch_dist) and, with torch_dist, in one process;
-the startup log states the bubble fraction."""
+a torch-format one is refused without VPP (its stages hold other layers) and converts to the torch_dist one's
+weights; the startup log states the bubble fraction."""
 
 import contextlib
 import io
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.checkpoint.checkpointing import CheckpointError
+from megatron.convert import read_ours
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.distributed.test_parallel_layouts import (
@@ -49,7 +52,15 @@ def _two_rank_body(rank, world_size, out):
         else:
             record = _record(f"{base} {extra}", world_size)
         torch.save(record, Path(out, f"{name}.rank{rank}.pt"))
-    _resume_check(f"{GPT2} {VPP2}", world_size, str(Path(out, "ckpt_torch")))
+    _resume_check(f"{GPT2} {VPP2} --ckpt-format torch", world_size, str(Path(out, "ckpt_torch")))
+    # the same stages without interleaving hold other layers (1-2 and 3-4, not 1, 3 and 2, 4): refused, not misloaded
+    flags = f"{GPT2} --pipeline-model-parallel-size 2 --ckpt-format torch --train-iters 4"
+    flags += f" --load {Path(out, 'ckpt_torch')}"
+    held, placed = ("1, 3", "1-2") if rank == 0 else ("2, 4", "3-4")
+    with pytest.raises(
+        CheckpointError, match=f"holds layers {held} on pipeline stage {rank}, this run places layers {placed}"
+    ):
+        Trainer(_parse(flags, world_size)).train()
     dist_flags = f"{GPT2} {VPP2} --ckpt-format torch_dist"
     _resume_check(dist_flags, world_size, str(Path(out, "ckpt_dist")))
     full = Trainer(_parse(f"{dist_flags} --train-iters 4", world_size)).train()
@@ -81,6 +92,11 @@ def test_two_rank_interleaved_matches_single_process_and_resumes(tmp_path):
     flags = f"{GPT2} --ckpt-format torch_dist --train-iters 4 --load {tmp_path / 'ckpt_dist'}"
     resumed = Trainer(_parse(flags, 1)).train().losses
     assert [resumed[i] for i in (3, 4)] == pytest.approx([reference[i] for i in (3, 4)], rel=1e-5)
+    # the converter places the torch-format checkpoint's interleaved layers as the torch_dist one names them
+    plain, dist = read_ours(tmp_path / "ckpt_torch"), read_ours(tmp_path / "ckpt_dist")
+    assert plain.state.keys() == dist.state.keys()
+    for name in plain.state:
+        torch.testing.assert_close(plain.state[name], dist.state[name], atol=0, rtol=0, msg=name)
 
 
 def test_four_rank_interleaved_with_tensor_parallel_matches_single_process(tmp_path):
