@@ -113,13 +113,6 @@ REASONS = {
     "--mup-base-hidden-size": "muP parametrization: not implemented",
     "--hierarchical-context-parallel-sizes": "context parallelism: issue 17",
     **dict.fromkeys(
-        [
-            "--account-for-embedding-in-pipeline-split",
-            "--account-for-loss-in-pipeline-split",
-        ],
-        "embedding or loss counted as a layer in the pipeline split: not implemented",
-    ),
-    **dict.fromkeys(
         ["--overlap-p2p-communication-warmup-flush"],
         "overlapped point-to-point communication in the pipeline's warm-up and flush: not implemented",
     ),

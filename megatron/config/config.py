@@ -196,20 +196,46 @@ class Config:
                 )
         if cp > 1:
             self._check_context_parallel()
-        if pp > 1:
-            stage_layer_numbers(
-                model.num_layers, pp, 0, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
-            )
+        if pp > 1 or self.pipeline_layout is not None:
+            first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
+            stage_layer_numbers(model.num_layers, pp, 0, first, last, self.pipeline_layout)
         self._check_virtual_pipeline()
+
+    @property
+    def pipeline_layout(self) -> str | None:
+        """The --pipeline-model-parallel-layout string that places the layers, also the one that
+        --account-for-embedding/loss-in-pipeline-split stand for; None for the even (or first/last) split."""
+        from megatron.parallel.pipeline_layout import accounted_layout
+
+        par = self.parallel
+        embedding, loss = par.account_for_embedding_in_pipeline_split, par.account_for_loss_in_pipeline_split
+        if par.pipeline_model_parallel_layout is not None or not (embedding or loss):
+            return par.pipeline_model_parallel_layout
+        pp = par.pipeline_model_parallel_size
+        return accounted_layout(self.model.num_layers, pp, self.virtual_pipeline_size, embedding, loss)
+
+    @property
+    def _pipelined_layers(self) -> int:
+        """--num-layers plus the embedding and loss where the pipeline split counts them as layers."""
+        par = self.parallel
+        accounted = par.account_for_embedding_in_pipeline_split + par.account_for_loss_in_pipeline_split
+        return self.model.num_layers + accounted
 
     @property
     def virtual_pipeline_size(self) -> int:
         """Model chunks per pipeline rank: more than 1 runs the interleaved 1F1B schedule."""
         par = self.parallel
+        if par.pipeline_model_parallel_layout is not None:
+            from megatron.parallel.pipeline_layout import layout_stage_counts
+
+            stages = layout_stage_counts(
+                par.pipeline_model_parallel_layout, par.pipeline_model_parallel_size, self.model.num_layers
+            )
+            return len(stages) // par.pipeline_model_parallel_size
         if par.num_virtual_stages_per_pipeline_rank is not None:
             return par.num_virtual_stages_per_pipeline_rank
         if par.num_layers_per_virtual_pipeline_stage is not None:
-            per_rank = self.model.num_layers // par.pipeline_model_parallel_size
+            per_rank = self._pipelined_layers // par.pipeline_model_parallel_size
             return per_rank // par.num_layers_per_virtual_pipeline_stage
         return 1
 
@@ -218,7 +244,7 @@ class Config:
         from megatron.parallel.pipeline import chunk_layer_numbers
         from megatron.training.batch_schedule import BatchSchedule
 
-        par, layers, pp = self.parallel, self.model.num_layers, self.parallel.pipeline_model_parallel_size
+        par, layers, pp = self.parallel, self._pipelined_layers, self.parallel.pipeline_model_parallel_size
         per_stage = par.num_layers_per_virtual_pipeline_stage
         if per_stage is not None:
             flag = f"--num-layers-per-virtual-pipeline-stage {per_stage}"
@@ -235,14 +261,16 @@ class Config:
         vpp = self.virtual_pipeline_size
         if vpp == 1:
             return
+        flags = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
+        if par.pipeline_model_parallel_layout is not None:
+            flags = "--pipeline-model-parallel-layout"
         require(
             pp > 1,
-            f"--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank: {vpp} virtual pipeline"
-            " stages per rank need --pipeline-model-parallel-size > 1; drop the virtual pipeline flag",
+            f"{flags}: {vpp} virtual pipeline stages per rank need --pipeline-model-parallel-size > 1; give one stage"
+            " per pipeline rank",
         )
-        chunk_layer_numbers(
-            layers, pp, 0, vpp, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
-        )
+        first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
+        chunk_layer_numbers(self.model.num_layers, pp, 0, vpp, first, last, self.pipeline_layout)
         group = par.microbatch_group_size_per_virtual_pipeline_stage or pp
         flag = "--microbatch-group-size-per-virtual-pipeline-stage"
         per_step = self.training.micro_batch_size * self.data_parallel_size

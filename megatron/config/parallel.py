@@ -82,6 +82,20 @@ class ParallelConfig:
     next chunk takes them; default the pipeline size (depth-first). Between --pipeline-model-parallel-size and the
     micro-batches per step, and those must be a multiple of it or leave a last group of at least the pipeline
     size. Larger groups keep more micro-batches' activations in flight."""
+    pipeline_model_parallel_layout: str | None = None
+    """Which layers each virtual pipeline stage holds, as in Megatron-LM: stages separated by `|` in model order, `E`
+    the embedding (opens the first stage), `t` a transformer layer, `L` the output layer and loss (closes the last),
+    `x*n` and `(...)*n` repeat, commas are cosmetic; the stage count over --pipeline-model-parallel-size is the
+    virtual pipeline size. For stages of unequal work, e.g. a last stage whose large-vocabulary output layer costs
+    about two layers: `Et*4|t*4|t*5|t*4|t*4|t*4|t*4|t*3L` (megatron/parallel/pipeline_layout.py). Replaces
+    --decoder-first/last-pipeline-num-layers and the virtual pipeline flags. A stage may hold only E or only L."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as one transformer layer when the layers are split over the pipeline (Megatron-LM's
+    flag): the first virtual stage builds one layer fewer (none: the embedding alone). The layers plus those counted
+    must divide evenly over pipeline x virtual stages."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the output layer and loss as one transformer layer in the pipeline split: the last virtual stage builds
+    one layer fewer."""
 
     def finalize(self) -> None:
         require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size must be >= 1")
@@ -116,6 +130,28 @@ class ParallelConfig:
         ):
             value = getattr(self, name)
             require(value is None or value >= 1, f"--{name.replace('_', '-')} must be >= 1")
+        accounted = [
+            f"--account-for-{what}-in-pipeline-split"
+            for what in ("embedding", "loss")
+            if getattr(self, f"account_for_{what}_in_pipeline_split")
+        ]
+        uneven = [
+            "--" + name.replace("_", "-")
+            for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+            if getattr(self, name) is not None
+        ]
+        require(not (accounted and uneven), f"{accounted[0] if accounted else ''} with {', '.join(uneven)}: give one")
+        if self.pipeline_model_parallel_layout is not None:
+            virtual = [
+                "--" + name.replace("_", "-")
+                for name in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
+                if getattr(self, name) is not None
+            ]
+            require(
+                not (uneven + virtual + accounted),
+                "--pipeline-model-parallel-layout places every layer itself: drop"
+                f" {', '.join(uneven + virtual + accounted)}",
+            )
         require(
             self.num_layers_per_virtual_pipeline_stage is None or self.num_virtual_stages_per_pipeline_rank is None,
             "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank both set the virtual"

@@ -46,6 +46,7 @@ _UNSUPPORTED = {
     "use_rope_scaling": "Llama 3 RoPE scaling",
     "apply_residual_connection_post_layernorm": "post-norm residuals",
     "virtual_pipeline_model_parallel_size": "a virtual pipeline (several model chunks per rank)",
+    "pipeline_model_parallel_layout": "a custom pipeline layout (--pipeline-model-parallel-layout)",
     "add_qkv_bias": None,  # checked against add_bias_linear below
 }
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .dims import ParallelDims
+from .pipeline_layout import layout_stage_counts
 
 
 def _p2p(dims: ParallelDims, send: list[tuple[torch.Tensor, int]], recv: list[tuple[torch.Tensor, int]]) -> None:
@@ -150,14 +151,27 @@ def _stage_layer_counts(num_layers: int, pp: int, first: int | None, last: int |
 
 
 def chunk_layer_numbers(
-    num_layers: int, pp: int, pp_rank: int, vpp: int = 1, first: int | None = None, last: int | None = None
+    num_layers: int,
+    pp: int,
+    pp_rank: int,
+    vpp: int = 1,
+    first: int | None = None,
+    last: int | None = None,
+    layout: str | None = None,
 ) -> tuple[tuple[int, ...], ...]:
     """Global (1-based) layer numbers of each of the `vpp` model chunks of pipeline stage `pp_rank`, as Megatron-LM
     assigns them: each stage's layers (see `_stage_layer_counts`) are divided evenly over its chunks, and chunk c of
     stage r is virtual stage c * pp + r, so the model runs chunk 0 of every stage, then chunk 1 of every stage, ...
-    With 8 layers, pp 2, vpp 2: stage 0 holds [1, 2] and [5, 6], stage 1 [3, 4] and [7, 8]."""
+    With 8 layers, pp 2, vpp 2: stage 0 holds [1, 2] and [5, 6], stage 1 [3, 4] and [7, 8]. `layout`
+    (--pipeline-model-parallel-layout, pipeline_layout.py) gives every virtual stage's layer count instead."""
     from megatron.config import ConfigError
 
+    if layout is not None:
+        per_stage = layout_stage_counts(layout, pp, num_layers)
+        starts = [sum(per_stage[:s]) for s in range(len(per_stage))]
+        return tuple(
+            tuple(range(starts[s] + 1, starts[s] + per_stage[s] + 1)) for s in range(pp_rank, len(per_stage), pp)
+        )
     counts = _stage_layer_counts(num_layers, pp, first, last)
     if any(c % vpp for c in counts):
         raise ConfigError(
@@ -174,12 +188,18 @@ def chunk_layer_numbers(
 
 
 def stage_layer_numbers(
-    num_layers: int, pp: int, pp_rank: int, first: int | None = None, last: int | None = None
+    num_layers: int,
+    pp: int,
+    pp_rank: int,
+    first: int | None = None,
+    last: int | None = None,
+    layout: str | None = None,
 ) -> tuple[int, ...]:
-    """Global (1-based) layer numbers of pipeline stage `pp_rank` without interleaving: `first` / `last` layers on
-    the first / last stage when given, the remaining layers split evenly over the other stages. Raises ConfigError
-    naming the flags when the layers cannot be split that way."""
-    return chunk_layer_numbers(num_layers, pp, pp_rank, 1, first, last)[0]
+    """Global (1-based) layer numbers of pipeline stage `pp_rank`, all its chunks: `first` / `last` layers on the
+    first / last stage when given, the remaining layers split evenly over the other stages, or what `layout` places
+    there. Raises ConfigError naming the flags when the layers cannot be split that way."""
+    chunks = chunk_layer_numbers(num_layers, pp, pp_rank, 1, first, last, layout)
+    return tuple(n for chunk in chunks for n in chunk)
 
 
 def bubble_fraction(pp: int, vpp: int, num_micro_batches: int) -> float:

@@ -102,7 +102,7 @@ class Trainer:
             initialize_userbuffers(cfg, dims.tp)
         first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
         chunks = chunk_layer_numbers(
-            cfg.model.num_layers, dims.pp, dims.pp_rank, cfg.virtual_pipeline_size, first, last
+            cfg.model.num_layers, dims.pp, dims.pp_rank, cfg.virtual_pipeline_size, first, last, cfg.pipeline_layout
         )
         self.stage = Stage.of_chunks(chunks, pre_process=dims.is_first_stage, post_process=dims.is_last_stage)
         self.model = GPTModel(

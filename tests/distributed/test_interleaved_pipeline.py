@@ -1,5 +1,7 @@
 """The interleaved (virtual-pipeline) 1F1B schedule trains the single-process model: PP=2 x VPP=2 on 2 gloo ranks
-(also with an uneven first stage, and with FP8 delayed scaling) and TP=2 x SP x PP=2 x VPP=2 on 4 match one process
+(also with an uneven first stage, with a --pipeline-model-parallel-layout, with the embedding and loss counted
+as layers, and with FP8 delayed scaling) and
+TP=2 x SP x PP=2 x VPP=2 on 4 match one process
 (losses and gradients at the tolerances of test_parallel_layouts.py: only summation orders differ); checkpoints
 saved under VPP resume exactly under it (--ckpt-format torch and torch_dist) and, with torch_dist, in one process;
 a torch-format one is refused without VPP (its stages hold other layers) and converts to the torch_dist one's
@@ -33,9 +35,17 @@ UNEVEN = "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-ran
 UNEVEN += " --decoder-first-pipeline-num-layers 2"
 FP32_TOLS, FP8_TOLS = (1e-5, 1e-3), (1e-3, 3e-2)  # (loss rtol, gradient rtol), as in test_parallel_layouts.py
 # name: (model flags, layout flags, tolerances); FP8 delayed scaling also calibrates through the interleaved schedule
+# --pipeline-model-parallel-layout: the first rank's chunks hold the embedding alone and 2 layers, the last rank's 3
+# layers and 1 layer with the loss; Megatron-LM's shorthand for the embedding and the loss counted as layers (8 over
+# 4 virtual stages: 1, 2, 2, 1 transformer layers)
+LAYOUT = "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout E|t*3|t*2|tL"
+ACCOUNTED = "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2"
+ACCOUNTED += " --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split"
 LAYOUTS_2 = {
     "vpp2": (BASE, VPP2, FP32_TOLS),
     "vpp2_uneven": (f"{BASE} --num-layers 6", UNEVEN, FP32_TOLS),
+    "vpp2_layout": (f"{BASE} --num-layers 6", LAYOUT, FP32_TOLS),
+    "vpp2_accounted": (f"{BASE} --num-layers 6", ACCOUNTED, FP32_TOLS),
     "vpp2_fp8": (f"{BASE}{FP8}", VPP2, FP8_TOLS),
 }
 LAYOUTS_4 = {"tp2_vpp2": (BASE, f"{VPP2} --tensor-model-parallel-size 2 --sequence-parallel", FP32_TOLS)}

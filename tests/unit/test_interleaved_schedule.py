@@ -9,6 +9,7 @@ from megatron.config import ConfigError, parse_args
 from megatron.model import GPTModel, Stage
 from megatron.parallel.interleaved import Pass, compute_order, tick_plan
 from megatron.parallel.pipeline import chunk_layer_numbers, schedule_line, stage_layer_numbers
+from megatron.parallel.pipeline_layout import accounted_layout, layout_stage_counts
 
 BASE = "--mock-data --vocab-size 128 --num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16"
 BASE += " --micro-batch-size 1 --transformer-impl local"
@@ -68,6 +69,37 @@ def test_layer_assignment_is_megatrons():
     assert stage_layer_numbers(6, 2, 1, first=2) == (3, 4, 5, 6)
     with pytest.raises(ConfigError, match="multiple of --num-virtual-stages-per-pipeline-rank"):
         chunk_layer_numbers(6, 2, 0, 2, first=1)
+
+
+def test_pipeline_layout_places_the_layers_megatrons_way():
+    # Llama-3-8B on two ranks, the last virtual stage one layer short (it also holds the output layer)
+    layout = "Et*4|t*4|t*5|t*4|t*4|t*4|t*4|t*3L"
+    assert chunk_layer_numbers(32, 2, 0, 4, layout=layout) == (
+        (1, 2, 3, 4),
+        (9, 10, 11, 12, 13),
+        (18, 19, 20, 21),
+        (26, 27, 28, 29),
+    )
+    assert stage_layer_numbers(32, 2, 1, layout=layout) == (5, 6, 7, 8, 14, 15, 16, 17, 22, 23, 24, 25, 30, 31, 32)
+    # groups, repeats and cosmetic commas: the even split of test_layer_assignment_is_megatrons
+    assert chunk_layer_numbers(8, 2, 1, 2, layout="E(tt|)*3,ttL") == ((3, 4), (7, 8))
+    assert layout_stage_counts("Et*3|(tt|)*2,t*3L", 2, 10) == (3, 2, 2, 3)
+    assert layout_stage_counts("E|t*4L", 1, 4) == (0, 4)  # a stage of the embedding alone
+    # Megatron-LM's functional test: 6 layers, PP=4 x VPP=2, the embedding and the loss each a stage of their own
+    assert accounted_layout(6, 4, 2, embedding=True, loss=True) == "E|t|t|t|t|t|t|L"
+    assert accounted_layout(7, 2, 2, embedding=False, loss=True) == "Ett|tt|tt|tL"
+    with pytest.raises(ConfigError, match=r"\(7\) must divide evenly over the 4 x 1 pipeline x virtual stages"):
+        accounted_layout(6, 4, 1, embedding=True, loss=False)
+    for bad, why in [
+        ("Et*3|t*3", r"the loss \(L\) must close the last stage"),
+        ("tE|tL", r"the embedding \(E\) must open the first stage"),
+        ("Et|t|tL", "3 stages do not divide over --pipeline-model-parallel-size 2"),
+        ("Et*2||t|tL", "stage 1 is empty"),
+        ("Et*2|t*2mL", r"multi-token-prediction layers \('m'\) are not supported"),
+        ("Et*2|t*3L", r"5 transformer layers \(t\), but --num-layers is 4"),
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            layout_stage_counts(bad, 2, 4)
 
 
 def _parse(flags: str, world_size: int = 2):

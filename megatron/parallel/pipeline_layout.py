@@ -1,0 +1,78 @@
+"""`--pipeline-model-parallel-layout`: Megatron-LM's string for which layers each virtual pipeline stage holds.
+
+Stages are separated by `|` and listed in model order (virtual stage s = chunk s // pp of pipeline rank s % pp);
+in each, `E` is the embedding, `t` a transformer layer and `L` the output layer with the loss. `x*n` repeats a
+character, `(...)*n` a group (which may contain `|`), and commas are cosmetic. The embedding opens the first stage
+and the loss closes the last. The number of stages divided by --pipeline-model-parallel-size is the virtual
+pipeline size. Llama-3-8B on two stages with the output layer's work (about two layers' worth) moved off the last
+stage: `Et*4|t*4|t*5|t*4|t*4|t*4|t*4|t*3L` (rank 0: 4 + 5 + 4 + 4 layers, rank 1: 4 + 4 + 4 + 3 and the loss).
+
+A stage may hold only the embedding or only the loss (Megatron-LM's "standalone" stages), not nothing at all.
+Multi-token-prediction layers (`m`) do not exist in this project.
+
+--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split are Megatron-LM's shorthand for a
+layout: the embedding (loss) counts as one more layer, the layers are split evenly over the pipeline x virtual
+stages, and the first (last) virtual stage builds one transformer layer fewer (`accounted_layout`).
+"""
+
+from __future__ import annotations
+
+import re
+
+_GROUP = re.compile(r"\(([^()]+)\)\*(\d+)")
+_REPEAT = re.compile(r"(.)\*(\d+)")
+
+
+def _error(layout: str, why: str) -> Exception:
+    from megatron.config import ConfigError  # late: the config package imports this module's users
+
+    return ConfigError(f"--pipeline-model-parallel-layout {layout!r}: {why}")
+
+
+def layout_stage_counts(layout: str, pp: int, num_layers: int) -> tuple[int, ...]:
+    """Transformer layers of each virtual stage, in model order; ConfigError naming what is wrong with `layout`."""
+    text = layout.replace(",", "").replace(" ", "")
+    while _GROUP.search(text):
+        text = _GROUP.sub(lambda m: m.group(1) * int(m.group(2)), text)
+    text = _REPEAT.sub(lambda m: m.group(1) * int(m.group(2)), text)
+    if bad := sorted(set(text) - set("EtL|")):
+        extra = "; multi-token-prediction layers ('m') are not supported" if "m" in bad else ""
+        raise _error(layout, f"unknown characters {' '.join(bad)} (E embedding, t layer, L loss, | stage){extra}")
+    stages = text.split("|")
+    if len(stages) % pp:
+        raise _error(layout, f"{len(stages)} stages do not divide over --pipeline-model-parallel-size {pp}")
+    if text.count("E") != 1 or not stages[0].startswith("E"):
+        raise _error(layout, "the embedding (E) must open the first stage, once")
+    if text.count("L") != 1 or not stages[-1].endswith("L"):
+        raise _error(layout, "the loss (L) must close the last stage, once")
+    if "" in stages:
+        raise _error(layout, f"stage {stages.index('')} is empty; every stage holds E, t or L")
+    counts = tuple(stage.count("t") for stage in stages)
+    if sum(counts) != num_layers:
+        raise _error(layout, f"{sum(counts)} transformer layers (t), but --num-layers is {num_layers}")
+    return counts
+
+
+def accounted_layout(num_layers: int, pp: int, vpp: int, embedding: bool, loss: bool) -> str:
+    """The layout of --account-for-embedding/loss-in-pipeline-split: (num_layers + embedding + loss) layers split
+    evenly over pp x vpp virtual stages, the embedding and the loss each standing in for one layer of the first and
+    last virtual stage. ConfigError where they do not split evenly (Megatron-LM's rule)."""
+    from megatron.config import ConfigError
+
+    flags = " and ".join(
+        f"--account-for-{what}-in-pipeline-split" for what, on in (("embedding", embedding), ("loss", loss)) if on
+    )
+    total = num_layers + embedding + loss
+    if total % (pp * vpp):
+        raise ConfigError(
+            f"{flags}: --num-layers {num_layers} plus the {int(embedding) + int(loss)} counted as layers ({total})"
+            f" must divide evenly over the {pp} x {vpp} pipeline x virtual stages"
+        )
+    counts = [total // (pp * vpp)] * (pp * vpp)
+    counts[0] -= embedding
+    counts[-1] -= loss
+    if min(counts) < 0:
+        raise ConfigError(f"{flags}: too few layers for {pp} x {vpp} pipeline x virtual stages")
+    stages = ["t" * c for c in counts]
+    stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
+    return "|".join(stages)
