@@ -114,6 +114,11 @@ LAYOUTS = {  # name: (GPUs, flags)
     "tp2_overlap": (2, "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"),
     "pp2": (2, "--pipeline-model-parallel-size 2"),
     "pp2_vpp": (2, "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 4"),
+    # 32 layers (llama3-8b): the last stage one layer short per the output layer's ~2 layers of work (docs/pipeline.md)
+    "pp2_vpp_balanced": (
+        2,
+        "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*4|t*4|t*5|t*4|t*4|t*4|t*4|t*3L",
+    ),
     "cp2": (2, "--context-parallel-size 2"),
     # the optimizer's states sharded over the context-parallel pair (the data x context group)
     "cp2_distopt": (

@@ -101,6 +101,7 @@ def test_the_llama3_8b_runs_of_issue_17_are_valid_two_gpu_configurations():
     runs = [
         ("llama3-8b", "te-delayed", "tp2"),
         ("llama3-8b", "te-delayed", "pp2_vpp"),
+        ("llama3-8b", "te-delayed", "pp2_vpp_balanced"),
         ("llama3-8b", "te-delayed-recompute-full", "dp2_distopt"),
         ("llama3-8b", "te-delayed-fp8params", "dp2_distopt"),
         ("llama3-8b-32k", "te-delayed", "cp2"),
