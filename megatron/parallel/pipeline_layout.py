@@ -76,3 +76,16 @@ def accounted_layout(num_layers: int, pp: int, vpp: int, embedding: bool, loss: 
     stages = ["t" * c for c in counts]
     stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
     return "|".join(stages)
+
+
+def layout_line(layout: str, pp: int, num_layers: int) -> str:
+    """The startup line of a layout: each pipeline rank's chunks, in running order, as transformer-layer counts.
+    `Et*4|t*4|t*5|t*3L` on 2 ranks: 'rank 0: embedding + 4, 5 layers; rank 1: 4, 3 layers + loss'."""
+    counts = layout_stage_counts(layout, pp, num_layers)
+    ranks = []
+    for rank in range(pp):
+        chunks = ", ".join(str(c) for c in counts[rank::pp])
+        first = "embedding + " if rank == 0 else ""
+        last = " + loss" if rank == pp - 1 else ""
+        ranks.append(f"rank {rank}: {first}{chunks} layers{last}")
+    return f"pipeline layout {layout}: " + "; ".join(ranks)

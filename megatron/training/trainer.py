@@ -42,6 +42,7 @@ from megatron.parallel import (
 from megatron.parallel.context_parallel import NO_CP, ContextParallel, attach_context_parallel, split_batch
 from megatron.parallel.interleaved import run_interleaved
 from megatron.parallel.pipeline import chunk_layer_numbers, forward_backward_1f1b, forward_only, schedule_line
+from megatron.parallel.pipeline_layout import layout_line
 from megatron.parallel.tensor_parallel import TensorParallel
 
 from .batch_schedule import BatchSchedule, train_iterations
@@ -185,6 +186,8 @@ class Trainer:
         )
         if self.dims.pp > 1:
             print_rank_0(f"> {schedule_line(self.dims.pp, self.stage.num_chunks, cfg.num_micro_batches)}")
+        if cfg.pipeline_layout is not None:
+            print_rank_0(f"> {layout_line(cfg.pipeline_layout, self.dims.pp, cfg.model.num_layers)}")
         if not self.batch_schedule.is_constant:
             phases = ", ".join(f"{batch} from sample {start}" for start, batch in self.batch_schedule.phases)
             print_rank_0(f"> global batch size schedule: {phases}; {self.train_iters} iterations")

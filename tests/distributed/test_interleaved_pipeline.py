@@ -53,12 +53,12 @@ LAYOUTS_4 = {"tp2_vpp2": (BASE, f"{VPP2} --tensor-model-parallel-size 2 --sequen
 
 def _two_rank_body(rank, world_size, out):
     for name, (base, extra, _) in LAYOUTS_2.items():
-        if name == "vpp2":  # the startup line, from rank 0's log
+        if name in ("vpp2", "vpp2_accounted"):  # the startup lines, from rank 0's log
             log = io.StringIO()
             with contextlib.redirect_stdout(log):
                 record = _record(f"{base} {extra}", world_size)
             if rank == 0:
-                Path(out, "log.txt").write_text(log.getvalue())
+                Path(out, f"log_{name}.txt").write_text(log.getvalue())
         else:
             record = _record(f"{base} {extra}", world_size)
         torch.save(record, Path(out, f"{name}.rank{rank}.pt"))
@@ -94,7 +94,11 @@ def _check(out: Path, layouts: dict, world_size: int) -> None:
 def test_two_rank_interleaved_matches_single_process_and_resumes(tmp_path):
     run_distributed(_two_rank_body, world_size=2, args=(str(tmp_path),))
     _check(tmp_path, LAYOUTS_2, 2)
-    log = (tmp_path / "log.txt").read_text()
+    assert (
+        "pipeline layout Et|tt|tt|tL: rank 0: embedding + 1, 2 layers; rank 1: 2, 1 layers + loss"
+        in (tmp_path / "log_vpp2_accounted.txt").read_text()
+    )
+    log = (tmp_path / "log_vpp2.txt").read_text()
     assert "interleaved 1F1B, 2 virtual stages per rank over 2 stages, 4 micro-batches" in log
     assert "bubble fraction (p - 1) / (v * m) = 1 / 8 = 0.125" in log
     # the torch_dist checkpoint saved under PP=2 x VPP=2 at iteration 2, resumed in one process

@@ -9,7 +9,7 @@ from megatron.config import ConfigError, parse_args
 from megatron.model import GPTModel, Stage
 from megatron.parallel.interleaved import Pass, compute_order, tick_plan
 from megatron.parallel.pipeline import chunk_layer_numbers, schedule_line, stage_layer_numbers
-from megatron.parallel.pipeline_layout import accounted_layout, layout_stage_counts
+from megatron.parallel.pipeline_layout import accounted_layout, layout_line, layout_stage_counts
 
 BASE = "--mock-data --vocab-size 128 --num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16"
 BASE += " --micro-batch-size 1 --transformer-impl local"
@@ -88,6 +88,9 @@ def test_pipeline_layout_places_the_layers_megatrons_way():
     # Megatron-LM's functional test: 6 layers, PP=4 x VPP=2, the embedding and the loss each a stage of their own
     assert accounted_layout(6, 4, 2, embedding=True, loss=True) == "E|t|t|t|t|t|t|L"
     assert accounted_layout(7, 2, 2, embedding=False, loss=True) == "Ett|tt|tt|tL"
+    assert layout_line("Et*4|t*4|t*5|t*3L", 2, 16) == (
+        "pipeline layout Et*4|t*4|t*5|t*3L: rank 0: embedding + 4, 5 layers; rank 1: 4, 3 layers + loss"
+    )
     with pytest.raises(ConfigError, match=r"\(7\) must divide evenly over the 4 x 1 pipeline x virtual stages"):
         accounted_layout(6, 4, 1, embedding=True, loss=False)
     for bad, why in [
