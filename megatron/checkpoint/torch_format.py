@@ -9,6 +9,8 @@ from typing import Any
 
 from torch import nn
 
+from megatron.parallel.pipeline_layout import layer_ranges
+
 from .checkpointing import (
     CheckpointError,
     _log,
@@ -75,9 +77,10 @@ class TorchCheckpointer:
         saved, ours = state.get("layer_numbers"), list(self.model.stage.layer_numbers)
         if saved is not None and saved != ours:
             raise CheckpointError(
-                f"checkpoint {root} holds layers {_ranges(saved)} on pipeline stage {self.dims.pp_rank}, this run"
-                f" places layers {_ranges(ours)} there (another virtual pipeline or uneven split): relaunch with the"
-                " layout flags that saved it, or use --ckpt-format torch_dist, whose checkpoints load under any layout"
+                f"checkpoint {root} holds layers {layer_ranges(saved)} on pipeline stage {self.dims.pp_rank}, this"
+                f" run places layers {layer_ranges(ours)} there (another virtual pipeline or uneven split): relaunch"
+                " with the layout flags that saved it, or use --ckpt-format torch_dist, whose checkpoints load under"
+                " any layout"
             )
         check_model_state(state["model"], self.model.state_dict(), root)
         load_model_state(self.model, state["model"], root)
@@ -130,14 +133,3 @@ class TorchCheckpointer:
 
     def finalize(self) -> None:
         """Nothing in the background: saves are synchronous."""
-
-
-def _ranges(numbers: list[int]) -> str:
-    """[1, 2, 3, 7, 8] -> '1-3, 7-8' (1-based global layer numbers)."""
-    spans: list[list[int]] = []
-    for n in numbers:
-        if spans and n == spans[-1][1] + 1:
-            spans[-1][1] = n
-        else:
-            spans.append([n, n])
-    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans)

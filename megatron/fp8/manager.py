@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.config import Config, ConfigError
+from megatron.parallel.pipeline_layout import layer_ranges
 
 from .formats import Role
 from .gemm import describe_path
@@ -137,9 +138,9 @@ class Fp8Manager:
         numbers = self.cfg.precision.fp8_layer_numbers(self.cfg.model.num_layers)
         kept = sorted(set(range(1, self.cfg.model.num_layers + 1)) - set(numbers))
         lines.append(
-            f"FP8 linears: {len(self.states)} in transformer layers {_ranges(numbers)}"
+            f"FP8 linears: {len(self.states)} in transformer layers {layer_ranges(numbers)}"
             + (
-                f"; layers {_ranges(kept)} kept in high precision ({self.cfg.precision.fp8_kept_layers_reason()})"
+                f"; layers {layer_ranges(kept)} kept in high precision ({self.cfg.precision.fp8_kept_layers_reason()})"
                 if kept
                 else ""
             )
@@ -169,14 +170,3 @@ def _kind(recipe: Recipe, role: Role) -> str:
     if recipe.name == "blockwise":
         return "block" if role is Role.WEIGHT else "tile"
     return _KIND[recipe.name]
-
-
-def _ranges(numbers: list[int]) -> str:
-    """[1, 2, 3, 5] -> '1-3, 5'."""
-    runs: list[list[int]] = []
-    for n in numbers:
-        if runs and runs[-1][1] == n - 1:
-            runs[-1][1] = n
-        else:
-            runs.append([n, n])
-    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)

@@ -89,3 +89,14 @@ def layout_line(layout: str, pp: int, num_layers: int) -> str:
         last = " + loss" if rank == pp - 1 else ""
         ranks.append(f"rank {rank}: {first}{chunks} layers{last}")
     return f"pipeline layout {layout}: " + "; ".join(ranks)
+
+
+def layer_ranges(numbers: list[int] | tuple[int, ...]) -> str:
+    """Layer numbers as runs, for messages: [1, 2, 3, 7, 8] -> '1-3, 7-8', [1, 3] -> '1, 3'."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and runs[-1][1] == n - 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
