@@ -214,6 +214,16 @@ class Config:
         pp = par.pipeline_model_parallel_size
         return accounted_layout(self.model.num_layers, pp, self.virtual_pipeline_size, embedding, loss)
 
+    def stage_chunks(self, pp_rank: int) -> tuple[tuple[int, ...], ...]:
+        """Global layer numbers of each model chunk of pipeline rank `pp_rank`, as the pipeline flags place them
+        (megatron/parallel/pipeline.py)."""
+        from megatron.parallel.pipeline import chunk_layer_numbers
+
+        par = self.parallel
+        first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
+        pp, vpp = par.pipeline_model_parallel_size, self.virtual_pipeline_size
+        return chunk_layer_numbers(self.model.num_layers, pp, pp_rank, vpp, first, last, self.pipeline_layout)
+
     @property
     def _pipelined_layers(self) -> int:
         """--num-layers plus the embedding and loss where the pipeline split counts them as layers."""
@@ -241,7 +251,6 @@ class Config:
 
     def _check_virtual_pipeline(self) -> None:
         """What the interleaved schedule needs (Megatron-LM's rules)."""
-        from megatron.parallel.pipeline import chunk_layer_numbers
         from megatron.training.batch_schedule import BatchSchedule
 
         par, layers, pp = self.parallel, self._pipelined_layers, self.parallel.pipeline_model_parallel_size
@@ -269,8 +278,7 @@ class Config:
             f"{flags}: {vpp} virtual pipeline stages per rank need --pipeline-model-parallel-size > 1; give one stage"
             " per pipeline rank",
         )
-        first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
-        chunk_layer_numbers(self.model.num_layers, pp, 0, vpp, first, last, self.pipeline_layout)
+        self.stage_chunks(0)  # ConfigError where the layers cannot be placed on the virtual stages
         group = par.microbatch_group_size_per_virtual_pipeline_stage or pp
         flag = "--microbatch-group-size-per-virtual-pipeline-stage"
         per_step = self.training.micro_batch_size * self.data_parallel_size

@@ -41,7 +41,7 @@ from megatron.parallel import (
 )
 from megatron.parallel.context_parallel import NO_CP, ContextParallel, attach_context_parallel, split_batch
 from megatron.parallel.interleaved import run_interleaved
-from megatron.parallel.pipeline import chunk_layer_numbers, forward_backward_1f1b, forward_only, schedule_line
+from megatron.parallel.pipeline import forward_backward_1f1b, forward_only, schedule_line
 from megatron.parallel.pipeline_layout import layout_line
 from megatron.parallel.tensor_parallel import TensorParallel
 
@@ -101,10 +101,7 @@ class Trainer:
             from megatron.model.te_comm_overlap import initialize_userbuffers
 
             initialize_userbuffers(cfg, dims.tp)
-        first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
-        chunks = chunk_layer_numbers(
-            cfg.model.num_layers, dims.pp, dims.pp_rank, cfg.virtual_pipeline_size, first, last, cfg.pipeline_layout
-        )
+        chunks = cfg.stage_chunks(dims.pp_rank)
         self.stage = Stage.of_chunks(chunks, pre_process=dims.is_first_stage, post_process=dims.is_last_stage)
         self.model = GPTModel(
             cfg.model,
