@@ -140,7 +140,7 @@ class ParallelConfig:
             for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
             if getattr(self, name) is not None
         ]
-        require(not (accounted and uneven), f"{accounted[0] if accounted else ''} with {', '.join(uneven)}: give one")
+        require(not (accounted and uneven), f"{', '.join(accounted)} with {', '.join(uneven)}: give one")
         if self.pipeline_model_parallel_layout is not None:
             virtual = [
                 "--" + name.replace("_", "-")

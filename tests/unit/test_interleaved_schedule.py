@@ -168,6 +168,20 @@ def test_virtual_pipeline_size_from_either_flag():
             2,
             "or to leave a last group of at least 2: global batch size 7 makes 7 micro-batches",
         ),
+        (
+            "--pipeline-model-parallel-size 2 --account-for-embedding-in-pipeline-split"
+            " --account-for-loss-in-pipeline-split --decoder-last-pipeline-num-layers 3",
+            2,
+            "--account-for-embedding-in-pipeline-split, --account-for-loss-in-pipeline-split with"
+            " --decoder-last-pipeline-num-layers: give one",
+        ),
+        (
+            "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*4|t*4L"
+            " --num-virtual-stages-per-pipeline-rank 2",
+            2,
+            "--pipeline-model-parallel-layout places every layer itself: drop --num-virtual-stages-per-pipeline-rank",
+        ),
+        ("--pipeline-model-parallel-layout Et*4|t*4L", 1, "--pipeline-model-parallel-layout: 2 virtual pipeline"),
     ],
 )
 def test_unsupported_combinations_are_one_line_errors(flags, world_size, message):
