@@ -77,9 +77,10 @@ CONFIGS = {
     # --profile's cost outside its window: Nsight's window over steps 3-4, the numbers average steps after it
     "te-delayed-profile-window": f"{TE} --fp8-format hybrid --fp8-recipe delayed --profile --profile-step-start 2"
     " --profile-step-end 4 --timing-log-level 0",
-    # O2 with bf16 gradient buffers (accumulated in bf16 before the FP8 reduction): 2 bytes per parameter less
-    "te-delayed-fp8params-o2-bf16grads": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather"
-    " --fp8-optimizer-level O2 --main-grads-dtype bf16",
+    # O2's states with fp32 gradient buffers (O2 before it took bf16 ones): 2 bytes per parameter more
+    "te-delayed-fp8params-o2-fp32grads": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather"
+    " --fp8-grad-reduce --use-precision-aware-optimizer --main-params-dtype fp16 --exp-avg-dtype fp8"
+    " --exp-avg-sq-dtype fp16",
     # activation recomputation (docs/recompute.md): selective (core attention) and full (every layer, one at a time)
     "te-delayed-recompute-selective": f"{TE} --fp8-format hybrid --fp8-recipe delayed --recompute-activations",
     "te-delayed-recompute-full": f"{TE} --fp8-format hybrid --fp8-recipe delayed --recompute-granularity full"

@@ -37,9 +37,13 @@ beside the results). The report notes runs whose shared flags (preset, data, sch
 
 Report (--out, default docs/loss_parity.md; --plot, default the same path with .png; --report-only rebuilds both from
 --results without running anything):
-  * gap to bf16 = 100 * (final validation loss - bf16's) / bf16's, in %, against the same engine's bf16 run at the
-    first seed (te-bf16 for te-*, local-bf16 for local-*); positive = worse than bf16. --reference RUN compares every
-    run with RUN instead (optimizer levels against fp32 states: --reference te-delayed-fp8params);
+  * gap to bf16 = 100 * (final validation loss - bf16's) / bf16's, in %, against the same engine's bf16 run
+    (te-bf16 for te-*, local-bf16 for local-*) at the run's seed where that run exists (`te-delayed@seed2` against
+    `te-bf16@seed2`: the same weights and batches), else at the first seed; positive = worse than bf16. --reference
+    RUN compares every run with RUN instead (optimizer levels against fp32 states: --reference te-delayed-fp8params);
+  * over seeds: a run measured at two seeds or more, each against the reference at its own seed, gets the mean,
+    standard deviation, standard error and range of its gaps in a second table. Runs of one seed still drift apart
+    over training (bf16 and FP8 arithmetic differ), so a single seed's gap is one sample of that drift;
   * largest gap = the gap of largest magnitude over the validation evaluations both runs made (validation batches are
     the same for runs of one seed, so this compares like with like at every evaluation; train losses are noisier);
   * within 0.5% (--tolerance): |final gap| <= 0.5%; within seed spread: |final gap| <= the seed-to-seed spread, the
@@ -66,6 +70,7 @@ import math
 import os
 import re
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -141,9 +146,24 @@ class RunName:
         return f"{self.engine}-bf16"
 
     @property
-    def is_seed_run(self) -> bool:
-        """A bf16 run at another seed (plain config, no variant): one sample of the noise floor."""
-        return self.config == self.reference and self.seed_index > 1 and self.tag is None
+    def base(self) -> str:
+        """The name without its seed: `CONFIG[+TAG]`."""
+        return self.config + (f"+{self.tag}" if self.tag else "")
+
+    def is_seed_of(self, reference: str) -> bool:
+        """This run is `reference` (a first-seed name) at another seed: one sample of the noise floor."""
+        return self.seed_index > 1 and self.base == reference
+
+    def compared_with(self, runs: dict[str, Any], reference: str | None = None) -> str:
+        """The run this one is compared with: `reference` (default: the engine's bf16) at this run's seed where
+        that run exists, since the same seed starts from the same weights and reads the same batches, so that the
+        gap is the precision's alone; else at the first seed. The reference's own other seeds compare with its
+        first seed: that gap is the noise floor."""
+        base = reference or self.reference
+        paired = f"{base}@seed{self.seed_index}"
+        if self.seed_index > 1 and not self.is_seed_of(base) and paired in runs:
+            return paired
+        return base
 
 
 def parse_run_name(name: str) -> RunName:
@@ -343,16 +363,18 @@ def _order(name: str) -> tuple:
     return (list(CONFIGS).index(run.config), "", run.seed_index, run.tag or "")
 
 
-def seed_spreads(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """Per engine: the largest |final validation gap| between its bf16 runs at other seeds and at the first seed."""
+def seed_spreads(runs: dict[str, dict[str, Any]], reference: str | None = None) -> dict[str, float]:
+    """Per engine: the largest |final validation gap| between its reference runs (bf16, or `reference`) at other
+    seeds and at the first seed."""
     spreads: dict[str, float] = {}
     for name, record in runs.items():
         try:
             run = parse_run_name(name)
         except ValueError:
             continue
-        ref = runs.get(run.reference)
-        if not run.is_seed_run or record.get("error") or not ref or ref.get("error"):
+        base = reference or run.reference
+        ref = runs.get(base)
+        if not run.is_seed_of(base) or record.get("error") or not ref or ref.get("error"):
             continue
         loss, ref_loss = final_loss(record["valid"]), final_loss(ref["valid"])
         if loss is None or ref_loss is None or not math.isfinite(gap := gap_pct(loss, ref_loss)):
@@ -364,7 +386,7 @@ def seed_spreads(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
 def summarize(runs: dict[str, dict[str, Any]], reference: str | None = None) -> list[Row]:
     """One row per run, in table order, with its gaps to its reference (the same engine's bf16, or the run named
     `reference` for every run) and the noise floor that applies to it."""
-    spreads = seed_spreads(runs)
+    spreads = seed_spreads(runs, reference)
     rows = []
     for name in sorted(runs, key=_order):
         record = runs[name]
@@ -377,11 +399,11 @@ def summarize(runs: dict[str, dict[str, Any]], reference: str | None = None) -> 
             rows.append(row)
             continue
         row.spread = spreads.get(run.engine, max(spreads.values(), default=None))
-        ref_name = reference or run.reference
+        ref_name = run.compared_with(runs, reference)
         if name == ref_name:
             row.role = "reference"
         else:
-            row.role = "seed" if run.is_seed_run else ""
+            row.role = "seed" if run.is_seed_of(reference or run.reference) else ""
             ref = runs.get(ref_name)
             if ref and not ref.get("error") and not row.error:
                 row.reference = ref_name
@@ -441,6 +463,42 @@ def format_table(rows: list[Row], tolerance: float = 0.5, reference: str | None 
     return "\n".join(lines)
 
 
+def paired_gaps(rows: list[Row]) -> dict[str, list[float]]:
+    """Per run without its seed (`CONFIG[+TAG]`): the final gaps of its runs that were compared with the reference
+    at their own seed, in seed order. Runs at one seed diverge from each other chaotically over training, so one
+    seed's gap is one sample; their mean over seeds is the measurement."""
+    gaps: dict[str, list[float]] = {}
+    for r in rows:
+        if r.role or r.gap is None or r.reference is None:
+            continue
+        run, ref = parse_run_name(r.name), parse_run_name(r.reference)
+        if run.seed_index == ref.seed_index:
+            gaps.setdefault(run.base, []).append(r.gap)
+    return gaps
+
+
+def format_seed_table(rows: list[Row], tolerance: float = 0.5) -> str:
+    """Markdown table of the mean gap over seeds of each run measured at two seeds or more; "" when none is."""
+    lines = []
+    for name, gaps in paired_gaps(rows).items():
+        if len(gaps) < 2:
+            continue
+        mean, sd = statistics.fmean(gaps), statistics.stdev(gaps)
+        finite = math.isfinite(mean)
+        within = "yes" if finite and abs(mean) <= tolerance else "**no**"
+        lines.append(
+            f"| {name} | {len(gaps)} | {_pct(mean)} | {sd:.2f}% | {sd / math.sqrt(len(gaps)):.2f}% |"
+            f" {_pct(min(gaps))} .. {_pct(max(gaps))} | {within} |"
+        )
+    if not lines:
+        return ""
+    header = [
+        f"| run | seeds | mean gap | sd | standard error | lowest .. highest | mean within {tolerance:g}% |",
+        "|---|---:|---:|---:|---:|---|:---:|",
+    ]
+    return "\n".join(header + lines)
+
+
 def setup_notes(runs: dict[str, dict[str, Any]]) -> list[str]:
     """Runs whose shared flags differ from the first reference run's (a forgotten override in one invocation would
     otherwise compare different schedules silently)."""
@@ -498,20 +556,21 @@ def plot(
         except ValueError:
             run = None
         color = colors[i % len(colors)]
-        style = "--" if run and run.is_seed_run else "-"
+        noise_floor = run is not None and run.is_seed_of(reference or run.reference)
+        style = "--" if noise_floor else "-"
         train = smooth(record["train"], window)
         top.plot([p[0] for p in train], [p[1] for p in train], style, color=color, lw=1.2, label=name)
         if record["valid"]:
             top.plot(*zip(*record["valid"]), "o", color=color, ms=4)
         # Focus the axes on the part of the run where the curves are close, not on the first steps' drop.
         visible += [loss for it, loss in train + record["valid"] if it >= 0.1 * last and math.isfinite(loss)]
-        ref = ok.get(reference or run.reference) if run else None
+        ref = ok.get(run.compared_with(ok, reference)) if run else None
         if ref is None or ref is record:
             continue
         ref_valid = dict((it, loss) for it, loss in ref["valid"])
         valid_gap = [(it, gap_pct(loss, ref_valid[it])) for it, loss in record["valid"] if it in ref_valid]
         train_gap = []
-        if run.is_seed_run:
+        if noise_floor:
             # Another seed reads other batches: its train-loss gap is mostly batch-to-batch noise, so the noise
             # floor is drawn from the validation evaluations alone.
             if valid_gap:
@@ -570,18 +629,27 @@ def write_report(
     if environments:
         lines.append("Environment: " + "; ".join(environments) + ".")
     lines += ["", table, ""]
+    if seed_table := format_seed_table(rows, tolerance):
+        lines += [
+            "Over seeds: each run against the reference at its own seed (the same initial weights and batches).",
+            "",
+        ]
+        lines += [seed_table, ""]
     lines += [f"Note: {note}" for note in setup_notes(runs)]
     gap = (
-        f"Gap to {reference}: 100 x (final validation loss - {reference}'s) / {reference}'s"
+        f"Gap to {reference}: 100 x (final validation loss - {reference}'s at the run's seed, else at the first"
+        f" seed) / {reference}'s"
         if reference
-        else "Gap to bf16: 100 x (final validation loss - the same engine's bf16 run at the first seed) / bf16's"
+        else "Gap to bf16: 100 x (final validation loss - the same engine's bf16 run at the run's seed, else at the"
+        " first seed) / bf16's"
     )
     lines += [
         "",
         f"{gap}; positive = worse. Largest valid gap: the gap of largest magnitude over the validation evaluations"
         " both runs made."
-        f" Within {tolerance:g}%: |gap| <= {tolerance:g}%. Within seed spread: |gap| <= the largest |gap| of a bf16"
-        " run at another seed (the noise floor, one sample per extra seed). Final train loss: the trailing mean over"
+        f" Within {tolerance:g}%: |gap| <= {tolerance:g}%. Within seed spread: |gap| <= the largest |gap| of the"
+        f" {'reference' if reference else 'bf16'} run at another seed (the noise floor, one sample per extra seed;"
+        " other seeds also validate on other batches). Final train loss: the trailing mean over"
         " the last 5% of the run. Skipped steps: optimizer steps skipped for an inf/NaN (FP8 amax or gradient).",
         "",
     ]

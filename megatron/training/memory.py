@@ -17,7 +17,8 @@ The distributed optimizer keeps 1/dp of the main copy and the moments (the gradi
 reduce-scattered in place). Activations of one micro-batch without recomputation, Korthikanti et al. (2022), for
 16-bit activations: per layer s * b * h * (34 + 5 * a * s / h) bytes; SDPA's fused kernels do not keep the
 a * s * s attention matrix, so we drop that term. With tensor parallelism t that is s * b * h * (10 + 24 / t), and
-34 * s * b * h / t with sequence parallelism; only this pipeline stage's layers count. Activation recomputation
+34 * s * b * h / t with sequence parallelism; only this pipeline stage's layers count, as often as its schedule
+holds micro-batches in flight (`in_flight_layers`: pp of them on the first stage under 1F1B). Activation recomputation
 removes what it recomputes (`recomputed_activation_units`). Plus the fp32 logits and their gradient
 (8 * s * b * V / t).
 
@@ -58,18 +59,43 @@ def _optimizer_shards(cfg: Config) -> int:
     return shards if cfg.optimizer.use_distributed_optimizer else 1
 
 
+def in_flight_layers(cfg: Config, pp_rank: int = 0) -> int:
+    """How many layers' worth of one micro-batch's activations pipeline rank `pp_rank` holds at the peak of its
+    schedule: the forward passes it has run whose backward passes it has not (Megatron-LM's in-flight
+    micro-batches). Without a pipeline every layer once; under 1F1B this stage's layers min(pp - rank, micro-batches)
+    times (pp times on the first rank); under the interleaved schedule the chunks of its warm-up plus one (on the
+    first rank about pp x (1 + (pp - 1) / (pp x vpp)) times the stage), counted from the schedule itself, so that
+    uneven chunks count as they are."""
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if pp == 1:
+        return cfg.model.num_layers
+    chunks = [len(chunk) for chunk in cfg.stage_chunks(pp_rank)]
+    micro = cfg.num_micro_batches
+    if len(chunks) == 1:
+        return min(pp - pp_rank, micro) * chunks[0]
+    from megatron.parallel.interleaved import compute_order  # late: the parallel package imports the config too
+
+    group = cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage or pp
+    held = peak = 0
+    for step in compute_order(pp, pp_rank, len(chunks), micro, group=group):
+        held += chunks[step.chunk] if step.forward else -chunks[step.chunk]
+        peak = max(peak, held)
+    return peak
+
+
 def estimate_bytes(
     cfg: Config,
     num_params: int,
     vocab_size: int,
     dtype: torch.dtype,
-    num_layers: int | None = None,
     *,
+    pp_rank: int = 0,
     fp8_params: int = 0,
 ) -> dict[str, float]:
-    """Bytes per GPU by category: `weights`, `grads`, `main_params`, `adam`, `activations` (one micro-batch, the
-    logits included), `static` (all but activations) and `total`. `num_params`: this rank's parameters, of which
-    `fp8_params` are stored in FP8; `num_layers`: this pipeline stage's layers (default: all)."""
+    """Bytes per GPU by category: `weights`, `grads`, `main_params`, `adam`, `activations` (those of the micro-batches
+    the schedule holds at once, `in_flight` of them, plus one micro-batch's logits), `static` (all but activations)
+    and `total`. `num_params`: the parameters of pipeline rank `pp_rank`, of which `fp8_params` are stored in
+    FP8."""
     if not 0 <= fp8_params <= num_params:
         raise ValueError(f"fp8_params ({fp8_params}) must lie in [0, num_params ({num_params})]")
     high_precision = dtype.itemsize
@@ -85,11 +111,11 @@ def estimate_bytes(
     # this rank's part of the sequence under context parallelism
     s, b, h = m.seq_length // cfg.parallel.context_parallel_size, cfg.training.micro_batch_size, m.hidden_size
     act_scale = dtype.itemsize / 2
-    layers = m.num_layers if num_layers is None else num_layers
-    per_layer_sum = recomputed_activation_units(cfg, layers)
-    activations = (
-        per_layer_sum * s * b * h * act_scale + 8 * s * b * vocab_size / cfg.parallel.tensor_model_parallel_size
-    )
+    pp = cfg.parallel.pipeline_model_parallel_size
+    layers = m.num_layers if pp == 1 else sum(len(chunk) for chunk in cfg.stage_chunks(pp_rank))
+    held = in_flight_layers(cfg, pp_rank)
+    units = recomputed_activation_units(cfg, layers, held)
+    activations = units * s * b * h * act_scale + 8 * s * b * vocab_size / cfg.parallel.tensor_model_parallel_size
     static = weights + grads + main_params + adam
     return {
         "weights": weights,
@@ -97,14 +123,16 @@ def estimate_bytes(
         "main_params": main_params,
         "adam": adam,
         "activations": activations,
+        "in_flight": held / layers if layers else 0.0,
         "static": static,
         "total": static + activations,
     }
 
 
-def recomputed_activation_units(cfg: Config, layers: int) -> float:
-    """Activations of `layers` transformer layers of one micro-batch in bytes per s*b*h (16-bit activations), with
-    the --recompute-* flags applied.
+def recomputed_activation_units(cfg: Config, layers: int, held: float | None = None) -> float:
+    """Activations of `layers` transformer layers in bytes per s*b*h (16-bit activations), with the --recompute-*
+    flags applied: one micro-batch of each, or `held` layers' worth of micro-batches in flight (`in_flight_layers`),
+    plus, under full recomputation, the one group being recomputed.
 
     Korthikanti et al.'s terms per layer (t: tensor-parallel size; /t on all of them with sequence parallelism):
     10 unsplit (the two norm inputs 4, the QKV and fc1 GEMM inputs 2 + 2, the two dropout masks 2) and 24/t split
@@ -119,19 +147,21 @@ def recomputed_activation_units(cfg: Config, layers: int) -> float:
     sp = cfg.parallel.sequence_parallel
     unsplit, split = (10 / tp, 24 / tp) if sp else (10.0, 24 / tp)
     per_layer = unsplit + split
+    held = layers if held is None else held
     plan = RecomputePlan.from_config(cfg.model)
     if plan.granularity == "full":
         recomputed = plan.recomputed_layers(layers)
         group = max((end - start for start, end, r in plan.chunks(layers) if r), default=0)
         kept_input = 2 / tp if sp else 2.0
-        return (layers - recomputed) * per_layer + recomputed * kept_input + group * per_layer
+        kept = (layers - recomputed) * per_layer + recomputed * kept_input  # of one micro-batch
+        return (kept * held / layers if layers else 0.0) + group * per_layer  # one group recomputed at a time
     dropped = 0.0
     gemm_input = 2 / tp if sp else 2.0  # one norm output, the input of linear_qkv or linear_fc1
     if plan.selective("mlp"):
         dropped += gemm_input + 16 / tp
     if plan.selective("layernorm"):
         dropped += gemm_input * (1 if plan.selective("mlp") else 2)
-    return layers * (per_layer - dropped)
+    return held * (per_layer - dropped)
 
 
 def memory_estimate_lines(
@@ -153,6 +183,9 @@ def memory_estimate_lines(
     moments = (
         "" if opt.exp_avg_dtype == opt.exp_avg_sq_dtype == "fp32" else f", {opt.exp_avg_dtype}/{opt.exp_avg_sq_dtype}"
     )
+    in_flight = "per micro-batch"
+    if cfg.parallel.pipeline_model_parallel_size > 1:  # the pipeline schedule holds several
+        in_flight = f"({est['in_flight']:.3g} micro-batches in flight on this pipeline stage)"
     if est["main_params"]:
         main = f"{opt.main_params_dtype} main params {_size(est['main_params'])}"
         main += f" ({_per(est['main_params'] / n)} B/param{over})"
@@ -162,6 +195,6 @@ def memory_estimate_lines(
         f"memory estimate per GPU: weights {_size(est['weights'])} ({weights}),"
         f" grads {_size(est['grads'])} ({_per(est['grads'] / n)} B/param{grads_dtype}),"
         f" {main}, Adam states {_size(est['adam'])} ({_per(est['adam'] / n)} B/param{over}{moments}),"
-        f" activations ~{_size(est['activations'])} per micro-batch"
+        f" activations ~{_size(est['activations'])} {in_flight}"
         f" (total ~{_size(est['total'])}; {_per(est['static'] / n)} B/param before activations)"
     ]

@@ -197,9 +197,9 @@ class Trainer:
             print_rank_0(f"> number of parameters on (tensor, pipeline) model parallel rank (0, 0): {params:,}")
         else:
             print_rank_0(f"> number of parameters: {params:,}")
-        layers = len(self.stage.layer_numbers)
         fp8_params = sum(p.numel() for p in self.model.parameters() if is_fp8_param(p))
-        estimate = estimate_bytes(cfg, params, self.vocab_size, self.dtype, layers, fp8_params=fp8_params)
+        pp_rank = self.dims.pp_rank
+        estimate = estimate_bytes(cfg, params, self.vocab_size, self.dtype, pp_rank=pp_rank, fp8_params=fp8_params)
         self.memory_estimate_gib = estimate["total"] / 2**30  # printed again beside the measured peak at the end
         for line in memory_estimate_lines(cfg, estimate, params, self.dtype, fp8_params=fp8_params):
             print_rank_0(f"> {line}")

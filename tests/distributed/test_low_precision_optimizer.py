@@ -1,10 +1,10 @@
 """FP8-LM / MS-AMP style training on 2 gloo ranks: FP8 gradient communication (--fp8-grad-reduce, O1), bf16 gradient
 buffers, and the precision-aware optimizer's low-precision states (O2: fp16 masters, FP8 first moment, fp16 second
-moment; bf16 gradients in one run), with and without the distributed optimizer. A small GPT trained 200 steps ends
-within 1% of the fp32-state run on the same data; a resumed O2 run continues with the same losses; a checkpoint
-saved with other state dtypes is converted on load, and the log says so. Resumes are checked in both checkpoint
-formats (other layouts under torch_dist: tests/distributed/test_dist_checkpoint_states.py). The encodings themselves:
-tests/unit/test_optim_states.py; the FP8 reduction's error bound: tests/distributed/test_fp8_reduce.py."""
+moment, bf16 gradients; fp32 gradients in one run), with and without the distributed optimizer. A small GPT trained
+200 steps ends within 1% of the fp32-state run on the same data; a resumed O2 run continues with the same losses; a
+checkpoint saved with other state dtypes is converted on load, and the log says so. Resumes are checked in both
+checkpoint formats (other layouts under torch_dist: tests/distributed/test_dist_checkpoint_states.py). The encodings
+themselves: tests/unit/test_optim_states.py; the FP8 reduction's error bound: tests/distributed/test_fp8_reduce.py."""
 
 from pathlib import Path
 
@@ -24,7 +24,9 @@ RUNS = {
     "fp32_states": "",
     "o1": "--fp8-optimizer-level O1",
     "o2": "--fp8-optimizer-level O2",
-    "o2_distopt_bf16_grads": f"--fp8-optimizer-level O2 --main-grads-dtype bf16 {DISTOPT}",
+    # O2's states with fp32 gradient buffers, spelled out
+    "o2_fp32_grads_distopt": "--fp8-grad-reduce --use-precision-aware-optimizer --main-params-dtype fp16"
+    f" --exp-avg-dtype fp8 --exp-avg-sq-dtype fp16 {DISTOPT}",
 }
 
 
@@ -42,7 +44,7 @@ def _training_body(rank, world_size, out_dir):
 def test_o1_and_o2_end_within_one_percent_of_fp32_states(tmp_path):
     run_distributed(_training_body, world_size=2, args=(str(tmp_path),))
     loss = {name: torch.load(tmp_path / f"{name}.pt") for name in RUNS}
-    for name in ("o1", "o2", "o2_distopt_bf16_grads"):
+    for name in ("o1", "o2", "o2_fp32_grads_distopt"):
         assert abs(loss[name] / loss["fp32_states"] - 1) < 0.01, (name, loss)
     assert loss["fp32_states"] < 0.9 * 4.85, loss  # it learned: the first loss is ln(vocab) ~ 4.85
 

@@ -130,3 +130,27 @@ def test_sequence_parallel_at_tp1_is_turned_off_with_a_note():
     assert parse_args(
         ["--mock-data", "--vocab-size", "128", "--sequence-parallel", "--tensor-model-parallel-size", "2"], world_size=2
     ).parallel.sequence_parallel
+
+
+def test_fp8_optimizer_levels_expand_to_their_flags():
+    o1 = parse("--bf16 --fp8-optimizer-level O1")
+    assert o1.parallel.fp8_grad_reduce and not o1.optimizer.use_precision_aware_optimizer
+    assert not o1.parallel.grad_reduce_in_bf16 and o1.optimizer.exp_avg_dtype == "fp32"
+    o2 = parse("--bf16 --fp8-optimizer-level O2")
+    opt = o2.optimizer
+    assert opt.use_precision_aware_optimizer and o2.parallel.fp8_grad_reduce and o2.parallel.grad_reduce_in_bf16
+    assert (opt.main_params_dtype, opt.main_grads_dtype, opt.exp_avg_dtype, opt.exp_avg_sq_dtype) == (
+        "fp16",
+        "bf16",
+        "fp8",
+        "fp16",
+    )
+    assert parse("--bf16 --fp8-optimizer-level O2 --main-grads-dtype bf16").optimizer == opt  # the level's own value
+    with pytest.raises(ConfigError, match="O2 sets --exp-avg-dtype fp8; drop one of the two"):
+        parse("--bf16 --fp8-optimizer-level O2 --exp-avg-dtype bf16")
+    # O2's states with fp32 gradient buffers: the flags spelled out
+    spelled = parse(
+        "--bf16 --fp8-grad-reduce --use-precision-aware-optimizer --main-params-dtype fp16 --exp-avg-dtype fp8"
+        " --exp-avg-sq-dtype fp16"
+    )
+    assert spelled.optimizer.main_grads_dtype == "fp32" and not spelled.parallel.grad_reduce_in_bf16

@@ -33,8 +33,9 @@ def record(valid, train=None, error=None, seed=1234, skipped=0, setup=None):
 def test_run_names_seeds_and_flag_order():
     run = parity.parse_run_name("te-delayed@seed3+h16")
     assert (run.config, run.seed_index, run.tag, run.reference) == ("te-delayed", 3, "h16", "te-bf16")
-    assert parity.parse_run_name("local-bf16@seed2").is_seed_run
-    assert not parity.parse_run_name("local-bf16@seed2+x").is_seed_run  # a variant is no noise-floor sample
+    assert parity.parse_run_name("local-bf16@seed2").is_seed_of("local-bf16")
+    assert not parity.parse_run_name("local-bf16@seed2+x").is_seed_of("local-bf16")  # a variant: no noise floor
+    assert parity.parse_run_name("te-delayed@seed2+x").is_seed_of("te-delayed+x")
     for bad in ["te-bf17", "te-bf16@seed1", "te-bf16@2", "te-bf16+"]:
         with pytest.raises(ValueError):
             parity.parse_run_name(bad)
@@ -206,3 +207,41 @@ def test_execute_streams_lines_and_stops_a_run_at_its_timeout():
     assert seen == ["started\n"] and time.monotonic() - start < 30
     text, code = parity.benchmark.execute([sys.executable, "-c", "import sys; sys.exit(3)"], 30, dict(os.environ))
     assert (text, code) == ("", 3)
+
+
+def test_runs_at_other_seeds_pair_with_the_reference_at_their_seed(tmp_path):
+    runs = {
+        "te-delayed-fp8params": record([[10, 5.0]]),
+        "te-delayed-fp8params@seed2": record([[10, 4.0]], seed=1235),  # other batches: -20%, the noise floor
+        "te-delayed-fp8params-o2": record([[10, 5.05]]),  # +1%
+        "te-delayed-fp8params-o2@seed2": record([[10, 3.98]], seed=1235),  # -0.5% against seed 2, not -20.4%
+        "te-delayed-fp8params-o2@seed3": record([[10, 5.1]], seed=1236),  # no reference at seed 3: the first seed's
+        "te-delayed-fp8params-o1": record([[10, 5.01]]),  # one seed: no mean
+    }
+    rows = {r.name: r for r in parity.summarize(runs, "te-delayed-fp8params")}
+    assert rows["te-delayed-fp8params@seed2"].role == "seed" and rows["te-delayed-fp8params@seed2"].gap == -20
+    assert rows["te-delayed-fp8params@seed2"].reference == "te-delayed-fp8params"
+    paired = rows["te-delayed-fp8params-o2@seed2"]
+    assert paired.reference == "te-delayed-fp8params@seed2" and paired.gap == pytest.approx(-0.5)
+    assert rows["te-delayed-fp8params-o2@seed3"].reference == "te-delayed-fp8params"
+    assert rows["te-delayed-fp8params-o2@seed3"].spread == pytest.approx(20)  # the reference's own seeds
+    # the mean over seeds takes only the paired runs: +1 and -0.5
+    assert parity.paired_gaps(list(rows.values())) == {
+        "te-delayed-fp8params-o2": [pytest.approx(1.0), pytest.approx(-0.5)],
+        "te-delayed-fp8params-o1": [pytest.approx(0.2)],
+    }
+    table = parity.format_seed_table(list(rows.values()))
+    assert table.splitlines()[2] == "| te-delayed-fp8params-o2 | 2 | +0.25% | 1.06% | 0.75% | -0.50% .. +1.00% | yes |"
+    assert len(table.splitlines()) == 3  # o1 has one seed: no row
+    report = parity.write_report({"runs": runs}, tmp_path / "r.md", None, reference="te-delayed-fp8params")
+    assert table in (tmp_path / "r.md").read_text() and "| te-delayed-fp8params-o2@seed2 |" in report
+    # bf16 as the reference pairs the same way
+    bf16 = parity.summarize(
+        {
+            "te-bf16": record([[10, 5.0]]),
+            "te-bf16@seed2": record([[10, 4.0]], seed=1235),
+            "te-delayed@seed2": record([[10, 4.04]], seed=1235),
+        }
+    )
+    assert bf16[-1].reference == "te-bf16@seed2" and bf16[-1].gap == pytest.approx(1.0)
+    assert parity.format_seed_table(bf16) == ""

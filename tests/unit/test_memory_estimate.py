@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron.config import Config, parse_args
-from megatron.training.memory import estimate_bytes, memory_estimate_lines
+from megatron.training.memory import estimate_bytes, in_flight_layers, memory_estimate_lines
 
 SHAPE = "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2"
 VOCAB = 128
@@ -31,6 +31,7 @@ def test_bf16_plain():
         "main_params": 4 * N,
         "adam": 8 * N,
         "activations": BF16_ACTIVATIONS,
+        "in_flight": 1.0,
         "static": 18 * N,
         "total": 18 * N + BF16_ACTIVATIONS,
     }
@@ -85,10 +86,29 @@ def test_fp32_on_cpu_has_no_main_copy():
     assert "16 B/param before activations" in line
 
 
-def test_pipeline_stage_counts_its_own_layers():
-    full = estimate_bytes(parse("--bf16"), N, VOCAB, torch.bfloat16)
-    one_layer = estimate_bytes(parse("--bf16"), N, VOCAB, torch.bfloat16, num_layers=1)
-    assert full["activations"] - one_layer["activations"] == 34 * 64 * 2 * 128
+def test_pipeline_stages_count_their_layers_as_often_as_their_schedule_holds_them():
+    """One layer's activations (34 x 64 x 2 x 128 bytes) per stage of 4 layers over 2 ranks (2 each), 4
+    micro-batches. 1F1B: rank 0 runs 1 warm-up forward, so 2 micro-batches are in flight (4 layers' worth), rank 1
+    one (2). Interleaved (2 chunks of 1 layer): rank 0 runs (2 - 1) x 2 + (2 - 1) x 2 = 4 warm-up forwards, then
+    holds a 5th before its first backward: 5 layers' worth, Megatron-LM's pp x (1 + (pp - 1) / (pp x vpp)) = 2.5
+    stages; rank 1 runs 2 warm-up forwards: 3."""
+    layer, logits = 34 * 64 * 2 * 128, 8 * 64 * 2 * VOCAB
+    four = "--bf16 --num-layers 4 --global-batch-size 8 --pipeline-model-parallel-size 2"
+    for flags, held in (("", (4, 2)), ("--num-layers-per-virtual-pipeline-stage 1", (5, 3))):
+        cfg = parse(f"{four} {flags}", world_size=2)
+        for rank, layers in enumerate(held):
+            assert in_flight_layers(cfg, rank) == layers
+            est = estimate_bytes(cfg, N, VOCAB, torch.bfloat16, pp_rank=rank)
+            assert est["activations"] == layers * layer + logits and est["in_flight"] == layers / 2
+    (line,) = memory_estimate_lines(cfg, estimate_bytes(cfg, N, VOCAB, torch.bfloat16), N, torch.bfloat16)
+    assert "activations ~" in line and "(2.5 micro-batches in flight on this pipeline stage)" in line, line
+    # a single micro-batch per step: nothing runs ahead
+    assert in_flight_layers(parse("--bf16 --num-layers 4 --pipeline-model-parallel-size 2", world_size=2), 0) == 2
+    # full recomputation keeps each in-flight layer's input (2 of 34) and recomputes one layer at a time
+    full = parse(
+        f"{four} --recompute-granularity full --recompute-method uniform --recompute-num-layers 1", world_size=2
+    )
+    assert estimate_bytes(full, N, VOCAB, torch.bfloat16)["activations"] == (4 * 2 + 34) * 64 * 2 * 128 + logits
 
 
 def test_more_fp8_params_than_params_is_an_error():
@@ -97,10 +117,10 @@ def test_more_fp8_params_than_params_is_an_error():
 
 
 def test_o2_states_with_fp8_weights_over_two_data_parallel_ranks():
-    """--fp8-optimizer-level O2 with --main-grads-dtype bf16: bf16 grads 2, fp16 main params 2 + 1 (remainder) +
+    """--fp8-optimizer-level O2: bf16 grads 2, fp16 main params 2 + 1 (remainder) +
     4/128 (scales), fp8 first moment 1 + 4/128, fp16 second moment 2 + 4/128; main copy and moments over 2 ranks.
     With every weight FP8 (1 byte): 1 + 2 + (3.03125 + 1.03125 + 2.03125) / 2 = 6.046875 bytes per parameter."""
-    cfg = parse("--bf16 --fp8-optimizer-level O2 --main-grads-dtype bf16 --use-distributed-optimizer", world_size=2)
+    cfg = parse("--bf16 --fp8-optimizer-level O2 --use-distributed-optimizer", world_size=2)
     est = estimate_bytes(cfg, N, VOCAB, torch.bfloat16, fp8_params=N)
     assert (est["weights"], est["grads"]) == (N, 2 * N)
     assert est["main_params"] == pytest.approx(3.03125 * N / 2) and est["adam"] == pytest.approx(3.0625 * N / 2)
@@ -109,9 +129,10 @@ def test_o2_states_with_fp8_weights_over_two_data_parallel_ranks():
     assert "grads 1.9 MiB (2 B/param, bf16), fp16 main params 1.4 MiB (1.52 B/param over 2" in line, line
     assert "Adam states 1.5 MiB (1.53 B/param over 2 data-parallel ranks, fp8/fp16)" in line, line
     assert "6.05 B/param before activations" in line, line
-    # O2 alone keeps fp32 gradients: 2 bytes more
+    # O2's states with fp32 gradient buffers: 2 bytes more
+    states = "--fp8-grad-reduce --use-precision-aware-optimizer --main-params-dtype fp16 --exp-avg-dtype fp8"
     o2 = estimate_bytes(
-        parse("--bf16 --fp8-optimizer-level O2 --use-distributed-optimizer", world_size=2),
+        parse(f"--bf16 {states} --exp-avg-sq-dtype fp16 --use-distributed-optimizer", world_size=2),
         N,
         VOCAB,
         torch.bfloat16,
