@@ -97,6 +97,12 @@ class ParallelConfig:
     """Count the output layer and loss as one transformer layer in the pipeline split: the last virtual stage builds
     one layer fewer."""
 
+    def _given(self, *names: str) -> list[str]:
+        """The flags of `names` that were given (neither None nor a switch left off), as written on the command
+        line, for messages."""
+        given = [name for name in names if getattr(self, name) is not None and getattr(self, name) is not False]
+        return ["--" + name.replace("_", "-") for name in given]
+
     def finalize(self) -> None:
         require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size must be >= 1")
         require(self.pipeline_model_parallel_size >= 1, "--pipeline-model-parallel-size must be >= 1")
@@ -130,23 +136,11 @@ class ParallelConfig:
         ):
             value = getattr(self, name)
             require(value is None or value >= 1, f"--{name.replace('_', '-')} must be >= 1")
-        accounted = [
-            f"--account-for-{what}-in-pipeline-split"
-            for what in ("embedding", "loss")
-            if getattr(self, f"account_for_{what}_in_pipeline_split")
-        ]
-        uneven = [
-            "--" + name.replace("_", "-")
-            for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
-            if getattr(self, name) is not None
-        ]
+        accounted = self._given("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+        uneven = self._given("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
         require(not (accounted and uneven), f"{', '.join(accounted)} with {', '.join(uneven)}: give one")
         if self.pipeline_model_parallel_layout is not None:
-            virtual = [
-                "--" + name.replace("_", "-")
-                for name in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
-                if getattr(self, name) is not None
-            ]
+            virtual = self._given("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
             require(
                 not (uneven + virtual + accounted),
                 "--pipeline-model-parallel-layout places every layer itself: drop"

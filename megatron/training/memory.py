@@ -111,8 +111,7 @@ def estimate_bytes(
     # this rank's part of the sequence under context parallelism
     s, b, h = m.seq_length // cfg.parallel.context_parallel_size, cfg.training.micro_batch_size, m.hidden_size
     act_scale = dtype.itemsize / 2
-    pp = cfg.parallel.pipeline_model_parallel_size
-    layers = m.num_layers if pp == 1 else sum(len(chunk) for chunk in cfg.stage_chunks(pp_rank))
+    layers = sum(len(chunk) for chunk in cfg.stage_chunks(pp_rank))
     held = in_flight_layers(cfg, pp_rank)
     units = recomputed_activation_units(cfg, layers, held)
     activations = units * s * b * h * act_scale + 8 * s * b * vocab_size / cfg.parallel.tensor_model_parallel_size
