@@ -7,6 +7,7 @@ layouts (one GPU by default; several through torchrun on one host).
     python scripts/benchmark.py --presets llama-1b --configs te-bf16 te-delayed --cuda-graphs
     python scripts/benchmark.py --profile llama-1b te-bf16         # where the GPU time goes (torch.profiler)
     python scripts/benchmark.py --profile llama-1b te-delayed --layouts dp2   # ... on rank 0 of two GPUs
+    python scripts/benchmark.py --presets llama-1b --configs te-delayed --cuda-graphs --bound   # against the bound
 
 Every layout keeps the preset's global batch, so a layout's tokens/s per GPU against the one-GPU row is its scaling
 efficiency on the same work (strong scaling; with data parallelism each rank runs fewer micro-batches per step).
@@ -18,6 +19,11 @@ Each (preset, config) is a separate `pretrain_gpt.py` process; the table reports
 tokens/s, TFLOP/s/GPU and MFU (an average over the final --log-interval iterations, so the first iterations' warm-up
 (cuDNN plans, Triton and torch.compile kernels) is excluded) and the run's peak allocated memory. A config that fails
 (no Transformer Engine, a recipe this GPU cannot run, an engine not built yet) becomes a row saying why.
+
+`--bound` adds each row's lower bound (megatron/perf: every GEMM, attention, memory-bound pass and un-overlapped
+collective at the rate measured on this GPU for its shape, cached in --probe-cache), measured / bound, and, from a
+`--profile` pass of the row in its own process, the kernel time per category against the bound's
+(docs/benchmarks.md, "Lower bound").
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's megatron, not an installed copy
+
+from megatron import perf  # noqa: E402  (no torch at import)
+from megatron.perf.report import COMMUNICATION  # noqa: E402
 
 COMMON = (
     "--mock-data --tokenizer-type NullTokenizer --position-embedding-type rope --normalization RMSNorm --swiglu"
@@ -328,29 +338,13 @@ def table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
-COMMUNICATION = r"nccl|userbuffer|PtoP"  # NCCL kernels, TE userbuffers kernels, peer-to-peer copies
-KERNEL_CATEGORIES = [  # first match wins: cuDNN attention kernels also contain "sm90" and "wgmma"
-    ("communication", COMMUNICATION),
-    ("attention", r"flash|fmha|sdpa|attn|attention"),
-    ("GEMM", r"gemm|nvjet|cutlass|xmma|sm90_|wgmma|cublas"),
-    ("FP8 cast/transpose/amax", r"quantiz|(?<!no)cast|transpose|amax|fp8|dequant"),
-    ("norm", r"norm"),
-    ("RoPE", r"rope|rotary"),
-    ("SwiGLU/GELU", r"swiglu|silu|gelu|glu"),
-    ("cross entropy", r"cross_entropy|softmax|nll"),
-    ("optimizer", r"adam|multi_tensor|foreach"),
-    ("memcpy/memset", r"memcpy|memset"),
-    ("other (elementwise, reductions)", r""),
-]
-
-
-def profile(argv: list[str], steps: int, warmup: int = 2, top: int = 15) -> str:
+def profile(argv: list[str], steps: int, warmup: int = 2, top: int = 15) -> tuple[str, dict]:
     """Build the trainer for `argv`, time `steps` optimizer steps, then profile as many with torch.profiler, and
-    report GPU kernel time by category, the top kernels, and how much of the step the GPU was busy. Under torchrun
-    every rank profiles and the report is rank 0's."""
+    report GPU kernel time by category (the lower bound's, megatron/perf/report.py), the top kernels, and how much
+    of the step the GPU was busy; also as a dict (step, busy and kernel ms per step, ms per category). Under
+    torchrun every rank profiles and the report is rank 0's."""
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from megatron.config import parse_args
     from megatron.training.trainer import Trainer
 
@@ -382,7 +376,7 @@ def profile(argv: list[str], steps: int, warmup: int = 2, top: int = 15) -> str:
     idle_long, idle_short = _idle_between_kernels(spans)
     by_category: dict[str, float] = {}
     for name, ms in kernels.items():
-        category = next(c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, name, re.IGNORECASE))
+        category = perf.kernel_category(name)
         by_category[category] = by_category.get(category, 0.0) + ms
     lines = [
         f"{environment()}; {' '.join(argv)}",
@@ -404,7 +398,8 @@ def profile(argv: list[str], steps: int, warmup: int = 2, top: int = 15) -> str:
     lines += ["", "| top kernels | ms/step |", "|---|---:|"]
     for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"| {name[:110]} | {ms:.1f} |")
-    return "\n".join(lines)
+    summary = {"step_ms": wall_ms, "busy_ms": busy, "kernel_ms": total, "categories": by_category}
+    return "\n".join(lines), summary
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -463,6 +458,67 @@ def _idle_between_kernels(spans: list[tuple[float, float, str]]) -> tuple[float,
     return long_us / 1e3, short_us / 1e3
 
 
+def profile_run(result: Result, timeout: int, log_dir: Path | None, weak: bool = False) -> tuple[dict | None, str]:
+    """The `--profile` pass of a row in its own process (as its GPUs' only user): (its summary, "") or (None, why
+    it failed)."""
+    import tempfile
+
+    graphs = ["--cuda-graphs"] if result.config.endswith(GRAPHS) else []
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "profile.json"
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--profile",
+            result.preset,
+            result.config.removesuffix(GRAPHS),
+        ]
+        cmd += ["--layouts", result.layout, "--profile-json", str(out), *graphs, *(["--weak-scaling"] if weak else [])]
+        text, code = execute(cmd, timeout, run_env(result.layout))
+        if log_dir is not None:
+            name = f"{result.preset}.{result.config.replace(GRAPHS, '-graphs')}.{result.layout}.profile.log"
+            (log_dir / name).write_text(" ".join(cmd) + "\n" + text)
+        if code != 0 or not out.exists():
+            return None, failure_reason(text, code)
+        return json.loads(out.read_text()), ""
+
+
+def bound_row(result: Result, args: argparse.Namespace, probes: perf.Probes) -> perf.Row:
+    """A row's lower bound (megatron/perf) beside its measured step and, unless --no-bound-profile, its profile.
+    Any failure becomes a one-line note in the row, never an exception."""
+    import torch
+
+    from megatron.config import parse_args
+
+    row = perf.Row(result.preset, result.config, result.layout, measured_ms=result.ms_per_iter)
+    if result.error:
+        row.errors.append(f"run failed: {result.error}")
+    flags = train_flags(result.preset, result.config, args.iters, args.log_interval, result.layout, args.weak_scaling)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        cfg = parse_args(flags, world_size=result.gpus, device_type=device)
+        row.bound = perf.lower_bound(cfg, probes, log=lambda line: print(f"bound: {line}", flush=True))
+    except Exception as error:  # a configuration this machine cannot parse, a probe with no fallback, ...
+        row.errors.append(f"no bound: {perf.one_line(error)}")
+    if args.bound_profile and not result.error:
+        summary, why = profile_run(result, args.timeout, args.log_dir, args.weak_scaling)
+        if summary is None:
+            row.errors.append(f"profile failed: {why}")
+        else:
+            row.profile = {**summary["categories"], perf.IDLE: summary["step_ms"] - summary["busy_ms"]}
+    return row
+
+
+def bound_report(rows: list[perf.Row]) -> str:
+    """The bound table, then per row its categories and terms."""
+    parts = ['Lower bound per iteration (docs/benchmarks.md, "Lower bound")', "", perf.bound_table(rows)]
+    for row in rows:
+        if row.bound is not None:
+            parts += ["", perf.category_table(row), "", perf.terms_table(row.bound)]
+            parts += [f"note: {line}" for line in row.bound.notes]
+    return "\n".join(parts)
+
+
 def environment() -> str:
     import torch
 
@@ -491,6 +547,19 @@ def main() -> int:
     parser.add_argument("--profile", nargs=2, metavar=("PRESET", "CONFIG"), help="profile one run instead")
     parser.add_argument("--profile-steps", type=int, default=2)
     parser.add_argument("--profile-top", type=int, default=15, help="how many kernels the profile lists")
+    parser.add_argument("--profile-json", type=Path, help="with --profile: also write its summary here (rank 0)")
+    parser.add_argument(
+        "--bound", action="store_true", help="print each row's lower bound, measured/bound and where the rest goes"
+    )
+    parser.add_argument(
+        "--no-bound-profile", dest="bound_profile", action="store_false", help="--bound without the profile pass"
+    )
+    parser.add_argument(
+        "--probe-cache",
+        type=Path,
+        default=Path.home() / ".cache" / "megatron-fp8" / "probes.json",
+        help="--bound's microbenchmark results, per device and shape",
+    )
     args = parser.parse_args()
     if args.profile:
         preset, config = args.profile
@@ -501,14 +570,22 @@ def main() -> int:
         if gpus > 1 and "LOCAL_RANK" not in os.environ:  # profile every rank under torchrun, report rank 0's
             cmd = [*launcher(gpus), str(Path(__file__).resolve()), *sys.argv[1:]]
             return subprocess.run(cmd, env=run_env(layout), cwd=ROOT).returncode
-        flags = train_flags(preset, config + (GRAPHS if args.cuda_graphs else ""), 100, 100, layout)
-        report = profile(flags, steps=args.profile_steps, top=args.profile_top)
+        flags = train_flags(preset, config + (GRAPHS if args.cuda_graphs else ""), 100, 100, layout, args.weak_scaling)
+        report, summary = profile(flags, steps=args.profile_steps, top=args.profile_top)
         if os.environ.get("RANK", "0") == "0":
             print(report)
+            if args.profile_json:
+                args.profile_json.write_text(json.dumps(summary, indent=1) + "\n")
         return 0
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
-    results = []
+    results, rows = [], []
+    probes = None
+    if args.bound:
+        import torch
+
+        measure = perf.cuda_measure if torch.cuda.is_available() else None
+        probes = perf.Probes(perf.device_name(), measure, args.probe_cache)
     for preset in args.presets:
         for config in args.configs:
             if args.cuda_graphs and config.startswith("te-"):
@@ -519,10 +596,19 @@ def main() -> int:
                 )
                 results.append(result)
                 print(json.dumps(asdict(result)), flush=True)
+                if probes is not None:
+                    rows.append(bound_row(result, args, probes))
     print(f"\n{environment()}\n")
     print(table(results))
+    if rows:
+        print("\n" + bound_report(rows))
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+        records = [asdict(r) for r in results]
+        for record, row in zip(records, rows):  # rows exist with --bound only
+            record["bound_ms"] = row.bound.total_ms if row.bound else None
+            record["bound_categories"] = row.bound.by_category() if row.bound else None
+            record["profile_categories"], record["bound_errors"] = row.profile, row.errors
+        args.json.write_text(json.dumps(records, indent=2) + "\n")
     return 0
 
 

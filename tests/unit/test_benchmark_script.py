@@ -114,3 +114,25 @@ def test_the_llama3_8b_runs_of_issue_17_are_valid_two_gpu_configurations():
         cfg = parse_args(flags, world_size=2, device_type="cuda")
         assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.ffn_hidden_size) == (32, 4096, 14336)
         assert cfg.model.seq_length == (32768 if preset.endswith("32k") else 8192)
+
+
+def test_bound_rows_print_bound_measured_and_ratio_with_fake_probes():
+    import argparse
+
+    from megatron import perf
+
+    def fake(kind, shape):
+        return {"gemm": 500.0, "hbm_copy": 3000.0}.get(kind, 2.0)  # TFLOP/s, GB/s, ms per attention
+
+    probes = perf.Probes("fake GPU", fake)
+    args = argparse.Namespace(iters=10, log_interval=5, weak_scaling=False, bound_profile=False, timeout=60)
+    measured = benchmark.Result("llama-1b", "local-delayed", ms_per_iter=1000.0, tokens_per_s=1.0)
+    row = benchmark.bound_row(measured, args, probes)
+    assert row.errors == [] and row.bound.by_category()["attention"] == 2.0 * 16 * 8
+    failed = benchmark.bound_row(benchmark.Result("llama-1b", "local-delayed", "pp2", 2, error="boom"), args, probes)
+    assert failed.errors[0] == "run failed: boom" and failed.errors[1].startswith("no bound: NotModelled: ")
+    report = benchmark.bound_report([row, failed])
+    ratio = 1000.0 / row.bound.total_ms
+    assert f"| llama-1b | local-delayed | 1gpu | {row.bound.total_ms:.1f} | 1000.0 | {ratio:.2f}x |" in report
+    assert "| llama-1b | local-delayed | pp2 | - | - | - | run failed: boom; no bound: NotModelled" in report
+    assert "| attention | attention fwd+bwd bf16 | 256.00 |" in report

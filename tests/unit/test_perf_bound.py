@@ -1,0 +1,251 @@
+"""megatron/perf on CPU: the lower bound's arithmetic against hand-computed values, with a fake probe table."""
+
+import json
+
+import pytest
+
+from megatron import perf
+from megatron.config import parse_args
+from megatron.perf import traffic, work
+from megatron.training.flops import num_floating_point_operations
+
+# 2 layers, h 64, 4 heads of 16 in 2 groups, SwiGLU width 128, sequence 32, micro-batch 2, global batch 4 (2
+# micro-batches), vocabulary 127 + end-of-document = 128: T = 64 tokens per micro-batch.
+TINY = (
+    "--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention"
+    " --num-query-groups 2 --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4"
+    " --vocab-size 127 --tokenizer-type NullTokenizer --mock-data --position-embedding-type rope --normalization"
+    " RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights --bf16 --transformer-impl local"
+    " --lr 1e-4 --train-iters 1"
+)
+FP8 = " --fp8-format hybrid --fp8-recipe delayed"
+RATES = {"bf16": 100.0, "fp8": 200.0}  # TFLOP/s
+HBM = 1000.0  # GB/s
+BUS = 50.0  # GB/s
+ATTENTION = {0: 0.5, 1: 2.0}  # ms: forward, forward + backward
+
+
+def config(extra: str = "", world_size: int = 1):
+    return parse_args((TINY + extra).split(), world_size=world_size)
+
+
+class FakeDevice:
+    """A probe table: fixed rates, and a log of what was measured."""
+
+    def __init__(self, fail: tuple[str, ...] = ()):
+        self.calls: list[tuple[str, dict]] = []
+        self.fail = fail
+
+    def __call__(self, kind: str, shape: dict) -> float:
+        self.calls.append((kind, dict(shape)))
+        if any(f in perf.Probes.key(kind, shape) for f in self.fail):
+            raise RuntimeError("no kernel for this\nsecond line")
+        if kind == "gemm":
+            return RATES[shape["dtype"]]
+        if kind.startswith("attention_"):
+            return ATTENTION[shape["bwd"]]
+        if kind == "hbm_copy":
+            return HBM
+        return BUS
+
+
+def probes(device=None, cache=None):
+    return perf.Probes("fake GPU", device or FakeDevice(), cache)
+
+
+def test_gemm_flops_of_a_tiny_model_by_hand():
+    cfg = config(FP8)
+    assert perf.padded_vocab(cfg) == 128
+    gemms = work.gemms(cfg, 128)
+    # per linear (in x out): qkv 64 x 128, proj 64 x 64, fc1 64 x 256 (SwiGLU's two halves), fc2 128 x 64
+    qkv = [g for g in gemms if g.name.startswith("linear_qkv")]
+    assert {(g.name, g.m, g.n, g.k, g.fp8, g.count) for g in qkv} == {
+        ("linear_qkv fprop", 64, 128, 64, True, 2),  # the second layer, 2 micro-batches
+        ("linear_qkv dgrad", 64, 64, 128, True, 2),
+        ("linear_qkv wgrad", 128, 64, 64, True, 2),
+        ("linear_qkv fprop", 64, 128, 64, False, 2),  # the first layer stays bf16
+        ("linear_qkv dgrad", 64, 64, 128, False, 2),
+        ("linear_qkv wgrad", 128, 64, 64, False, 2),
+    }
+    assert all(not g.fp8 for g in gemms if g.name.startswith("output_layer"))
+    # 3 GEMMs x 2 FLOPs x T x sum(in x out) x layers x micro-batches, + the output layer's 3 x 2 x T x h x V x 2
+    layers = 6 * 64 * (64 * 128 + 64 * 64 + 64 * 256 + 128 * 64) * 2 * 2
+    output = 6 * 64 * 64 * 128 * 2
+    assert sum(g.flops for g in gemms) == layers + output == 62_914_560
+    assert sum(g.flops for g in gemms if g.fp8) == layers // 2
+    # the same as Megatron-LM's model FLOPs without their attention (s/h) term: 12 B s^2 L q
+    model = num_floating_point_operations(cfg.model, 4, 128) - 12 * 4 * 32 * 32 * 2 * 64
+    assert sum(g.flops for g in gemms) == model
+    no_wgrad = work.gemms(config(FP8 + " --no-fp8-wgrad"), 128)
+    assert sum(g.flops for g in no_wgrad if g.fp8) == layers // 2 * 2 // 3
+
+
+def test_attention_counts_the_causal_half_and_backward_as_two_and_a_half_forwards():
+    [a] = work.attention(config(FP8))
+    assert (a.batch, a.seq, a.heads, a.groups, a.head_dim, a.fp8, a.count) == (2, 32, 4, 2, 16, False, 4)
+    assert a.forward_flops == 2 * 2 * 4 * 16 * 32 * 32  # QK^T and PV over half of the 32 x 32 scores
+    assert a.flops == 3.5 * a.forward_flops * 4
+    # Megatron-LM's full-square, backward = 2 x forward convention: 12 B s^2 L q; ours is 7/12 of it
+    assert a.flops == 12 * 4 * 32 * 32 * 2 * 64 * 7 / 12
+
+
+def test_memory_bytes_of_a_tiny_model_by_hand():
+    items = traffic.memory_traffic(config(FP8), 128)
+    E, Q, K, F = 64 * 64, 64 * 64, 64 * 32, 64 * 128
+    layer = 8 * E + 12 * E + 12 * E + 12 * E + 8 * (Q + K) + 6 * F + 10 * F  # norms, residual adds, RoPE, SwiGLU
+    fp8_extra = 4 * Q + 4 * E  # attention output cast, FP8 copies of the two residual gradients
+    outside = 4 * 64 * 64 + 10 * 64 * 64 + 10 * E + 6 * 64 * 128  # embedding fwd/bwd, final norm, loss
+    params = 2 * 128 * 64 + 2 * (36864 + 2 * 64) + 64
+    assert work.param_count(config(FP8), 128) == (params, 36864)
+    optimizer = 38 * params  # fp32 main params and moments: 8 + 8 + 8, gradient 4 x 3, bf16 weights 2
+    expected = 2 * (2 * layer + fp8_extra + outside) + optimizer + 4 * 36864
+    assert sum(i.total_bytes for i in items) == expected == 5_386_112
+    by_name = {i.name: i for i in items}
+    assert by_name["FP8 weight casts"].total_bytes == 4 * 36864
+    assert by_name["attention output -> FP8 [FP8 layers]"].count == 2  # one FP8 layer x 2 micro-batches
+    fp8_params = {i.name: i.total_bytes for i in traffic.memory_traffic(config(FP8 + " --fp8-param-gather"), 128)}
+    assert fp8_params["FP8 weight casts"] == 2 * 36864  # the transpose only
+    assert fp8_params["Adam step + grad zero + grad norm"] == optimizer - 36864  # FP8 weights: 1 byte written
+
+
+def test_the_bound_is_the_sum_of_its_parts_at_the_probed_rates():
+    cfg = config(FP8)
+    bound = perf.lower_bound(cfg, probes(), log=lambda line: None)
+    gemms = work.gemms(cfg, 128)
+    gemm_ms = sum(g.flops / (RATES["fp8" if g.fp8 else "bf16"] * 1e12) * 1e3 for g in gemms)
+    memory_ms = 5_386_112 / (HBM * 1e9) * 1e3
+    by_category = bound.by_category()
+    assert by_category["gemm"] == pytest.approx(gemm_ms, rel=1e-12)
+    assert by_category["attention"] == pytest.approx(4 * ATTENTION[1])
+    assert by_category["communication"] == 0
+    assert bound.total_ms == pytest.approx(gemm_ms + 4 * ATTENTION[1] + memory_ms, rel=1e-12)
+    assert sum(by_category.values()) == pytest.approx(bound.total_ms)
+    assert bound.params == work.param_count(cfg, 128)[0]
+
+
+def test_recomputation_adds_its_forward_again():
+    plain = perf.lower_bound(config(FP8), probes(), log=lambda line: None)
+    full = config(FP8 + " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    bound = perf.lower_bound(full, probes(), log=lambda line: None)
+    fprop = sum(g.flops for g in work.gemms(full, 128) if "fprop" in g.name and not g.name.startswith("output"))
+    assert sum(g.flops for g in work.recompute_gemms(full, 128)) == fprop
+    extra = bound.by_category()["attention"] - plain.by_category()["attention"]
+    assert extra == pytest.approx(4 * ATTENTION[0])  # every layer's attention forward, once per micro-batch
+    assert bound.by_category()["norm"] > plain.by_category()["norm"]
+    selective = config(FP8 + " --recompute-activations")
+    assert work.recompute_gemms(selective, 128) == []
+    assert [a.name for a in work.attention(selective)] == ["attention fwd+bwd", "attention fwd (recomputed)"]
+
+
+def test_tensor_and_data_parallel_communication():
+    tp = config(FP8 + " --tensor-model-parallel-size 2 --sequence-parallel", world_size=2)
+    comm = {c.name: c for c in traffic.communication(tp, 128)}
+    full = 2 * 64 * 64  # one [T, h] bf16 tensor
+    gathers = [c for c in comm.values() if c.op == "all_gather" and c.name.startswith("TP all-gather (norm")]
+    assert sorted((c.nbytes, c.count) for c in gathers) == [(full // 2, 8), (full, 8)]  # FP8 layer, bf16 layer
+    assert comm["TP reduce-scatter (proj, fc2 / qkv, fc1 dgrad)"].count == 4 * 2 * 2
+    assert work.linear_shapes(tp, 128)["linear_qkv"] == (64, 64) and traffic._sizes(tp, 128)["E"] == 64 * 32
+    tp.parallel.tp_comm_overlap = True  # (a TE-only flag: set after parsing on this CPU)
+    assert traffic.communication(tp, 128) == []
+    dp = config(" --overlap-grad-reduce --ddp-bucket-size 1000", world_size=2)
+    [reduction] = traffic.communication(dp, 128)
+    assert (reduction.op, reduction.nbytes, reduction.ranks, reduction.count) == ("all_reduce", 4000, 2, 1)
+    bound = perf.lower_bound(dp, probes(), log=lambda line: None)
+    assert bound.by_category()["communication"] == pytest.approx(4000 * 1 / (BUS * 1e9) * 1e3)
+    distributed = config(" --use-distributed-optimizer", world_size=2)
+    ops = {c.name: (c.op, c.nbytes) for c in traffic.communication(distributed, 128)}
+    params = work.param_count(distributed, 128)[0]
+    assert ops == {
+        "DP gradient reduction": ("reduce_scatter", 4 * params),
+        "DP parameter all-gather": ("all_gather", 2 * params),
+    }
+
+
+def test_pipeline_layouts_are_not_modelled():
+    with pytest.raises(perf.NotModelled, match="pipeline/context"):
+        perf.lower_bound(config(" --pipeline-model-parallel-size 2", world_size=2), probes())
+
+
+def test_probes_are_cached_per_device_and_shape(tmp_path):
+    cache = tmp_path / "probes.json"
+    device = FakeDevice()
+    first = perf.lower_bound(config(FP8), probes(device, cache), log=lambda line: None)
+    measured = len(device.calls)
+    assert measured == len({perf.Probes.key(kind, shape) for kind, shape in device.calls})  # each shape once
+    again = FakeDevice()
+    second = perf.lower_bound(config(FP8), probes(again, cache), log=lambda line: None)
+    assert again.calls == [] and second.total_ms == first.total_ms  # a second run costs nothing
+    perf.lower_bound(config(FP8 + " --seq-length 64 --max-position-embeddings 64"), probes(again, cache))
+    assert again.calls and all(kind != "hbm_copy" for kind, _ in again.calls)  # new shapes only
+    other = FakeDevice()
+    perf.Probes("another GPU", other, cache).hbm_gbps()
+    assert other.calls == [("hbm_copy", {"nbytes": 1 << 30})]
+    assert set(json.loads(cache.read_text())) == {"fake GPU", "another GPU"}
+    with pytest.raises(perf.ProbeError, match="needs a GPU|no device"):
+        perf.Probes("cpu", None).hbm_gbps()
+
+
+def test_failed_probes_fall_back_with_one_line():
+    lines = []
+    device = FakeDevice(fail=("dtype=fp8",))
+    bound = perf.lower_bound(config(FP8), probes(device), log=lines.append)
+    assert len(lines) == 1 and "FP8 GEMM probe failed, bf16 rate used" in lines[0] and "\n" not in lines[0]
+    gemm_ms = sum(g.flops / (RATES["bf16"] * 1e12) * 1e3 for g in work.gemms(config(FP8), 128))
+    assert bound.by_category()["gemm"] == pytest.approx(gemm_ms)
+    with pytest.raises(perf.ProbeError, match="no kernel for this$"):
+        perf.lower_bound(config(FP8), probes(FakeDevice(fail=("hbm",))), log=lambda line: None)
+
+
+def test_kernel_names_fall_in_the_bounds_categories():
+    names = {
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT": "gemm",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3": "attention",
+        "void transformer_engine::normalization::rmsnorm_fwd_tuned_kernel<__nv_fp8_e4m3>": "norm",
+        "void transformer_engine::detail::cast_transpose_kernel<__nv_fp8_e5m2>": "cast/transpose",
+        "void transformer_engine::dgated_act_kernel<silu, __nv_fp8_e5m2>": "activation",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "communication",
+        "Memcpy DtoD (Device -> Device)": "copy",
+        "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float>>": "optimizer",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": "elementwise",
+    }
+    assert {name: perf.kernel_category(name) for name in names} == names
+
+
+def test_tables_put_bound_beside_measurement():
+    bound = perf.Bound(
+        [
+            perf.Term("gemm", "linear fprop", 60.0, ""),
+            perf.Term("attention", "attention", 20.0, ""),
+            perf.Term("norm", "norm", 5.0, ""),
+        ]
+    )
+    profile = {"gemm": 70.0, "attention": 45.0, "norm": 5.0, "copy": 2.0, perf.IDLE: 8.0}
+    rows = [
+        perf.Row("llama-1b", "te-delayed+graphs", "1gpu", bound, 100.0, profile),
+        perf.Row("llama-1b", "te-bf16", "1gpu", None, None, None, ["run failed: out of memory"]),
+    ]
+    lines = perf.bound_table(rows).splitlines()
+    assert lines[2] == (
+        "| llama-1b | te-delayed+graphs | 1gpu | 85.0 | 100.0 | 1.18x | attention +25.0, gemm +10.0, GPU idle +8.0 |"
+    )
+    assert lines[3] == "| llama-1b | te-bf16 | 1gpu | - | - | - | run failed: out of memory |"
+    table = perf.category_table(rows[0])
+    assert "| attention | 20.0 | 45.0 | +25.0 |" in table and "| copy | 0.0 | 2.0 | +2.0 |" in table
+    assert "| GPU idle | 0.0 | 8.0 | +8.0 |" in table and "| rope |" not in table
+    assert perf.terms_table(bound).splitlines()[2].startswith("| gemm | linear fprop | 60.00 |")
+
+
+def test_attention_probes_fall_back_from_fp8_to_bf16_and_from_te_to_sdpa():
+    cfg = config(FP8)
+    cfg.model.transformer_impl = "transformer_engine"  # TE settings, set after parsing on this CPU
+    cfg.precision.fp8_dot_product_attention = True
+    assert [(a.fp8, a.count) for a in work.attention(cfg)] == [(True, 2), (False, 2)]  # the first layer in bf16
+    lines = []
+    device = FakeDevice(fail=("attention_te",))
+    bound = perf.lower_bound(cfg, probes(device), log=lines.append)
+    assert [line.split(":")[0] for line in lines] == [
+        "FP8 attention probe failed, bf16 attention used instead",
+        "Transformer Engine attention probe failed, torch SDPA used",
+    ]
+    assert {kind for kind, _ in device.calls if kind.startswith("attention")} == {"attention_te", "attention_sdpa"}
+    assert bound.by_category()["attention"] == pytest.approx(4 * ATTENTION[1])
