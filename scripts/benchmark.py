@@ -598,6 +598,7 @@ def main() -> int:
                 print(json.dumps(asdict(result)), flush=True)
                 if probes is not None:
                     rows.append(bound_row(result, args, probes))
+                    print(perf.bound_table(rows[-1:]).splitlines()[-1], flush=True)  # progress, in case of a timeout
     print(f"\n{environment()}\n")
     print(table(results))
     if rows:

@@ -1,7 +1,8 @@
 """The lower bound of one training iteration: measured rates (probes.py) applied to the work it must do (work.py,
 traffic.py).
 
-    bound = sum over GEMMs        FLOPs / TFLOP/s measured for that (m, n, k, dtype)
+    bound = sum over GEMMs        FLOPs / TFLOP/s measured for that (m, n, k, dtype; FP8 forward GEMMs with fast
+                                  accumulation, as Transformer Engine runs them)
           + sum over attentions   time of the fused kernel measured for that shape (forward + backward)
           + sum over memory passes bytes / measured HBM copy bandwidth
           + sum over collectives  bytes x (2(n-1)/n all-reduce, (n-1)/n all-gather / reduce-scatter) / bus bandwidth
@@ -94,7 +95,7 @@ def lower_bound(cfg: Config, probes: Probes, vocab: int | None = None, log: Call
     for g in gemms(cfg, vocab) + recompute_gemms(cfg, vocab):
         fp8 = g.fp8
         try:
-            tflops = probes.gemm_tflops(g.m, g.n, g.k, fp8)
+            tflops = probes.gemm_tflops(g.m, g.n, g.k, fp8, fast_accum="fprop" in g.name)
         except ProbeError as error:
             if not fp8:
                 raise

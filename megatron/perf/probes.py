@@ -66,9 +66,13 @@ class Probes:
             tmp.replace(self.cache)
         return result
 
-    def gemm_tflops(self, m: int, n: int, k: int, fp8: bool) -> float:
-        """(m x k) @ (k x n): torch.matmul in bf16, or torch._scaled_mm with e4m3 operands and per-tensor scales."""
-        return self.value("gemm", m=m, n=n, k=k, dtype="fp8" if fp8 else "bf16")
+    def gemm_tflops(self, m: int, n: int, k: int, fp8: bool, fast_accum: bool = False) -> float:
+        """(m x k) @ (k x n): torch.matmul in bf16, or torch._scaled_mm with e4m3 operands and per-tensor scales;
+        `fast_accum`: FP8 with Hopper's fast accumulation, which Transformer Engine uses for the forward GEMMs only
+        (the gradient GEMMs accumulate in higher precision)."""
+        if fp8:
+            return self.value("gemm", m=m, n=n, k=k, dtype="fp8", fast_accum=int(fast_accum))
+        return self.value("gemm", m=m, n=n, k=k, dtype="bf16")
 
     def attention_ms(
         self, batch: int, seq: int, heads: int, groups: int, head_dim: int, fp8: bool, backward: bool, backend: str
@@ -128,7 +132,7 @@ def _time_ms(fn: Callable[[], Any], warmup: int = 3, iters: int = 20) -> float:
     return start.elapsed_time(end) / iters
 
 
-def _gemm_tflops(m: int, n: int, k: int, dtype: str) -> float:
+def _gemm_tflops(m: int, n: int, k: int, dtype: str, fast_accum: int = 0) -> float:
     import torch
 
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -139,7 +143,10 @@ def _gemm_tflops(m: int, n: int, k: int, dtype: str) -> float:
         a8 = a.to(torch.float8_e4m3fn)
         b8 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn).t()
         one = torch.ones((), device="cuda", dtype=torch.float32)
-        ms = _time_ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+        fast = bool(fast_accum)
+        ms = _time_ms(
+            lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast)
+        )
     return 2.0 * m * n * k / (ms * 1e-3) / 1e12
 
 
