@@ -85,7 +85,7 @@ def category_table(row: Row) -> str:
     ]
     names = [*CATEGORIES, *(c for c in (row.profile or {}) if c not in CATEGORIES)]
     for name in names:
-        measured = row.profile.get(name) if row.profile is not None else None
+        measured = row.profile.get(name, 0.0) if row.profile is not None else None  # no kernel: 0 ms
         if not bound.get(name) and not measured:
             continue
         shown = f"{measured:.1f}" if measured is not None else "-"

@@ -232,6 +232,8 @@ def test_tables_put_bound_beside_measurement():
     table = perf.category_table(rows[0])
     assert "| attention | 20.0 | 45.0 | +25.0 |" in table and "| copy | 0.0 | 2.0 | +2.0 |" in table
     assert "| GPU idle | 0.0 | 8.0 | +8.0 |" in table and "| rope |" not in table
+    without_norm = perf.Row("p", "c", "1gpu", bound, 100.0, {"gemm": 70.0})
+    assert "| norm | 5.0 | 0.0 | -5.0 |" in perf.category_table(without_norm)
     assert perf.terms_table(bound).splitlines()[2].startswith("| gemm | linear fprop | 60.00 |")
 
 
