@@ -116,7 +116,7 @@ def cuda_measure(kind: str, shape: dict[str, Any]) -> float:
         torch.cuda.empty_cache()  # the training runs that follow get the memory back
 
 
-def _time_ms(fn: Callable[[], Any], warmup: int = 3, iters: int = 20) -> float:
+def _time_ms(fn: Callable[[], Any], warmup: int = 5, iters: int = 20) -> float:
     """Mean time of `fn` in ms over `iters` back-to-back calls (CUDA events), after `warmup` calls."""
     import torch
 
