@@ -102,9 +102,9 @@ def lower_bound(cfg: Config, probes: Probes, vocab: int | None = None, log: Call
             note("gemm", f"FP8 GEMM probe failed, bf16 rate used for the FP8 GEMMs that fail: {error}")
             fp8, tflops = False, probes.gemm_tflops(g.m, g.n, g.k, False)
         ms = g.flops / (tflops * 1e12) * 1e3
-        dtype = "fp8" if g.fp8 else "bf16"
-        detail = f"{g.count} x ({g.m} x {g.k}) @ ({g.k} x {g.n}) {dtype}, {g.flops / 1e12:.2f} TFLOP at {tflops:.0f}"
-        terms.append(Term("gemm", f"{g.name} {dtype}", ms, detail + " TFLOP/s"))
+        dtype, rate = "fp8" if g.fp8 else "bf16", "fp8" if fp8 else "bf16"
+        detail = f"{g.count} x ({g.m} x {g.k}) @ ({g.k} x {g.n}), {g.flops / 1e12:.2f} TFLOP at {tflops:.0f}"
+        terms.append(Term("gemm", f"{g.name} {dtype}", ms, f"{detail} TFLOP/s ({rate} probe)"))
     backend = attention_backend(cfg)
     for a in attention(cfg):
         shape = (a.batch, a.seq, a.heads, a.groups, a.head_dim)
