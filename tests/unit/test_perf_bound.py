@@ -192,6 +192,8 @@ def test_failed_probes_fall_back_with_one_line():
     assert len(lines) == 1 and "FP8 GEMM probe failed, bf16 rate used" in lines[0] and "\n" not in lines[0]
     gemm_ms = sum(g.flops / (RATES["bf16"] * 1e12) * 1e3 for g in work.gemms(config(FP8), 128))
     assert bound.by_category()["gemm"] == pytest.approx(gemm_ms)
+    fc1 = next(t for t in bound.terms if t.name == "linear_fc1 fprop fp8")
+    assert fc1.detail.endswith("at 100 TFLOP/s (bf16 probe)")
     with pytest.raises(perf.ProbeError, match="no kernel for this$"):
         perf.lower_bound(config(FP8), probes(FakeDevice(fail=("hbm",))), log=lambda line: None)
 
