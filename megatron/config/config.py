@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .base import ConfigError, require
+from .batch_schedule import BatchSchedule, parse_step_schedule
 from .data import DataConfig
 from .model import ModelConfig
 from .optimizer import OptimizerConfig
 from .parallel import ParallelConfig
+from .pipeline_split import accounted_layout, chunk_layer_numbers, layout_stage_counts, stage_layer_numbers
 from .precision import PrecisionConfig
 from .training import CheckpointConfig, LoggingConfig, TrainingConfig
 
@@ -55,7 +57,7 @@ class Config:
     @property
     def num_micro_batches(self) -> int:
         """Micro-batches each data-parallel rank runs per optimizer step at --global-batch-size (the final batch
-        size of a batch-size ramp; megatron/training/batch_schedule.py gives each step's)."""
+        size of a batch-size ramp; batch_schedule.py gives each step's)."""
         assert self.training.global_batch_size is not None
         return self.training.global_batch_size // (self.training.micro_batch_size * self.data_parallel_size)
 
@@ -128,10 +130,8 @@ class Config:
         )
 
     def _resolve_batch_schedule(self) -> None:
-        """--global-batch-size is the final batch size of a batch-size schedule (megatron/training/
-        batch_schedule.py); the schedule's own rules are checked by building it."""
-        from megatron.training.batch_schedule import BatchSchedule, parse_step_schedule
-
+        """--global-batch-size is the final batch size of a batch-size schedule (batch_schedule.py); the schedule's
+        own rules are checked by building it."""
         train = self.training
         if train.step_batch_size_schedule is not None:
             final = parse_step_schedule(train.step_batch_size_schedule, self.model.seq_length)[-1][1]
@@ -176,8 +176,6 @@ class Config:
 
     def _check_parallel_layout(self) -> None:
         """Shapes that tensor and pipeline parallelism must be able to split."""
-        from megatron.parallel.pipeline import stage_layer_numbers  # the one place that splits layers
-
         par, model = self.parallel, self.model
         tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
         cp = par.context_parallel_size
@@ -205,8 +203,6 @@ class Config:
     def pipeline_layout(self) -> str | None:
         """The --pipeline-model-parallel-layout string that places the layers, also the one that
         --account-for-embedding/loss-in-pipeline-split stand for; None for the even (or first/last) split."""
-        from megatron.parallel.pipeline_layout import accounted_layout
-
         par = self.parallel
         embedding, loss = par.account_for_embedding_in_pipeline_split, par.account_for_loss_in_pipeline_split
         if par.pipeline_model_parallel_layout is not None or not (embedding or loss):
@@ -216,9 +212,7 @@ class Config:
 
     def stage_chunks(self, pp_rank: int) -> tuple[tuple[int, ...], ...]:
         """Global layer numbers of each model chunk of pipeline rank `pp_rank`, as the pipeline flags place them
-        (megatron/parallel/pipeline.py)."""
-        from megatron.parallel.pipeline import chunk_layer_numbers
-
+        (pipeline_split.py)."""
         par = self.parallel
         first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
         pp, vpp = par.pipeline_model_parallel_size, self.virtual_pipeline_size
@@ -236,8 +230,6 @@ class Config:
         """Model chunks per pipeline rank: more than 1 runs the interleaved 1F1B schedule."""
         par = self.parallel
         if par.pipeline_model_parallel_layout is not None:
-            from megatron.parallel.pipeline_layout import layout_stage_counts
-
             stages = layout_stage_counts(
                 par.pipeline_model_parallel_layout, par.pipeline_model_parallel_size, self.model.num_layers
             )
@@ -251,8 +243,6 @@ class Config:
 
     def _check_virtual_pipeline(self) -> None:
         """What the interleaved schedule needs (Megatron-LM's rules)."""
-        from megatron.training.batch_schedule import BatchSchedule
-
         par, layers, pp = self.parallel, self._pipelined_layers, self.parallel.pipeline_model_parallel_size
         per_stage = par.num_layers_per_virtual_pipeline_stage
         if per_stage is not None:
