@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import te_rules
 from .base import ConfigError, require
 from .batch_schedule import BatchSchedule, parse_step_schedule
 from .data import DataConfig
@@ -15,7 +16,7 @@ from .model import ModelConfig
 from .optimizer import OptimizerConfig
 from .parallel import ParallelConfig
 from .pipeline_split import accounted_layout, chunk_layer_numbers, layout_stage_counts, stage_layer_numbers
-from .precision import PrecisionConfig
+from .precision import LOCAL_FP8_PARAM_RECIPES, TE_FP8_PARAM_RECIPES, PrecisionConfig
 from .training import CheckpointConfig, LoggingConfig, TrainingConfig
 
 SECTIONS: dict[str, type] = {
@@ -292,15 +293,13 @@ class Config:
     def _resolve_transformer_impl(self) -> None:
         """Default --transformer-impl (TE where it can run, else local, with a note saying why); an explicit
         transformer_engine that cannot run, or FP8 settings TE cannot express, is a ConfigError."""
-        from megatron.fp8 import te_recipe  # late: megatron.fp8 imports this package
-
         model, prec = self.model, self.precision
         if model.transformer_impl is None:
             if self.device_type != "cuda":
                 reason = "no CUDA device"
-            elif (error := te_recipe.te_import_error()) is not None:
+            elif (error := te_rules.te_import_error()) is not None:
                 reason = f"Transformer Engine does not import: {error}"
-            elif prec.fp8 and prec.fp8_recipe not in te_recipe.TE_RECIPES:
+            elif prec.fp8 and prec.fp8_recipe not in te_rules.TE_RECIPES:
                 reason = f"--fp8-recipe {prec.fp8_recipe} has no Transformer Engine recipe"
             else:
                 reason = None
@@ -316,7 +315,7 @@ class Config:
                 self.device_type == "cuda",
                 "--transformer-impl transformer_engine needs a CUDA GPU; use --transformer-impl local",
             )
-            te_recipe.require_te()
+            te_rules.require_te()
         if prec.fp8_param_gather:
             self._check_fp8_params()
         require(
@@ -346,7 +345,7 @@ class Config:
                 " communication it should overlap (Megatron-LM sets it to 1)"
             )
         if model.transformer_impl == "transformer_engine":
-            te_recipe.check_te_config(model, self.training.micro_batch_size, prec, self.parallel)
+            te_rules.check_te_config(model, self.training.micro_batch_size, prec, self.parallel)
         self._check_cuda_graphs()
         self._check_attention_and_determinism()
 
@@ -372,22 +371,20 @@ class Config:
 
     def _check_fp8_params(self) -> None:
         """Recipes whose weights can live in FP8 (and be all-gathered as FP8 bytes): see megatron/fp8/params.py."""
-        from megatron.fp8.params import LOCAL_RECIPES, TE_RECIPES
-
         recipe, te = self.precision.fp8_recipe, self.model.transformer_impl == "transformer_engine"
         if not te:
             require(
-                recipe in LOCAL_RECIPES,
+                recipe in LOCAL_FP8_PARAM_RECIPES,
                 f"--fp8-param-gather with --fp8-recipe {recipe}: the local engine keeps FP8 weights with one scale"
-                f" per tensor ({', '.join(LOCAL_RECIPES)}); use one of those, --transformer-impl transformer_engine"
-                " for blockwise, or drop --fp8-param-gather",
+                f" per tensor ({', '.join(LOCAL_FP8_PARAM_RECIPES)}); use one of those, --transformer-impl"
+                " transformer_engine for blockwise, or drop --fp8-param-gather",
             )
         elif self.optimizer.use_distributed_optimizer:
             require(
-                recipe in TE_RECIPES,
+                recipe in TE_FP8_PARAM_RECIPES,
                 f"--fp8-param-gather with --use-distributed-optimizer and --fp8-recipe {recipe}: Transformer"
                 f" Engine's {recipe} weights cannot be all-gathered as FP8 bytes; use --fp8-recipe"
-                f" {'|'.join(TE_RECIPES)}, or drop one of the two flags",
+                f" {'|'.join(TE_FP8_PARAM_RECIPES)}, or drop one of the two flags",
             )
 
     def _check_context_parallel(self) -> None:
