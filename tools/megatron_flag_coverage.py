@@ -191,14 +191,14 @@ def arguments(flag: str, value: object) -> list[str]:
 @contextlib.contextmanager
 def te_importable() -> Iterator[None]:
     """Validate as on a GPU machine with Transformer Engine: flag checks need neither."""
-    from megatron.fp8 import te_recipe
+    from megatron.config import te_rules
 
-    saved = te_recipe.te_import_error
-    te_recipe.te_import_error = lambda: None
+    saved = te_rules.te_import_error
+    te_rules.te_import_error = lambda: None
     try:
         yield
     finally:
-        te_recipe.te_import_error = saved
+        te_rules.te_import_error = saved
 
 
 def fill(args: dict[str, list[str]]) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from megatron.parallel.pipeline_layout import layer_ranges
+from megatron.config.pipeline_split import layer_ranges
 
 from .checkpointing import (
     CheckpointError,

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         docs = field_docs(cls)
         for field in dataclasses.fields(cls):
             kwargs = dict(field.metadata.get("argparse", {}))
-            kwargs.setdefault("help", docs.get(field.name, ""))
+            kwargs.setdefault("help", docs.get(field.name, "").replace("%", "%%"))  # argparse %-formats help
             kwargs["dest"] = f"{section}.{field.name}"
             kind = scalar_type(field.type)
             if kind is bool:

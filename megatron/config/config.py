@@ -8,12 +8,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import te_rules
 from .base import ConfigError, require
+from .batch_schedule import BatchSchedule, parse_step_schedule
 from .data import DataConfig
 from .model import ModelConfig
 from .optimizer import OptimizerConfig
 from .parallel import ParallelConfig
-from .precision import PrecisionConfig
+from .pipeline_split import accounted_layout, chunk_layer_numbers, layout_stage_counts, stage_layer_numbers
+from .precision import LOCAL_FP8_PARAM_RECIPES, TE_FP8_PARAM_RECIPES, PrecisionConfig
 from .training import CheckpointConfig, LoggingConfig, TrainingConfig
 
 SECTIONS: dict[str, type] = {
@@ -55,7 +58,7 @@ class Config:
     @property
     def num_micro_batches(self) -> int:
         """Micro-batches each data-parallel rank runs per optimizer step at --global-batch-size (the final batch
-        size of a batch-size ramp; megatron/training/batch_schedule.py gives each step's)."""
+        size of a batch-size ramp; batch_schedule.py gives each step's)."""
         assert self.training.global_batch_size is not None
         return self.training.global_batch_size // (self.training.micro_batch_size * self.data_parallel_size)
 
@@ -128,10 +131,8 @@ class Config:
         )
 
     def _resolve_batch_schedule(self) -> None:
-        """--global-batch-size is the final batch size of a batch-size schedule (megatron/training/
-        batch_schedule.py); the schedule's own rules are checked by building it."""
-        from megatron.training.batch_schedule import BatchSchedule, parse_step_schedule
-
+        """--global-batch-size is the final batch size of a batch-size schedule (batch_schedule.py); the schedule's
+        own rules are checked by building it."""
         train = self.training
         if train.step_batch_size_schedule is not None:
             final = parse_step_schedule(train.step_batch_size_schedule, self.model.seq_length)[-1][1]
@@ -176,8 +177,6 @@ class Config:
 
     def _check_parallel_layout(self) -> None:
         """Shapes that tensor and pipeline parallelism must be able to split."""
-        from megatron.parallel.pipeline import stage_layer_numbers  # the one place that splits layers
-
         par, model = self.parallel, self.model
         tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
         cp = par.context_parallel_size
@@ -205,8 +204,6 @@ class Config:
     def pipeline_layout(self) -> str | None:
         """The --pipeline-model-parallel-layout string that places the layers, also the one that
         --account-for-embedding/loss-in-pipeline-split stand for; None for the even (or first/last) split."""
-        from megatron.parallel.pipeline_layout import accounted_layout
-
         par = self.parallel
         embedding, loss = par.account_for_embedding_in_pipeline_split, par.account_for_loss_in_pipeline_split
         if par.pipeline_model_parallel_layout is not None or not (embedding or loss):
@@ -216,9 +213,7 @@ class Config:
 
     def stage_chunks(self, pp_rank: int) -> tuple[tuple[int, ...], ...]:
         """Global layer numbers of each model chunk of pipeline rank `pp_rank`, as the pipeline flags place them
-        (megatron/parallel/pipeline.py)."""
-        from megatron.parallel.pipeline import chunk_layer_numbers
-
+        (pipeline_split.py)."""
         par = self.parallel
         first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
         pp, vpp = par.pipeline_model_parallel_size, self.virtual_pipeline_size
@@ -236,8 +231,6 @@ class Config:
         """Model chunks per pipeline rank: more than 1 runs the interleaved 1F1B schedule."""
         par = self.parallel
         if par.pipeline_model_parallel_layout is not None:
-            from megatron.parallel.pipeline_layout import layout_stage_counts
-
             stages = layout_stage_counts(
                 par.pipeline_model_parallel_layout, par.pipeline_model_parallel_size, self.model.num_layers
             )
@@ -251,8 +244,6 @@ class Config:
 
     def _check_virtual_pipeline(self) -> None:
         """What the interleaved schedule needs (Megatron-LM's rules)."""
-        from megatron.training.batch_schedule import BatchSchedule
-
         par, layers, pp = self.parallel, self._pipelined_layers, self.parallel.pipeline_model_parallel_size
         per_stage = par.num_layers_per_virtual_pipeline_stage
         if per_stage is not None:
@@ -302,15 +293,13 @@ class Config:
     def _resolve_transformer_impl(self) -> None:
         """Default --transformer-impl (TE where it can run, else local, with a note saying why); an explicit
         transformer_engine that cannot run, or FP8 settings TE cannot express, is a ConfigError."""
-        from megatron.fp8 import te_recipe  # late: megatron.fp8 imports this package
-
         model, prec = self.model, self.precision
         if model.transformer_impl is None:
             if self.device_type != "cuda":
                 reason = "no CUDA device"
-            elif (error := te_recipe.te_import_error()) is not None:
+            elif (error := te_rules.te_import_error()) is not None:
                 reason = f"Transformer Engine does not import: {error}"
-            elif prec.fp8 and prec.fp8_recipe not in te_recipe.TE_RECIPES:
+            elif prec.fp8 and prec.fp8_recipe not in te_rules.TE_RECIPES:
                 reason = f"--fp8-recipe {prec.fp8_recipe} has no Transformer Engine recipe"
             else:
                 reason = None
@@ -326,7 +315,7 @@ class Config:
                 self.device_type == "cuda",
                 "--transformer-impl transformer_engine needs a CUDA GPU; use --transformer-impl local",
             )
-            te_recipe.require_te()
+            te_rules.require_te()
         if prec.fp8_param_gather:
             self._check_fp8_params()
         require(
@@ -356,7 +345,7 @@ class Config:
                 " communication it should overlap (Megatron-LM sets it to 1)"
             )
         if model.transformer_impl == "transformer_engine":
-            te_recipe.check_te_config(model, self.training.micro_batch_size, prec, self.parallel)
+            te_rules.check_te_config(model, self.training.micro_batch_size, prec, self.parallel)
         self._check_cuda_graphs()
         self._check_attention_and_determinism()
 
@@ -382,22 +371,20 @@ class Config:
 
     def _check_fp8_params(self) -> None:
         """Recipes whose weights can live in FP8 (and be all-gathered as FP8 bytes): see megatron/fp8/params.py."""
-        from megatron.fp8.params import LOCAL_RECIPES, TE_RECIPES
-
         recipe, te = self.precision.fp8_recipe, self.model.transformer_impl == "transformer_engine"
         if not te:
             require(
-                recipe in LOCAL_RECIPES,
+                recipe in LOCAL_FP8_PARAM_RECIPES,
                 f"--fp8-param-gather with --fp8-recipe {recipe}: the local engine keeps FP8 weights with one scale"
-                f" per tensor ({', '.join(LOCAL_RECIPES)}); use one of those, --transformer-impl transformer_engine"
-                " for blockwise, or drop --fp8-param-gather",
+                f" per tensor ({', '.join(LOCAL_FP8_PARAM_RECIPES)}); use one of those, --transformer-impl"
+                " transformer_engine for blockwise, or drop --fp8-param-gather",
             )
         elif self.optimizer.use_distributed_optimizer:
             require(
-                recipe in TE_RECIPES,
+                recipe in TE_FP8_PARAM_RECIPES,
                 f"--fp8-param-gather with --use-distributed-optimizer and --fp8-recipe {recipe}: Transformer"
                 f" Engine's {recipe} weights cannot be all-gathered as FP8 bytes; use --fp8-recipe"
-                f" {'|'.join(TE_RECIPES)}, or drop one of the two flags",
+                f" {'|'.join(TE_FP8_PARAM_RECIPES)}, or drop one of the two flags",
             )
 
     def _check_context_parallel(self) -> None:

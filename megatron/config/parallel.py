@@ -87,7 +87,7 @@ class ParallelConfig:
     the embedding (opens the first stage), `t` a transformer layer, `L` the output layer and loss (closes the last),
     `x*n` and `(...)*n` repeat, commas are cosmetic; the stage count over --pipeline-model-parallel-size is the
     virtual pipeline size. For stages of unequal work, e.g. a last stage whose large-vocabulary output layer costs
-    about two layers: `Et*4|t*4|t*5|t*4|t*4|t*4|t*4|t*3L` (megatron/parallel/pipeline_layout.py). Replaces
+    about two layers: `Et*4|t*4|t*5|t*4|t*4|t*4|t*4|t*3L` (megatron/config/pipeline_split.py). Replaces
     --decoder-first/last-pipeline-num-layers and the virtual pipeline flags. A stage may hold only E or only L."""
     account_for_embedding_in_pipeline_split: bool = False
     """Count the embedding as one transformer layer when the layers are split over the pipeline (Megatron-LM's

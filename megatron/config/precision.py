@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 from .base import option, require
 
+#: Recipes whose weights --fp8-param-gather can keep in FP8 and all-gather as bytes: the local engine's
+#: `Fp8Parameter` has one scale per tensor; Transformer Engine's own quantized tensors (megatron/fp8/params.py).
+LOCAL_FP8_PARAM_RECIPES = ("delayed", "tensorwise")
+TE_FP8_PARAM_RECIPES = ("delayed", "tensorwise", "blockwise")
+
 
 @dataclass
 class PrecisionConfig:

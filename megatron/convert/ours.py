@@ -23,9 +23,9 @@ import torch
 from megatron.checkpoint.checkpointing import CHECKPOINT_VERSION, LATEST, iteration_dir, model_parallel_name
 from megatron.checkpoint.sharding import global_name
 from megatron.config import Config, DataConfig, ModelConfig
+from megatron.config.pipeline_split import stage_layer_numbers
 from megatron.data.tokenizers import build_tokenizer, padded_vocab_size
 from megatron.errors import UserError
-from megatron.parallel.pipeline import stage_layer_numbers
 
 from .files import load_torch_file
 from .state import (

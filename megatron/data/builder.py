@@ -10,6 +10,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from megatron.config import Config
+from megatron.config.batch_schedule import train_samples as run_samples
 from megatron.config.data import parse_blend, parse_split
 
 from .blended_dataset import BlendedDataset, cached_blend_indices
@@ -47,8 +48,6 @@ def build_datasets(cfg: Config, tokenizer, vocab_size: int) -> Datasets:
     """Datasets sized for the whole run: at least the samples its steps consume for training, and eval_iters x
     global batch for validation and test (the same samples at every evaluation); None where eval_iters is 0 or the
     split gives no documents."""
-    from megatron.training.batch_schedule import train_samples as run_samples  # late: megatron.training imports us
-
     train_samples = run_samples(cfg)
     eval_samples = cfg.training.eval_iters * cfg.training.global_batch_size
     seq, seed = cfg.model.seq_length, cfg.training.seed

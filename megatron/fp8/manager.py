@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.config import Config, ConfigError
-from megatron.parallel.pipeline_layout import layer_ranges
+from megatron.config.pipeline_split import layer_ranges
 
 from .formats import Role
 from .gemm import describe_path

@@ -31,12 +31,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.config.precision import TE_FP8_PARAM_RECIPES
+
 from .formats import E4M3, Role
 from .quantize import TENSOR, Fp8Tensor, scale_from_amax, scaled_cast
-
-#: Recipes whose weights can be kept in FP8 and all-gathered as bytes (`Fp8Parameter` here; TE: its own tensors).
-LOCAL_RECIPES = ("delayed", "tensorwise")
-TE_RECIPES = ("delayed", "tensorwise", "blockwise")
 
 
 def is_fp8_param(param: torch.Tensor | None) -> bool:
@@ -224,7 +222,7 @@ def fp8_raw_data(param: torch.Tensor) -> torch.Tensor:
     if raw is None or raw.dtype != torch.uint8 or raw.numel() != param.numel():
         raise ValueError(
             f"{type(param).__name__} weights cannot be all-gathered as FP8 bytes; use --fp8-recipe"
-            f" {'|'.join(TE_RECIPES)} with --fp8-param-gather and --use-distributed-optimizer"
+            f" {'|'.join(TE_FP8_PARAM_RECIPES)} with --fp8-param-gather and --use-distributed-optimizer"
         )
     return raw.view(-1)
 

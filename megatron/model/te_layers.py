@@ -42,13 +42,12 @@ from torch import nn
 
 from megatron.config import ModelConfig, PrecisionConfig
 from megatron.config.base import require
+from megatron.config.te_rules import check_te_recipe_name, require_te
 from megatron.errors import UserError
 from megatron.fp8.te_recipe import (
     check_fp8_attention_on_gpu,
     check_te_fp8_on_this_gpu,
-    check_te_recipe_name,
     describe_te_recipe,
-    require_te,
     te_recipe,
     te_version,
 )

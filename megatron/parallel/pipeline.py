@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from .dims import ParallelDims
-from .pipeline_layout import layout_stage_counts
 
 
 def _p2p(dims: ParallelDims, send: list[tuple[torch.Tensor, int]], recv: list[tuple[torch.Tensor, int]]) -> None:
@@ -122,84 +121,6 @@ def forward_backward_1f1b(
         output_grad = channel.recv_backward()
         channel.send_backward(_backward(inputs.pop(0), outputs.pop(0), output_grad))
     return losses
-
-
-def _stage_layer_counts(num_layers: int, pp: int, first: int | None, last: int | None) -> list[int]:
-    """Transformer layers of each pipeline stage: `first` / `last` on the first / last stage when given, the rest
-    split evenly over the other stages (ConfigError naming the flags when they cannot be)."""
-    from megatron.config import ConfigError
-
-    counts = [None] * pp
-    if first is not None:
-        counts[0] = first
-    if last is not None:
-        counts[-1] = last
-    rest = num_layers - sum(c for c in counts if c is not None)
-    free = counts.count(None)
-    if rest < 0 or (free and rest % free) or (not free and rest):
-        raise ConfigError(
-            f"--num-layers ({num_layers}) cannot be split over --pipeline-model-parallel-size ({pp}) with"
-            f" --decoder-first-pipeline-num-layers {first} and --decoder-last-pipeline-num-layers {last}:"
-            " the layers left must divide evenly over the other stages"
-        )
-    counts = [c if c is not None else rest // free for c in counts]
-    if min(counts) < 1:
-        raise ConfigError(
-            f"--num-layers ({num_layers}) leaves an empty pipeline stage with --pipeline-model-parallel-size ({pp})"
-        )
-    return counts
-
-
-def chunk_layer_numbers(
-    num_layers: int,
-    pp: int,
-    pp_rank: int,
-    vpp: int = 1,
-    first: int | None = None,
-    last: int | None = None,
-    layout: str | None = None,
-) -> tuple[tuple[int, ...], ...]:
-    """Global (1-based) layer numbers of each of the `vpp` model chunks of pipeline stage `pp_rank`, as Megatron-LM
-    assigns them: each stage's layers (see `_stage_layer_counts`) are divided evenly over its chunks, and chunk c of
-    stage r is virtual stage c * pp + r, so the model runs chunk 0 of every stage, then chunk 1 of every stage, ...
-    With 8 layers, pp 2, vpp 2: stage 0 holds [1, 2] and [5, 6], stage 1 [3, 4] and [7, 8]. `layout`
-    (--pipeline-model-parallel-layout, pipeline_layout.py) gives every virtual stage's layer count instead."""
-    from megatron.config import ConfigError
-
-    if layout is not None:
-        per_stage = layout_stage_counts(layout, pp, num_layers)
-        starts = [sum(per_stage[:s]) for s in range(len(per_stage))]
-        return tuple(
-            tuple(range(starts[s] + 1, starts[s] + per_stage[s] + 1)) for s in range(pp_rank, len(per_stage), pp)
-        )
-    counts = _stage_layer_counts(num_layers, pp, first, last)
-    if any(c % vpp for c in counts):
-        raise ConfigError(
-            f"pipeline stages of {counts} layers cannot be divided into {vpp} virtual stages each: every stage's"
-            " layers (--num-layers, --decoder-first/last-pipeline-num-layers) must be a multiple of"
-            " --num-virtual-stages-per-pipeline-rank"
-        )
-    per_chunk = [c // vpp for c in counts]
-    start = sum(per_chunk[:pp_rank])
-    return tuple(
-        tuple(range(c * sum(per_chunk) + start + 1, c * sum(per_chunk) + start + per_chunk[pp_rank] + 1))
-        for c in range(vpp)
-    )
-
-
-def stage_layer_numbers(
-    num_layers: int,
-    pp: int,
-    pp_rank: int,
-    first: int | None = None,
-    last: int | None = None,
-    layout: str | None = None,
-) -> tuple[int, ...]:
-    """Global (1-based) layer numbers of pipeline stage `pp_rank`, all its chunks: `first` / `last` layers on the
-    first / last stage when given, the remaining layers split evenly over the other stages, or what `layout` places
-    there. Raises ConfigError naming the flags when the layers cannot be split that way."""
-    chunks = chunk_layer_numbers(num_layers, pp, pp_rank, 1, first, last, layout)
-    return tuple(n for chunk in chunks for n in chunk)
 
 
 def bubble_fraction(pp: int, vpp: int, num_micro_batches: int) -> float:

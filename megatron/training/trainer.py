@@ -23,6 +23,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from megatron.checkpoint import Checkpointer, checkpoint_is_finite
 from megatron.config import Config
+from megatron.config.batch_schedule import BatchSchedule, train_iterations
+from megatron.config.pipeline_split import layout_line
 from megatron.data import PretrainingSampler, build_datasets, build_tokenizer, padded_vocab_size
 from megatron.fp8.calibration import calibrate_delayed_scaling
 from megatron.fp8.monitor import build_fp8_monitor
@@ -42,10 +44,8 @@ from megatron.parallel import (
 from megatron.parallel.context_parallel import NO_CP, ContextParallel, attach_context_parallel, split_batch
 from megatron.parallel.interleaved import run_interleaved
 from megatron.parallel.pipeline import forward_backward_1f1b, forward_only, schedule_line
-from megatron.parallel.pipeline_layout import layout_line
 from megatron.parallel.tensor_parallel import TensorParallel
 
-from .batch_schedule import BatchSchedule, train_iterations
 from .determinism import apply_deterministic_mode
 from .flops import num_floating_point_operations, peak_tflops
 from .guards import RunGuards, guard_collectives

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron.config import parse_args
+from megatron.config.te_rules import te_import_error
 from megatron.errors import UserError
-from megatron.fp8.te_recipe import te_import_error
 from megatron.model import GPTModel, attention
 
 pytestmark = pytest.mark.gpu

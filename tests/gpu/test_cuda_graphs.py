@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron.config import parse_args
-from megatron.fp8.te_recipe import te_import_error
+from megatron.config.te_rules import te_import_error
 from megatron.model import GPTModel
 from megatron.model.cuda_graphs import capture_te_layer_graphs
 from megatron.optim import MixedPrecisionAdamW

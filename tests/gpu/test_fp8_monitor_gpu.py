@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatron.config import parse_args
+from megatron.config.te_rules import te_import_error
 from megatron.fp8 import Role, fp8_max
-from megatron.fp8.te_recipe import te_import_error
 from megatron.training import Trainer
 
 pytestmark = [

@@ -12,7 +12,7 @@ by the whole value. Never run yet on a GPU (written against TE 2.20's API).
 import pytest
 import torch
 
-from megatron.fp8.te_recipe import te_import_error
+from megatron.config.te_rules import te_import_error
 from tests.dist_utils import run_distributed
 from tests.distributed.test_context_parallel import _body
 from tests.distributed.test_parallel_layouts import _check

@@ -7,7 +7,7 @@ test_fp8_param_gather.py."""
 import pytest
 import torch
 
-from megatron.fp8.te_recipe import te_import_error
+from megatron.config.te_rules import te_import_error
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fp8_param_gather import _same_as_unsharded_body
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megatron.config import ConfigError, parse_args
+from megatron.config.te_rules import te_import_error
 from megatron.data.mock import MockGPTDataset
-from megatron.fp8.te_recipe import te_import_error
 from megatron.model import GPTModel
 from megatron.model.layers import is_fp8_param
 from megatron.optim import MixedPrecisionAdamW

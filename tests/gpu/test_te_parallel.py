@@ -17,7 +17,7 @@ uninterrupted run's losses to rel 1e-5 (GPU reductions need not be bitwise repea
 import pytest
 import torch
 
-from megatron.fp8.te_recipe import te_import_error
+from megatron.config.te_rules import te_import_error
 from tests.dist_utils import run_distributed
 from tests.distributed.test_parallel_layouts import BASE, FP8, LAYOUTS_2, LAYOUTS_4, _check, _layouts_body, _record
 

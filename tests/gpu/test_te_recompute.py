@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from megatron.config import parse_args
+from megatron.config.te_rules import te_import_error
 from megatron.data.mock import MockGPTDataset
-from megatron.fp8.te_recipe import te_import_error
 from megatron.model import GPTModel
 from megatron.optim import MixedPrecisionAdamW
 from megatron.parallel import GradientBuffers

@@ -106,6 +106,12 @@ def test_every_flag_has_help_text():
             assert action.help and len(action.help) > 10, action.option_strings
 
 
+def test_help_prints():
+    """`pretrain_gpt.py --help`: argparse %-formats every help text, so a percentage quoted in a field's docstring
+    must reach it escaped."""
+    assert "usage: pretrain_gpt.py" in build_parser().format_help()
+
+
 def test_megatron_flags_exist():
     required = (
         "--num-layers --hidden-size --ffn-hidden-size --num-attention-heads --group-query-attention"

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from megatron.checkpoint import check_model_state, load_checkpoint
+from megatron.config.pipeline_split import stage_layer_numbers
 from megatron.convert import ConvertError, FullModel, atomic_output_dir, read_hf, read_mlm, read_ours, write_hf
 from megatron.convert.files import load_torch_file, partial_dir
 from megatron.convert.ours import shard_state, write_torch
 from megatron.convert.state import model_config
 from megatron.data import padded_vocab_size
 from megatron.model.gpt import GPTModel, Stage
-from megatron.parallel.pipeline import stage_layer_numbers
 from megatron.parallel.tensor_parallel import TensorParallel
 
 transformers = pytest.importorskip("transformers")

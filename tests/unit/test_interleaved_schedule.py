@@ -6,10 +6,16 @@ import pytest
 import torch
 
 from megatron.config import ConfigError, parse_args
+from megatron.config.pipeline_split import (
+    accounted_layout,
+    chunk_layer_numbers,
+    layout_line,
+    layout_stage_counts,
+    stage_layer_numbers,
+)
 from megatron.model import GPTModel, Stage
 from megatron.parallel.interleaved import Pass, compute_order, tick_plan
-from megatron.parallel.pipeline import chunk_layer_numbers, schedule_line, stage_layer_numbers
-from megatron.parallel.pipeline_layout import accounted_layout, layout_line, layout_stage_counts
+from megatron.parallel.pipeline import schedule_line
 
 BASE = "--mock-data --vocab-size 128 --num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16"
 BASE += " --micro-batch-size 1 --transformer-impl local"

@@ -6,8 +6,8 @@ import shlex
 import pytest
 
 from megatron.config import ConfigError, parse_args
+from megatron.config.batch_schedule import BatchSchedule, parse_count, parse_step_schedule, train_iterations
 from megatron.optim.schedule import LRSchedule
-from megatron.training.batch_schedule import BatchSchedule, parse_count, parse_step_schedule, train_iterations
 
 BASE = "--mock-data --vocab-size 128 --seq-length 64"
 

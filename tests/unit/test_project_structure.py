@@ -10,6 +10,7 @@ from megatron.config import all_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 TE_MODULES = {
+    "megatron/config/te_rules.py",
     "megatron/fp8/te_recipe.py",
     "megatron/fp8/params.py",
     "megatron/model/te_layers.py",

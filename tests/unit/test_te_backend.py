@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from megatron.config import ConfigError, parse_args
+from megatron.config import ConfigError, parse_args, te_rules
 from megatron.fp8 import te_recipe
 from megatron.fp8.te_recipe import check_fp8_attention_on_gpu, check_recipe_on_gpu
 from megatron.model import GPTModel
@@ -88,7 +88,7 @@ def parse(extra: str = "", **kwargs):
 @pytest.fixture
 def te_present(monkeypatch):
     """Pretend Transformer Engine imports (the config only asks te_import_error)."""
-    monkeypatch.setattr(te_recipe, "te_import_error", lambda: None)
+    monkeypatch.setattr(te_rules, "te_import_error", lambda: None)
 
 
 def test_default_impl_is_local_without_cuda_and_says_so():
@@ -104,7 +104,7 @@ def test_default_impl_on_cuda_depends_on_te(monkeypatch, te_present):
     # rowwise has no TE recipe: the default picks the local engine instead of failing
     rowwise = parse("--fp8-format hybrid --fp8-recipe rowwise", device_type="cuda")
     assert rowwise.model.transformer_impl == "local" and any("rowwise" in n for n in rowwise.notes)
-    monkeypatch.setattr(te_recipe, "te_import_error", lambda: "ModuleNotFoundError: No module named 'x'")
+    monkeypatch.setattr(te_rules, "te_import_error", lambda: "ModuleNotFoundError: No module named 'x'")
     cfg = parse(device_type="cuda")
     assert cfg.model.transformer_impl == "local"
     assert any("Transformer Engine does not import" in n for n in cfg.notes)
@@ -157,7 +157,7 @@ def test_default_impl_on_cuda_depends_on_te(monkeypatch, te_present):
     ],
 )
 def test_startup_errors_are_one_line_naming_the_flag(monkeypatch, extra, device, te, expected):
-    monkeypatch.setattr(te_recipe, "te_import_error", lambda: None if te else "ImportError: no TE here")
+    monkeypatch.setattr(te_rules, "te_import_error", lambda: None if te else "ImportError: no TE here")
     with pytest.raises(ConfigError) as info:
         parse(extra, device_type=device, world_size=4 if "parallel-size 4" in extra else 1)
     assert expected in str(info.value) and "\n" not in str(info.value)

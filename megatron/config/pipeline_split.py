@@ -1,4 +1,10 @@
-"""`--pipeline-model-parallel-layout`: Megatron-LM's string for which layers each virtual pipeline stage holds.
+"""Which transformer layers each pipeline stage holds: the pure arithmetic that configuration validation, the model
+builder, checkpoints and the converter share (megatron/parallel/pipeline.py runs the schedule over the stages).
+
+Without a layout the layers split evenly over the pipeline stages, or --decoder-first/last-pipeline-num-layers fix
+the first / last stage's count and the rest split evenly (`chunk_layer_numbers`, `stage_layer_numbers`).
+
+`--pipeline-model-parallel-layout` is Megatron-LM's string for which layers each virtual pipeline stage holds.
 
 Stages are separated by `|` and listed in model order (virtual stage s = chunk s // pp of pipeline rank s % pp);
 in each, `E` is the embedding, `t` a transformer layer and `L` the output layer with the loss. `x*n` repeats a
@@ -19,13 +25,13 @@ from __future__ import annotations
 
 import re
 
+from .base import ConfigError
+
 _GROUP = re.compile(r"\(([^()]+)\)\*(\d+)")
 _REPEAT = re.compile(r"(.)\*(\d+)")
 
 
 def _error(layout: str, why: str) -> Exception:
-    from megatron.config import ConfigError  # late: the config package imports this module's users
-
     return ConfigError(f"--pipeline-model-parallel-layout {layout!r}: {why}")
 
 
@@ -57,8 +63,6 @@ def accounted_layout(num_layers: int, pp: int, vpp: int, embedding: bool, loss: 
     """The layout of --account-for-embedding/loss-in-pipeline-split: (num_layers + embedding + loss) layers split
     evenly over pp x vpp virtual stages, the embedding and the loss each standing in for one layer of the first and
     last virtual stage. ConfigError where they do not split evenly (Megatron-LM's rule)."""
-    from megatron.config import ConfigError
-
     flags = " and ".join(
         f"--account-for-{what}-in-pipeline-split" for what, on in (("embedding", embedding), ("loss", loss)) if on
     )
@@ -76,6 +80,80 @@ def accounted_layout(num_layers: int, pp: int, vpp: int, embedding: bool, loss: 
     stages = ["t" * c for c in counts]
     stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
     return "|".join(stages)
+
+
+def _stage_layer_counts(num_layers: int, pp: int, first: int | None, last: int | None) -> list[int]:
+    """Transformer layers of each pipeline stage: `first` / `last` on the first / last stage when given, the rest
+    split evenly over the other stages (ConfigError naming the flags when they cannot be)."""
+    counts = [None] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    rest = num_layers - sum(c for c in counts if c is not None)
+    free = counts.count(None)
+    if rest < 0 or (free and rest % free) or (not free and rest):
+        raise ConfigError(
+            f"--num-layers ({num_layers}) cannot be split over --pipeline-model-parallel-size ({pp}) with"
+            f" --decoder-first-pipeline-num-layers {first} and --decoder-last-pipeline-num-layers {last}:"
+            " the layers left must divide evenly over the other stages"
+        )
+    counts = [c if c is not None else rest // free for c in counts]
+    if min(counts) < 1:
+        raise ConfigError(
+            f"--num-layers ({num_layers}) leaves an empty pipeline stage with --pipeline-model-parallel-size ({pp})"
+        )
+    return counts
+
+
+def chunk_layer_numbers(
+    num_layers: int,
+    pp: int,
+    pp_rank: int,
+    vpp: int = 1,
+    first: int | None = None,
+    last: int | None = None,
+    layout: str | None = None,
+) -> tuple[tuple[int, ...], ...]:
+    """Global (1-based) layer numbers of each of the `vpp` model chunks of pipeline stage `pp_rank`, as Megatron-LM
+    assigns them: each stage's layers (see `_stage_layer_counts`) are divided evenly over its chunks, and chunk c of
+    stage r is virtual stage c * pp + r, so the model runs chunk 0 of every stage, then chunk 1 of every stage, ...
+    With 8 layers, pp 2, vpp 2: stage 0 holds [1, 2] and [5, 6], stage 1 [3, 4] and [7, 8]. `layout`
+    (--pipeline-model-parallel-layout) gives every virtual stage's layer count instead."""
+    if layout is not None:
+        per_stage = layout_stage_counts(layout, pp, num_layers)
+        starts = [sum(per_stage[:s]) for s in range(len(per_stage))]
+        return tuple(
+            tuple(range(starts[s] + 1, starts[s] + per_stage[s] + 1)) for s in range(pp_rank, len(per_stage), pp)
+        )
+    counts = _stage_layer_counts(num_layers, pp, first, last)
+    if any(c % vpp for c in counts):
+        raise ConfigError(
+            f"pipeline stages of {counts} layers cannot be divided into {vpp} virtual stages each: every stage's"
+            " layers (--num-layers, --decoder-first/last-pipeline-num-layers) must be a multiple of"
+            " --num-virtual-stages-per-pipeline-rank"
+        )
+    per_chunk = [c // vpp for c in counts]
+    start = sum(per_chunk[:pp_rank])
+    return tuple(
+        tuple(range(c * sum(per_chunk) + start + 1, c * sum(per_chunk) + start + per_chunk[pp_rank] + 1))
+        for c in range(vpp)
+    )
+
+
+def stage_layer_numbers(
+    num_layers: int,
+    pp: int,
+    pp_rank: int,
+    first: int | None = None,
+    last: int | None = None,
+    layout: str | None = None,
+) -> tuple[int, ...]:
+    """Global (1-based) layer numbers of pipeline stage `pp_rank`, all its chunks: `first` / `last` layers on the
+    first / last stage when given, the remaining layers split evenly over the other stages, or what `layout` places
+    there. Raises ConfigError naming the flags when the layers cannot be split that way."""
+    chunks = chunk_layer_numbers(num_layers, pp, pp_rank, 1, first, last, layout)
+    return tuple(n for chunk in chunks for n in chunk)
 
 
 def layout_line(layout: str, pp: int, num_layers: int) -> str:

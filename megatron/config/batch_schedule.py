@@ -17,8 +17,23 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
-from megatron.config import Config, ConfigError
+from .base import ConfigError
+from .model import ModelConfig
+from .training import TrainingConfig
+
+
+class RunConfig(Protocol):
+    """What a batch schedule reads of the run's configuration: megatron.config.Config, which validates its
+    schedule through this module (and so cannot be imported here)."""
+
+    training: TrainingConfig
+    model: ModelConfig
+
+    @property
+    def data_parallel_size(self) -> int: ...
+
 
 _SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 
@@ -81,7 +96,7 @@ class BatchSchedule:
     data_parallel_size: int
 
     @classmethod
-    def from_config(cls, cfg: Config) -> BatchSchedule:
+    def from_config(cls, cfg: RunConfig) -> BatchSchedule:
         """The run's schedule. Needs --global-batch-size resolved (Config.finalize does that)."""
         train = cfg.training
         assert train.global_batch_size is not None, "finalize the configuration first"
@@ -162,7 +177,7 @@ class BatchSchedule:
             consumed_samples = self._advance(consumed_samples, None, min(self.phases[i + 1][0], end))[0]
 
 
-def train_iterations(cfg: Config) -> int:
+def train_iterations(cfg: RunConfig) -> int:
     """Steps the whole run takes: --train-iters, or the steps --train-samples makes with the batch schedule."""
     train = cfg.training
     if train.train_iters is not None:
@@ -171,6 +186,6 @@ def train_iterations(cfg: Config) -> int:
     return BatchSchedule.from_config(cfg).iterations_for(train.train_samples)
 
 
-def train_samples(cfg: Config) -> int:
+def train_samples(cfg: RunConfig) -> int:
     """Samples the whole run consumes (what the training data set must hold)."""
     return BatchSchedule.from_config(cfg).samples_after(train_iterations(cfg))
