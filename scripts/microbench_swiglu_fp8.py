@@ -1,4 +1,4 @@
-"""Kernel microbenchmark behind `_SwiGLU` (megatron/model/te_layers.py): SwiGLU forward and backward at llama-1b's
+"""Kernel microbenchmark behind `_SwiGLU` (megatron/model/te_mlp.py): SwiGLU forward and backward at llama-1b's
 shapes (8192 tokens, ffn 8192), writing FP8 (delayed scaling) from the activation kernel against TE's activation in
 bf16 followed by a separate cast. Prints ms per call and how the two FP8 results compare.
 

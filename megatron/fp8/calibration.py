@@ -34,10 +34,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .formats import Role, fp8_max
-from .monitor import Fp8StatsCollector
 from .params import is_fp8_param
 from .recipes import Recipe
 from .scaling import delayed_scale
+from .stats import Fp8StatsCollector
 from .te_monitor import TE_META_KEY
 
 

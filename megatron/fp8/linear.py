@@ -25,11 +25,11 @@ import torch.distributed as dist
 
 from .formats import Role
 from .gemm import fp8_gemm
-from .monitor import Fp8StatsCollector
 from .params import Fp8Parameter, accumulate_weight_grad, high_precision_linear
 from .quantize import EAGER, Fp8Tensor, Kernels, quantize, scale_from_amax
 from .recipes import Recipe
 from .scaling import AmaxState
+from .stats import Fp8StatsCollector
 
 
 class Fp8LinearState:

@@ -15,6 +15,8 @@ Embeddings, the output layer, norms and softmax stay in high precision.
 
 from __future__ import annotations
 
+from typing import Any, Protocol, runtime_checkable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -33,6 +35,19 @@ from .scaling import AmaxState
 _KIND = {"delayed": "tensor", "tensorwise": "tensor", "rowwise": "row", "mxfp8": "mx"}
 
 
+@runtime_checkable
+class Fp8Capable(Protocol):
+    """A linear the FP8 engine takes over: the local layers' `Linear` and `LayerNormLinear` (megatron/model/layers.py,
+    above this package, so the engine names what it needs rather than the class). Its forward runs the GEMMs through
+    `fp8` when that holds an `Fp8LinearState`; `parallel_mode` ("column", "row" or None) and `tp` (its
+    `TensorParallel`, whose `group` holds the other shards) say how the weight is split."""
+
+    fp8: Fp8LinearState | None
+    weight: torch.Tensor
+    parallel_mode: str | None
+    tp: Any
+
+
 def attach_fp8(
     model: nn.Module, cfg: Config, amax_group: dist.ProcessGroup | None = None, *, compile_kernels: bool | None = None
 ) -> Fp8Manager | None:
@@ -46,17 +61,15 @@ def attach_fp8(
     """
     if not cfg.precision.fp8 or cfg.model.transformer_impl == "transformer_engine":
         return None  # FP8 off, or Transformer Engine's layers run their own (megatron.fp8.te_recipe)
-    from megatron.model.layers import Linear  # late: megatron.model imports the config package too
-
     recipe = Recipe.from_config(cfg.precision)
     fp8_layers = set(cfg.precision.fp8_layer_numbers(cfg.model.num_layers))
-    targets: list[tuple[str, Linear, int]] = []
+    targets: list[tuple[str, Fp8Capable, int]] = []
     for name, module in model.named_modules():
         number = getattr(module, "layer_number", None)
         if number is None or number not in fp8_layers:
             continue
         for sub_name, sub in module.named_modules():
-            if isinstance(sub, Linear):
+            if isinstance(sub, Fp8Capable):
                 _check_shape(f"{name}.{sub_name}", sub)
                 targets.append((f"{name}.{sub_name}", sub, number))
     if not targets:

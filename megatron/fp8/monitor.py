@@ -9,12 +9,12 @@ Every N-th optimizer step, each FP8 linear reports for its three tensors (input 
     underflow   fraction of elements that were nonzero and became zero in FP8 (flushed below half the smallest
                 subnormal: 2^-10 for e4m3, 2^-17 for e5m2, in scaled units)
 
-each counted at the tensor's first cast of the step (the first micro-batch; see `Fp8StatsCollector`), over all
-ranks that hold a shard or a replica of it. The counts follow the cast's own arithmetic with the scales the cast
-uses (`scaled_counts`), so they are exact, not estimates from dequantized values. The local engine hands each cast
-to the collector (`Fp8LinearState.quantize`); Transformer Engine's linears are observed through hooks on the same
-high-precision tensors, with TE's own delayed-scaling scales (`te_monitor.py`): both engines report the same
-quantities.
+each counted at the tensor's first cast of the step (the first micro-batch; see stats.py, `Fp8StatsCollector`), over
+all ranks that hold a shard or a replica of it. The counts follow the cast's own arithmetic with the scales the
+cast uses (`scaled_counts`), so they are exact, not estimates from dequantized values. The local engine hands each
+cast to the collector (`Fp8LinearState.quantize`); Transformer Engine's linears are observed through hooks on the
+same high-precision tensors, with TE's own delayed-scaling scales (`te_monitor.py`): both engines report the same
+quantities. This module decides when a step is watched and through which taps (`build_fp8_monitor`).
 
 Off (N = 0) the engines see no collector and pay nothing; on, the counting passes run on the monitored steps only,
 and the results reach the host once per monitored step.
@@ -23,169 +23,16 @@ and the results reach the host once per monitored step.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .formats import E4M3, E5M2, Role
 from .guard import Fp8Guard
-from .quantize import BlockSpec, _blocked, block_amax, block_scales
 from .recipes import Recipe
-
-FIELDS = ("amax", "scale", "saturated", "underflow")
-
-FLUSHED = {E4M3: 2.0**-10, E5M2: 2.0**-17}
-"""Half the smallest subnormal of each format: a scaled magnitude at or below it rounds (to nearest even) to 0."""
-CLIPPED = {E4M3: 464.0, E5M2: 61440.0}
-"""fp8_max plus half its ulp (448 + 16, 57344 + 4096): up to there the saturating cast gives fp8_max, as rounding
-would; beyond it the clamp loses more than rounding does. A scale from the current amax lands the amax itself a
-rounding error above fp8_max, which is not saturation."""
-
-
-def scaled_counts(x: torch.Tensor, scale: torch.Tensor, spec: BlockSpec, dtype: torch.dtype) -> torch.Tensor:
-    """[saturated, underflow, elements] (float64, on x's device, no host sync) of casting x [R, C] to `dtype` with
-    block scales `scale` [blocks of spec]: with a = |x| * scale_b formed in fp32 as the cast forms it,
-    saturated: a > CLIPPED[dtype] (the clamp to fp8_max cut it); underflow: 0 < a <= FLUSHED[dtype] (it became 0)."""
-    a = _blocked(x, spec).abs().float() * scale[:, None, :, None]  # the padding is 0 and counts as neither
-    saturated = (a > CLIPPED[dtype]).sum()
-    underflow = ((a > 0) & (a <= FLUSHED[dtype])).sum()
-    return torch.stack([saturated, underflow, torch.tensor(x.numel(), device=x.device)]).double()
-
-
-class Fp8StatsCollector:
-    """Accumulates the statistics of one watched step for `names` (the FP8 linears, index = position).
-
-    counts [n, 3 roles, 3] float64 (saturated, underflow, elements), amax [n, 3] (max), scale [n, 3] (min), all on
-    `device`; recording does no host sync. Each (linear, tensor) is counted once per watched step, at its first
-    cast: the first micro-batch's input and output gradient, and the weight (cast once per step). Counting every
-    micro-batch would multiply the monitor's cost by their number for fractions that one micro-batch of thousands
-    of tokens already estimates well.
-    """
-
-    def __init__(self, names: list[str], layer_numbers: list[int], device: torch.device):
-        self.names, self.layer_numbers, self.device = names, layer_numbers, device
-        n = len(names)
-        self.counts = torch.zeros(n, len(Role), 3, dtype=torch.float64, device=device)
-        self.amax = torch.zeros(n, len(Role), device=device)
-        self.scale = torch.full((n, len(Role)), math.inf, device=device)
-        self.counted: set[tuple[int, Role]] = set()
-
-    def record(self, index: int, role: Role, x: torch.Tensor, recipe: Recipe, scale: torch.Tensor | None) -> None:
-        """Count the cast of x [R, C] (along its rows) for linear `index`'s `role` under `recipe`; `scale`: the
-        given per-tensor scale of delayed scaling (None: the recipe computes it from x, as its cast does)."""
-        if (index, role) in self.counted:
-            return
-        self.counted.add((index, role))
-        spec, dtype = recipe.block(role), recipe.dtype(role)
-        amax_blocks = block_amax(x, spec)
-        scales, _ = block_scales(amax_blocks, dtype, scale=scale, power_of_two=recipe.power_of_two(role), mx=recipe.mx)
-        self.record_counts(index, role, scaled_counts(x, scales, spec, dtype), amax_blocks.amax(), scales.min())
-
-    def record_counts(
-        self, index: int, role: Role, counts: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor
-    ) -> None:
-        self.counts[index, role.value] += counts.to(self.counts.device)
-        cell = self.amax[index, role.value]
-        cell.copy_(torch.maximum(cell, amax.float()))
-        cell = self.scale[index, role.value]
-        cell.copy_(torch.minimum(cell, scale.float()))
-
-    def reduce(self, group: dist.ProcessGroup | None) -> None:
-        """SUM counts, MAX amax and MIN scale over `group` (the ranks holding other shards or replicas)."""
-        if group is None or dist.get_world_size(group) == 1:
-            return
-        dist.all_reduce(self.counts, group=group)
-        dist.all_reduce(self.amax, op=dist.ReduceOp.MAX, group=group)
-        dist.all_reduce(self.scale, op=dist.ReduceOp.MIN, group=group)
-
-    def rows(self) -> list[Fp8TensorStats]:
-        """The step's statistics, one row per (linear, role) that quantized anything (one host sync)."""
-        counts, amax, scale = self.counts.cpu(), self.amax.cpu(), self.scale.cpu()
-        out = []
-        for i, name in enumerate(self.names):
-            for role in Role:
-                saturated, underflow, elements = counts[i, role.value].tolist()
-                if elements == 0:
-                    continue
-                out.append(
-                    Fp8TensorStats(
-                        name,
-                        self.layer_numbers[i],
-                        role,
-                        float(amax[i, role.value]),
-                        float(scale[i, role.value]),
-                        saturated / elements,
-                        underflow / elements,
-                    )
-                )
-        return out
-
-
-@dataclass(frozen=True)
-class Fp8TensorStats:
-    """One FP8 tensor's statistics over a monitored step."""
-
-    linear: str
-    """The linear's module name, e.g. `decoder.layers.3.mlp.linear_fc2`."""
-    layer_number: int
-    """1-based transformer layer number (global across pipeline stages)."""
-    role: Role
-    amax: float
-    scale: float
-    saturated: float
-    underflow: float
-
-    @property
-    def tensor(self) -> str:
-        return {Role.INPUT: "input", Role.WEIGHT: "weight", Role.GRAD: "grad"}[self.role]
-
-    @property
-    def tag(self) -> str:
-        """TensorBoard tag prefix: fp8/<linear>/<tensor>."""
-        return f"fp8/{self.linear.removeprefix('decoder.')}/{self.tensor}"
-
-    def describe(self) -> str:
-        return f"{self.linear.removeprefix('decoder.')} {self.tensor}"
-
-
-def tensorboard_scalars(rows: list[Fp8TensorStats]) -> dict[str, float]:
-    """{tag/field: value} for every row (amax, scale, saturated and underflow fractions)."""
-    out = {}
-    for row in rows:
-        for field in FIELDS:
-            value = getattr(row, field)
-            out[f"{row.tag}/{field}"] = value if math.isfinite(value) else float("nan")
-    return out
-
-
-def summary_line(iteration: int, rows: list[Fp8TensorStats], worst: int = 3) -> str:
-    """One log line: the `worst` tensors by saturation and by underflow, and the amax range."""
-
-    def top(field: str) -> str:
-        ranked = sorted(rows, key=lambda r: getattr(r, field), reverse=True)[:worst]
-        return ", ".join(f"{r.describe()} {100 * getattr(r, field):.3g}%" for r in ranked)
-
-    if not rows:
-        return f" fp8 stats iteration {iteration:8d} | no FP8 tensors on this rank"
-    amaxes = [r.amax for r in rows]
-    return (
-        f" fp8 stats iteration {iteration:8d} | saturated: {top('saturated')} | underflow: {top('underflow')} |"
-        f" amax range: {min(amaxes):.3g}..{max(amaxes):.3g} |"
-    )
-
-
-def global_name(name: str, layer_number: int) -> str:
-    """`decoder.layers.<i>.<rest>` with i the layer's global index (a pipeline stage numbers its own layers from 0),
-    so that every stage's statistics have distinct names in the log and TensorBoard."""
-    prefix = "decoder.layers."
-    if not name.startswith(prefix):
-        return name
-    return f"{prefix}{layer_number - 1}.{name[len(prefix) :].split('.', 1)[1]}"
+from .stats import Fp8StatsCollector, Fp8TensorStats, global_name, summary_line, tensorboard_scalars
 
 
 class LocalTaps:

@@ -1,36 +1,37 @@
 """Observe Transformer Engine's FP8 linears for the monitor and for delayed scaling's calibration.
 
 TE casts inside its fused kernels and keeps no saturation or underflow counts, so `TETaps` hooks each TE linear of
-the FP8 layers and counts what casting the very tensors TE casts does (`monitor.scaled_counts`, with the scale rules
+the FP8 layers and counts what casting the very tensors TE casts does (`stats.scaled_counts`, with the scale rules
 of quantize.py, which implements every recipe bit for bit) and, under delayed scaling, with TE's own scales
 (`fp8_meta[...].scale`, read when the tensor is cast):
 
-    input x    forward pre-hook; for te.LayerNormLinear the normalized input (the norm is fused into its GEMM, so
-               the hook recomputes RMSNorm/LayerNorm with the module's own weight and epsilon, in fp32)
+    input x    forward pre-hook; what the module's GEMM casts, which the layer says (`fp8_gemm_input`): for
+               te.LayerNormLinear the normalized input (the norm is fused into its GEMM, so the layer recomputes
+               RMSNorm/LayerNorm with the module's own weight and epsilon, in fp32)
     weight W   the same hook (TE casts it once per step and reuses the cast for later micro-batches)
     grad dY    a hook on the module's output tensor, registered in the forward hook
 
-While attached, the MLPs' fused SwiGLU stops writing FP8 (te_layers.TEMLP.fp8_swiglu), so that TE casts the bf16
+While attached, the MLPs' fused SwiGLU stops writing FP8 (te_mlp.TEMLP.fp8_swiglu), so that TE casts the bf16
 activation and gradient itself and the hooks see them: on watched steps the MLP runs TE's unfused path, which
 rounds the same values once more in bf16 (a difference of one e5m2 step in ~1.5% of the gradient's elements).
 Hooks exist only while attached; CUDA graphs would bypass them (the configuration refuses the combination).
-transformer_engine is imported inside functions only.
+The taps know the model only by what its TE layers offer (megatron.model sits above this package): `layer_number`,
+`te_modules()`, `fp8_gemm_input(module, x)` and `mlp.fp8_swiglu` (megatron/model/te_layers.py). Nothing here
+imports transformer_engine.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from megatron.model.layers import normalize
-
 from .formats import Role
-from .monitor import Fp8StatsCollector, global_name
 from .recipes import Recipe
+from .stats import Fp8StatsCollector, global_name
 
 TE_META_KEY = {Role.INPUT: ("scaling_fwd", 0), Role.WEIGHT: ("scaling_fwd", 1), Role.GRAD: ("scaling_bwd", 0)}
 """Where TE keeps each role's delayed-scaling state: fp8_meta[key].scale[index] (TE's GEMM1_INPUT, GEMM1_WEIGHT
@@ -47,6 +48,7 @@ class TETaps:
         self.names: list[str] = []
         self.layer_numbers: list[int] = []
         self.mlps: list[nn.Module] = []
+        self.gemm_inputs: list[Callable[[nn.Module, torch.Tensor], torch.Tensor]] = []
         for name, layer in model.named_modules():
             number = getattr(layer, "layer_number", None)
             if number is None or number not in fp8_layers or not hasattr(layer, "te_modules"):
@@ -57,6 +59,7 @@ class TETaps:
                     self.modules.append(module)
                     self.names.append(global_name(f"{name}.{sub_name}", number))
                     self.layer_numbers.append(number)
+                    self.gemm_inputs.append(layer.fp8_gemm_input)
 
     @contextlib.contextmanager
     def attached(self, collector: Fp8StatsCollector, amax_only: bool = False) -> Iterator[None]:
@@ -103,9 +106,7 @@ class TETaps:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if not amax_only and (index, Role.INPUT) in collector.counted:
                 return  # a later micro-batch: spare the norm's recomputation
-            x = args[0]
-            if hasattr(module, "layer_norm_weight"):
-                x = _normalized(module, _high_precision(x))
+            x = self.gemm_inputs[index](module, _high_precision(args[0]))
             self._record(collector, index, Role.INPUT, x, amax_only)
             self._record(collector, index, Role.WEIGHT, module.weight, amax_only)
 
@@ -124,10 +125,3 @@ def _high_precision(t: torch.Tensor) -> torch.Tensor:
     """A TE quantized tensor (FP8 weights under --fp8-param-gather) dequantized; anything else as it is."""
     dequantize = getattr(t, "dequantize", None)
     return dequantize() if callable(dequantize) and type(t) is not torch.Tensor else t
-
-
-def _normalized(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """te.LayerNormLinear's normalized input (what its GEMM casts), recomputed in fp32 by the local layers' norm."""
-    bias = getattr(module, "layer_norm_bias", None)
-    weight, bias = module.layer_norm_weight.float(), None if bias is None else bias.float()
-    return normalize(x.float(), weight, bias, module.normalization, module.eps, module.zero_centered_gamma)

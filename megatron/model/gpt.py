@@ -10,9 +10,9 @@ implementations and (later) parallel layouts are tested against. Parameter names
     output_layer.weight                     [V, h]         (only with --untie-embeddings-and-output-weights)
 
 The transformer layers come in two implementations with the same parameter names (`--transformer-impl`): `local`
-(transformer.py, pure PyTorch) and `transformer_engine` (te_layers.py, imported only on that path). A checkpoint of
-one loads into the other: TE's `_extra_state` entries (its FP8 scaling state) are dropped when a local model loads
-them and left empty when a TE model loads a local checkpoint.
+(transformer.py, pure PyTorch) and `transformer_engine` (te_layers.py and its te_*.py pieces, imported only on that
+path). A checkpoint of one loads into the other: TE's `_extra_state` entries (its FP8 scaling state) are dropped
+when a local model loads them and left empty when a TE model loads a local checkpoint.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from megatron.parallel.tensor_parallel import (
 
 from .cross_entropy import fused_cross_entropy
 from .layers import Linear, Norm, RotaryEmbedding, is_fp8_param, mark_tensor_parallel
-from .recompute import RecomputePlan, run_layers
+from .recompute import RecomputePlan, Runner, run_layers
 from .transformer import TransformerLayer
 
 
@@ -201,12 +201,14 @@ class GPTModel(nn.Module):
         base_seed = int(torch.randint(0, 2**31 - 1, (1,)))
         self.uses_te = cfg.transformer_impl == "transformer_engine"
         self.te_fp8 = None
+        self.checkpoint_runner: Runner | None = None
         if self.uses_te:
             from .attention import set_te_attention_env
-            from .te_layers import build_te_fp8
+            from .te_fp8 import build_te_fp8, te_checkpoint
 
             set_te_attention_env(cfg.attention_backend)  # as Megatron-LM does when it builds the model
             self.te_fp8 = build_te_fp8(cfg, precision, amax_group)
+            self.checkpoint_runner = te_checkpoint  # TE's checkpoint for its layers' FP8 state (see recompute.py)
         tied = not cfg.untie_embeddings_and_output_weights
         self.embedding = None
         if stage.pre_process or (tied and stage.post_process):
@@ -272,7 +274,7 @@ class GPTModel(nn.Module):
             layers = self.decoder.layers if chunk is None else self.decoder.layers[self.stage.chunk_slice(chunk)]
             if self.te_fp8 is not None and self.recompute.granularity is not None:
                 self.te_fp8.update_backward_amaxes_at(x)
-            x = run_layers(layers, x, rotary, attention_mask, self.recompute, te=self.uses_te)
+            x = run_layers(layers, x, rotary, attention_mask, self.recompute, self.checkpoint_runner)
         if not self.stage.computes_loss(chunk):
             return x
         x = self.decoder.final_layernorm(x)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.config import ModelConfig
 from megatron.fp8.params import is_fp8_param  # noqa: F401  (re-exported: the model's users ask it here)
 from megatron.parallel.tensor_parallel import (
     NO_TP,
@@ -102,11 +103,27 @@ class Norm(nn.Module):
         return normalize(x, self.weight, self.bias, self.kind, self.eps, self.zero_centered)
 
 
+def qk_norms(cfg: ModelConfig, dtype: torch.dtype | None, tp: TensorParallel) -> tuple[Norm, Norm] | None:
+    """--qk-layernorm: one norm over kv-channels for all query heads, one for all key heads (Megatron-Core's
+    q_layernorm / k_layernorm). Each tensor-parallel rank sees only its heads, so their partial gradients are
+    summed over the tensor-parallel group, as sequence-parallel parameters' are. Both layer implementations use
+    these norms (the TE layer moves them to its device)."""
+    if not cfg.qk_layernorm:
+        return None
+    norms = tuple(
+        Norm(cfg.kv_channels, cfg.normalization, cfg.norm_epsilon, dtype, tp, cfg.apply_layernorm_1p) for _ in "qk"
+    )
+    for param in (p for norm in norms for p in norm.parameters()):
+        param.sequence_parallel = tp.size > 1
+    return norms
+
+
 class Linear(nn.Module):
     """y = x W^T + b with W: [out, in], optionally split over tensor-parallel ranks (`parallel_mode` "column" or
     "row"; `parts`: number of stacked matrices in W sliced separately, 2 for SwiGLU's [gate; up]).
-    `fp8` is the FP8 engine's per-layer state (None: high precision). `gradient_accumulation_fusion`: the weight
-    gradient goes straight into `weight.main_grad` when it has one (megatron/model/grad_accumulation.py)."""
+    `fp8` is the FP8 engine's per-layer state (None: high precision; `attach_fp8` takes over the layers that have
+    what `megatron.fp8.manager.Fp8Capable` names). `gradient_accumulation_fusion`: the weight gradient goes straight
+    into `weight.main_grad` when it has one (megatron/model/grad_accumulation.py)."""
 
     gradient_accumulation_fusion = True
 

@@ -15,9 +15,9 @@ gradients are bitwise those of no recomputation.
 FP8. Local engine: delayed scaling's scales change only in `Fp8Manager.step()`, so the recomputed forward casts with
 the scales of the first; it records the same amaxes again, into a running max that they leave unchanged, and the
 monitor counts each tensor at its first cast only: histories and statistics are those of no recomputation.
-Transformer Engine: its layers are checkpointed with TE's own `checkpoint` (`te_layers.te_checkpoint`), which
-stashes each module's FP8 scales and amax history in the first forward and runs the recomputation on them without
-registering the module's amaxes again.
+Transformer Engine: its layers are checkpointed with TE's own `checkpoint` (`te_fp8.te_checkpoint`, which the TE
+layers hand to `checkpoint` and `run_layers` as their `runner`), which stashes each module's FP8 scales and amax
+history in the first forward and runs the recomputation on them without registering the module's amaxes again.
 """
 
 from __future__ import annotations
@@ -140,19 +140,22 @@ class _Checkpoint(torch.autograd.Function):
         return (None, *(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs))
 
 
-def checkpoint(function: Callable[..., torch.Tensor], *args: Any, te: bool = False) -> torch.Tensor:
+Runner = Callable[..., torch.Tensor]
+"""A reentrant checkpoint implementation: runner(function, *args) -> function(*args), recomputed in backward."""
+
+
+def checkpoint(function: Callable[..., torch.Tensor], *args: Any, runner: Runner | None = None) -> torch.Tensor:
     """function(*args) -> one tensor, keeping only `args` for backward and running function again there.
 
-    `te`: the function contains Transformer Engine modules; TE's checkpoint then handles their FP8 state. Runs
-    the function plainly where there is nothing to keep (autograd off, or no input requiring a gradient, through
-    which alone a reentrant checkpoint is reached in backward)."""
+    `runner`: the checkpoint to run it with instead of this module's, for a function containing Transformer Engine
+    modules (`te_fp8.te_checkpoint`: TE's checkpoint, which handles their FP8 state). Runs the function plainly where
+    there is nothing to keep (autograd off, or no input requiring a gradient, through which alone a reentrant
+    checkpoint is reached in backward)."""
     if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         return function(*args)
-    if te:
-        from .te_layers import te_checkpoint  # late: te_layers imports this module
-
+    if runner is not None:
         with _entered("first_forward"):
-            return te_checkpoint(function, *args)
+            return runner(function, *args)
     return _Checkpoint.apply(function, *args)
 
 
@@ -162,12 +165,13 @@ def run_layers(
     rotary: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
     plan: RecomputePlan,
-    te: bool = False,
+    runner: Runner | None = None,
 ) -> torch.Tensor:
-    """x through `layers` (this stage's transformer layers), with full recomputation as `plan` says."""
+    """x through `layers` (this stage's transformer layers), with full recomputation as `plan` says (`runner`: see
+    `checkpoint`)."""
     for start, end, recomputed in plan.chunks(len(layers)):
         run = _layer_run(layers[start:end])
-        x = checkpoint(run, x, rotary, attention_mask, te=te) if recomputed else run(x, rotary, attention_mask)
+        x = checkpoint(run, x, rotary, attention_mask, runner=runner) if recomputed else run(x, rotary, attention_mask)
     return x
 
 

@@ -19,7 +19,7 @@ from megatron.config import ModelConfig
 from megatron.parallel.tensor_parallel import NO_TP, TensorParallel
 
 from .attention import CoreAttention
-from .layers import LayerNormLinear, Linear, Norm, apply_rotary, init_std_of_output, mlp_activation
+from .layers import LayerNormLinear, Linear, apply_rotary, init_std_of_output, mlp_activation, qk_norms
 from .recompute import RecomputePlan, checkpoint
 
 
@@ -40,20 +40,6 @@ def norm_column_linear(
         tp=tp,
         parts=parts,
     )
-
-
-def qk_norms(cfg: ModelConfig, dtype: torch.dtype | None, tp: TensorParallel) -> tuple[Norm, Norm] | None:
-    """--qk-layernorm: one norm over kv-channels for all query heads, one for all key heads (Megatron-Core's
-    q_layernorm / k_layernorm). Each tensor-parallel rank sees only its heads, so their partial gradients are
-    summed over the tensor-parallel group, as sequence-parallel parameters' are."""
-    if not cfg.qk_layernorm:
-        return None
-    norms = tuple(
-        Norm(cfg.kv_channels, cfg.normalization, cfg.norm_epsilon, dtype, tp, cfg.apply_layernorm_1p) for _ in "qk"
-    )
-    for param in (p for norm in norms for p in norm.parameters()):
-        param.sequence_parallel = tp.size > 1
-    return norms
 
 
 def row_linear(cfg: ModelConfig, in_features: int, dtype: torch.dtype | None, tp: TensorParallel) -> Linear:

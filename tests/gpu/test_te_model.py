@@ -204,7 +204,7 @@ def test_swiglu_writes_fp8_for_the_linears_under_delayed_scaling(monkeypatch):
     linear_fc1 in backward (TEMLP._fp8_quantizers). Against the path where the TE linears cast bf16 activations,
     that only moves roundings (the fused kernels round to FP8 from fp32, the other path through bf16 first): over
     one step of three micro-batches from the same weights, both land as close to the bf16 gradients."""
-    from megatron.model.te_layers import TEMLP
+    from megatron.model.te_mlp import TEMLP
 
     def one_step(flags: str) -> tuple[list[float], torch.Tensor]:
         model = build(LLAMA, "transformer_engine", flags)

@@ -6,7 +6,8 @@ import torch
 from megatron.fp8 import E4M3, E5M2, Recipe, Role, fp8_max, quantize
 from megatron.fp8.formats import Fp8Format
 from megatron.fp8.guard import Fp8Guard
-from megatron.fp8.monitor import (
+from megatron.fp8.quantize import TENSOR, block_amax, block_scales
+from megatron.fp8.stats import (
     CLIPPED,
     FLUSHED,
     Fp8StatsCollector,
@@ -15,7 +16,6 @@ from megatron.fp8.monitor import (
     summary_line,
     tensorboard_scalars,
 )
-from megatron.fp8.quantize import TENSOR, block_amax, block_scales
 
 
 def test_counts_by_hand_e4m3_scale_one():

@@ -13,7 +13,11 @@ TE_MODULES = {
     "megatron/config/te_rules.py",
     "megatron/fp8/te_recipe.py",
     "megatron/fp8/params.py",
+    "megatron/model/te_attention.py",
+    "megatron/model/te_fp8.py",
     "megatron/model/te_layers.py",
+    "megatron/model/te_linear.py",
+    "megatron/model/te_mlp.py",
     "megatron/model/cuda_graphs.py",
     "megatron/model/te_comm_overlap.py",
 }

@@ -1,0 +1,153 @@
+"""The self-attention of the Transformer Engine layer (`TESelfAttention`): TE's linears around TE's fused attention
+(`te.DotProductAttention`, cuDNN / flash) or, with --attention-backend local, this project's attention; RoPE by TE's
+fused QKV kernel on the QKV GEMM's packed output (no split copies, no concatenation in backward).
+
+transformer_engine is imported inside functions only: importing this module on a CPU machine is harmless.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.errors import UserError
+from megatron.parallel.tensor_parallel import NO_TP, TensorParallel
+
+from .attention import CoreAttention
+from .layers import apply_rotary, init_std_of_output, qk_norms
+from .recompute import checkpoint
+from .te_fp8 import te_checkpoint
+from .te_linear import te_linear
+
+
+class TESelfAttention(nn.Module):
+    """Causal grouped-query attention; linear_qkv's output is laid out per query group as in the local layer."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_number: int,
+        params_dtype: torch.dtype,
+        device: torch.device,
+        tp: TensorParallel = NO_TP,
+    ):
+        super().__init__()
+        import transformer_engine.pytorch as te
+
+        # This rank's heads and query groups (tensor parallelism splits whole groups, as in the local layer).
+        self.num_heads, self.num_groups = cfg.num_attention_heads // tp.size, cfg.num_query_groups // tp.size
+        self.head_dim = cfg.kv_channels
+        qkv_size = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.head_dim
+        self.linear_qkv = te_linear(
+            cfg, cfg.hidden_size, qkv_size, "column", cfg.init_method_std, tp, params_dtype, device, norm=True,
+            ub_name="qkv",
+        )  # fmt: skip
+        norms = qk_norms(cfg, params_dtype, tp)
+        if norms is not None:
+            self.q_layernorm, self.k_layernorm = (norm.to(device) for norm in norms)
+        # Fused RoPE on the packed QKV output, unless the q/k norms must see q and k first.
+        self.fused_rope = cfg.apply_rope_fusion and not cfg.qk_layernorm
+        self.te_attention = cfg.attention_backend != "local"
+        self.attention_backend = cfg.attention_backend
+        if self.te_attention:
+            # TE's unfused backend reads NVTE_APPLY_QK_LAYER_SCALING when the module is built (and applies it to fp16
+            # inputs only); set it for this construction, not for the process.
+            with _environ(NVTE_APPLY_QK_LAYER_SCALING="1" if cfg.apply_query_key_layer_scaling else "0"):
+                self.core_attention = te.DotProductAttention(
+                    cfg.num_attention_heads,  # TE takes the totals and divides by the tensor-parallel size
+                    self.head_dim,
+                    num_gqa_groups=cfg.num_query_groups,
+                    attention_dropout=cfg.attention_dropout,
+                    qkv_format="sbhd",
+                    attn_mask_type="causal",
+                    layer_number=layer_number,
+                    tp_group=tp.group,
+                    tp_size=tp.size,
+                    sequence_parallel=tp.sequence_parallel,
+                )
+        else:  # --attention-backend local: this project's PyTorch attention between TE's linears
+            self.core_attention = CoreAttention(cfg, layer_number)
+        self.recompute_core_attn = False  # --recompute-modules core_attn (set by TETransformerLayer)
+        from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
+
+        self._qkv_rope = apply_fused_qkv_rotary_pos_emb
+        self.linear_proj = te_linear(
+            cfg, cfg.num_attention_heads * self.head_dim, cfg.hidden_size, "row", init_std_of_output(cfg), tp,
+            params_dtype, device, ub_name="proj",
+        )  # fmt: skip
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        first_microbatch: bool | None,
+    ) -> torch.Tensor:
+        groups, per_group, hn = self.num_groups, self.num_heads // self.num_groups, self.head_dim
+        mixed = self.linear_qkv(x, is_first_microbatch=first_microbatch)
+        s, b = mixed.shape[:2]  # the full sequence, also when x is a sequence-parallel shard
+        if rotary is not None and rotary.shape[1] == 1 and self.fused_rope:
+            # One TE kernel each way: RoPE on q and k of the packed output, q, k and v written out contiguous
+            # ([s, b, np, hn], [s, b, ng, hn] x 2); its backward writes the packed gradient directly, where
+            # separate RoPE calls on views of `mixed` end in a concatenation of the three gradients.
+            packed = mixed.view(s, b, groups, (per_group + 2) * hn)
+            q, k, v = self._qkv_rope(packed, rotary, rotary, [per_group * hn, hn, hn], tensor_format="sbhd")
+        else:
+            # [s, b, ng * (np/ng + 2) * hn] -> [s, b, ng, (np/ng + 2) * hn] -> q, k, v views
+            q, k, v = mixed.view(s, b, groups, (per_group + 2) * hn).split([per_group * hn, hn, hn], dim=-1)
+            q = q.reshape(s, b, self.num_heads, hn)  # one copy (q is strided within each group's row)
+            if hasattr(self, "q_layernorm"):
+                q, k = self.q_layernorm(q), self.k_layernorm(k)
+            if rotary is not None:  # per-sample positions (TE's kernels take [s, 1, 1, d] angles only) or unfused
+                q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        if not self.te_attention:
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+            if self.recompute_core_attn:  # no TE module inside: this project's checkpoint
+                out = checkpoint(self.core_attention, q, k, v, attention_mask)
+            else:
+                out = self.core_attention(q, k, v, attention_mask)  # [b, np, s, hn]
+            out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * hn)
+        elif self.recompute_core_attn:  # TE's checkpoint: its RNG and FP8 (attention) handling
+            out = checkpoint(self._te_attention_masked, q, k, v, attention_mask, runner=te_checkpoint)
+        else:
+            out = self._te_attention_masked(q, k, v, attention_mask)  # [s, b, np * hn]
+        return self.linear_proj(out, is_first_microbatch=first_microbatch)
+
+    def _te_attention_masked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        if attention_mask is None:
+            return self._te_attention(q, k, v)
+        # TE masks where the mask is True; ours marks where a query may attend
+        return self._te_attention(q, k, v, attention_mask=~attention_mask, attn_mask_type="arbitrary")
+
+    def _te_attention(self, *args, **kwargs) -> torch.Tensor:
+        try:
+            return self.core_attention(*args, **kwargs)
+        except ValueError as exc:  # TE found no backend among those --attention-backend allows
+            if "No dot product attention backend is available" not in str(exc):
+                raise
+            raise UserError(
+                f"--attention-backend {self.attention_backend}: Transformer Engine has no such attention kernel for"
+                f" these inputs on this GPU (flash needs the flash-attn package); use --attention-backend auto"
+            ) from None
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """Set environment variables for the duration of the block, then restore them."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

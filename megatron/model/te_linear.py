@@ -1,0 +1,119 @@
+"""Transformer Engine's linears as the TE layer builds them (`te_linear`): `te.LayerNormLinear` (the layer's input
+norm fused into the GEMM) or `te.Linear`, tensor-parallel through TE's own arguments, initialized and marked as the
+local layers' linears are (megatron/model/layers.py), so either implementation starts from the same weights and
+the gradient-norm and checkpoint code sees the same parameter attributes.
+
+transformer_engine is imported inside functions only: importing this module on a CPU machine is harmless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.parallel.tensor_parallel import TensorParallel
+
+from .layers import mark_replicated, normalize
+
+
+def sharded_normal_init(std: float, tp: TensorParallel, dim: int, parts: int = 1) -> Callable[[torch.Tensor], None]:
+    """A TE `init_method` for a weight that is this rank's tensor-parallel shard along `dim`: draw the full matrix
+    N(0, std) from the CPU generator in fp32, as the local `Linear` does, and copy this rank's slice (`parts`: stacked
+    matrices sliced separately, 2 for SwiGLU's [gate; up]) to the (GPU) weight.
+
+    TE calls each module's init in construction order (linear_qkv, linear_proj, linear_fc1, linear_fc2), the order
+    the local layer draws in, so with the same seed both implementations, under any layout, start from identical
+    weights."""
+
+    def init(weight: torch.Tensor) -> None:
+        shape = list(weight.shape)
+        shape[dim] *= tp.size
+        full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std)
+        with torch.no_grad():
+            weight.copy_(tp.shard(full, dim, parts))
+
+    return init
+
+
+def te_linear(
+    cfg: ModelConfig,
+    in_features: int,
+    out_features: int,
+    parallel_mode: str,
+    std: float,
+    tp: TensorParallel,
+    params_dtype: torch.dtype,
+    device: torch.device,
+    *,
+    norm: bool = False,
+    parts: int = 1,
+    ub_name: str,
+) -> nn.Module:
+    """A TE linear of the layer: `te.LayerNormLinear` (norm=True: the layer's input norm fused in; linear_qkv,
+    linear_fc1) or `te.Linear`, column- or row-parallel over `tp` through TE's own arguments (TE all-gathers and
+    reduce-scatters along the sequence with --sequence-parallel, as the local layers do).
+
+    `parts`: stacked matrices sharded separately (2 for SwiGLU's [gate; up]), see `mark_te_params`. `ub_name`: the
+    GEMM's name among TE's userbuffers ("qkv", "proj", "fc1", "fc2"); with --tp-comm-overlap the column-parallel
+    linears gather their input inside the forward GEMM and overlap their backward's all-gather and reduce-scatter
+    with the dgrad and wgrad GEMMs (bulk), and the row-parallel ones reduce-scatter inside the forward GEMM and
+    gather the output gradient inside the dgrad GEMM (Megatron-LM's defaults)."""
+    import transformer_engine.pytorch as te
+
+    column = parallel_mode == "column"
+    overlap = (
+        dict(ub_name=ub_name, ub_overlap_ag=True, ub_overlap_rs=not column, ub_bulk_dgrad=column, ub_bulk_wgrad=column)
+        if tp.comm_overlap
+        else {}
+    )
+    common: dict[str, Any] = dict(
+        bias=cfg.add_bias,
+        init_method=sharded_normal_init(std, tp, 0 if column else 1, parts),
+        params_dtype=params_dtype,
+        device=device,
+        parallel_mode=parallel_mode,
+        tp_group=tp.group,
+        tp_size=tp.size,
+        sequence_parallel=tp.sequence_parallel,
+        **overlap,
+    )
+    if norm:
+        module = te.LayerNormLinear(
+            in_features,
+            out_features,
+            eps=cfg.norm_epsilon,
+            normalization=cfg.normalization,
+            zero_centered_gamma=cfg.apply_layernorm_1p,
+            **common,
+        )
+    else:
+        module = te.Linear(in_features, out_features, **common)
+    mark_te_params(module, tp, parts)
+    return module
+
+
+def mark_te_params(module: nn.Module, tp: TensorParallel, parts: int = 1) -> None:
+    """TE marks its sharded parameters (`tensor_model_parallel`, `partition_dim`) and its sequence-parallel ones;
+    add what the local layers record: `partition_parts` on column-parallel shards and the replicated marking on the
+    rest (norm weights, row-parallel biases), so the gradient norm counts those once (megatron.parallel.grads)."""
+    for param in module.parameters():
+        if getattr(param, "tensor_model_parallel", False):
+            param.partition_parts = parts if param.partition_dim == 0 else 1
+        else:
+            mark_replicated(param, tp)
+
+
+def te_norm_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What the forward GEMM of `module` (a TE linear built by `te_linear`) casts to FP8 given its input x: for a
+    te.LayerNormLinear the normalized input (the norm is fused into its GEMM), recomputed in fp32 by the local
+    layers' norm with the module's own weight and epsilon; x itself for a te.Linear. (For the FP8 monitor, which
+    hooks TE's linears: megatron/fp8/te_monitor.py.)"""
+    if not hasattr(module, "layer_norm_weight"):
+        return x
+    bias = getattr(module, "layer_norm_bias", None)
+    weight, bias = module.layer_norm_weight.float(), None if bias is None else bias.float()
+    return normalize(x.float(), weight, bias, module.normalization, module.eps, module.zero_centered_gamma)
