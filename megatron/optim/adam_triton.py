@@ -45,6 +45,10 @@ checkpoint (which holds the step and the seed) reproduces the uninterrupted one 
 
 from __future__ import annotations
 
+from typing import Any
+
+from megatron.fp8 import triton_rounding
+
 # Bound by `build()` (triton.language); None until then, so that importing this module never imports Triton.
 tl = None
 
@@ -273,21 +277,18 @@ def _adamw_kernel(
 _TRITON = None
 
 
-def build():
+def build() -> Any:
     """Import Triton and jit the kernel functions (once): the jitted `_adamw_kernel`, or None without Triton."""
     global _TRITON, tl, _round_bits, _to_fp8_grid, _to_fp32, _to_bf16, _fp16_quantum, _load_state, _store_state
     global _store_model_copy, _adamw_kernel
     if _TRITON is None:
         try:
-            import triton
-            import triton.language
+            triton = triton_rounding.build()
         except ImportError:
             _TRITON = False
             return None
         tl = triton.language
         # The kernel resolves its helpers through this module's globals: rebind them to their jitted versions.
-        from megatron.fp8 import triton_rounding
-
         _round_bits, _to_fp8_grid = triton_rounding.round_bits, triton_rounding.to_fp8_grid
         _to_fp32, _to_bf16 = triton_rounding.to_fp32, triton_rounding.to_bf16
         _fp16_quantum, _load_state = triton.jit(_fp16_quantum), triton.jit(_load_state)
