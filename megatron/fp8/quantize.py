@@ -217,8 +217,10 @@ def _checked_triton_kernels():
     """The Triton module if it imports, a GPU is here, and its bytes equal the eager ones on a test tensor."""
     if not torch.cuda.is_available():
         return None
+    from . import triton_kernels
+
     try:
-        from . import triton_kernels
+        triton_kernels.build()
     except ImportError as exc:
         KERNEL_NOTES.append(f"per-tensor: torch.compile (Triton kernels unavailable: {exc})")
         return None

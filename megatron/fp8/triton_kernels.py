@@ -8,25 +8,26 @@
 
 They compute exactly the formulas of `quantize.py` (fp32 product, clamp to +-fp8_max with NaN kept, round to
 nearest even), and `quantize.compiled_kernels()` checks that byte for byte against the eager functions once per process
-before using them. Imported only on CUDA machines with Triton.
+before using them. Used on CUDA machines with Triton: the kernels are plain functions until `build()` (called by
+each launcher) imports Triton and wraps them with triton.jit, so that this module imports without Triton.
 """
 
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
-import triton
-import triton.language as tl
 
 from .formats import E4M3, E5M2, fp8_max
 
 _AMAX_BLOCK = 8192
 _TILE = 64
-_TRITON_DTYPE = {E4M3: tl.float8e4nv, E5M2: tl.float8e5}
+# Bound by `build()`: triton.language and Triton's fp8 type of each torch dtype; None and empty until then.
+tl = None
+_TRITON_DTYPE = {}
 
 
-@triton.jit
 def _amax_kernel(x_ptr, partial_ptr, n, nan, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -36,7 +37,6 @@ def _amax_kernel(x_ptr, partial_ptr, n, nan, BLOCK: tl.constexpr):
     tl.store(partial_ptr + pid, tl.where(nans > 0, nan, chunk_max))
 
 
-@triton.jit
 def _cast_kernel(
     x_ptr,
     scale_ptr,
@@ -65,8 +65,23 @@ def _cast_kernel(
         tl.store(qt_ptr + c[:, None].to(tl.int64) * rows + r[None, :], tl.trans(q), mask=tl.trans(mask))
 
 
+def build() -> ModuleType:
+    """Import Triton and jit the kernels (once), rebinding this module's names to the jitted versions; returns the
+    triton module. ImportError without Triton (quantize then compiles the eager functions instead)."""
+    global tl, _amax_kernel, _cast_kernel
+    import triton
+    import triton.language
+
+    if tl is None:
+        _amax_kernel, _cast_kernel = triton.jit(_amax_kernel), triton.jit(_cast_kernel)
+        _TRITON_DTYPE.update({E4M3: triton.language.float8e4nv, E5M2: triton.language.float8e5})
+        tl = triton.language
+    return triton
+
+
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| over the whole tensor as fp32 [1, 1] (NaN if any element is NaN)."""
+    triton = build()
     x = x.contiguous()
     n = x.numel()
     partial = torch.empty(max(triton.cdiv(n, _AMAX_BLOCK), 1), device=x.device, dtype=torch.float32)
@@ -81,6 +96,7 @@ def tensor_cast(
     x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """saturate(round_rne(fp32(x) * scale)) as `dtype`, and its transpose when asked; x [R, C], scale fp32 [1, 1]."""
+    triton = build()
     rows, cols = x.shape
     q = torch.empty(rows, cols, device=x.device, dtype=dtype)
     q_t = torch.empty(cols, rows, device=x.device, dtype=dtype) if transpose else q

@@ -13,9 +13,9 @@ FP8 weights (--fp8-param-gather) are written from their fp32 main copies (or pie
 FP8 bytes (`megatron.fp8.params.quantize_masters`), so with the distributed optimizer the all-gather moves FP8.
 
 With --use-precision-aware-optimizer the main copies and Adam's moments are held in lower precisions by
-`megatron.optim.states.PrecisionAwareAdamW` (fp16 masters, fp8/fp16/bf16 moments), which updates one tensor at a
-time in fp32; the model parameters are then written from each main copy decoded in turn. Checkpoints of either
-kind load into the other, converted through fp32, and the returned note says so.
+`megatron.optim.precision_aware.PrecisionAwareAdamW` (fp16 masters, fp8/fp16/bf16 moments), which updates one
+tensor at a time in fp32; the model parameters are then written from each main copy decoded in turn. Checkpoints of
+either kind load into the other, converted through fp32, and the returned note says so.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from megatron.config import OptimizerConfig
 from megatron.fp8.params import is_fp8_param, quantize_masters
 from megatron.parallel import GradientBuffers, counts_in_grad_norm
 
+from .precision_aware import PrecisionAwareAdamW
 from .schedule import DECOUPLED, DEFAULT, LearningRates, lr_group
-from .states import PrecisionAwareAdamW, ScaledState
+from .states import ScaledState
 
 
 def _initial_main_value(param: torch.Tensor) -> torch.Tensor:

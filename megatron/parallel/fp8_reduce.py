@@ -84,8 +84,10 @@ INTERPRET_ON_CPU = False
 
 @functools.cache
 def _triton_kernels() -> ModuleType | None:
+    from . import fp8_reduce_kernels
+
     try:
-        from . import fp8_reduce_kernels
+        fp8_reduce_kernels.build()
     except ImportError:  # no Triton: the torch path, the same bits
         return None
     return fp8_reduce_kernels

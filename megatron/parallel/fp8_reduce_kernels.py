@@ -7,24 +7,28 @@
 The eager path of fp8_reduce.py is about twenty full-size elementwise passes (abs, amax, scale, clamp, cast, the
 counting) on the compute stream; these write the same bits in two. The formulas are fp8_reduce.py's; where torch's
 ops would be re-derived here (the power-of-two scale, the E8M0 byte, the rounding to e4m3) the kernels work on fp32
-bit patterns, so no division, logarithm or cast can round differently. Imported only where Triton is (CUDA, or its
-CPU interpreter in tests).
+bit patterns, so no division, logarithm or cast can round differently. Used where Triton is (CUDA, or its CPU
+interpreter in tests): the kernels are plain functions until `build()` (called by each launcher) imports Triton and
+wraps them with triton.jit, so that this module imports on a machine without Triton.
 """
 
 from __future__ import annotations
 
-import torch
-import triton
-import triton.language as tl
+from types import ModuleType
 
-from megatron.fp8.triton_rounding import e4m3_to_fp32, to_bf16, to_fp8_grid, to_fp32
+import torch
+
+from megatron.fp8 import triton_rounding
+
+# Bound by `build()`: triton.language and the shared rounding helpers (jitted); None until then.
+tl = None
+e4m3_to_fp32 = to_bf16 = to_fp8_grid = to_fp32 = None
 
 #: 128-element blocks per program.
 _GROUP = 32
 _NUM_WARPS = 4
 
 
-@triton.jit
 def _encode_kernel(
     x_ptr, payload_ptr, counts_ptr, n_blocks, blocks_per_row, cols, BLOCK: tl.constexpr, GROUP: tl.constexpr
 ):
@@ -64,7 +68,6 @@ def _encode_kernel(
     tl.store(counts_ptr + tl.program_id(0) * 2 + 1, flushed)
 
 
-@triton.jit
 def _dequantized(row_ptr, b, e, mask, cols, BLOCK: tl.constexpr):
     """Blocks `b` of one payload row in fp32: each e4m3 value times its block's 2^(byte - 127), exact."""
     q = tl.load(row_ptr + b[:, None].to(tl.int64) * BLOCK + e[None, :], mask=mask, other=0)
@@ -75,7 +78,6 @@ def _dequantized(row_ptr, b, e, mask, cols, BLOCK: tl.constexpr):
     return q * scale[:, None]
 
 
-@triton.jit
 def _store_narrowed(ptrs, x, mask):
     """fp32 x stored in the pointers' dtype (fp32, or bf16 rounded to nearest even as torch's copy_)."""
     if ptrs.dtype.element_ty == tl.bfloat16:
@@ -84,7 +86,6 @@ def _store_narrowed(ptrs, x, mask):
         tl.store(ptrs, x, mask=mask)
 
 
-@triton.jit
 def _decode_kernel(
     payload_ptr,
     out_ptr,
@@ -114,9 +115,30 @@ def _decode_kernel(
         _store_narrowed(out_ptr + r.to(tl.int64) * cols + offsets, values, mask)
 
 
+_BUILT = False
+
+
+def build() -> ModuleType:
+    """Import Triton and jit the kernels (once), rebinding this module's names to the jitted versions; returns the
+    triton module. ImportError without Triton (fp8_reduce then takes its torch path)."""
+    global _BUILT, tl, e4m3_to_fp32, to_bf16, to_fp8_grid, to_fp32
+    global _encode_kernel, _dequantized, _store_narrowed, _decode_kernel
+    triton = triton_rounding.build()
+    if not _BUILT:
+        # The kernels resolve their helpers through this module's globals: the jitted versions from here on.
+        tl = triton.language
+        e4m3_to_fp32, to_bf16 = triton_rounding.e4m3_to_fp32, triton_rounding.to_bf16
+        to_fp8_grid, to_fp32 = triton_rounding.to_fp8_grid, triton_rounding.to_fp32
+        _encode_kernel, _dequantized = triton.jit(_encode_kernel), triton.jit(_dequantized)
+        _store_narrowed, _decode_kernel = triton.jit(_store_narrowed), triton.jit(_decode_kernel)
+        _BUILT = True
+    return triton
+
+
 def encode(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, cols] contiguous (fp32 or bf16; cols a multiple of `block`) -> (payload uint8 [rows, cols + cols /
     block], counts int32 [programs, 2]: saturated and flushed values per program)."""
+    triton = build()
     rows, cols = x.shape
     n_blocks = rows * cols // block
     programs = triton.cdiv(n_blocks, _GROUP)
@@ -131,6 +153,7 @@ def encode(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
 def decode_sum(payload: torch.Tensor, cols: int, block: int, out: torch.Tensor, average: bool) -> None:
     """out [cols] (fp32 or bf16) = the sum over payload's rows of their dequantized values, in row order, in fp32,
     divided by the number of rows when `average`."""
+    triton = build()
     dp = payload.shape[0]
     grid = (triton.cdiv(cols // block, _GROUP),)
     _decode_kernel[grid](
@@ -149,6 +172,7 @@ def decode_sum(payload: torch.Tensor, cols: int, block: int, out: torch.Tensor, 
 
 def decode_rows(payload: torch.Tensor, cols: int, block: int, out: torch.Tensor) -> None:
     """out [rows * cols] (fp32 or bf16): row r of payload dequantized into out[r * cols:(r + 1) * cols]."""
+    triton = build()
     rows = payload.shape[0]
     grid = (triton.cdiv(cols // block, _GROUP), rows)
     _decode_kernel[grid](

@@ -1,4 +1,4 @@
-"""The fused AdamW kernel (megatron/optim/adam_kernel.py) against the eager step (`states.adamw_update_`).
+"""The fused AdamW kernel (megatron/optim/adam_kernel.py, adam_triton.py) against the eager `states.adamw_update_`.
 
 Rounded to nearest, every encoding the kernel writes (data, block scales, fp16 master remainders) equals the eager
 one bit for bit, for every format of master, m and v, bf16 and fp32 gradients, weight decay on and off, grad_scale,
@@ -22,8 +22,9 @@ import math
 import pytest
 import torch
 
-from megatron.optim import adam_kernel, states
-from megatron.optim.states import DTYPES, PrecisionAwareAdamW, ScaledState, adamw_update_
+from megatron.optim import adam_kernel, precision_aware
+from megatron.optim.precision_aware import PrecisionAwareAdamW
+from megatron.optim.states import DTYPES, ScaledState, adamw_update_
 
 INTERPRET = adam_kernel.interpreting()
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
@@ -440,7 +441,7 @@ def no_eager_step(*args, **kwargs):
 
 
 def test_optimizer_uses_the_kernel_and_resumes_bitwise(monkeypatch):
-    monkeypatch.setattr(states, "adamw_update_", no_eager_step)
+    monkeypatch.setattr(precision_aware, "adamw_update_", no_eager_step)
     first = optimizer(seed=11, values_seed=0, **O2)
     train(first, 4, seed=1)
     buffer = io.BytesIO()
@@ -472,7 +473,7 @@ def test_optimizer_round_to_nearest_equals_its_eager_step(dtypes, monkeypatch, i
     """Five steps (one skipped) of PrecisionAwareAdamW with the kernel and with the eager step: the same bits."""
     fused = optimizer(seed=0, values_seed=0, stochastic_rounding=False, **dtypes)
     with monkeypatch.context() as patch:
-        patch.setattr(states, "adamw_update_", no_eager_step)
+        patch.setattr(precision_aware, "adamw_update_", no_eager_step)
         train(fused, 5, seed=1)
     monkeypatch.setattr(adam_kernel, "available", lambda device=None: False)
     eager = optimizer(seed=0, values_seed=0, stochastic_rounding=False, **dtypes)

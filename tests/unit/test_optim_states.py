@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from megatron.optim.states import BLOCK, PrecisionAwareAdamW, ScaledState, adamw_update_, state_bytes
+from megatron.optim.precision_aware import PrecisionAwareAdamW
+from megatron.optim.states import BLOCK, ScaledState, adamw_update_, state_bytes
 
 O2 = dict(main_params_dtype="fp16", exp_avg_dtype="fp8", exp_avg_sq_dtype="fp16")
 TO_O2 = "optimizer states converted: main params fp32 -> fp16, exp_avg fp32 -> fp8, exp_avg_sq fp32 -> fp16"

@@ -1,4 +1,5 @@
-"""Project-wide rules: the flag list is a visible decision, files stay readable, Transformer Engine stays lazy."""
+"""Project-wide rules: the flag list is a visible decision, files stay readable, Transformer Engine and Triton stay
+lazy (every module imports on a CPU machine)."""
 
 import ast
 import importlib
@@ -21,6 +22,8 @@ TE_MODULES = {
     "megatron/model/cuda_graphs.py",
     "megatron/model/te_comm_overlap.py",
 }
+#: GPU-only packages: the CPU build of torch brings no Triton, and Transformer Engine needs CUDA.
+GPU_ONLY = {"triton", "transformer_engine", "transformer_engine_torch"}
 
 
 def test_flag_list_matches_snapshot():
@@ -40,23 +43,54 @@ def test_files_stay_under_800_lines():
     assert not long, f"split these along a seam a reader would recognise: {long}"
 
 
-def test_transformer_engine_is_imported_lazily_and_by_the_te_modules_only():
+def _imports(tree: ast.AST):
+    """(import node, whether it runs when the module is imported: outside every function body), for each import."""
+
+    def visit(node: ast.AST, in_function: bool):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child, not in_function
+            yield from visit(
+                child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            )
+
+    yield from visit(tree, False)
+
+
+def _packages(node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The top-level packages an import names (none for a relative import)."""
+    if isinstance(node, ast.Import):
+        return {alias.name.split(".")[0] for alias in node.names}
+    return {node.module.split(".")[0]} if node.module and node.level == 0 else set()
+
+
+def test_transformer_engine_is_imported_by_the_te_modules_only():
     for path in _sources():
         rel = str(path.relative_to(ROOT))
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            if any(n.split(".")[0] in ("transformer_engine", "transformer_engine_torch") for n in names):
-                assert rel in TE_MODULES, f"{rel} imports Transformer Engine"
-                assert node not in tree.body, f"{rel} imports Transformer Engine at module level"
+        for node, _ in _imports(ast.parse(path.read_text())):
+            if _packages(node) & {"transformer_engine", "transformer_engine_torch"}:
+                assert rel in TE_MODULES, f"{rel}:{node.lineno} imports Transformer Engine"
+
+
+def test_triton_and_transformer_engine_are_never_imported_at_module_level():
+    """Read from the source, so that it fails on a machine that has Triton too (where importing every module, below,
+    would not notice): an import at module level, also inside a module-level `try` or `if`, or a class body."""
+    found = []
+    for path in _sources():
+        for node, at_import in _imports(ast.parse(path.read_text())):
+            if at_import and (names := _packages(node) & GPU_ONLY):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {', '.join(sorted(names))}")
+    assert not found, (
+        "import these inside the functions that use them (Triton kernels: plain functions jitted by a build() called"
+        f" on first use, as megatron/fp8/triton_rounding.py): {found}"
+    )
 
 
 def test_every_module_imports_on_a_cpu_machine():
+    failed = {}
     for module in pkgutil.walk_packages(megatron.__path__, "megatron."):
-        if module.name == "megatron.fp8.triton_kernels":  # GPU only, imported lazily where CUDA is present
-            continue
-        importlib.import_module(module.name)
+        try:
+            importlib.import_module(module.name)
+        except ImportError as exc:
+            failed[module.name] = str(exc)
+    assert not failed, f"these modules do not import without a GPU's packages: {failed}"
