@@ -58,6 +58,7 @@ OWN_GLOBALS: list[Any] = [
     (_numpy_core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),  # files written under numpy 1
     np.ndarray,
     np.dtype,
+    type(np.dtype(np.uint32)),  # numpy 2's dtype class of the RNG keys
     io.BytesIO,  # Transformer Engine 1.x's `_extra_state`
 ]
 
@@ -90,7 +91,15 @@ def _refused(what: str, name: str) -> str:
     )
 
 
-_TORCH_REFUSAL = re.compile(r"GLOBAL ([\w.]+)")
+_TORCH_REFUSAL = re.compile(r"GLOBAL ([\w.]+)|but got <class '([\w.]+)'>")
+_TORCH_BOILERPLATE = ("Weights only load failed", "In PyTorch 2.6", "Please file an issue", "Check the documentation")
+
+
+def _torch_reason(exc: BaseException) -> str:
+    """The line of torch's weights-only error that says what is wrong (its others are advice)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if not ln.startswith(_TORCH_BOILERPLATE)]
+    return (useful or lines or [type(exc).__name__])[0].removeprefix("WeightsUnpickler error: ")
 
 
 def load_own(source: Any, what: str, error: type[Exception] = UserError, mmap: bool = False) -> Any:
@@ -104,10 +113,10 @@ def load_own(source: Any, what: str, error: type[Exception] = UserError, mmap: b
     except pickle.UnpicklingError as exc:
         found = _TORCH_REFUSAL.search(str(exc))
         if found:
-            raise error(_refused(what, found.group(1))) from None
-        raise error(f"cannot read {what} (truncated, or not a PyTorch file): {first_line(exc)}") from None
+            raise error(_refused(what, found.group(1) or found.group(2))) from None
+        raise error(f"cannot read {what} (truncated, or not a PyTorch file): {_torch_reason(exc)}") from None
     except Exception as exc:  # a truncated zip, bytes that are no pickle, a missing storage record
-        raise error(f"cannot read {what} (truncated, or not a PyTorch file): {first_line(exc)}") from None
+        raise error(f"cannot read {what} (truncated, or not a PyTorch file): {_torch_reason(exc)}") from None
 
 
 class StandIn:
