@@ -475,10 +475,7 @@ def _cause(exc: BaseException) -> BaseException:
 
 
 def _first_line(exc: BaseException) -> str:
-    failures = getattr(exc, "failures", None) or getattr(exc, "_failures", None)
-    if failures:
-        rank, failure = next(iter(failures.items()))
-        inner = getattr(failure, "exc", failure)
-        return f"rank {rank}: {str(inner).splitlines()[0] if str(inner) else type(inner).__name__}"
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    inner = _cause(exc)
+    text = str(inner).strip()
+    rank = next(iter(getattr(exc, "failures", None) or getattr(exc, "_failures", None) or {}), None)
+    return (f"rank {rank}: " if rank is not None else "") + (text.splitlines()[0] if text else type(inner).__name__)

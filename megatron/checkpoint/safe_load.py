@@ -338,8 +338,8 @@ def malformed(source: str, error: type[Exception] = UserError) -> Iterator[None]
         raise error(f"{source}: {first_line(exc)}") from None
     except (LookupError, TypeError, AttributeError, ValueError, RuntimeError, ArithmeticError, MemoryError) as exc:
         raise error(
-            f"{source} is malformed ({type(exc).__name__}: {first_line(exc)[:200]}): restore it, or give the tool the"
-            " kind of file its flags name"
+            f"{source} is malformed ({type(exc).__name__}: {first_line(exc)[:200]}): restore it, or check that it is"
+            " what the flags say it is"
         ) from None
     except OSError as exc:
         raise error(f"{source} cannot be read: {first_line(exc)}") from None

@@ -74,13 +74,18 @@ def convert(args: argparse.Namespace, log=print) -> None:
     if args.saver != "native" and (args.target_tensor_parallel_size or args.target_pipeline_parallel_size):
         raise ConvertError("--target-tensor/pipeline-parallel-size apply to --saver native only")
     start = time.perf_counter()
-    with malformed(f"--load-dir {args.load_dir} ({args.loader})", ConvertError):  # one line, never a traceback
-        if args.loader == "native":
-            full = read_ours(args.load_dir, args.true_vocab_size)
-        elif args.loader == "hf":
-            full = read_hf(args.load_dir, args.true_vocab_size, log)
-        else:
-            full = read_mlm(args.load_dir, args.true_vocab_size, log)
+    try:
+        with malformed(f"--load-dir {args.load_dir} ({args.loader})", ConvertError):  # one line, never a traceback
+            if args.loader == "native":
+                full = read_ours(args.load_dir, args.true_vocab_size)
+            elif args.loader == "hf":
+                full = read_hf(args.load_dir, args.true_vocab_size, log)
+            else:
+                full = read_mlm(args.load_dir, args.true_vocab_size, log)
+    except UserError as exc:  # every error of reading names the source
+        if str(args.load_dir) in str(exc):
+            raise
+        raise ConvertError(f"{args.load_dir}: {exc}") from None
     count = sum(t.numel() for t in full.state.values())
     log(f"> read {full.source}: {count / 1e6:.1f}M parameters, vocabulary {full.vocab_size}"
         f" ({time.perf_counter() - start:.1f} s)")  # fmt: skip
