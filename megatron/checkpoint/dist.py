@@ -64,7 +64,7 @@ from .dist_optimizer import ENCODING, OptimizerEntries
 from .dist_planner import ChunkLoadPlanner, ChunkSavePlanner, split_entries
 from .dist_stager import PinnedStager
 from .integrity import gather_checksums
-from .safe_load import SafeReader, malformed
+from .safe_load import SafeReader, first_line, malformed
 from .sharding import Chunk, Placement, clip_vocab, global_name, placement
 
 FORMAT = "torch_dist"
@@ -475,7 +475,5 @@ def _cause(exc: BaseException) -> BaseException:
 
 
 def _first_line(exc: BaseException) -> str:
-    inner = _cause(exc)
-    text = str(inner).strip()
     rank = next(iter(getattr(exc, "failures", None) or getattr(exc, "_failures", None) or {}), None)
-    return (f"rank {rank}: " if rank is not None else "") + (text.splitlines()[0] if text else type(inner).__name__)
+    return (f"rank {rank}: " if rank is not None else "") + first_line(exc)

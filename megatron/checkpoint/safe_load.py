@@ -20,6 +20,7 @@ docs/checkpoints.md).
 
 from __future__ import annotations
 
+import _compat_pickle
 import argparse
 import codecs
 import collections
@@ -40,6 +41,7 @@ import torch._utils
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.errors import UserError
 
@@ -81,6 +83,15 @@ def take_trust_flag(argv: list[str]) -> list[str]:
 
 
 def first_line(exc: BaseException) -> str:
+    """The first line of an error's message; of DCP's per-rank failure report, the first failure's."""
+    failures = getattr(exc, "failures", None) or getattr(exc, "_failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = getattr(inner, "exc", inner)
+        if isinstance(inner, tuple):  # (exception, traceback) in some torch versions
+            inner = next((x for x in inner if isinstance(x, BaseException)), None)
+        if isinstance(inner, BaseException):
+            return first_line(inner)
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
@@ -102,6 +113,13 @@ def _torch_reason(exc: BaseException) -> str:
     return (useful or lines or [type(exc).__name__])[0].removeprefix("WeightsUnpickler error: ")
 
 
+def _canonical(name: str) -> str:
+    """torch's name for a refused global as `module.name` of today (it drops `builtins.`, keeps Python 2 names)."""
+    module, _, attr = name.rpartition(".")
+    module, attr = _compat_pickle.NAME_MAPPING.get((module, attr), (module, attr))
+    return f"{_compat_pickle.IMPORT_MAPPING.get(module, module) or 'builtins'}.{attr}"
+
+
 def load_own(source: Any, what: str, error: type[Exception] = UserError, mmap: bool = False) -> Any:
     """`torch.load` of a file (or buffer) this project wrote, weights only. Raises `error` (one line naming `what`)
     when it holds anything else or cannot be read."""
@@ -113,7 +131,7 @@ def load_own(source: Any, what: str, error: type[Exception] = UserError, mmap: b
     except pickle.UnpicklingError as exc:
         found = _TORCH_REFUSAL.search(str(exc))
         if found:
-            raise error(_refused(what, found.group(1) or found.group(2))) from None
+            raise error(_refused(what, _canonical(found.group(1) or found.group(2)))) from None
         raise error(f"cannot read {what} (truncated, or not a PyTorch file): {_torch_reason(exc)}") from None
     except Exception as exc:  # a truncated zip, bytes that are no pickle, a missing storage record
         raise error(f"cannot read {what} (truncated, or not a PyTorch file): {_torch_reason(exc)}") from None
@@ -220,6 +238,10 @@ class DataUnpickler(pickle.Unpickler):
     stand_ins = False
 
     def find_class(self, module: str, name: str) -> Any:
+        # Python 2 names, which protocol-2 pickles (torch.save's) carry for some modules: mapped as pickle's own
+        # find_class maps them, so the allowlist and the refusals speak of today's names
+        module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         key = (module, name)
         if key in PLAIN:
             return PLAIN[key]
@@ -334,7 +356,7 @@ def malformed(source: str, error: type[Exception] = UserError) -> Iterator[None]
         yield
     except UserError:
         raise
-    except RefusedGlobal as exc:
+    except (RefusedGlobal, CheckpointException) as exc:  # DCP's failure report derives from BaseException
         raise error(f"{source}: {first_line(exc)}") from None
     except (LookupError, TypeError, AttributeError, ValueError, RuntimeError, ArithmeticError, MemoryError) as exc:
         raise error(

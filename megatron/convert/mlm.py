@@ -178,6 +178,7 @@ def _read_torch_dist(folder: Path) -> tuple[Any, dict[str, Any], tuple[int, int]
     whatever the layout): homogeneous layers stacked along a leading layer axis under `decoder.layers.<name>`,
     SwiGLU's linear_fc1 as [gate; up] (or, with singleton local shards, as `<name>_w` and `<name>_v`)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     args = _check_args(load_torch_file(folder / "common.pt", foreign=True).get("args"), folder)
@@ -193,7 +194,7 @@ def _read_torch_dist(folder: Path) -> tuple[Any, dict[str, Any], tuple[int, int]
     }
     try:
         dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(folder), no_dist=True)
-    except Exception as exc:
+    except (CheckpointException, Exception) as exc:  # DCP's failure report is a BaseException
         raise ConvertError(
             f"cannot read the tensors of {folder} (missing or truncated *.distcp files?): {first_line(exc)}"
         ) from None

@@ -271,6 +271,7 @@ def read_torch_dist(root: Path, true_vocab_size: int | None = None) -> FullModel
     numbers (docs/checkpoints.md), so one process reads them with DCP whatever layout saved them; the optimizer's
     entries are not read."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     iteration, folder = find_iteration(root)
@@ -293,7 +294,7 @@ def read_torch_dist(root: Path, true_vocab_size: int | None = None) -> FullModel
         with warnings.catch_warnings():  # DCP warns that it loads in a single process: that is the intent
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(folder), no_dist=True)
-    except Exception as exc:
+    except (CheckpointException, Exception) as exc:  # DCP's failure report is a BaseException
         raise ConvertError(
             f"{folder}: the torch_dist checkpoint does not load ({type(exc).__name__}: {first_line(exc)})"
         ) from None
