@@ -28,7 +28,10 @@ class _Fp8StateUnpickler(DataUnpickler):
     """Plain data and TE's recipe classes (the real ones, imported: TE unpickles them itself after the check); no
     stand-ins, as TE's own unpickling would then resolve whatever they stood for."""
 
-    allowed = {(_TE_RECIPE, n): None for n in ("DelayedScaling", "Format", "_FormatHelper", "MMParams", "QParams")}
+    allowed = {
+        (_TE_RECIPE, n): None
+        for n in ("DelayedScaling", "Format", "_FormatHelper", "MMParams", "QParams", "_OverrideLinearPrecision")
+    }
 
 
 class UnsafeTePickle(ValueError):
