@@ -314,7 +314,7 @@ class DistCheckpointer:
             layers = sorted({n for s in stages for n in s.get("bf16_layers", []) if n in ours})
             self.monitor.load_state_dict({"bf16_layers": layers})
         if not ckpt.no_load_rng:
-            self._load_rng(loaded, iteration)
+            self._load_rng(loaded, iteration, root)
         return train_state
 
     def _read(self, path: Path, chunks: list[Chunk], objects: dict[str, Any]) -> dict[str, Any]:
@@ -394,13 +394,13 @@ class DistCheckpointer:
             raise CheckpointError(f"checkpoint {root} holds weights this model has no place for: {_few(extra)}")
         _log(f"> checkpoint {root} holds weights this model has no place for, ignored: {_few(extra)}")
 
-    def _load_rng(self, loaded: dict[str, Any], iteration: int) -> None:
+    def _load_rng(self, loaded: dict[str, Any], iteration: int, root: str) -> None:
         layout = loaded["layout"]
         saved = (layout["tp"], layout["pp"], layout["dp"], layout.get("cp", 1))
         same = saved == (self.dims.tp, self.dims.pp, self.dims.dp, self.dims.cp)
         state = loaded.get(f"rng.{self.dims.rank}")
         if same and state is not None:
-            set_rng_state(state)
+            set_rng_state(state, f"checkpoint {root}")
             return
         seed = self.cfg.training.seed + iteration
         random.seed(seed)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 from megatron.checkpoint.integrity import local_checksums, record_checksums
 from megatron.checkpoint.safe_load import SafeLoadPlanner, SafeReader
@@ -152,8 +153,9 @@ def test_fuzz_dcp_objects(tmp_path, trainer):
     rng = random.Random(SEED + 1)
     source = ASSETS / "torch_dist" / "iter_0000004"
     metadata = SafeReader(str(source)).read_metadata()
-    objects = sorted(k for k, v in metadata.state_dict_metadata.items() if type(v).__name__ == "BytesStorageMetadata")
-    state = {k: None for k in objects}
+    entries = metadata.state_dict_metadata
+    objects = sorted(k for k, v in entries.items() if type(v).__name__ == "BytesStorageMetadata")
+    state = {k: None if k in objects else torch.empty(v.size, dtype=v.properties.dtype) for k, v in entries.items()}
     dcp.load(state, storage_reader=SafeReader(str(source)), planner=SafeLoadPlanner(source), no_dist=True)
     state = {k: json.loads(v) if k in ("train_state", "layout") and isinstance(v, str) else v for k, v in state.items()}
     for i in range(40):
@@ -164,7 +166,7 @@ def test_fuzz_dcp_objects(tmp_path, trainer):
         changed = dict(state)
         key = rng.choice(objects)
         changed[key] = mutate_tree({"v": state[key]}, rng, tensors=True).get("v")
-        dcp.save(changed, checkpoint_id=str(folder), no_dist=True)
+        dcp.save(changed, checkpoint_id=str(folder), planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
         (folder / "metadata.json").write_text(json.dumps({"format": "torch_dist", "layout": state["layout"]}))
         record_checksums(folder, local_checksums(folder))
         TALLY.run("DCP bytes entries", lambda root=root: trainer.checkpointer.load(str(root)), [str(root)])
