@@ -354,7 +354,7 @@ def malformed(source: str, error: type[Exception] = UserError) -> Iterator[None]
     holds) become one line naming `source`: the file is malformed. The project's own one-line errors pass."""
     try:
         yield
-    except UserError:
+    except (UserError, torch.OutOfMemoryError, torch.distributed.DistError):  # ours, or no fault of the file
         raise
     except (RefusedGlobal, CheckpointException) as exc:  # DCP's failure report derives from BaseException
         raise error(f"{source}: {first_line(exc)}") from None
