@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpointing import CheckpointError, _log, iteration_dir, select_checkpoint
+from .checkpointing import CheckpointError, _log, check_train_state, iteration_dir, select_checkpoint
 from .dist import DistCheckpointer
 from .torch_format import TorchCheckpointer
 
@@ -41,8 +41,8 @@ def folder_format(path: Path) -> str | None:
     info = path / "metadata.json"
     if info.is_file():
         try:
-            fmt = json.loads(info.read_text()).get("format", "torch")
-        except (ValueError, UnicodeDecodeError):
+            fmt = json.loads(info.read_bytes()).get("format", "torch")
+        except (ValueError, AttributeError, OSError):
             fmt = None  # damaged: the files below still tell
         if fmt in FORMATS:
             return fmt
@@ -98,7 +98,7 @@ class Checkpointer:
                 )
             _log(f"> {root} holds a {fmt} checkpoint: loading it as such (saves use --ckpt-format {self.format})")
         loader = self.saver if fmt == self.format else FORMATS[fmt](self.cfg, self.dims, *self.parts)
-        state = loader.load(root, iteration)
+        state = check_train_state(loader.load(root, iteration), f"checkpoint {root} (iteration {iteration})")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the copies to the device are part of loading
         seconds = time.perf_counter() - start

@@ -46,6 +46,7 @@ from .integrity import (
     retain_last,
     verify_checkpoint,
 )
+from .safe_load import first_line, load_own
 from .te_state import TE_UNSAFE_PICKLE_ENV, UnsafeTePickle, te_pickles_allowed, verify_te_pickles
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -85,9 +86,12 @@ def model_parallel_name(tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1) ->
 
 
 def rng_state() -> dict[str, Any]:
+    """Every generator's state as plain data (numpy's key array as a list, so the checkpoint holds no numpy
+    object and loads weights-only)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (kind, keys.tolist(), pos, has_gauss, cached),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -95,12 +99,20 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def set_rng_state(state: dict[str, Any], source: str = "the checkpoint") -> None:
+    """Restore `rng_state()`'s generators (numpy's keys as a list, or as an array in checkpoints written before).
+    CheckpointError, one line naming `source`, when the state is malformed."""
+    try:
+        random.setstate(tuple(state["python"]))
+        np.random.set_state(tuple(state["numpy"]))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"{source}: its random-number generator state is malformed ({type(exc).__name__}: {first_line(exc)});"
+            " restore the file, or add --no-load-rng"
+        ) from None
 
 
 def _fsync_tree(path: Path) -> None:
@@ -232,10 +244,33 @@ def latest_iteration(root: str) -> int | None:
     pointer = Path(root) / LATEST
     if not pointer.exists():
         return None
-    text = pointer.read_text().strip()
-    if not text.isdigit():
+    try:
+        text = pointer.read_bytes()[:4096].decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{pointer} is corrupt or unreadable ({exc}): expected an iteration number") from None
+    if not (text.isascii() and text.isdigit() and len(text) <= 12):
         raise CheckpointError(f"{pointer} is corrupt (holds {text[:40]!r}, expected an iteration number)")
     return int(text)
+
+
+def read_metadata(folder: Path) -> dict[str, Any] | None:
+    """A checkpoint folder's metadata.json (None when there is none); CheckpointError, one line, when it is not a
+    JSON object with a well-formed layout."""
+    path = folder / "metadata.json"
+    if not path.exists():
+        return None
+    try:
+        metadata = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is damaged (not JSON: {first_line(exc)}): restore the file") from None
+    layout = metadata.get("layout") if isinstance(metadata, dict) else None
+    if not isinstance(layout, dict) or not all(
+        type(layout.get(k)) is int and layout[k] > 0 for k in ("tp", "pp", "dp")
+    ):
+        raise CheckpointError(f"{path} is damaged (no layout with positive tp, pp and dp): restore the file")
+    if not isinstance(metadata.get("format", "torch"), str):
+        raise CheckpointError(f"{path} is damaged (its format is not a name): restore the file")
+    return metadata
 
 
 def select_checkpoint(root: str, group: Any = None) -> int | None:
@@ -258,7 +293,7 @@ def select_checkpoint(root: str, group: Any = None) -> int | None:
                 f"> WARNING: falling back to the checkpoint at iteration {iteration} in {root}, the newest that"
                 f" verifies (iteration {latest}, named by {LATEST}, is damaged)"
             )
-        if not verified:
+        if not verified:  # written before checksums (or by hand): read like any other, weights only (safe_load.py)
             _log(f"> checkpoint at iteration {iteration} in {root} predates checksums: loaded without verification")
         return iteration
     raise CheckpointError(
@@ -287,14 +322,14 @@ def load_checkpoint(
         iteration = select_checkpoint(root, group)
     if iteration is None:
         return None
-    metadata = iteration_dir(root, iteration) / "metadata.json"
-    if metadata.exists() and json.loads(metadata.read_text()).get("format", "torch") != "torch":
+    metadata = read_metadata(iteration_dir(root, iteration))
+    if metadata is not None and metadata.get("format", "torch") != "torch":
         raise CheckpointError(
-            f"{iteration_dir(root, iteration)} is a {json.loads(metadata.read_text())['format']} checkpoint: load it"
+            f"{iteration_dir(root, iteration)} is a {metadata['format'][:40]} checkpoint: load it"
             " with --ckpt-format torch_dist or --auto-detect-ckpt-format"
         )
-    if layout is not None and metadata.exists():
-        saved = json.loads(metadata.read_text())["layout"]
+    if layout is not None and metadata is not None:
+        saved = metadata["layout"]
         if (saved["tp"], saved["pp"]) != (layout["tp"], layout["pp"]):
             raise CheckpointError(
                 f"checkpoint {root} (iteration {iteration}) was saved with tensor-parallel size {saved['tp']} and"
@@ -305,10 +340,10 @@ def load_checkpoint(
     path = iteration_dir(root, iteration) / shard / "model_optim_rng.pt"
     if not path.exists():
         raise CheckpointError(f"{path} is missing: the checkpoint was saved with another parallel layout or is damaged")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # a truncated or foreign file
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    state = load_own(path, str(path), CheckpointError)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} is not a checkpoint of this project (holds no dict): restore the file")
+    return state
 
 
 def load_rank_file(root: str, shard: str, name: str, iteration: int | None = None) -> Any:
@@ -323,10 +358,22 @@ def load_rank_file(root: str, shard: str, name: str, iteration: int | None = Non
             " --use-distributed-optimizer or with a smaller data-parallel size); relaunch with the saved run's"
             " settings, or add --no-load-optim to start the optimizer afresh from the saved weights"
         )
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # a truncated or foreign file
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    state = load_own(path, str(path), CheckpointError)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} is not a rank file of this project (holds no dict): restore the file")
+    return state
+
+
+def check_train_state(state: dict[str, Any], source: str) -> dict[str, Any]:
+    """The training position a checkpoint restores (what the trainer reads from it), checked: CheckpointError, one
+    line naming `source`, unless the counters are non-negative integers."""
+    for key in ("iteration", "consumed_samples", "skipped_iters", "nan_iters"):
+        value = state.get(key, 0)
+        if type(value) is not int or value < 0:
+            raise CheckpointError(f"{source} is malformed: its {key} is {str(value)[:40]!r}, not a count")
+    if "consumed_samples" not in state or "iteration" not in state:
+        raise CheckpointError(f"{source} is malformed: it holds no training position (iteration, consumed samples)")
+    return state
 
 
 def check_model_state(checkpoint: dict[str, torch.Tensor], model: dict[str, torch.Tensor], source: str) -> None:

@@ -29,7 +29,6 @@ save and at the end of training (`finalize`).
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 import shutil
@@ -44,10 +43,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-from torch.distributed.checkpoint.staging import AsyncStager
 
 from .checkpointing import (
     CHECKPOINT_VERSION,
@@ -56,6 +54,7 @@ from .checkpointing import (
     iteration_dir,
     load_model_state,
     publish_checkpoint,
+    read_metadata,
     rng_state,
     save_failed,
     select_checkpoint,
@@ -63,7 +62,9 @@ from .checkpointing import (
 )
 from .dist_optimizer import ENCODING, OptimizerEntries
 from .dist_planner import ChunkLoadPlanner, ChunkSavePlanner, split_entries
+from .dist_stager import PinnedStager
 from .integrity import gather_checksums
+from .safe_load import SafeReader, first_line, malformed
 from .sharding import Chunk, Placement, clip_vocab, global_name, placement
 
 FORMAT = "torch_dist"
@@ -87,7 +88,7 @@ class DistCheckpointer:
         self.waited_s = 0.0
         """Seconds the last save waited for the previous background write (part of its blocked time)."""
         self.optimizer_entries = OptimizerEntries(optimizer, model, self.layers, dims, self.group)
-        self._stager = _PinnedStager()  # --async-save's copy to host memory: training blocks while it runs
+        self._stager = PinnedStager()  # --async-save's copy to host memory: training blocks while it runs
         if self.group is None:  # one process: DCP warns that it assumes so, which is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
@@ -146,8 +147,9 @@ class DistCheckpointer:
         if self.monitor is not None:
             objects[f"fp8_guard.stage{self.dims.pp_rank}"] = self.monitor.state_dict()
         layout = {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "cp": self.dims.cp}
-        objects["train_state"] = dict(train_state, iteration=iteration, checkpoint_version=CHECKPOINT_VERSION)
-        objects["layout"] = layout
+        # plain state as JSON text: nothing of it needs pickling (older checkpoints hold the dicts themselves)
+        train = dict(train_state, iteration=iteration, checkpoint_version=CHECKPOINT_VERSION)
+        objects["train_state"], objects["layout"] = json.dumps(train), json.dumps(layout)
         objects["loss_scaler"] = self.loss_scaler.state_dict()
         objects[f"rng.{self.dims.rank}"] = rng_state()
         state, where = split_entries(chunks, objects)
@@ -248,9 +250,15 @@ class DistCheckpointer:
         path = iteration_dir(root, iteration)
         _check_format(root, path, iteration)
         try:
-            metadata = FileSystemReader(path).read_metadata()
-        except Exception as exc:  # a missing or truncated .metadata
-            raise CheckpointError(f"cannot read the torch_dist checkpoint index {path / '.metadata'}: {exc}") from exc
+            metadata = SafeReader(path).read_metadata()
+        except Exception as exc:  # a missing, truncated or refused .metadata
+            raise CheckpointError(
+                f"cannot read the torch_dist checkpoint index {path / '.metadata'}: {_first_line(exc)}"
+            ) from None
+        with malformed(f"torch_dist checkpoint {path}", CheckpointError):
+            return self._load(root, path, iteration, metadata)
+
+    def _load(self, root: str, path: Path, iteration: int, metadata: Any) -> dict[str, Any]:
         saved = metadata.state_dict_metadata
         ckpt = self.cfg.checkpoint
         load_optim = not (ckpt.finetune or ckpt.no_load_optim)
@@ -262,6 +270,8 @@ class DistCheckpointer:
         wanted |= {f"rng.{self.dims.rank}", ENCODING, self.optimizer_entries.rounding_key}
         wanted |= {k for k in saved if k.startswith("fp8_guard.")}
         loaded = self._read(path, [], {k: None for k in wanted if isinstance(saved.get(k), BytesStorageMetadata)})
+        for key in ("train_state", "layout"):
+            loaded[key] = _plain(loaded.get(key), key, path)
         train_state = loaded["train_state"]
         _log(
             f"> torch_dist checkpoint {root} at iteration {iteration} was saved with layout {loaded['layout']}"
@@ -304,15 +314,15 @@ class DistCheckpointer:
             layers = sorted({n for s in stages for n in s.get("bf16_layers", []) if n in ours})
             self.monitor.load_state_dict({"bf16_layers": layers})
         if not ckpt.no_load_rng:
-            self._load_rng(loaded, iteration)
+            self._load_rng(loaded, iteration, root)
         return train_state
 
     def _read(self, path: Path, chunks: list[Chunk], objects: dict[str, Any]) -> dict[str, Any]:
         """Load `chunks` in place and `objects` (returned by name) from the checkpoint folder `path`."""
         state, where = split_entries(chunks, objects)
-        planner = ChunkLoadPlanner(where)
+        planner = ChunkLoadPlanner(where, path)
         try:
-            reader = FileSystemReader(path)
+            reader = SafeReader(path)
             dcp.load(
                 state, storage_reader=reader, planner=planner, process_group=self.group, no_dist=self.group is None
             )
@@ -384,13 +394,13 @@ class DistCheckpointer:
             raise CheckpointError(f"checkpoint {root} holds weights this model has no place for: {_few(extra)}")
         _log(f"> checkpoint {root} holds weights this model has no place for, ignored: {_few(extra)}")
 
-    def _load_rng(self, loaded: dict[str, Any], iteration: int) -> None:
+    def _load_rng(self, loaded: dict[str, Any], iteration: int, root: str) -> None:
         layout = loaded["layout"]
         saved = (layout["tp"], layout["pp"], layout["dp"], layout.get("cp", 1))
         same = saved == (self.dims.tp, self.dims.pp, self.dims.dp, self.dims.cp)
         state = loaded.get(f"rng.{self.dims.rank}")
         if same and state is not None:
-            set_rng_state(state)
+            set_rng_state(state, f"checkpoint {root}")
             return
         seed = self.cfg.training.seed + iteration
         random.seed(seed)
@@ -419,8 +429,8 @@ def _check_format(root: str, path: Path, iteration: int) -> None:
         raise CheckpointError(
             f"{root}: {path.name} (named by the latest pointer, iteration {iteration}) is missing or damaged"
         )
-    info = path / "metadata.json"
-    fmt = json.loads(info.read_text()).get("format", "torch") if info.exists() else None
+    info = read_metadata(path)
+    fmt = info.get("format", "torch") if info is not None else None
     if fmt is None and (path / ".metadata").exists():
         raise CheckpointError(
             f"{path} is a torch_dist checkpoint of another program (no metadata.json; Megatron-LM's?): convert it"
@@ -431,6 +441,18 @@ def _check_format(root: str, path: Path, iteration: int) -> None:
             f"{path} is not a torch_dist checkpoint (format {fmt or 'unknown'}): load it with --ckpt-format"
             f" {fmt or 'torch'} or --auto-detect-ckpt-format"
         )
+
+
+def _plain(value: Any, key: str, path: Path) -> dict[str, Any]:
+    """The `train_state` or `layout` entry: JSON text (or, written before, the dict itself)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            value = None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"torch_dist checkpoint {path}: its {key} entry is missing or malformed; restore it")
+    return value
 
 
 def _few(names: set[str], limit: int = 6) -> str:
@@ -453,49 +475,5 @@ def _cause(exc: BaseException) -> BaseException:
 
 
 def _first_line(exc: BaseException) -> str:
-    failures = getattr(exc, "failures", None) or getattr(exc, "_failures", None)
-    if failures:
-        rank, failure = next(iter(failures.items()))
-        inner = getattr(failure, "exc", failure)
-        return f"rank {rank}: {str(inner).splitlines()[0] if str(inner) else type(inner).__name__}"
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-class _PinnedStager(AsyncStager):
-    """--async-save's copy of the state to host memory, which the background write then reads: each tensor entry
-    into a pinned buffer kept from one save to the next (on GPUs; plain memory on CPUs), other entries deep-copied.
-
-    Not DCP's DefaultStager: its default copies into fresh pageable memory (training blocked 15.2 s for llama-1b's
-    15 GB on an H100), and with pinned memory, kept across saves, its second save failed inside DCP's object copy
-    under torch 2.11 ("KeyError: <class 'type'>"; the cause in DCP was not found, and keeping DCP from closing the
-    stager did not help). The state here is one flat dict with stable keys (`split_entries`), so a buffer per key
-    is all the caching needed."""
-
-    _synchronize_after_execute = False  # the copy is complete when `stage` returns
-
-    def __init__(self) -> None:
-        self.buffers: dict[str, torch.Tensor] = {}
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        staged, on_gpu = {}, False
-        for key, value in state_dict.items():
-            if not isinstance(value, torch.Tensor):
-                staged[key] = copy.deepcopy(value)
-                continue
-            buffer = self.buffers.get(key)
-            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-                buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
-                self.buffers[key] = buffer
-            buffer.copy_(value.detach(), non_blocking=value.is_cuda)
-            on_gpu |= value.is_cuda
-            staged[key] = buffer
-        if on_gpu:  # the copies were queued on the current stream, after the kernels that wrote the values
-            torch.cuda.current_stream().synchronize()
-        return staged
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    rank = next(iter(getattr(exc, "failures", None) or getattr(exc, "_failures", None) or {}), None)
+    return (f"rank {rank}: " if rank is not None else "") + first_line(exc)

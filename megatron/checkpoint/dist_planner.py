@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from .safe_load import load_bytes_entry
 from .sharding import Chunk
 
 Where = tuple[str, tuple[int, ...], tuple[int, ...]]
@@ -91,9 +92,9 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
     """Loads tensor entries in place (into the given tensors, which may be views) and object entries into the
     planner's `state_dict`. Entries the checkpoint lacks must have been left out by the caller."""
 
-    def __init__(self, where: dict[str, Where]):
+    def __init__(self, where: dict[str, Where], folder: Any = "the checkpoint"):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
-        self.where = where
+        self.where, self.folder = where, folder
         self._key_of: dict[tuple[str, tuple[int, ...]], str] = {}
 
     def create_local_plan(self) -> LoadPlan:
@@ -113,7 +114,8 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
         return LoadPlan(requests)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+        # weights only, unlike DCP's default planner (a checkpoint is data, never code: safe_load.py)
+        self.state_dict[read_item.dest_index.fqn] = load_bytes_entry(value, read_item.dest_index.fqn, self.folder)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self.state_dict[self._key_of[(index.fqn, tuple(index.offset))]]

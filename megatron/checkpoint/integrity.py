@@ -96,6 +96,18 @@ def record_checksums(directory: Path, checksums: dict[str, dict[str, Any]]) -> N
     path.write_text(json.dumps(metadata) + "\n")
 
 
+def _check_recorded(recorded: Any, meta_path: Path) -> None:
+    """Unusable unless `recorded` maps relative file names inside the folder to {"size": int, "crc32": str}."""
+    if not isinstance(recorded, dict):
+        raise Unusable(f"{meta_path} is damaged: its checksums are not a mapping of file names")
+    for name, want in recorded.items():
+        inside = isinstance(name, str) and name and not name.startswith("/") and ".." not in name.split("/")
+        if not inside or "\0" in name:
+            raise Unusable(f"{meta_path} is damaged: its checksums name {str(name)[:60]!r}, not a file of the folder")
+        if not (isinstance(want, dict) and type(want.get("size")) is int and isinstance(want.get("crc32"), str)):
+            raise Unusable(f"{meta_path} is damaged: the checksum of {name[:60]} is not a size and a CRC-32")
+
+
 def _problems(directory: Path, names: list[str], recorded: dict[str, dict[str, Any]]) -> list[str]:
     problems = []
     for name in names:
@@ -125,11 +137,13 @@ def verify_checkpoint(directory: Path, group: Any = None) -> bool:
             recorded: dict[str, dict[str, Any]] = {}
         else:
             try:
-                recorded = json.loads(meta_path.read_text()).get("checksums")
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise Unusable(f"{meta_path} is damaged: {exc}") from exc
+                metadata = json.loads(meta_path.read_bytes())
+            except ValueError as exc:  # not JSON, not UTF-8
+                raise Unusable(f"{meta_path} is damaged: {str(exc).splitlines()[0]}") from None
+            recorded = metadata.get("checksums") if isinstance(metadata, dict) else {}
             if recorded is None:
                 legacy, recorded = True, {}
+            _check_recorded(recorded, meta_path)
         rank, size = _rank_and_size(group)
         names = sorted(recorded)[rank::size]
         problems = _problems(directory, names, recorded)

@@ -23,6 +23,7 @@ from .checkpointing import (
     save_checkpoint,
     set_rng_state,
 )
+from .safe_load import malformed
 
 
 class TorchCheckpointer:
@@ -70,10 +71,14 @@ class TorchCheckpointer:
         """Load the newest checkpoint under `root` (`iteration`: one already selected) into the model (and unless
         --finetune / --no-load-optim / --no-load-rng, the FP8 state, optimizer, loss scaler and RNG); returns its
         state, or None when there is none."""
-        ckpt = self.cfg.checkpoint
         state = load_checkpoint(root, self.shard, self.layout, iteration=iteration)
         if state is None:
             return None
+        with malformed(f"checkpoint {root} (iteration {state.get('iteration')}, {self.shard})", CheckpointError):
+            return self._apply(root, state)
+
+    def _apply(self, root: str, state: dict[str, Any]) -> dict[str, Any]:
+        ckpt = self.cfg.checkpoint
         saved, ours = state.get("layer_numbers"), list(self.model.stage.layer_numbers)
         if saved is not None and saved != ours:
             raise CheckpointError(
@@ -99,7 +104,7 @@ class TorchCheckpointer:
             self._load_optimizer(root, state)
             self.loss_scaler.load_state_dict(state.get("loss_scaler") or {})
         if not ckpt.no_load_rng:
-            set_rng_state(state["rng"])
+            set_rng_state(state["rng"], f"checkpoint {root}")
         if self.monitor is not None and state.get("fp8_guard") is not None:
             self.monitor.load_state_dict(state["fp8_guard"])
         return state

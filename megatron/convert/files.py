@@ -1,19 +1,16 @@
 """File handling shared by the converters: an output folder that appears only when complete, and reading pickled
-checkpoints written by other programs (Megatron-LM) without their code installed."""
+checkpoints (this project's, and Megatron-LM's without its code installed) as data only."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import shutil
-import sys
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
+from megatron.checkpoint.safe_load import load_foreign, load_own
 
 from .state import ConvertError
 
@@ -52,54 +49,13 @@ def atomic_output_dir(target: str | os.PathLike, log=print) -> Iterator[Path]:
         raise
 
 
-class _Missing:
-    """Stands in for a class of a package that is not installed here (Megatron-LM's enums in its saved args):
-    keeps whatever the pickle restores, so the fields this tool reads (plain ones) are still there."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-
-    def __reduce_ex__(self, protocol):  # pragma: no cover - never pickled again
-        return (_Missing, ())
-
-
-def _missing_class(module: str, name: str) -> type:
-    return type(name, (_Missing,), {"__module__": module, "__new__": lambda cls, *a, **k: object.__new__(cls)})
-
-
-class _TolerantUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return super().find_class(module, name)
-        except (ImportError, AttributeError):
-            if module.split(".")[0] in ("megatron", "transformer_engine", "apex", "modelopt"):
-                return _missing_class(module, name)
-            raise
-
-
-_pickle = types.ModuleType("tolerant_pickle")
-_pickle.__dict__.update({k: getattr(pickle, k) for k in dir(pickle) if not k.startswith("__")})
-_pickle.Unpickler = _TolerantUnpickler  # type: ignore[attr-defined]
-
-
 def load_torch_file(path: Path, foreign: bool = False) -> dict[str, Any]:
-    """torch.load on the CPU, memory-mapped (tensors are read when used). `foreign`: classes of Megatron-LM (and its
-    dependencies) that are not installed here are replaced by stand-ins instead of failing."""
+    """torch.load on the CPU, memory-mapped (tensors are read when used), never running code from the file
+    (megatron/checkpoint/safe_load.py): this project's files weights only; `foreign` ones (Megatron-LM's) through
+    the restricted unpickler, with stand-ins for its classes, which need not be installed here."""
     if not path.exists():
         raise ConvertError(f"{path} is missing: the checkpoint is incomplete (half-written or copied in part)")
-    kwargs: dict[str, Any] = {"map_location": "cpu", "weights_only": False}
-    if foreign and "megatron.core" not in sys.modules:
-        kwargs["pickle_module"] = _pickle
-    try:
-        try:
-            return torch.load(path, mmap=True, **kwargs)
-        except RuntimeError as exc:
-            if "mmap" not in str(exc):
-                raise
-            return torch.load(path, **kwargs)  # the legacy (non-zip) format cannot be mapped
-    except Exception as exc:  # a truncated or foreign file
-        raise ConvertError(f"cannot read {path} (truncated or not a PyTorch checkpoint): {exc}") from None
+    state = load_foreign(path, str(path), ConvertError) if foreign else load_own(path, str(path), ConvertError, True)
+    if not isinstance(state, dict):
+        raise ConvertError(f"{path} holds a {type(state).__name__}, not a checkpoint's dict: restore the file")
+    return state

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from megatron.checkpoint.safe_load import first_line, load_foreign
+
 from .state import ConvertError, FullModel, check_complete, model_config, own_storage
 
 INSTALL = "pip install -e .[hf] (transformers, safetensors)"
@@ -204,7 +206,10 @@ class _Weights:
                 if not (folder / file).exists():
                     raise ConvertError(f"{folder / file} is missing: the download or copy is incomplete")
         elif (folder / "pytorch_model.bin").exists():
-            self.bin = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True)
+            bin_file = folder / "pytorch_model.bin"
+            self.bin = load_foreign(bin_file, str(bin_file), ConvertError)  # data only (safe_load.py)
+            if not isinstance(self.bin, dict):
+                raise ConvertError(f"{bin_file} holds a {type(self.bin).__name__}, not a dict of tensors")
             self.names = {n: "pytorch_model.bin" for n in self.bin}
         else:
             raise ConvertError(f"{folder} has config.json but no model.safetensors or pytorch_model.bin")
@@ -217,7 +222,7 @@ class _Weights:
             try:
                 self.files[file] = safe_open(str(self.folder / file), framework="pt")
             except Exception as exc:
-                raise ConvertError(f"cannot read {self.folder / file} (truncated?): {exc}") from None
+                raise ConvertError(f"cannot read {self.folder / file} (truncated?): {first_line(exc)}") from None
         return self.files[file]
 
     def __contains__(self, name: str) -> bool:
@@ -227,7 +232,12 @@ class _Weights:
         if name not in self.names:
             raise ConvertError(f"missing tensors in {self.folder}: {name}")
         file = self.names[name]
-        return self.bin[name] if file == "pytorch_model.bin" else self._open(file).get_tensor(name)
+        if file == "pytorch_model.bin":
+            return self.bin[name]
+        try:
+            return self._open(file).get_tensor(name)
+        except Exception as exc:  # safetensors' own error type: a header naming bytes the file lacks
+            raise ConvertError(f"cannot read {name} from {self.folder / file}: {first_line(exc)}") from None
 
 
 def _from_llama(c: dict[str, Any], w: _Weights, source: str) -> FullModel:
@@ -330,7 +340,12 @@ def read_hf(folder: str | Path, true_vocab_size: int | None = None, log=print) -
     folder = Path(folder)
     if not (folder / "config.json").exists():
         raise ConvertError(f"{folder} has no config.json: not a Hugging Face model folder")
-    c = json.loads((folder / "config.json").read_text())
+    try:
+        c = json.loads((folder / "config.json").read_bytes())
+    except ValueError as exc:
+        raise ConvertError(f"{folder / 'config.json'} is not JSON ({first_line(exc)}): restore the file") from None
+    if not isinstance(c, dict):
+        raise ConvertError(f"{folder / 'config.json'} is not a JSON object: restore the file")
     arch = (c.get("architectures") or [""])[0]
     kind = c.get("model_type")
     source = f"Hugging Face {arch or kind} {folder}"

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from megatron.checkpoint.safe_load import SafeLoadPlanner, SafeReader, first_line
 from megatron.config.data import TOKENIZER_TYPES, DataConfig
 from megatron.data.tokenizers import build_tokenizer
 from megatron.errors import UserError
@@ -147,8 +148,23 @@ def _read_legacy(folder: Path) -> tuple[Any, dict[str, Any], tuple[int, int]]:
 
 
 def _check_args(args: Any, folder: Path) -> Any:
+    """Megatron-LM's args (an argparse Namespace), with the fields that shape the model present and of their type."""
     if args is None or not hasattr(args, "num_layers"):
         raise ConvertError(f"{folder} holds no Megatron-LM args: not a Megatron-LM checkpoint")
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        value = getattr(args, name, None)
+        if type(value) is not int or value <= 0:
+            raise ConvertError(
+                f"{folder}: its Megatron-LM args have {name} = {str(value)[:40]!r}, not a positive integer (damaged,"
+                " or not a Megatron-LM checkpoint)"
+            )
+    for name in ("ffn_hidden_size", "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
+                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size"):  # fmt: skip
+        value = getattr(args, name, None)
+        if value is not None and (type(value) is not int or value <= 0):
+            raise ConvertError(
+                f"{folder}: its Megatron-LM args have {name} = {str(value)[:40]!r}, not a positive integer"
+            )
     return args
 
 
@@ -162,24 +178,25 @@ def _read_torch_dist(folder: Path) -> tuple[Any, dict[str, Any], tuple[int, int]
     whatever the layout): homogeneous layers stacked along a leading layer axis under `decoder.layers.<name>`,
     SwiGLU's linear_fc1 as [gate; up] (or, with singleton local shards, as `<name>_w` and `<name>_v`)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     args = _check_args(load_torch_file(folder / "common.pt", foreign=True).get("args"), folder)
-    reader = dcp.FileSystemReader(str(folder))
+    reader = SafeReader(str(folder))
     try:
         metadata = reader.read_metadata()
     except Exception as exc:
-        raise ConvertError(f"cannot read {folder / '.metadata'} (truncated?): {exc}") from None
+        raise ConvertError(f"cannot read {folder / '.metadata'} (truncated?): {first_line(exc)}") from None
     tensors = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()
         if isinstance(meta, TensorStorageMetadata) and _MODEL_KEY.match(key) and "_extra_state" not in key
     }
     try:
-        dcp.load(tensors, storage_reader=reader, no_dist=True)
-    except Exception as exc:
+        dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(folder), no_dist=True)
+    except (CheckpointException, Exception) as exc:  # DCP's failure report is a BaseException
         raise ConvertError(
-            f"cannot read the tensors of {folder} (missing or truncated *.distcp files?): {exc}"
+            f"cannot read the tensors of {folder} (missing or truncated *.distcp files?): {first_line(exc)}"
         ) from None
     state: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():

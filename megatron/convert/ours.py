@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from megatron.checkpoint.checkpointing import CHECKPOINT_VERSION, LATEST, iteration_dir, model_parallel_name
+from megatron.checkpoint.safe_load import SafeLoadPlanner, SafeReader, first_line
 from megatron.checkpoint.sharding import global_name
 from megatron.config import Config, DataConfig, ModelConfig
 from megatron.config.pipeline_split import stage_layer_numbers
@@ -58,10 +59,13 @@ def find_iteration(root: Path, what: str = "checkpoint") -> tuple[int | str, Pat
                 f"{root} holds only a half-written {what} ({unfinished[0]}, no {LATEST}): the save was interrupted"
             )
         raise ConvertError(f"{root} holds no {what} (no {LATEST})")
-    text = pointer.read_text().strip()
+    try:
+        text = pointer.read_bytes()[:4096].decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise ConvertError(f"{pointer} is corrupt (not text): expected an iteration number") from None
     if text == "release":  # Megatron-LM's name for converted checkpoints
         return text, root / "release"
-    if not text.isdigit():
+    if not (text.isdigit() and len(text) <= 12):
         raise ConvertError(f"{pointer} is corrupt (holds {text[:40]!r}, expected an iteration number)")
     folder = iteration_dir(root, int(text))
     if not folder.is_dir():
@@ -141,7 +145,7 @@ def read_torch(root: Path, true_vocab_size: int | None = None) -> FullModel:
     tp, pp = detect_layout(folder)
     metadata = folder / "metadata.json"
     if metadata.exists():
-        saved = json.loads(metadata.read_text())["layout"]
+        saved = json.loads(metadata.read_bytes())["layout"]
         if (saved["tp"], saved["pp"]) != (tp, pp):
             raise ConvertError(
                 f"{folder} is incomplete: metadata.json names tensor x pipeline {saved['tp']} x {saved['pp']}, the"
@@ -267,14 +271,17 @@ def read_torch_dist(root: Path, true_vocab_size: int | None = None) -> FullModel
     numbers (docs/checkpoints.md), so one process reads them with DCP whatever layout saved them; the optimizer's
     entries are not read."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     iteration, folder = find_iteration(root)
-    reader = dcp.FileSystemReader(str(folder))
+    reader = SafeReader(str(folder))
     try:
         entries = reader.read_metadata().state_dict_metadata
     except Exception as exc:  # DCP raises what its unpickler or the file system raised
-        raise ConvertError(f"{folder}: cannot read the torch_dist metadata ({type(exc).__name__}: {exc})") from None
+        raise ConvertError(
+            f"{folder}: cannot read the torch_dist metadata ({type(exc).__name__}: {first_line(exc)})"
+        ) from None
     if "train_state" not in entries:
         raise ConvertError(f"{folder} is not a torch_dist checkpoint of this project (no train_state)")
     state: dict[str, Any] = {
@@ -286,10 +293,13 @@ def read_torch_dist(root: Path, true_vocab_size: int | None = None) -> FullModel
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in a single process: that is the intent
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=reader, no_dist=True)
-    except Exception as exc:
-        raise ConvertError(f"{folder}: the torch_dist checkpoint does not load ({type(exc).__name__}: {exc})") from None
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(folder), no_dist=True)
+    except (CheckpointException, Exception) as exc:  # DCP's failure report is a BaseException
+        raise ConvertError(
+            f"{folder}: the torch_dist checkpoint does not load ({type(exc).__name__}: {first_line(exc)})"
+        ) from None
     train_state = state.pop("train_state")
+    train_state = json.loads(train_state) if isinstance(train_state, str) else train_state  # JSON since safe_load
     config = train_state["config"]
     cfg = model_config(**config["model"])
 

@@ -59,6 +59,8 @@ def build_datasets(cfg: Config, tokenizer, vocab_size: int) -> Datasets:
             test=MockGPTDataset(eval_samples, seq, vocab, eod, seed + 2) if eval_samples else None,
         )
     blend = parse_blend(cfg.data.data_path)
+    if not all(np.isfinite(w) and w > 0 for w, _ in blend):  # 1e400 parses as inf, and inf / inf as nan
+        raise DataError(f"--data-path {' '.join(cfg.data.data_path)}: a weight is not a finite number: `0.3 /data/a`")
     fractions = parse_split(cfg.data.split)
     indexed = [IndexedDataset(prefix, mmap=cfg.data.mmap_bin_files) for _, prefix in blend]
     bounds = [split_bounds(fractions, ds.num_documents) for ds in indexed]

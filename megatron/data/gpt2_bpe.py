@@ -43,15 +43,18 @@ def byte_to_unicode() -> dict[int, str]:
 def read_merges(path: str) -> list[tuple[str, str]]:
     """The merge rules of merges.txt, best first; a `#version` header line and blank lines are skipped."""
     merges = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if not line or line.startswith("#version"):
-                continue
-            parts = line.split(" ")
-            if len(parts) != 2:
-                raise DataError(f"{path}:{number}: a merge rule is two symbols separated by one space, got {line!r}")
-            merges.append((parts[0], parts[1]))
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not a GPT-2 merges.txt (not UTF-8 text: {err})") from None
+    for number, line in enumerate(lines, 1):
+        if not line or line.startswith("#version"):
+            continue
+        parts = line.split(" ")
+        if len(parts) != 2:
+            raise DataError(f"{path}:{number}: a merge rule is two symbols separated by one space, got {line!r}")
+        merges.append((parts[0], parts[1]))
     return merges
 
 
@@ -64,8 +67,10 @@ class ByteLevelBPE:
                 self.encoder: dict[str, int] = json.load(f)
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise DataError(f"{vocab_file}: not a GPT-2 vocab.json (a JSON object of symbol: id): {err}") from None
-        if not isinstance(self.encoder, dict):
-            raise DataError(f"{vocab_file}: not a GPT-2 vocab.json (a JSON object of symbol: id)")
+        if not isinstance(self.encoder, dict) or not all(
+            isinstance(s, str) and type(i) is int and i >= 0 for s, i in self.encoder.items()
+        ):
+            raise DataError(f"{vocab_file}: not a GPT-2 vocab.json (a JSON object of symbol: non-negative id)")
         self.decoder = {i: s for s, i in self.encoder.items()}
         self.ranks = {pair: rank for rank, pair in enumerate(read_merges(merge_file))}
         self.byte_encoder = byte_to_unicode()

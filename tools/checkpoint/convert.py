@@ -11,6 +11,9 @@ Megatron-LM's tools/checkpoint/convert.py: a loader reads the source, a saver wr
     python tools/checkpoint/convert.py --model-type GPT --loader mcore --saver native --load-dir mlm/ckpt \\
         --save-dir ckpt/from_mlm --target-tensor-parallel-size 1
 
+Checkpoints are read as data only (docs/checkpoints.md): a file holding any other class is refused in one line;
+--trust-checkpoint (or MEGATRON_TRUST_CHECKPOINT=1) loads a file you trust the old way.
+
 Loaders: native (this project's checkpoints, --ckpt-format torch), hf (LlamaForCausalLM or GPT2LMHeadModel, told
 apart by config.json), mcore (Megatron-LM's torch and torch_dist checkpoints). Savers: native, hf (Llama when the
 model is RMSNorm + SwiGLU + RoPE, GPT-2 when LayerNorm + GELU + learned positions). A native checkpoint written
@@ -64,18 +67,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def convert(args: argparse.Namespace, log=print) -> None:
+    from megatron.checkpoint.safe_load import malformed
     from megatron.convert import atomic_output_dir, read_hf, read_mlm, read_ours, write_hf, write_torch
     from megatron.convert.state import ConvertError
 
     if args.saver != "native" and (args.target_tensor_parallel_size or args.target_pipeline_parallel_size):
         raise ConvertError("--target-tensor/pipeline-parallel-size apply to --saver native only")
     start = time.perf_counter()
-    if args.loader == "native":
-        full = read_ours(args.load_dir, args.true_vocab_size)
-    elif args.loader == "hf":
-        full = read_hf(args.load_dir, args.true_vocab_size, log)
-    else:
-        full = read_mlm(args.load_dir, args.true_vocab_size, log)
+    try:
+        with malformed(f"--load-dir {args.load_dir} ({args.loader})", ConvertError):  # one line, never a traceback
+            if args.loader == "native":
+                full = read_ours(args.load_dir, args.true_vocab_size)
+            elif args.loader == "hf":
+                full = read_hf(args.load_dir, args.true_vocab_size, log)
+            else:
+                full = read_mlm(args.load_dir, args.true_vocab_size, log)
+    except UserError as exc:  # every error of reading names the source
+        if str(args.load_dir) in str(exc):
+            raise
+        raise ConvertError(f"{args.load_dir}: {exc}") from None
     count = sum(t.numel() for t in full.state.values())
     log(f"> read {full.source}: {count / 1e6:.1f}M parameters, vocabulary {full.vocab_size}"
         f" ({time.perf_counter() - start:.1f} s)")  # fmt: skip
@@ -92,7 +102,9 @@ def convert(args: argparse.Namespace, log=print) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+    from megatron.checkpoint.safe_load import take_trust_flag
+
+    args = parse(take_trust_flag(sys.argv[1:] if argv is None else argv))
     try:
         convert(args)
     except UserError as exc:
