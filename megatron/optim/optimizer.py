@@ -30,6 +30,7 @@ from torch import nn
 from megatron.config import OptimizerConfig
 from megatron.fp8.params import is_fp8_param, quantize_masters
 from megatron.parallel import GradientBuffers, counts_in_grad_norm
+from megatron.parallel.fsdp import ShardedGrads, local_shard
 
 from .schedule import DECOUPLED, DEFAULT, LearningRates, lr_group
 from .states import PrecisionAwareAdamW, ScaledState
@@ -66,7 +67,7 @@ class MixedPrecisionAdamW:
         model: nn.Module,
         cfg: OptimizerConfig,
         fused: bool = False,
-        buffers: GradientBuffers | None = None,
+        buffers: GradientBuffers | ShardedGrads | None = None,
         fp8_group: dist.ProcessGroup | None = None,
     ):
         """`buffers`: the model's gradient buffers; needed when they are sharded (the distributed optimizer).
@@ -88,7 +89,7 @@ class MixedPrecisionAdamW:
             # the views themselves (fp32) to step on.
             self.pieces = [(p, r) for p in self.params if (r := self.buffers.owned_range(p)) is not None]
             owned, starts = [p for p, _ in self.pieces], [a for _, (a, _) in self.pieces]
-            targets = [p if is_fp8_param(p) else p.detach().view(-1)[a:b] for p, (a, b) in self.pieces]
+            targets = [p if is_fp8_param(p) else local_shard(p).view(-1)[a:b] for p, (a, b) in self.pieces]
             self._grads = [p.main_grad.view(-1)[a:b] for p, (a, b) in self.pieces]
             self.main_params = (
                 [_initial_piece(p, t, a, b) for (p, (a, b)), t in zip(self.pieces, targets)] if self.mixed else targets

@@ -40,6 +40,7 @@ from megatron.parallel import (
     reduce_tied_embedding_grads,
 )
 from megatron.parallel.context_parallel import NO_CP, ContextParallel, attach_context_parallel, split_batch
+from megatron.parallel.fsdp import build_fsdp
 from megatron.parallel.interleaved import run_interleaved
 from megatron.parallel.pipeline import forward_backward_1f1b, forward_only, schedule_line
 from megatron.parallel.pipeline_layout import layout_line
@@ -122,16 +123,19 @@ class Trainer:
         # stage, so the buckets are reduced after the schedule there.
         overlap = par.overlap_grad_reduce and dims.pp == 1
         sharded = cfg.optimizer.use_distributed_optimizer
-        self.grad_buffers = GradientBuffers(
-            self.model,
-            dims.dp_cp_group,
-            overlap,
-            par.ddp_bucket_size,
-            sharded,
-            par.overlap_param_gather,
-            grad_dtype=torch.bfloat16 if par.grad_reduce_in_bf16 else torch.float32,
-            fp8_reduce=par.fp8_grad_reduce,
-        )
+        if par.fsdp:  # weights, gradients and optimizer states sharded (megatron/parallel/fsdp.py)
+            self.grad_buffers = build_fsdp(self.model, cfg, dims.dp_cp_group)
+        else:
+            self.grad_buffers = GradientBuffers(
+                self.model,
+                dims.dp_cp_group,
+                overlap,
+                par.ddp_bucket_size,
+                sharded,
+                par.overlap_param_gather,
+                grad_dtype=torch.bfloat16 if par.grad_reduce_in_bf16 else torch.float32,
+                fp8_reduce=par.fp8_grad_reduce,
+            )
         if self.grad_buffers.overlap_param_gather:
             self.grad_buffers.wait_for_params_in_forward(self.model, list(self.model.decoder.layers))
         # FP8 weights' amaxes, when their main copies are cast: TE scales each tensor-parallel shard by itself, the

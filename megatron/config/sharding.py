@@ -1,0 +1,124 @@
+"""Data-parallel sharding (--use-megatron-fsdp / --use-torch-fsdp2 and their options): the one place that turns the
+flags into a strategy and rejects what is not built. The engine is PyTorch's FSDP2 (megatron/parallel/fsdp.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .base import require
+
+if TYPE_CHECKING:
+    from .config import Config
+
+_FSDP_ONLY = (
+    "data_parallel_sharding_strategy",
+    "fsdp_double_buffer",
+    "suggested_communication_unit_size",
+    "init_model_with_meta_device",
+)
+_DTYPES = ("megatron_fsdp_main_params_dtype", "megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype")
+_DTYPE_DEFAULTS = {"megatron_fsdp_main_params_dtype": "fp32"}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def resolve_sharding(cfg: Config) -> None:
+    """Set --data-parallel-sharding-strategy from the flags (None without FSDP) and check the combination; the
+    optim strategy turns on the distributed optimizer. Idempotent. Raises ConfigError naming the flags."""
+    par, opt = cfg.parallel, cfg.optimizer
+    engine = par.use_megatron_fsdp or par.use_torch_fsdp2
+    if not engine:
+        given = [_flag(n) for n in _FSDP_ONLY if getattr(par, n) not in (None, False)]
+        given += [_flag(n) for n in _DTYPES if getattr(par, n) != _DTYPE_DEFAULTS.get(n, "auto")]
+        require(not given, f"{', '.join(given)} configure FSDP: add --use-megatron-fsdp (or --use-torch-fsdp2)")
+        return
+    if par.data_parallel_sharding_strategy is None:
+        par.data_parallel_sharding_strategy = "optim_grads_params"  # Megatron-LM's default
+    strategy = par.data_parallel_sharding_strategy
+    if strategy == "optim":
+        if not opt.use_distributed_optimizer:
+            opt.use_distributed_optimizer = True
+            cfg.notes.append("--data-parallel-sharding-strategy optim: the distributed optimizer shards the states")
+    elif strategy == "no_shard":
+        require(
+            not opt.use_distributed_optimizer,
+            "--data-parallel-sharding-strategy no_shard with --use-distributed-optimizer: choose optim, or drop one",
+        )
+    if not par.fsdp:  # no_shard and optim: the gradient buffers without and with the distributed optimizer
+        extras = [_flag(n) for n in _FSDP_ONLY[1:] if getattr(par, n) not in (None, False)]
+        require(not extras, f"{', '.join(extras)} need --data-parallel-sharding-strategy optim_grads(_params)")
+        return
+    _check_fsdp(cfg)
+
+
+def _check_fsdp(cfg: Config) -> None:
+    """Combinations FSDP (optim_grads, optim_grads_params) does not run yet, each a one-line error."""
+    par, opt, prec, model = cfg.parallel, cfg.optimizer, cfg.precision, cfg.model
+    strategy = f"--data-parallel-sharding-strategy {par.data_parallel_sharding_strategy}"
+    require(
+        not opt.use_distributed_optimizer,
+        f"{strategy} shards the optimizer states itself: drop --use-distributed-optimizer",
+    )
+    require(cfg.data_parallel_size > 1, f"{strategy} shards over the data-parallel ranks: run at least two")
+    layout = {
+        "--tensor-model-parallel-size": par.tensor_model_parallel_size,
+        "--pipeline-model-parallel-size": par.pipeline_model_parallel_size,
+        "--context-parallel-size": par.context_parallel_size,
+    }
+    for flag, size in layout.items():
+        require(size == 1, f"{strategy} with {flag} {size}: not built yet (FSDP runs data parallelism alone)")
+    require(
+        model.transformer_impl == "local",
+        f"{strategy} with --transformer-impl transformer_engine: not built yet; use --transformer-impl local",
+    )
+    require(not prec.fp8, f"{strategy} with --fp8-format: not built yet (FSDP trains fp32 or bf16)")
+    require(not prec.fp16, f"{strategy} with --fp16: not built yet; use --bf16")
+    require(
+        opt.fp8_optimizer_level is None and not par.fp8_grad_reduce,
+        f"{strategy} with --fp8-grad-reduce / --fp8-optimizer-level: not built yet (FSDP reduces in fp32 or bf16)",
+    )
+    require(
+        not opt.use_precision_aware_optimizer,
+        f"{strategy} with --use-precision-aware-optimizer: not built yet (FSDP keeps fp32 states)",
+    )
+    require(
+        cfg.training.cuda_graph_impl == "none",
+        f"{strategy} with --cuda-graph-impl {cfg.training.cuda_graph_impl}: not built yet",
+    )
+    main_params = par.megatron_fsdp_main_params_dtype
+    require(
+        main_params == "fp32" or (main_params == "auto" and not (prec.bf16 or prec.fp16)),
+        f"--megatron-fsdp-main-params-dtype {main_params}: only fp32 main weights are built (the shards are the"
+        " main weights; units are gathered in the training dtype)",
+    )
+    require(
+        par.megatron_fsdp_main_grads_dtype in ("auto", "fp32"),
+        f"--megatron-fsdp-main-grads-dtype {par.megatron_fsdp_main_grads_dtype}: only fp32 gradient shards are built",
+    )
+    require(
+        par.megatron_fsdp_grad_comm_dtype != "fp16",
+        "--megatron-fsdp-grad-comm-dtype fp16: reduce in fp32 or bf16",
+    )
+    require(
+        not par.init_model_with_meta_device,
+        "--init-model-with-meta-device: not built yet; drop it (the model is built whole, then sharded)",
+    )
+    ckpt = cfg.checkpoint
+    require(
+        not (ckpt.save or ckpt.load),
+        f"{strategy} with --save/--load: FSDP checkpoints are not built yet",
+    )
+    if par.overlap_grad_reduce or par.overlap_param_gather:
+        cfg.notes.append(
+            f"{strategy}: FSDP2 overlaps every unit's all-gather and reduce-scatter with computation itself"
+            " (--overlap-grad-reduce / --overlap-param-gather change nothing more)"
+        )
+
+
+def grad_comm_bf16(cfg: Config) -> bool:
+    """Whether FSDP reduce-scatters gradients in bf16 (else fp32)."""
+    par = cfg.parallel
+    comm = par.megatron_fsdp_grad_comm_dtype
+    return comm == "bf16" or (comm == "auto" and par.grad_reduce_in_bf16)
