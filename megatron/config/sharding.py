@@ -69,6 +69,9 @@ def _check_fsdp(cfg: Config) -> None:
     }
     for flag, size in layout.items():
         require(size == 1, f"{strategy} with {flag} {size}: not built yet (FSDP runs data parallelism alone)")
+    if model.transformer_impl is None:  # resolved later; FSDP wraps the local layers only
+        model.transformer_impl = "local"
+        cfg.notes.append(f"--transformer-impl local: {strategy} wraps the local layers (Transformer Engine's: not yet)")
     require(
         model.transformer_impl == "local",
         f"{strategy} with --transformer-impl transformer_engine: not built yet; use --transformer-impl local",

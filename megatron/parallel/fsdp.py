@@ -79,7 +79,8 @@ def apply_fsdp(
     its forward (optim_grads_params); `prefetch`: gather the next unit while the current one computes."""
     device = next(model.parameters()).device
     mesh = DeviceMesh.from_group(group, device.type)
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # Inputs keep their dtypes, as in a model cast to the training dtype (rotary tables stay fp32)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     # FSDP2 makes new Parameter objects: the attributes the parallel code reads (megatron/parallel/grads.py) move over
     attributes = {name: dict(vars(p)) for name, p in model.named_parameters()}
 

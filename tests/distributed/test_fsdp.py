@@ -1,0 +1,81 @@
+"""FSDP (--use-megatron-fsdp, PyTorch's FSDP2) at DP=2 against the distributed optimizer at DP=2 over 20 steps (two
+micro-batches per step: gradients accumulate into the shards): fp32 losses within 1e-5 relative, bf16 within 1e-3;
+both strategies (optim_grads_params, optim_grads), and untied embeddings with units of two layers and explicit
+prefetch. Between steps each rank holds at most half of the weight, gradient and Adam state bytes plus one unit,
+measured from the tensors it holds (and no gathered weights), where the distributed optimizer holds whole weights
+and gradients."""
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from megatron.parallel.fsdp import local_shard
+from megatron.training import Trainer
+from tests.dist_utils import run_distributed
+from tests.distributed.test_parallel_layouts import BASE, _parse
+
+STEPS = 20
+FLAGS = f"{BASE} --train-iters {STEPS} --eval-iters 0"
+DISTOPT = "--use-distributed-optimizer"
+PARAMS = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
+GRADS = "--use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads"
+# About 9.3k elements per layer: units of two layers
+UNITS = "--untie-embeddings-and-output-weights --fsdp-double-buffer --suggested-communication-unit-size 10000"
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (padding of a shard included)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(storages.values())
+
+
+def _gathered_bytes(model) -> int:
+    """Bytes of all-gathered (unsharded) weights FSDP2 still holds."""
+    groups = {
+        id(g): g for m in model.modules() if isinstance(m, FSDPModule) and (g := m._get_fsdp_state()._fsdp_param_group)
+    }
+    outputs = [t for g in groups.values() for p in g.fsdp_params for t in getattr(p, "all_gather_outputs", [])]
+    return sum(t.untyped_storage().nbytes() for t in outputs)
+
+
+def _held_bytes(trainer) -> int:
+    """Weights, gradients, fp32 main copies and Adam moments this rank holds between steps."""
+    opt = trainer.optimizer
+    weights = _storage_bytes(local_shard(p) for p in trainer.model.parameters())
+    grads = _storage_bytes(p.main_grad for p in opt.params)
+    mains = _storage_bytes(opt.main_params) if opt.mixed else 0
+    states = _storage_bytes(t for s in opt.optimizer.state.values() for t in s.values() if t.dim() > 0)
+    return weights + grads + mains + states
+
+
+def _run(flags: str, world_size: int) -> tuple[list[float], Trainer]:
+    trainer = Trainer(_parse(flags, world_size))
+    return list(trainer.train().losses.values()), trainer
+
+
+def _close(got: list[float], want: list[float], rel: float, label: str) -> None:
+    assert len(got) == len(want) == STEPS, label
+    for step, (a, b) in enumerate(zip(got, want), 1):
+        assert abs(a - b) <= rel * abs(b), f"{label} step {step}: {a} vs {b}"
+
+
+def _body(rank, world_size):
+    for precision, rel in (("", 1e-5), ("--bf16", 1e-3)):
+        want, distopt = _run(f"{FLAGS} {precision} {DISTOPT}", world_size)
+        numel = sum(p.numel() for p in distopt.model.parameters())
+        for name, flags in (("optim_grads_params", PARAMS), ("optim_grads", GRADS)):
+            got, trainer = _run(f"{FLAGS} {precision} {flags}", world_size)
+            _close(got, want, rel, f"{name} {precision}")
+            # fp32 weights, fp32 gradients and two fp32 moments per element, halved, plus one layer's worth
+            layer = sum(p.numel() for p in trainer.model.decoder.layers[0].parameters())
+            held, bound = _held_bytes(trainer), 16 * (numel / 2 + layer)
+            assert _gathered_bytes(trainer.model) == 0, name
+            assert held <= bound < _held_bytes(distopt), (name, precision, held, bound, _held_bytes(distopt))
+    want, _ = _run(f"{FLAGS} --untie-embeddings-and-output-weights {DISTOPT}", world_size)
+    got, trainer = _run(f"{FLAGS} {UNITS} {PARAMS}", world_size)
+    _close(got, want, 1e-5, "two-layer units, untied")
+    units = {id(m._get_fsdp_state()) for m in trainer.model.modules() if isinstance(m, FSDPModule)}
+    assert len(units) == 5, len(units)  # root, embedding, two units of two layers, final norm + output layer
+
+
+def test_fsdp_matches_distributed_optimizer_and_holds_a_shard():
+    run_distributed(_body, world_size=2)
