@@ -5,7 +5,6 @@ prefetch. Between steps each rank holds at most half of the weight, gradient and
 measured from the tensors it holds (and no gathered weights), where the distributed optimizer holds whole weights
 and gradients."""
 
-import torch
 from torch.distributed.fsdp import FSDPModule
 
 from megatron.parallel.fsdp import local_shard
