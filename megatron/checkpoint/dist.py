@@ -64,7 +64,7 @@ from .checkpointing import (
 from .dist_optimizer import ENCODING, OptimizerEntries
 from .dist_planner import ChunkLoadPlanner, ChunkSavePlanner, split_entries
 from .integrity import gather_checksums
-from .sharding import Chunk, Placement, clip_vocab, global_name, placement
+from .sharding import Chunk, Placement, clip_vocab, global_name, placement, tensor_chunks
 
 FORMAT = "torch_dist"
 
@@ -113,8 +113,7 @@ class DistCheckpointer:
             if saving and self._skip(param):
                 continue
             if isinstance(value, torch.Tensor) and not name.endswith("_extra_state"):
-                where = self._placement(name, value, param)
-                chunks.append(Chunk(fqn, where.global_shape, where.offsets, where.view(value)))
+                chunks += tensor_chunks(fqn, self._placement(name, value, param), value)
             else:
                 objects[fqn] = value
         return chunks, objects

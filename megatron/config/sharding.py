@@ -110,9 +110,10 @@ def _check_fsdp(cfg: Config) -> None:
     )
     ckpt = cfg.checkpoint
     require(
-        not (ckpt.save or ckpt.load),
-        f"{strategy} with --save/--load: FSDP checkpoints are not built yet",
+        not (ckpt.save or ckpt.load) or ckpt.ckpt_format == "torch_dist",
+        f"{strategy} with --ckpt-format {ckpt.ckpt_format}: FSDP saves its shards with --ckpt-format torch_dist",
     )
+    require(not ckpt.async_save, f"{strategy} with --async-save: not built yet; drop --async-save")
     if par.overlap_grad_reduce or par.overlap_param_gather:
         cfg.notes.append(
             f"{strategy}: FSDP2 overlaps every unit's all-gather and reduce-scatter with computation itself"

@@ -30,7 +30,7 @@ from torch import nn
 from megatron.config import OptimizerConfig
 from megatron.fp8.params import is_fp8_param, quantize_masters
 from megatron.parallel import GradientBuffers, counts_in_grad_norm
-from megatron.parallel.fsdp import ShardedGrads, local_shard
+from megatron.parallel.fsdp import ShardedGrads, flat_offset, local_shard
 
 from .schedule import DECOUPLED, DEFAULT, LearningRates, lr_group
 from .states import PrecisionAwareAdamW, ScaledState
@@ -343,10 +343,10 @@ class MixedPrecisionAdamW:
 
     def owned(self) -> list[tuple[nn.Parameter, int, int]]:
         """(parameter, start, stop) for each main copy, by main index: the range of the parameter's flattened
-        elements it covers (all of them unless --use-distributed-optimizer cuts the parameter)."""
+        elements it covers (all of them unless --use-distributed-optimizer or FSDP cuts the parameter)."""
         if self.buffers is None:
             return [(p, 0, p.numel()) for p in self.params]
-        return [(p, a, b) for p, (a, b) in self.pieces]
+        return [(p, a + flat_offset(p), b + flat_offset(p)) for p, (a, b) in self.pieces]  # FSDP: local -> whole
 
     def fp32_state(self) -> dict[str, Any]:
         """{"step": int, "masters", "exp_avg", "exp_avg_sq": [fp32 tensor by main index]}, whatever the optimizer

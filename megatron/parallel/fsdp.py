@@ -21,6 +21,7 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -29,6 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from megatron.config import Config
 from megatron.config.sharding import grad_comm_bf16
@@ -39,6 +41,17 @@ def local_shard(param: torch.Tensor) -> torch.Tensor:
     detached either way: writing into it updates the parameter."""
     with torch.no_grad():
         return (param.to_local() if isinstance(param, DTensor) else param).detach()
+
+
+def flat_offset(param: torch.Tensor) -> int:
+    """Where this rank's shard starts among the whole tensor's flattened elements (FSDP shards rows, so a shard is
+    a flat range); 0 for a plain tensor."""
+    if not isinstance(param, DTensor):
+        return 0
+    if any(not (p.is_shard() and p.dim == 0) for p in param.placements):
+        raise ValueError(f"expected a DTensor sharded on dim 0, got {param.placements}")
+    _, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return offsets[0] * math.prod(param.shape[1:]) if param.dim() else 0
 
 
 def fsdp_units(layers: list[nn.Module], unit_size: int | None) -> list[list[nn.Module]]:

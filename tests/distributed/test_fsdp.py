@@ -5,6 +5,7 @@ prefetch. Between steps each rank holds at most half of the weight, gradient and
 measured from the tensors it holds (and no gathered weights), where the distributed optimizer holds whole weights
 and gradients."""
 
+import torch
 from torch.distributed.fsdp import FSDPModule
 
 from megatron.parallel.fsdp import local_shard
@@ -51,8 +52,8 @@ def _run(flags: str, world_size: int) -> tuple[list[float], Trainer]:
     return list(trainer.train().losses.values()), trainer
 
 
-def _close(got: list[float], want: list[float], rel: float, label: str) -> None:
-    assert len(got) == len(want) == STEPS, label
+def _close(got: list[float], want: list[float], rel: float, label: str, steps: int = STEPS) -> None:
+    assert len(got) == len(want) == steps, label
     for step, (a, b) in enumerate(zip(got, want), 1):
         assert abs(a - b) <= rel * abs(b), f"{label} step {step}: {a} vs {b}"
 
@@ -78,3 +79,29 @@ def _body(rank, world_size):
 
 def test_fsdp_matches_distributed_optimizer_and_holds_a_shard():
     run_distributed(_body, world_size=2)
+
+
+CKPT = f"{BASE} --eval-iters 0 --ckpt-format torch_dist"
+
+
+def _checkpoint_body(rank, world_size, out_dir):
+    saved = f"{out_dir}/fsdp"
+    whole, _ = _run(f"{CKPT} --train-iters 4 {PARAMS}", world_size)
+    _run(f"{CKPT} --train-iters 4 --exit-interval 2 {PARAMS} --save {saved}", world_size)
+    resumed, _ = _run(f"{CKPT} --train-iters 4 {PARAMS} --load {saved}", world_size)
+    assert resumed == whole[2:], (resumed, whole)  # the same layout resumes exactly
+    resumed, _ = _run(f"{CKPT} --train-iters 4 {DISTOPT} --load {saved}", world_size)
+    _close(resumed, whole[2:], 1e-5, "the distributed optimizer from FSDP's checkpoint", steps=2)
+    if rank == 0:
+        torch.save(whole, f"{out_dir}/whole.pt")
+
+
+def test_fsdp_checkpoint_saves_shards_and_loads_under_other_layouts(tmp_path):
+    run_distributed(_checkpoint_body, world_size=2, args=(str(tmp_path),))
+    # Each rank wrote its own half of the weights and states: nothing was gathered on one rank
+    files = sorted((tmp_path / "fsdp" / "iter_0000002").glob("*.distcp"))
+    sizes = [f.stat().st_size for f in files]
+    assert len(sizes) == 2 and min(sizes) > 0.8 * max(sizes), sizes
+    whole = torch.load(tmp_path / "whole.pt")
+    resumed = list(Trainer(_parse(f"{CKPT} --train-iters 4 --load {tmp_path}/fsdp", 1)).train().losses.values())
+    _close(resumed, whole[2:], 1e-5, "one process from FSDP's checkpoint", steps=2)

@@ -54,7 +54,8 @@ FSDP = "--use-megatron-fsdp"
         (f"{FSDP} --bf16 --megatron-fsdp-main-params-dtype auto", 2, "--megatron-fsdp-main-params-dtype auto"),
         (f"{FSDP} --megatron-fsdp-main-grads-dtype bf16", 2, "--megatron-fsdp-main-grads-dtype bf16"),
         (f"{FSDP} --megatron-fsdp-grad-comm-dtype fp16", 2, "--megatron-fsdp-grad-comm-dtype fp16"),
-        (f"{FSDP} --save /tmp/x", 2, "--save/--load"),
+        (f"{FSDP} --save /tmp/x --ckpt-format torch", 2, "FSDP saves its shards with --ckpt-format torch_dist"),
+        (f"{FSDP} --save /tmp/x --async-save", 2, "--async-save: not built yet"),
     ],
 )
 def test_combinations_not_built_fail_in_one_line(extra, world_size, message):
