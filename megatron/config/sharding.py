@@ -104,10 +104,6 @@ def _check_fsdp(cfg: Config) -> None:
         par.megatron_fsdp_grad_comm_dtype != "fp16",
         "--megatron-fsdp-grad-comm-dtype fp16: reduce in fp32 or bf16",
     )
-    require(
-        not par.init_model_with_meta_device,
-        "--init-model-with-meta-device: not built yet; drop it (the model is built whole, then sharded)",
-    )
     ckpt = cfg.checkpoint
     require(
         not (ckpt.save or ckpt.load) or ckpt.ckpt_format == "torch_dist",

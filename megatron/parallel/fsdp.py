@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -80,17 +80,18 @@ def _cast_unsharded_to_fp32(modules: list[nn.Module]) -> None:
 def apply_fsdp(
     model: nn.Module,
     group: dist.ProcessGroup,
+    device: torch.device,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype,
     shard_params: bool,
     prefetch: bool,
     unit_size: int | None = None,
 ) -> list[nn.Module]:
-    """Shard `model` (a GPT model: embedding, decoder.layers, decoder.final_layernorm, output_layer) over `group`;
+    """Shard `model` (a GPT model: embedding, decoder.layers, decoder.final_layernorm, output_layer) over `group`
+    (on `device`; the model may still be on the meta device);
     returns its units (their first modules) in forward order. `param_dtype`: the dtype units are gathered in (None:
     the fp32 of the shards); `reduce_dtype`: the gradient reduce-scatter's; `shard_params`: reshard each unit after
     its forward (optim_grads_params); `prefetch`: gather the next unit while the current one computes."""
-    device = next(model.parameters()).device
     mesh = DeviceMesh.from_group(group, device.type)
     # Inputs keep their dtypes, as in a model cast to the training dtype (rotary tables stay fp32)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
@@ -177,14 +178,22 @@ class ShardedGrads:
         torch._foreach_zero_([p.main_grad for p in self.params])
 
 
-def build_fsdp(model: nn.Module, cfg: Config, group: dist.ProcessGroup) -> ShardedGrads:
+def build_fsdp(
+    model: nn.Module,
+    cfg: Config,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    initialize: Callable[[nn.Module], None] | None = None,
+) -> ShardedGrads:
     """Shard `model` over the data-parallel `group` as the flags say (the one place that maps the strategy and
-    options to FSDP2's)."""
+    options to FSDP2's). A model built on the meta device (--init-model-with-meta-device) is then allocated on
+    `device`, its shards only, and given its values by `initialize(model)`."""
     par = cfg.parallel
     params_dtype = cfg.precision.params_dtype
     apply_fsdp(
         model,
         group,
+        device,
         param_dtype=None if params_dtype == torch.float32 else params_dtype,
         reduce_dtype=torch.bfloat16 if grad_comm_bf16(cfg) else torch.float32,
         shard_params=par.data_parallel_sharding_strategy == "optim_grads_params",
@@ -192,4 +201,7 @@ def build_fsdp(model: nn.Module, cfg: Config, group: dist.ProcessGroup) -> Shard
         unit_size=par.suggested_communication_unit_size,
     )
     assert isinstance(model, FSDPModule)
+    if initialize is not None:
+        model.to_empty(device=device)
+        initialize(model)
     return ShardedGrads(model, keep_gathered_until_last_backward=par.data_parallel_sharding_strategy == "optim_grads")

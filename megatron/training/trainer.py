@@ -14,6 +14,7 @@ import random
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ from megatron.fp8.calibration import calibrate_delayed_scaling
 from megatron.fp8.monitor import build_fp8_monitor
 from megatron.model import GPTModel, Stage, count_parameters
 from megatron.model.layers import is_fp8_param
+from megatron.model.meta_init import DeferredInit
 from megatron.optim import MixedPrecisionAdamW
 from megatron.optim.loss_scaler import build_loss_scaler
 from megatron.optim.schedule import LearningRates, LRSchedule
@@ -104,14 +106,12 @@ class Trainer:
             initialize_userbuffers(cfg, dims.tp)
         chunks = cfg.stage_chunks(dims.pp_rank)
         self.stage = Stage.of_chunks(chunks, pre_process=dims.is_first_stage, post_process=dims.is_last_stage)
-        self.model = GPTModel(
-            cfg.model,
-            self.vocab_size,
-            precision=cfg.precision,
-            amax_group=dims.amax_group,
-            tp=self.tp,
-            stage=self.stage,
-        ).to(self.device, self.dtype)
+        build = partial(
+            GPTModel, cfg.model, self.vocab_size, precision=cfg.precision, amax_group=dims.amax_group, tp=self.tp
+        )
+        # --init-model-with-meta-device: built without storage, given its values once sharded (model/meta_init.py)
+        deferred = DeferredInit(build, self.stage, self.dtype) if par.init_model_with_meta_device else None
+        self.model = deferred.model if deferred else build(stage=self.stage).to(self.device, self.dtype)
         attach_context_parallel(self.model, self.cp)
         self.fp8 = None
         if cfg.precision.fp8 and cfg.model.transformer_impl == "local":  # TE runs its FP8 inside the model
@@ -124,7 +124,7 @@ class Trainer:
         overlap = par.overlap_grad_reduce and dims.pp == 1
         sharded = cfg.optimizer.use_distributed_optimizer
         if par.fsdp:  # weights, gradients and optimizer states sharded (megatron/parallel/fsdp.py)
-            self.grad_buffers = build_fsdp(self.model, cfg, dims.dp_cp_group)
+            self.grad_buffers = build_fsdp(self.model, cfg, dims.dp_cp_group, self.device, deferred)
         else:
             self.grad_buffers = GradientBuffers(
                 self.model,

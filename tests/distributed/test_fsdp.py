@@ -3,11 +3,14 @@ micro-batches per step: gradients accumulate into the shards): fp32 losses withi
 both strategies (optim_grads_params, optim_grads), and untied embeddings with units of two layers and explicit
 prefetch. Between steps each rank holds at most half of the weight, gradient and Adam state bytes plus one unit,
 measured from the tensors it holds (and no gathered weights), where the distributed optimizer holds whole weights
-and gradients."""
+and gradients. A torch_dist checkpoint of FSDP (each rank writes its own shards) resumes FSDP exactly, and the
+distributed optimizer and one process within 1e-5. --init-model-with-meta-device gives the eager weights bit for bit
+(fp32; bf16 with untied embeddings), building one part of the model at a time."""
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from megatron.model import meta_init
 from megatron.parallel.fsdp import local_shard
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
@@ -105,3 +108,22 @@ def test_fsdp_checkpoint_saves_shards_and_loads_under_other_layouts(tmp_path):
     whole = torch.load(tmp_path / "whole.pt")
     resumed = list(Trainer(_parse(f"{CKPT} --train-iters 4 --load {tmp_path}/fsdp", 1)).train().losses.values())
     _close(resumed, whole[2:], 1e-5, "one process from FSDP's checkpoint", steps=2)
+
+
+def _meta_body(rank, world_size):
+    parts = []  # the most parameter elements a rank built at once, per initialization
+    fill = meta_init.DeferredInit.__call__
+    meta_init.DeferredInit.__call__ = lambda self, model: (fill(self, model), parts.append(self.largest_part))[0]
+    for extra in ("", "--bf16 --untie-embeddings-and-output-weights"):
+        flags = f"{FLAGS} {PARAMS} {extra} --train-iters 2"
+        eager = Trainer(_parse(flags, world_size))
+        meta = Trainer(_parse(f"{flags} --init-model-with-meta-device", world_size))
+        for (name, a), b in zip(eager.model.named_parameters(), meta.model.parameters()):
+            assert torch.equal(local_shard(a), local_shard(b)), name
+        # One part at a time (here a layer, the largest part), never the whole model
+        assert parts.pop() == max(sum(p.numel() for p in layer.parameters()) for layer in eager.model.decoder.layers)
+        assert list(meta.train().losses.values()) == list(eager.train().losses.values()), extra
+
+
+def test_meta_device_init_gives_the_eager_weights():
+    run_distributed(_meta_body, world_size=2)
