@@ -76,7 +76,10 @@ def _check_fsdp(cfg: Config) -> None:
         model.transformer_impl == "local",
         f"{strategy} with --transformer-impl transformer_engine: not built yet; use --transformer-impl local",
     )
-    require(not prec.fp8, f"{strategy} with --fp8-format: not built yet (FSDP trains fp32 or bf16)")
+    require(
+        not prec.fp8_param_gather,
+        f"{strategy} with --fp8-param-gather: not built yet (FSDP gathers the training dtype; FP8 GEMMs cast it)",
+    )
     require(not prec.fp16, f"{strategy} with --fp16: not built yet; use --bf16")
     require(
         opt.fp8_optimizer_level is None and not par.fp8_grad_reduce,

@@ -1,5 +1,6 @@
 """FSDP (--use-megatron-fsdp, PyTorch's FSDP2) at DP=2 against the distributed optimizer at DP=2 over 20 steps (two
-micro-batches per step: gradients accumulate into the shards): fp32 losses within 1e-5 relative, bf16 within 1e-3;
+micro-batches per step: gradients accumulate into the shards): fp32 losses within 1e-5 relative, bf16 and FP8
+(delayed, tensorwise; bf16 all-gather) within 1e-3;
 both strategies (optim_grads_params, optim_grads), and untied embeddings with units of two layers and explicit
 prefetch. Between steps each rank holds at most half of the weight, gradient and Adam state bytes plus one unit,
 measured from the tensors it holds (and no gathered weights), where the distributed optimizer holds whole weights
@@ -14,7 +15,7 @@ from megatron.model import meta_init
 from megatron.parallel.fsdp import local_shard
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
-from tests.distributed.test_parallel_layouts import BASE, _parse
+from tests.distributed.test_parallel_layouts import BASE, FP8, TENSORWISE, _parse
 
 STEPS = 20
 FLAGS = f"{BASE} --train-iters {STEPS} --eval-iters 0"
@@ -82,6 +83,18 @@ def _body(rank, world_size):
 
 def test_fsdp_matches_distributed_optimizer_and_holds_a_shard():
     run_distributed(_body, world_size=2)
+
+
+def _fp8_body(rank, world_size):
+    for recipe in (FP8, TENSORWISE):  # the local FP8 linears cast the gathered bf16 weights
+        want, _ = _run(f"{FLAGS} --bf16 {recipe} {DISTOPT}", world_size)
+        got, trainer = _run(f"{FLAGS} --bf16 {recipe} {PARAMS}", world_size)
+        assert trainer.fp8 is not None
+        _close(got, want, 1e-3, recipe)
+
+
+def test_fsdp_fp8_matches_distributed_optimizer():
+    run_distributed(_fp8_body, world_size=2)
 
 
 CKPT = f"{BASE} --eval-iters 0 --ckpt-format torch_dist"
