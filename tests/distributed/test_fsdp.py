@@ -1,6 +1,6 @@
 """FSDP (--use-megatron-fsdp, PyTorch's FSDP2) at DP=2 against the distributed optimizer at DP=2 over 20 steps (two
 micro-batches per step: gradients accumulate into the shards): fp32 losses within 1e-5 relative, bf16 and FP8
-(delayed, tensorwise; bf16 all-gather) within 1e-3;
+(delayed, tensorwise; bf16 all-gather; delayed with every layer recomputed) within 1e-3;
 both strategies (optim_grads_params, optim_grads), and untied embeddings with units of two layers and explicit
 prefetch. Between steps each rank holds at most half of the weight, gradient and Adam state bytes plus one unit,
 measured from the tensors it holds (and no gathered weights), where the distributed optimizer holds whole weights
@@ -86,7 +86,8 @@ def test_fsdp_matches_distributed_optimizer_and_holds_a_shard():
 
 
 def _fp8_body(rank, world_size):
-    for recipe in (FP8, TENSORWISE):  # the local FP8 linears cast the gathered bf16 weights
+    recompute = " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+    for recipe in (FP8, TENSORWISE, FP8 + recompute):  # the local FP8 linears cast the gathered bf16 weights
         want, _ = _run(f"{FLAGS} --bf16 {recipe} {DISTOPT}", world_size)
         got, trainer = _run(f"{FLAGS} --bf16 {recipe} {PARAMS}", world_size)
         assert trainer.fp8 is not None

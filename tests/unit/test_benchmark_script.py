@@ -114,3 +114,16 @@ def test_the_llama3_8b_runs_of_issue_17_are_valid_two_gpu_configurations():
         cfg = parse_args(flags, world_size=2, device_type="cuda")
         assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.ffn_hidden_size) == (32, 4096, 14336)
         assert cfg.model.seq_length == (32768 if preset.endswith("32k") else 8192)
+
+
+def test_the_fsdp_layouts_parse_with_the_local_configs():
+    """Issue 30's runs: llama-1b and the Llama-3-8B shape under FSDP at DP=2 (local layers, bf16 and FP8)."""
+    from megatron.config import parse_args
+
+    strategies = {"fsdp2": "optim_grads_params", "fsdp2_optim_grads": "optim_grads"}
+    for preset in ("llama-1b", "llama3-8b"):
+        for config in ("local-bf16", "local-delayed", "local-delayed-recompute-full"):
+            for layout, strategy in strategies.items():
+                flags = benchmark.train_flags(preset, config, 10, 5, layout)
+                cfg = parse_args(flags, world_size=2, device_type="cuda")
+                assert cfg.parallel.data_parallel_sharding_strategy == strategy, (preset, config, layout)
