@@ -201,6 +201,9 @@ def build_fsdp(
         unit_size=par.suggested_communication_unit_size,
     )
     assert isinstance(model, FSDPModule)
+    for module in model.modules():  # FP8 casts of a freed weight are not kept for the next micro-batch either
+        if getattr(module, "fp8", None) is not None and hasattr(module.fp8, "cache_weight"):
+            module.fp8.cache_weight = False
     if initialize is not None:
         model.to_empty(device=device)
         initialize(model)

@@ -48,6 +48,7 @@ FSDP = "--use-megatron-fsdp"
         (f"{FSDP} --context-parallel-size 2", 4, "--context-parallel-size 2: not built yet"),
         (f"{FSDP} --bf16 --fp8-format hybrid --fp8-param-gather", 2, "--fp8-param-gather: not built yet"),
         (f"{FSDP} --fp16", 2, "--fp16: not built yet"),
+        (f"{FSDP} --init-model-with-meta-device --fp8-format hybrid", 2, "--init-model-with-meta-device with --fp8"),
         (f"{FSDP} --bf16 --fp8-grad-reduce", 2, "--fp8-grad-reduce"),
         (f"{FSDP} --bf16 --use-precision-aware-optimizer", 2, "--use-precision-aware-optimizer"),
         (f"{FSDP} --bf16 --megatron-fsdp-main-params-dtype bf16", 2, "--megatron-fsdp-main-params-dtype bf16"),
