@@ -126,11 +126,12 @@ class ParallelConfig:
     """FSDP: dtype of the sharded main weights the optimizer steps on (auto: the model's dtype). Only fp32 is built:
     the shards are the fp32 main weights, and each unit is gathered in the training dtype (bf16 under --bf16)."""
     megatron_fsdp_main_grads_dtype: str = option("auto", choices=list(FSDP_DTYPES))
-    """FSDP: dtype of the sharded gradients the micro-batches accumulate into (auto: that of the main weights,
-    fp32). Only fp32 is built."""
+    """FSDP: dtype of the sharded gradients the micro-batches accumulate into: fp32, or bf16 (half the bytes; the
+    optimizer upcasts them one step at a time, as with --grad-reduce-in-bf16); auto: fp32, bf16 with
+    --grad-reduce-in-bf16."""
     megatron_fsdp_grad_comm_dtype: str = option("auto", choices=list(FSDP_DTYPES))
-    """FSDP: dtype of the gradient reduce-scatter (auto: the main gradients', fp32; bf16 with
-    --grad-reduce-in-bf16). fp32 or bf16; the result is accumulated in fp32."""
+    """FSDP: dtype of the gradient reduce-scatter, fp32 or bf16 (auto: that of the gradient shards,
+    --megatron-fsdp-main-grads-dtype)."""
     init_model_with_meta_device: bool = False
     """FSDP: build the model without storage (PyTorch's meta device), shard it, then give each rank its shards'
     values unit by unit, the same values as an ordinary initialization for the seed: no rank holds the whole model."""

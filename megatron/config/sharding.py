@@ -100,8 +100,8 @@ def _check_fsdp(cfg: Config) -> None:
         " main weights; units are gathered in the training dtype)",
     )
     require(
-        par.megatron_fsdp_main_grads_dtype in ("auto", "fp32"),
-        f"--megatron-fsdp-main-grads-dtype {par.megatron_fsdp_main_grads_dtype}: only fp32 gradient shards are built",
+        par.megatron_fsdp_main_grads_dtype != "fp16",
+        "--megatron-fsdp-main-grads-dtype fp16: accumulate the gradient shards in fp32 or bf16",
     )
     require(
         par.megatron_fsdp_grad_comm_dtype != "fp16",
@@ -125,8 +125,14 @@ def _check_fsdp(cfg: Config) -> None:
         )
 
 
-def grad_comm_bf16(cfg: Config) -> bool:
-    """Whether FSDP reduce-scatters gradients in bf16 (else fp32)."""
+def main_grads_bf16(cfg: Config) -> bool:
+    """Whether FSDP accumulates the gradient shards in bf16 (else fp32; auto: fp32 unless --grad-reduce-in-bf16)."""
     par = cfg.parallel
-    comm = par.megatron_fsdp_grad_comm_dtype
-    return comm == "bf16" or (comm == "auto" and par.grad_reduce_in_bf16)
+    grads = par.megatron_fsdp_main_grads_dtype
+    return grads == "bf16" or (grads == "auto" and par.grad_reduce_in_bf16)
+
+
+def grad_comm_bf16(cfg: Config) -> bool:
+    """Whether FSDP reduce-scatters gradients in bf16 (else fp32; auto: as the gradient shards are kept)."""
+    comm = cfg.parallel.megatron_fsdp_grad_comm_dtype
+    return comm == "bf16" or (comm == "auto" and main_grads_bf16(cfg))

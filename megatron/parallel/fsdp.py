@@ -10,9 +10,9 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
   * every parameter becomes a DTensor sharded on dim 0 over the data-parallel group: its local shard is the fp32
     main weight the optimizer steps on (in place), and FSDP2 all-gathers each unit in the training dtype (bf16
     under --bf16) before it runs;
-  * every parameter keeps a persistent fp32 gradient shard (`param.grad`, a DTensor; `param.main_grad` its local
-    tensor): FSDP2 reduce-scatters each micro-batch's gradients and adds them into it, so no rank ever holds a
-    whole-model gradient buffer, and the shard's address never changes (the optimizer lists it once);
+  * every parameter keeps a persistent fp32 (or bf16) gradient shard (`param.grad`, a DTensor; `param.main_grad`
+    its local tensor): FSDP2 reduce-scatters each micro-batch's gradients and adds them into it, so no rank ever
+    holds a whole-model gradient buffer, and the shard's address never changes (the optimizer lists it once);
   * the strategy decides when gathered weights are freed: optim_grads_params after each unit's forward and
     backward; optim_grads keeps them from the first forward to the last micro-batch's backward (one all-gather per
     step, as the distributed optimizer's).
@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from megatron.config import Config
-from megatron.config.sharding import grad_comm_bf16
+from megatron.config.sharding import grad_comm_bf16, main_grads_bf16
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:
@@ -124,22 +124,32 @@ def apply_fsdp(
     return [root, *units]
 
 
+def _add_into_main_grad(param: nn.Parameter) -> None:
+    param.main_grad.add_(param.grad.to_local())
+    param.grad = None
+
+
 class ShardedGrads:
     """The gradient side of FSDP, with the interface of `GradientBuffers` that the trainer and optimizer use: each
-    parameter's `main_grad` is its persistent fp32 gradient shard; `owned_range` is the whole local shard."""
+    parameter's `main_grad` is its persistent gradient shard; `owned_range` is the whole local shard."""
 
     sharded = True
     overlap_param_gather = False
     fp8_stats = None
 
-    def __init__(self, model: nn.Module, keep_gathered_until_last_backward: bool):
+    def __init__(self, model: nn.Module, keep_gathered_until_last_backward: bool, dtype: torch.dtype = torch.float32):
+        """`dtype`: of the gradient shards (fp32, or bf16: FSDP2 adds its fp32 reduce-scatter output into them)."""
         self.model = model
         self._keep = keep_gathered_until_last_backward
         self.params = [p for p in model.parameters() if p.requires_grad]
         with torch.no_grad():
             for param in self.params:
-                param.grad = torch.zeros_like(param)  # FSDP2 adds every reduce-scatter into an existing grad
-                param.main_grad = param.grad.to_local()
+                if dtype == param.dtype:  # FSDP2 adds every reduce-scatter into the existing grad, in place
+                    param.grad = torch.zeros_like(param)
+                    param.main_grad = param.grad.to_local()
+                else:  # a grad of another dtype than its parameter's: added here from FSDP2's (one unit's shard)
+                    param.main_grad = torch.zeros_like(local_shard(param), dtype=dtype)
+                    param.register_post_accumulate_grad_hook(_add_into_main_grad)
         self._last = True
 
     @property
@@ -207,4 +217,5 @@ def build_fsdp(
     if initialize is not None:
         model.to_empty(device=device)
         initialize(model)
-    return ShardedGrads(model, keep_gathered_until_last_backward=par.data_parallel_sharding_strategy == "optim_grads")
+    keep = par.data_parallel_sharding_strategy == "optim_grads"
+    return ShardedGrads(model, keep, torch.bfloat16 if main_grads_bf16(cfg) else torch.float32)

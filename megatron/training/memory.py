@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from megatron.config import Config
+from megatron.config.sharding import main_grads_bf16
 from megatron.optim.states import state_bytes
 
 
@@ -60,7 +61,8 @@ def _optimizer_shards(cfg: Config) -> int:
 
 
 def _fsdp_weights_and_grads(cfg: Config, num_params: int, vocab_size: int, itemsize: int) -> tuple[float, float]:
-    """FSDP's weights and gradients per rank: fp32 shards of both (the shards are the main weights), plus at the
+    """FSDP's weights and gradients per rank: fp32 shards of both (bf16 gradients with
+    --megatron-fsdp-main-grads-dtype bf16; the weight shards are the main weights), plus at the
     peak what is gathered in the training dtype, the whole model under optim_grads (kept through the step) or two
     units (the one computing and the one prefetched; a unit is a layer or the vocabulary matrix, whichever is
     larger), and one unit's unsharded gradient before its reduce-scatter."""
@@ -70,7 +72,8 @@ def _fsdp_weights_and_grads(cfg: Config, num_params: int, vocab_size: int, items
     layer = (num_params - vocab * (2 if m.untie_embeddings_and_output_weights else 1)) / max(m.num_layers, 1)
     unit = max(layer, vocab, cfg.parallel.suggested_communication_unit_size or 0)
     gathered = num_params if cfg.parallel.data_parallel_sharding_strategy == "optim_grads" else 2 * unit
-    return num_params * 4 / dp + gathered * itemsize, num_params * 4 / dp + unit * itemsize
+    grad_bytes = 2 if main_grads_bf16(cfg) else 4
+    return num_params * 4 / dp + gathered * itemsize, num_params * grad_bytes / dp + unit * itemsize
 
 
 def in_flight_layers(cfg: Config, pp_rank: int = 0) -> int:

@@ -75,6 +75,11 @@ def _body(rank, world_size):
             held, bound = _held_bytes(trainer), 16 * (numel / 2 + layer)
             assert _gathered_bytes(trainer.model) == 0, name
             assert held <= bound < _held_bytes(distopt), (name, precision, held, bound, _held_bytes(distopt))
+    # bf16 gradient shards (and bf16 reduce-scatters) against the distributed optimizer's bf16 gradient buffers
+    want, _ = _run(f"{FLAGS} --bf16 --grad-reduce-in-bf16 {DISTOPT}", world_size)
+    got, trainer = _run(f"{FLAGS} --bf16 --megatron-fsdp-main-grads-dtype bf16 {PARAMS}", world_size)
+    assert trainer.optimizer.grads()[0].dtype == torch.bfloat16
+    _close(got, want, 1e-3, "bf16 gradient shards")
     want, _ = _run(f"{FLAGS} --untie-embeddings-and-output-weights {DISTOPT}", world_size)
     got, trainer = _run(f"{FLAGS} {UNITS} {PARAMS}", world_size)
     _close(got, want, 1e-5, "two-layer units, untied")

@@ -53,7 +53,7 @@ FSDP = "--use-megatron-fsdp"
         (f"{FSDP} --bf16 --use-precision-aware-optimizer", 2, "--use-precision-aware-optimizer"),
         (f"{FSDP} --bf16 --megatron-fsdp-main-params-dtype bf16", 2, "--megatron-fsdp-main-params-dtype bf16"),
         (f"{FSDP} --bf16 --megatron-fsdp-main-params-dtype auto", 2, "--megatron-fsdp-main-params-dtype auto"),
-        (f"{FSDP} --megatron-fsdp-main-grads-dtype bf16", 2, "--megatron-fsdp-main-grads-dtype bf16"),
+        (f"{FSDP} --megatron-fsdp-main-grads-dtype fp16", 2, "--megatron-fsdp-main-grads-dtype fp16"),
         (f"{FSDP} --megatron-fsdp-grad-comm-dtype fp16", 2, "--megatron-fsdp-grad-comm-dtype fp16"),
         (f"{FSDP} --save /tmp/x --ckpt-format torch", 2, "FSDP saves its shards with --ckpt-format torch_dist"),
         (f"{FSDP} --save /tmp/x --async-save", 2, "--async-save: not built yet"),

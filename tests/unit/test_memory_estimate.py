@@ -152,5 +152,7 @@ def test_fsdp_over_two_data_parallel_ranks():
     assert (est["main_params"], est["adam"]) == (0, 4 * N)
     flags = "--bf16 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
     assert estimate_bytes(parse(flags, world_size=2), N, VOCAB, torch.bfloat16)["weights"] == 2 * N + 2 * N
+    flags = "--bf16 --use-megatron-fsdp --megatron-fsdp-main-grads-dtype bf16"  # bf16 gradient shards: 1 B/param
+    assert estimate_bytes(parse(flags, world_size=2), N, VOCAB, torch.bfloat16)["grads"] == N + 2 * layer
     line = memory_estimate_lines(parse("--bf16 --use-megatron-fsdp", world_size=2), est, N, torch.bfloat16)[0]
     assert "no fp32 main params" in line and "over 2 data-parallel ranks" in line, line
