@@ -118,6 +118,12 @@ LAYOUTS = {  # name: (GPUs, flags)
     # from the first forward to the last backward of a step
     "fsdp2": (2, "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer"),
     "fsdp2_optim_grads": (2, "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"),
+    # bf16 gradient shards, reduce-scattered in bf16: 2 bytes per parameter less (the Llama-3-8B shape's fit on 80 GB)
+    "fsdp2_bf16grads": (
+        2,
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer"
+        " --megatron-fsdp-main-grads-dtype bf16",
+    ),
     "tp2": (2, "--tensor-model-parallel-size 2 --sequence-parallel"),
     "tp2_overlap": (2, "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"),
     "pp2": (2, "--pipeline-model-parallel-size 2"),

@@ -120,7 +120,11 @@ def test_the_fsdp_layouts_parse_with_the_local_configs():
     """Issue 30's runs: llama-1b and the Llama-3-8B shape under FSDP at DP=2 (local layers, bf16 and FP8)."""
     from megatron.config import parse_args
 
-    strategies = {"fsdp2": "optim_grads_params", "fsdp2_optim_grads": "optim_grads"}
+    strategies = {
+        "fsdp2": "optim_grads_params",
+        "fsdp2_optim_grads": "optim_grads",
+        "fsdp2_bf16grads": "optim_grads_params",
+    }
     for preset in ("llama-1b", "llama3-8b"):
         for config in ("local-bf16", "local-delayed", "local-delayed-recompute-full"):
             for layout, strategy in strategies.items():
