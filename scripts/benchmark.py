@@ -105,6 +105,8 @@ CONFIGS = {
     "local-delayed": f"{LOCAL} --fp8-format hybrid --fp8-recipe delayed",
     "local-delayed-fp8params": f"{LOCAL} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather",
     "local-tensorwise": f"{LOCAL} --fp8-format hybrid --fp8-recipe tensorwise",
+    "local-delayed-recompute-full": f"{LOCAL} --fp8-format hybrid --fp8-recipe delayed --recompute-granularity full"
+    " --recompute-method uniform --recompute-num-layers 1",
     "local-rowwise": f"{LOCAL} --fp8-format hybrid --fp8-recipe rowwise",
     "local-blockwise": f"{LOCAL} --fp8-format e4m3 --fp8-recipe blockwise",
     "local-mxfp8": f"{LOCAL} --fp8-format e4m3 --fp8-recipe mxfp8",
@@ -120,6 +122,17 @@ LAYOUTS = {  # name: (GPUs, flags)
     "dp2_distopt_tpamax": (
         2,
         "--overlap-grad-reduce --use-distributed-optimizer --overlap-param-gather --tp-only-amax-red",
+    ),
+    # FSDP (PyTorch's FSDP2, local layers only so far: use the local-* configs): weights, gradients and states
+    # sharded, each layer gathered before use with the next one prefetched; optim_grads keeps the gathered weights
+    # from the first forward to the last backward of a step
+    "fsdp2": (2, "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer"),
+    "fsdp2_optim_grads": (2, "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"),
+    # bf16 gradient shards, reduce-scattered in bf16: 2 bytes per parameter less (the Llama-3-8B shape's fit on 80 GB)
+    "fsdp2_bf16grads": (
+        2,
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer"
+        " --megatron-fsdp-main-grads-dtype bf16",
     ),
     "tp2": (2, "--tensor-model-parallel-size 2 --sequence-parallel"),
     "tp2_overlap": (2, "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"),

@@ -126,17 +126,6 @@ REASONS = {
     "--eval-global-batch-size": "separate validation batch size: not implemented",
     **dict.fromkeys(["--fim-data", "--fim-rate", "--fim-spm-rate"], "fill-in-the-middle dataset: not implemented"),
     **dict.fromkeys(
-        [
-            "--use-torch-fsdp2",
-            "--use-megatron-fsdp",
-            "--data-parallel-sharding-strategy",
-            "--megatron-fsdp-main-params-dtype",
-            "--megatron-fsdp-main-grads-dtype",
-            "--megatron-fsdp-grad-comm-dtype",
-        ],
-        "FSDP: not implemented (the distributed optimizer shards optimizer states)",
-    ),
-    **dict.fromkeys(
         ["--export-te-mcore-model", "--export-kd-teacher-load", "--export-kd-cfg"],
         "NVIDIA ModelOpt distillation: not a dependency here",
     ),

@@ -65,7 +65,7 @@ from .dist_planner import ChunkLoadPlanner, ChunkSavePlanner, split_entries
 from .dist_stager import PinnedStager
 from .integrity import gather_checksums
 from .safe_load import SafeReader, first_line, malformed
-from .sharding import Chunk, Placement, clip_vocab, global_name, placement
+from .sharding import Chunk, Placement, clip_vocab, global_name, placement, tensor_chunks
 
 FORMAT = "torch_dist"
 
@@ -114,8 +114,7 @@ class DistCheckpointer:
             if saving and self._skip(param):
                 continue
             if isinstance(value, torch.Tensor) and not name.endswith("_extra_state"):
-                where = self._placement(name, value, param)
-                chunks.append(Chunk(fqn, where.global_shape, where.offsets, where.view(value)))
+                chunks += tensor_chunks(fqn, self._placement(name, value, param), value)
             else:
                 objects[fqn] = value
         return chunks, objects

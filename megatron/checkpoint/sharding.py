@@ -14,6 +14,8 @@ an offset and a size per dimension. The mapping from a rank's tensors to global 
   initial values (they are never a label, and their logits are pushed down by training).
 - With the distributed optimizer a rank's optimizer state covers a flat range of a parameter's flattened elements:
   it is cut into the rectangular boxes that tile that range (`flat_range_boxes`).
+- Under FSDP a parameter is a DTensor whose rows are sharded over the data-parallel ranks: a flat range of the
+  whole tensor, saved and loaded as the distributed optimizer's pieces are, so nothing is gathered.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from megatron.parallel.fsdp import flat_offset
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 VOCAB_SUFFIXES = ("word_embeddings.weight", "output_layer.weight")
@@ -127,3 +132,11 @@ def clip_vocab(chunk: Chunk, saved_rows: int) -> Chunk | None:
         return None
     shape = (saved_rows, *chunk.global_shape[1:])
     return Chunk(chunk.fqn, shape, chunk.offsets, chunk.tensor[:rows])
+
+
+def tensor_chunks(fqn: str, where: Placement, tensor: torch.Tensor) -> list[Chunk]:
+    """`tensor` placed at `where` as chunks of global tensor `fqn`: one, or an FSDP shard's boxes (views into its
+    local tensor, so that loading into them fills it)."""
+    if isinstance(tensor, DTensor):
+        return piece_chunks(fqn, where, tensor.to_local().view(-1), flat_offset(tensor))
+    return [Chunk(fqn, where.global_shape, where.offsets, where.view(tensor))]

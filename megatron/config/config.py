@@ -17,6 +17,7 @@ from .optimizer import OptimizerConfig
 from .parallel import ParallelConfig
 from .pipeline_split import accounted_layout, chunk_layer_numbers, layout_stage_counts, stage_layer_numbers
 from .precision import LOCAL_FP8_PARAM_RECIPES, TE_FP8_PARAM_RECIPES, PrecisionConfig
+from .sharding import resolve_sharding
 from .training import CheckpointConfig, LoggingConfig, TrainingConfig
 
 SECTIONS: dict[str, type] = {
@@ -88,8 +89,9 @@ class Config:
             f" ({train.micro_batch_size}) x data-parallel size ({self.data_parallel_size})",
         )
         self._check_lr_schedule()
+        resolve_sharding(self)  # FSDP flags -> strategy (optim: the distributed optimizer)
         require(
-            opt.use_distributed_optimizer or not par.overlap_param_gather,
+            opt.use_distributed_optimizer or par.fsdp or not par.overlap_param_gather,
             "--overlap-param-gather overlaps the distributed optimizer's parameter all-gathers: add"
             " --use-distributed-optimizer or drop the flag",
         )

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from .base import option, require
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
 
 
 @dataclass
@@ -96,6 +98,48 @@ class ParallelConfig:
     account_for_loss_in_pipeline_split: bool = False
     """Count the output layer and loss as one transformer layer in the pipeline split: the last virtual stage builds
     one layer fewer."""
+
+    use_megatron_fsdp: bool = False
+    """Shard the data-parallel state as --data-parallel-sharding-strategy says (default optim_grads_params: weights,
+    gradients and optimizer states). Megatron-LM's flag; the engine here is PyTorch's FSDP2 (`fully_shard` over
+    DTensor, megatron/parallel/fsdp.py), not Megatron-LM's own flat-buffer FSDP, so --use-torch-fsdp2 means the
+    same. Each transformer layer is one unit (all-gathered before it runs, freed after), the embedding another, the
+    final norm and output layer a last one that stays gathered from its forward to its backward."""
+    use_torch_fsdp2: bool = False
+    """PyTorch's FSDP2: the same engine and meaning as --use-megatron-fsdp here (Megatron-LM's name for it)."""
+    data_parallel_sharding_strategy: str | None = option(None, choices=list(SHARDING_STRATEGIES))
+    """What the data-parallel ranks shard, with --use-megatron-fsdp / --use-torch-fsdp2 (default optim_grads_params,
+    Megatron-LM's): no_shard (plain data parallelism: whole gradient buffers all-reduced), optim (the distributed
+    optimizer: optimizer states sharded, as --use-distributed-optimizer), optim_grads (also the gradients: each
+    micro-batch's gradients are reduce-scattered into fp32 shards, no whole-model gradient buffer; the weights are
+    gathered once per step and kept whole from the first forward to the last backward), optim_grads_params (also
+    the weights: each unit is gathered before its forward and again before its backward, and freed after each)."""
+    fsdp_double_buffer: bool = False
+    """FSDP: gather the next unit's weights while the current one computes, in both passes (explicit prefetch of
+    one unit: two units' gathered weights are held at a time). Without it FSDP2 still issues each gather ahead
+    when the host runs ahead of the device, and prefetches one unit in the backward."""
+    suggested_communication_unit_size: int | None = None
+    """FSDP: parameter elements per communication unit: consecutive transformer layers are grouped into one unit
+    (one all-gather, one reduce-scatter) until it holds at least this many; default one layer per unit. Larger
+    units mean fewer, larger collectives and more gathered memory."""
+    megatron_fsdp_main_params_dtype: str = option("fp32", choices=list(FSDP_DTYPES))
+    """FSDP: dtype of the sharded main weights the optimizer steps on (auto: the model's dtype). Only fp32 is built:
+    the shards are the fp32 main weights, and each unit is gathered in the training dtype (bf16 under --bf16)."""
+    megatron_fsdp_main_grads_dtype: str = option("auto", choices=list(FSDP_DTYPES))
+    """FSDP: dtype of the sharded gradients the micro-batches accumulate into: fp32, or bf16 (half the bytes; the
+    optimizer upcasts them one step at a time, as with --grad-reduce-in-bf16); auto: fp32, bf16 with
+    --grad-reduce-in-bf16."""
+    megatron_fsdp_grad_comm_dtype: str = option("auto", choices=list(FSDP_DTYPES))
+    """FSDP: dtype of the gradient reduce-scatter, fp32 or bf16 (auto: that of the gradient shards,
+    --megatron-fsdp-main-grads-dtype)."""
+    init_model_with_meta_device: bool = False
+    """FSDP: build the model without storage (PyTorch's meta device), shard it, then give each rank its shards'
+    values unit by unit, the same values as an ordinary initialization for the seed: no rank holds the whole model."""
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether FSDP holds the parameters (strategy optim_grads or optim_grads_params, once resolved)."""
+        return self.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
 
     def _given(self, *names: str) -> list[str]:
         """The flags of `names` that were given (neither None nor a switch left off), as written on the command

@@ -58,6 +58,10 @@ class Fp8LinearState:
         self.stats: Fp8StatsCollector | None = None
         """Set by the FP8 monitor on the steps it watches: every cast is then counted (monitor.py)."""
         self._weight_cache: tuple[Any, Fp8Tensor, Fp8Tensor] | None = None
+        self.cache_weight = True
+        """Keep the weight's casts for the step's later micro-batches. Off under FSDP (megatron/parallel/fsdp.py),
+        which frees each gathered weight after use: cached casts of every layer would hold a byte or two per
+        parameter of the whole model."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K], weight [N, K], bias [N] -> [..., N] in x's dtype."""
@@ -133,7 +137,8 @@ class Fp8LinearState:
         else:
             w_q, w_t = self.quantize(weight.detach(), Role.WEIGHT, rows=True, cols=True)
         assert w_q is not None and w_t is not None
-        self._weight_cache = (key, w_q, w_t)
+        if self.cache_weight:
+            self._weight_cache = (key, w_q, w_t)
         return w_q, w_t
 
     def drop_weight_cache(self) -> None:

@@ -198,7 +198,7 @@ class GPTModel(nn.Module):
         super().__init__()
         stage = stage or Stage.whole(cfg.num_layers)
         self.cfg, self.vocab_size, self.tp, self.stage = cfg, vocab_size, tp, stage
-        base_seed = int(torch.randint(0, 2**31 - 1, (1,)))
+        base_seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu"))  # also when built on the meta device
         self.uses_te = cfg.transformer_impl == "transformer_engine"
         self.te_fp8 = None
         self.checkpoint_runner: Runner | None = None

@@ -30,6 +30,7 @@ from torch import nn
 from megatron.config import OptimizerConfig
 from megatron.fp8.params import is_fp8_param, quantize_masters
 from megatron.parallel import GradientBuffers, counts_in_grad_norm
+from megatron.parallel.fsdp import ShardedGrads, flat_offset, local_shard
 
 from .precision_aware import PrecisionAwareAdamW
 from .schedule import DECOUPLED, DEFAULT, LearningRates, lr_group
@@ -67,7 +68,7 @@ class MixedPrecisionAdamW:
         model: nn.Module,
         cfg: OptimizerConfig,
         fused: bool = False,
-        buffers: GradientBuffers | None = None,
+        buffers: GradientBuffers | ShardedGrads | None = None,
         fp8_group: dist.ProcessGroup | None = None,
     ):
         """`buffers`: the model's gradient buffers; needed when they are sharded (the distributed optimizer).
@@ -89,7 +90,7 @@ class MixedPrecisionAdamW:
             # the views themselves (fp32) to step on.
             self.pieces = [(p, r) for p in self.params if (r := self.buffers.owned_range(p)) is not None]
             owned, starts = [p for p, _ in self.pieces], [a for _, (a, _) in self.pieces]
-            targets = [p if is_fp8_param(p) else p.detach().view(-1)[a:b] for p, (a, b) in self.pieces]
+            targets = [p if is_fp8_param(p) else local_shard(p).view(-1)[a:b] for p, (a, b) in self.pieces]
             self._grads = [p.main_grad.view(-1)[a:b] for p, (a, b) in self.pieces]
             self.main_params = (
                 [_initial_piece(p, t, a, b) for (p, (a, b)), t in zip(self.pieces, targets)] if self.mixed else targets
@@ -343,10 +344,10 @@ class MixedPrecisionAdamW:
 
     def owned(self) -> list[tuple[nn.Parameter, int, int]]:
         """(parameter, start, stop) for each main copy, by main index: the range of the parameter's flattened
-        elements it covers (all of them unless --use-distributed-optimizer cuts the parameter)."""
+        elements it covers (all of them unless --use-distributed-optimizer or FSDP cuts the parameter)."""
         if self.buffers is None:
             return [(p, 0, p.numel()) for p in self.params]
-        return [(p, a, b) for p, (a, b) in self.pieces]
+        return [(p, a + flat_offset(p), b + flat_offset(p)) for p, (a, b) in self.pieces]  # FSDP: local -> whole
 
     def fp32_state(self) -> dict[str, Any]:
         """{"step": int, "masters", "exp_avg", "exp_avg_sq": [fp32 tensor by main index]}, whatever the optimizer

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from megatron.config import Config
+from megatron.config.sharding import main_grads_bf16
 from megatron.optim.states import state_bytes
 
 
@@ -56,7 +57,23 @@ def _optimizer_shards(cfg: Config) -> int:
     """How many ranks share the main parameters and Adam states (the distributed optimizer's data x context parallel
     size)."""
     shards = cfg.data_parallel_size * cfg.parallel.context_parallel_size
-    return shards if cfg.optimizer.use_distributed_optimizer else 1
+    return shards if cfg.optimizer.use_distributed_optimizer or cfg.parallel.fsdp else 1
+
+
+def _fsdp_weights_and_grads(cfg: Config, num_params: int, vocab_size: int, itemsize: int) -> tuple[float, float]:
+    """FSDP's weights and gradients per rank: fp32 shards of both (bf16 gradients with
+    --megatron-fsdp-main-grads-dtype bf16; the weight shards are the main weights), plus at the
+    peak what is gathered in the training dtype, the whole model under optim_grads (kept through the step) or two
+    units (the one computing and the one prefetched; a unit is a layer or the vocabulary matrix, whichever is
+    larger), and one unit's unsharded gradient before its reduce-scatter."""
+    m = cfg.model
+    dp = cfg.data_parallel_size
+    vocab = vocab_size * m.hidden_size
+    layer = (num_params - vocab * (2 if m.untie_embeddings_and_output_weights else 1)) / max(m.num_layers, 1)
+    unit = max(layer, vocab, cfg.parallel.suggested_communication_unit_size or 0)
+    gathered = num_params if cfg.parallel.data_parallel_sharding_strategy == "optim_grads" else 2 * unit
+    grad_bytes = 2 if main_grads_bf16(cfg) else 4
+    return num_params * 4 / dp + gathered * itemsize, num_params * grad_bytes / dp + unit * itemsize
 
 
 def in_flight_layers(cfg: Config, pp_rank: int = 0) -> int:
@@ -107,6 +124,9 @@ def estimate_bytes(
     main_params = num_params * state_bytes(opt.main_params_dtype, master=True) / shards if has_main_copy else 0
     grads = num_params * (2 if cfg.parallel.grad_reduce_in_bf16 else 4)
     adam = num_params * (state_bytes(opt.exp_avg_dtype) + state_bytes(opt.exp_avg_sq_dtype)) / shards
+    if cfg.parallel.fsdp:
+        weights, grads = _fsdp_weights_and_grads(cfg, num_params, vocab_size, high_precision)
+        main_params = 0
     m = cfg.model
     # this rank's part of the sequence under context parallelism
     s, b, h = m.seq_length // cfg.parallel.context_parallel_size, cfg.training.micro_batch_size, m.hidden_size

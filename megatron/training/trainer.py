@@ -14,6 +14,7 @@ import random
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ from megatron.fp8.calibration import calibrate_delayed_scaling
 from megatron.fp8.monitor import build_fp8_monitor
 from megatron.model import GPTModel, Stage, count_parameters
 from megatron.model.layers import is_fp8_param
+from megatron.model.meta_init import DeferredInit
 from megatron.optim import MixedPrecisionAdamW
 from megatron.optim.loss_scaler import build_loss_scaler
 from megatron.optim.schedule import LearningRates, LRSchedule
@@ -42,6 +44,7 @@ from megatron.parallel import (
     reduce_tied_embedding_grads,
 )
 from megatron.parallel.context_parallel import NO_CP, ContextParallel, attach_context_parallel, split_batch
+from megatron.parallel.fsdp import build_fsdp
 from megatron.parallel.interleaved import run_interleaved
 from megatron.parallel.pipeline import forward_backward_1f1b, forward_only, schedule_line
 from megatron.parallel.tensor_parallel import TensorParallel
@@ -103,14 +106,12 @@ class Trainer:
             initialize_userbuffers(cfg, dims.tp)
         chunks = cfg.stage_chunks(dims.pp_rank)
         self.stage = Stage.of_chunks(chunks, pre_process=dims.is_first_stage, post_process=dims.is_last_stage)
-        self.model = GPTModel(
-            cfg.model,
-            self.vocab_size,
-            precision=cfg.precision,
-            amax_group=dims.amax_group,
-            tp=self.tp,
-            stage=self.stage,
-        ).to(self.device, self.dtype)
+        build = partial(
+            GPTModel, cfg.model, self.vocab_size, precision=cfg.precision, amax_group=dims.amax_group, tp=self.tp
+        )
+        # --init-model-with-meta-device: built without storage, given its values once sharded (model/meta_init.py)
+        deferred = DeferredInit(build, self.stage, self.dtype) if par.init_model_with_meta_device else None
+        self.model = deferred.model if deferred else build(stage=self.stage).to(self.device, self.dtype)
         attach_context_parallel(self.model, self.cp)
         self.fp8 = None
         if cfg.precision.fp8 and cfg.model.transformer_impl == "local":  # TE runs its FP8 inside the model
@@ -122,16 +123,19 @@ class Trainer:
         # stage, so the buckets are reduced after the schedule there.
         overlap = par.overlap_grad_reduce and dims.pp == 1
         sharded = cfg.optimizer.use_distributed_optimizer
-        self.grad_buffers = GradientBuffers(
-            self.model,
-            dims.dp_cp_group,
-            overlap,
-            par.ddp_bucket_size,
-            sharded,
-            par.overlap_param_gather,
-            grad_dtype=torch.bfloat16 if par.grad_reduce_in_bf16 else torch.float32,
-            fp8_reduce=par.fp8_grad_reduce,
-        )
+        if par.fsdp:  # weights, gradients and optimizer states sharded (megatron/parallel/fsdp.py)
+            self.grad_buffers = build_fsdp(self.model, cfg, dims.dp_cp_group, self.device, deferred)
+        else:
+            self.grad_buffers = GradientBuffers(
+                self.model,
+                dims.dp_cp_group,
+                overlap,
+                par.ddp_bucket_size,
+                sharded,
+                par.overlap_param_gather,
+                grad_dtype=torch.bfloat16 if par.grad_reduce_in_bf16 else torch.float32,
+                fp8_reduce=par.fp8_grad_reduce,
+            )
         if self.grad_buffers.overlap_param_gather:
             self.grad_buffers.wait_for_params_in_forward(self.model, list(self.model.decoder.layers))
         # FP8 weights' amaxes, when their main copies are cast: TE scales each tensor-parallel shard by itself, the

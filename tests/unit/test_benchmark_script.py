@@ -136,3 +136,20 @@ def test_bound_rows_print_bound_measured_and_ratio_with_fake_probes():
     assert f"| llama-1b | local-delayed | 1gpu | {row.bound.total_ms:.1f} | 1000.0 | {ratio:.2f}x |" in report
     assert "| llama-1b | local-delayed | pp2 | - | - | - | run failed: boom; no bound: NotModelled" in report
     assert "| attention | attention fwd+bwd bf16 | 256.00 |" in report
+
+
+def test_the_fsdp_layouts_parse_with_the_local_configs():
+    """Issue 30's runs: llama-1b and the Llama-3-8B shape under FSDP at DP=2 (local layers, bf16 and FP8)."""
+    from megatron.config import parse_args
+
+    strategies = {
+        "fsdp2": "optim_grads_params",
+        "fsdp2_optim_grads": "optim_grads",
+        "fsdp2_bf16grads": "optim_grads_params",
+    }
+    for preset in ("llama-1b", "llama3-8b"):
+        for config in ("local-bf16", "local-delayed", "local-delayed-recompute-full"):
+            for layout, strategy in strategies.items():
+                flags = benchmark.train_flags(preset, config, 10, 5, layout)
+                cfg = parse_args(flags, world_size=2, device_type="cuda")
+                assert cfg.parallel.data_parallel_sharding_strategy == strategy, (preset, config, layout)

@@ -139,3 +139,20 @@ def test_o2_states_with_fp8_weights_over_two_data_parallel_ranks():
         fp8_params=N,
     )
     assert o2["static"] == pytest.approx(8.046875 * N)
+
+
+def test_fsdp_over_two_data_parallel_ranks():
+    """FSDP at DP=2: fp32 weight and gradient shards (2 + 2 bytes per parameter), Adam's 8 halved, no main copy; plus
+    two gathered bf16 units (a layer: (N - 128 x 128) / 2 parameters, larger than the vocabulary matrix) and one
+    unit's bf16 gradient. optim_grads keeps the whole model gathered instead of two units."""
+    layer = (N - VOCAB * 128) / 2
+    est = estimate_bytes(parse("--bf16 --use-megatron-fsdp", world_size=2), N, VOCAB, torch.bfloat16)
+    assert est["weights"] == 2 * N + 2 * 2 * layer
+    assert est["grads"] == 2 * N + 2 * layer
+    assert (est["main_params"], est["adam"]) == (0, 4 * N)
+    flags = "--bf16 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
+    assert estimate_bytes(parse(flags, world_size=2), N, VOCAB, torch.bfloat16)["weights"] == 2 * N + 2 * N
+    flags = "--bf16 --use-megatron-fsdp --megatron-fsdp-main-grads-dtype bf16"  # bf16 gradient shards: 1 B/param
+    assert estimate_bytes(parse(flags, world_size=2), N, VOCAB, torch.bfloat16)["grads"] == N + 2 * layer
+    line = memory_estimate_lines(parse("--bf16 --use-megatron-fsdp", world_size=2), est, N, torch.bfloat16)[0]
+    assert "no fp32 main params" in line and "over 2 data-parallel ranks" in line, line

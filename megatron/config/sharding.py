@@ -1,0 +1,156 @@
+"""Data-parallel sharding (--use-megatron-fsdp / --use-torch-fsdp2 and their options): the one place that turns the
+flags into a strategy and rejects what is not built. The engine is PyTorch's FSDP2 (megatron/parallel/fsdp.py)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .base import require
+from .model import ModelConfig
+from .optimizer import OptimizerConfig
+from .parallel import ParallelConfig
+from .precision import PrecisionConfig
+from .training import CheckpointConfig, TrainingConfig
+
+
+class Config(Protocol):
+    """What the sharding rules read of the run's configuration: megatron.config.Config, which resolves its
+    strategy through this module (and so cannot be imported here)."""
+
+    parallel: ParallelConfig
+    optimizer: OptimizerConfig
+    precision: PrecisionConfig
+    model: ModelConfig
+    training: TrainingConfig
+    checkpoint: CheckpointConfig
+    notes: list[str]
+
+    @property
+    def data_parallel_size(self) -> int: ...
+
+_FSDP_ONLY = (
+    "data_parallel_sharding_strategy",
+    "fsdp_double_buffer",
+    "suggested_communication_unit_size",
+    "init_model_with_meta_device",
+)
+_DTYPES = ("megatron_fsdp_main_params_dtype", "megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype")
+_DTYPE_DEFAULTS = {"megatron_fsdp_main_params_dtype": "fp32"}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def resolve_sharding(cfg: Config) -> None:
+    """Set --data-parallel-sharding-strategy from the flags (None without FSDP) and check the combination; the
+    optim strategy turns on the distributed optimizer. Idempotent. Raises ConfigError naming the flags."""
+    par, opt = cfg.parallel, cfg.optimizer
+    engine = par.use_megatron_fsdp or par.use_torch_fsdp2
+    if not engine:
+        given = [_flag(n) for n in _FSDP_ONLY if getattr(par, n) not in (None, False)]
+        given += [_flag(n) for n in _DTYPES if getattr(par, n) != _DTYPE_DEFAULTS.get(n, "auto")]
+        require(not given, f"{', '.join(given)} configure FSDP: add --use-megatron-fsdp (or --use-torch-fsdp2)")
+        return
+    if par.data_parallel_sharding_strategy is None:
+        par.data_parallel_sharding_strategy = "optim_grads_params"  # Megatron-LM's default
+    strategy = par.data_parallel_sharding_strategy
+    if strategy == "optim":
+        if not opt.use_distributed_optimizer:
+            opt.use_distributed_optimizer = True
+            cfg.notes.append("--data-parallel-sharding-strategy optim: the distributed optimizer shards the states")
+    elif strategy == "no_shard":
+        require(
+            not opt.use_distributed_optimizer,
+            "--data-parallel-sharding-strategy no_shard with --use-distributed-optimizer: choose optim, or drop one",
+        )
+    if not par.fsdp:  # no_shard and optim: the gradient buffers without and with the distributed optimizer
+        extras = [_flag(n) for n in _FSDP_ONLY[1:] if getattr(par, n) not in (None, False)]
+        require(not extras, f"{', '.join(extras)} need --data-parallel-sharding-strategy optim_grads(_params)")
+        return
+    _check_fsdp(cfg)
+
+
+def _check_fsdp(cfg: Config) -> None:
+    """Combinations FSDP (optim_grads, optim_grads_params) does not run yet, each a one-line error."""
+    par, opt, prec, model = cfg.parallel, cfg.optimizer, cfg.precision, cfg.model
+    strategy = f"--data-parallel-sharding-strategy {par.data_parallel_sharding_strategy}"
+    require(
+        not opt.use_distributed_optimizer,
+        f"{strategy} shards the optimizer states itself: drop --use-distributed-optimizer",
+    )
+    require(cfg.data_parallel_size > 1, f"{strategy} shards over the data-parallel ranks: run at least two")
+    layout = {
+        "--tensor-model-parallel-size": par.tensor_model_parallel_size,
+        "--pipeline-model-parallel-size": par.pipeline_model_parallel_size,
+        "--context-parallel-size": par.context_parallel_size,
+    }
+    for flag, size in layout.items():
+        require(size == 1, f"{strategy} with {flag} {size}: not built yet (FSDP runs data parallelism alone)")
+    if model.transformer_impl is None:  # resolved later; FSDP wraps the local layers only
+        model.transformer_impl = "local"
+        cfg.notes.append(f"--transformer-impl local: {strategy} wraps the local layers (Transformer Engine's: not yet)")
+    require(
+        model.transformer_impl == "local",
+        f"{strategy} with --transformer-impl transformer_engine: not built yet; use --transformer-impl local",
+    )
+    require(
+        not prec.fp8_param_gather,
+        f"{strategy} with --fp8-param-gather: not built yet (FSDP gathers the training dtype; FP8 GEMMs cast it)",
+    )
+    require(not prec.fp16, f"{strategy} with --fp16: not built yet; use --bf16")
+    require(
+        opt.fp8_optimizer_level is None and not par.fp8_grad_reduce,
+        f"{strategy} with --fp8-grad-reduce / --fp8-optimizer-level: not built yet (FSDP reduces in fp32 or bf16)",
+    )
+    require(
+        not opt.use_precision_aware_optimizer,
+        f"{strategy} with --use-precision-aware-optimizer: not built yet (FSDP keeps fp32 states)",
+    )
+    require(
+        cfg.training.cuda_graph_impl == "none",
+        f"{strategy} with --cuda-graph-impl {cfg.training.cuda_graph_impl}: not built yet",
+    )
+    main_params = par.megatron_fsdp_main_params_dtype
+    require(
+        main_params == "fp32" or (main_params == "auto" and not (prec.bf16 or prec.fp16)),
+        f"--megatron-fsdp-main-params-dtype {main_params}: only fp32 main weights are built (the shards are the"
+        " main weights; units are gathered in the training dtype)",
+    )
+    require(
+        par.megatron_fsdp_main_grads_dtype != "fp16",
+        "--megatron-fsdp-main-grads-dtype fp16: accumulate the gradient shards in fp32 or bf16",
+    )
+    require(
+        par.megatron_fsdp_grad_comm_dtype != "fp16",
+        "--megatron-fsdp-grad-comm-dtype fp16: reduce in fp32 or bf16",
+    )
+    require(
+        not (par.init_model_with_meta_device and prec.fp8),
+        "--init-model-with-meta-device with --fp8-format: not built yet (the FP8 state is allocated where the weights"
+        " are); drop one",
+    )
+    ckpt = cfg.checkpoint
+    require(
+        not (ckpt.save or ckpt.load) or ckpt.ckpt_format == "torch_dist",
+        f"{strategy} with --ckpt-format {ckpt.ckpt_format}: FSDP saves its shards with --ckpt-format torch_dist",
+    )
+    require(not ckpt.async_save, f"{strategy} with --async-save: not built yet; drop --async-save")
+    if par.overlap_grad_reduce or par.overlap_param_gather:
+        cfg.notes.append(
+            f"{strategy}: FSDP2 overlaps every unit's all-gather and reduce-scatter with computation itself"
+            " (--overlap-grad-reduce / --overlap-param-gather change nothing more)"
+        )
+
+
+def main_grads_bf16(cfg: Config) -> bool:
+    """Whether FSDP accumulates the gradient shards in bf16 (else fp32; auto: fp32 unless --grad-reduce-in-bf16)."""
+    par = cfg.parallel
+    grads = par.megatron_fsdp_main_grads_dtype
+    return grads == "bf16" or (grads == "auto" and par.grad_reduce_in_bf16)
+
+
+def grad_comm_bf16(cfg: Config) -> bool:
+    """Whether FSDP reduce-scatters gradients in bf16 (else fp32; auto: as the gradient shards are kept)."""
+    comm = cfg.parallel.megatron_fsdp_grad_comm_dtype
+    return comm == "bf16" or (comm == "auto" and main_grads_bf16(cfg))

@@ -1,0 +1,221 @@
+"""Sharded data parallelism (--use-megatron-fsdp / --use-torch-fsdp2) on PyTorch's FSDP2 (`fully_shard`, DTensor).
+
+`build_fsdp` applies FSDP2 to a built GPT model in torchtitan's form and returns the object the trainer and the
+optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.py):
+
+  * units: each transformer layer (or, with --suggested-communication-unit-size, a run of consecutive layers) is
+    one FSDP unit; an untied embedding is a unit of its own; the final norm and an untied output layer form the last
+    unit, not resharded after the forward (its backward comes at once); the root unit holds the rest (the tied word
+    embeddings, which the output layer reads at the end of the forward, and the final norm with them);
+  * every parameter becomes a DTensor sharded on dim 0 over the data-parallel group: its local shard is the fp32
+    main weight the optimizer steps on (in place), and FSDP2 all-gathers each unit in the training dtype (bf16
+    under --bf16) before it runs;
+  * every parameter keeps a persistent fp32 (or bf16) gradient shard (`param.grad`, a DTensor; `param.main_grad`
+    its local tensor): FSDP2 reduce-scatters each micro-batch's gradients and adds them into it, so no rank ever
+    holds a whole-model gradient buffer, and the shard's address never changes (the optimizer lists it once);
+  * the strategy decides when gathered weights are freed: optim_grads_params after each unit's forward and
+    backward; optim_grads keeps them from the first forward to the last micro-batch's backward (one all-gather per
+    step, as the distributed optimizer's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from megatron.config import Config
+from megatron.config.sharding import grad_comm_bf16, main_grads_bf16
+
+
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of `param`: a DTensor's local shard (a view of its storage), else `param`,
+    detached either way: writing into it updates the parameter."""
+    with torch.no_grad():
+        return (param.to_local() if isinstance(param, DTensor) else param).detach()
+
+
+def flat_offset(param: torch.Tensor) -> int:
+    """Where this rank's shard starts among the whole tensor's flattened elements (FSDP shards rows, so a shard is
+    a flat range); 0 for a plain tensor."""
+    if not isinstance(param, DTensor):
+        return 0
+    if any(not (p.is_shard() and p.dim == 0) for p in param.placements):
+        raise ValueError(f"expected a DTensor sharded on dim 0, got {param.placements}")
+    _, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return offsets[0] * math.prod(param.shape[1:]) if param.dim() else 0
+
+
+def fsdp_units(layers: list[nn.Module], unit_size: int | None) -> list[list[nn.Module]]:
+    """Consecutive layers grouped into units of at least `unit_size` parameter elements (None: one per layer)."""
+    units: list[list[nn.Module]] = []
+    current: list[nn.Module] = []
+    for layer in layers:
+        current.append(layer)
+        if unit_size is None or sum(p.numel() for m in current for p in m.parameters()) >= unit_size:
+            units.append(current)
+            current = []
+    if current:
+        units.append(current)
+    return units
+
+
+def _cast_unsharded_to_fp32(modules: list[nn.Module]) -> None:
+    """The main weights are fp32: cast the parameters about to be sharded (one unit at a time, so the whole model
+    never exists in fp32 at once). From the training dtype's values, as the distributed optimizer's main copies."""
+    for module in modules:
+        for param in module.parameters():
+            if not isinstance(param, DTensor) and param.dtype != torch.float32:
+                param.data = param.data.float()
+
+
+def apply_fsdp(
+    model: nn.Module,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype,
+    shard_params: bool,
+    prefetch: bool,
+    unit_size: int | None = None,
+) -> list[nn.Module]:
+    """Shard `model` (a GPT model: embedding, decoder.layers, decoder.final_layernorm, output_layer) over `group`
+    (on `device`; the model may still be on the meta device);
+    returns its units (their first modules) in forward order. `param_dtype`: the dtype units are gathered in (None:
+    the fp32 of the shards); `reduce_dtype`: the gradient reduce-scatter's; `shard_params`: reshard each unit after
+    its forward (optim_grads_params); `prefetch`: gather the next unit while the current one computes."""
+    mesh = DeviceMesh.from_group(group, device.type)
+    # Inputs keep their dtypes, as in a model cast to the training dtype (rotary tables stay fp32)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    # FSDP2 makes new Parameter objects: the attributes the parallel code reads (megatron/parallel/grads.py) move over
+    attributes = {name: dict(vars(p)) for name, p in model.named_parameters()}
+
+    def shard(modules: list[nn.Module], reshard: bool) -> nn.Module:
+        _cast_unsharded_to_fp32(modules)
+        fully_shard(
+            modules if len(modules) > 1 else modules[0], mesh=mesh, mp_policy=policy, reshard_after_forward=reshard
+        )
+        return modules[0]
+
+    units = []
+    untied = model.output_layer is not None
+    if model.embedding is not None and untied:
+        units.append(shard([model.embedding], shard_params))
+    units += [shard(unit, shard_params) for unit in fsdp_units(list(model.decoder.layers), unit_size)]
+    if untied:
+        units.append(shard([model.decoder.final_layernorm, model.output_layer], False))
+    root = shard([model], False)
+    if prefetch:
+        for before, after in zip(units, units[1:]):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
+    for name, param in model.named_parameters():
+        for key, value in attributes[name].items():
+            if not key.startswith("_"):
+                setattr(param, key, value)
+    return [root, *units]
+
+
+def _add_into_main_grad(param: nn.Parameter) -> None:
+    param.main_grad.add_(param.grad.to_local())
+    param.grad = None
+
+
+class ShardedGrads:
+    """The gradient side of FSDP, with the interface of `GradientBuffers` that the trainer and optimizer use: each
+    parameter's `main_grad` is its persistent gradient shard; `owned_range` is the whole local shard."""
+
+    sharded = True
+    overlap_param_gather = False
+    fp8_stats = None
+
+    def __init__(self, model: nn.Module, keep_gathered_until_last_backward: bool, dtype: torch.dtype = torch.float32):
+        """`dtype`: of the gradient shards (fp32, or bf16: FSDP2 adds its fp32 reduce-scatter output into them)."""
+        self.model = model
+        self._keep = keep_gathered_until_last_backward
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        with torch.no_grad():
+            for param in self.params:
+                if dtype == param.dtype:  # FSDP2 adds every reduce-scatter into the existing grad, in place
+                    param.grad = torch.zeros_like(param)
+                    param.main_grad = param.grad.to_local()
+                else:  # a grad of another dtype than its parameter's: added here from FSDP2's (one unit's shard)
+                    param.main_grad = torch.zeros_like(local_shard(param), dtype=dtype)
+                    param.register_post_accumulate_grad_hook(_add_into_main_grad)
+        self._last = True
+
+    @property
+    def is_last_micro_batch(self) -> bool:
+        return self._last
+
+    @is_last_micro_batch.setter
+    def is_last_micro_batch(self, last: bool) -> None:
+        """optim_grads: the gathered weights stay until the last micro-batch's backward has used them."""
+        self._last = last
+        if self._keep:
+            self.model.set_reshard_after_backward(last)
+
+    def owned_range(self, param: nn.Parameter) -> tuple[int, int] | None:
+        numel = param.main_grad.numel()
+        return (0, numel) if numel else None
+
+    def finish(self) -> None:
+        """Nothing left to wait for: FSDP2's root waits for the last reduce-scatter at the end of the backward."""
+
+    def gather_params(self) -> None:
+        """Nothing to gather: each unit gathers its weights before its next forward."""
+
+    def wait_for_params(self, buckets: None = None) -> None:
+        """No all-gather runs between steps."""
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Gradients computed inside are thrown away (zeroed on exit)."""
+        try:
+            yield
+        finally:
+            self.zero()
+
+    def zero(self) -> None:
+        torch._foreach_zero_([p.main_grad for p in self.params])
+
+
+def build_fsdp(
+    model: nn.Module,
+    cfg: Config,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    initialize: Callable[[nn.Module], None] | None = None,
+) -> ShardedGrads:
+    """Shard `model` over the data-parallel `group` as the flags say (the one place that maps the strategy and
+    options to FSDP2's). A model built on the meta device (--init-model-with-meta-device) is then allocated on
+    `device`, its shards only, and given its values by `initialize(model)`."""
+    par = cfg.parallel
+    params_dtype = cfg.precision.params_dtype
+    apply_fsdp(
+        model,
+        group,
+        device,
+        param_dtype=None if params_dtype == torch.float32 else params_dtype,
+        reduce_dtype=torch.bfloat16 if grad_comm_bf16(cfg) else torch.float32,
+        shard_params=par.data_parallel_sharding_strategy == "optim_grads_params",
+        prefetch=par.fsdp_double_buffer,
+        unit_size=par.suggested_communication_unit_size,
+    )
+    assert isinstance(model, FSDPModule)
+    for module in model.modules():  # FP8 casts of a freed weight are not kept for the next micro-batch either
+        if getattr(module, "fp8", None) is not None and hasattr(module.fp8, "cache_weight"):
+            module.fp8.cache_weight = False
+    if initialize is not None:
+        model.to_empty(device=device)
+        initialize(model)
+    keep = par.data_parallel_sharding_strategy == "optim_grads"
+    return ShardedGrads(model, keep, torch.bfloat16 if main_grads_bf16(cfg) else torch.float32)

@@ -1,0 +1,153 @@
+"""FSDP (--use-megatron-fsdp, PyTorch's FSDP2) at DP=2 against the distributed optimizer at DP=2 over 20 steps (two
+micro-batches per step: gradients accumulate into the shards): fp32 losses within 1e-5 relative, bf16 and FP8
+(delayed, tensorwise; bf16 all-gather; delayed with every layer recomputed) within 1e-3;
+both strategies (optim_grads_params, optim_grads), and untied embeddings with units of two layers and explicit
+prefetch. Between steps each rank holds at most half of the weight, gradient and Adam state bytes plus one unit,
+measured from the tensors it holds (and no gathered weights), where the distributed optimizer holds whole weights
+and gradients. A torch_dist checkpoint of FSDP (each rank writes its own shards) resumes FSDP exactly, and the
+distributed optimizer and one process within 1e-5. --init-model-with-meta-device gives the eager weights bit for bit
+(fp32; bf16 with untied embeddings), building one part of the model at a time."""
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from megatron.model import meta_init
+from megatron.parallel.fsdp import local_shard
+from megatron.training import Trainer
+from megatron.training.trainer import _to_device
+from tests.dist_utils import run_distributed
+from tests.distributed.test_parallel_layouts import BASE, FP8, TENSORWISE, _parse
+
+STEPS = 20
+FLAGS = f"{BASE} --train-iters {STEPS} --eval-iters 0"
+DISTOPT = "--use-distributed-optimizer"
+PARAMS = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
+GRADS = "--use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads"
+# About 9.3k elements per layer: units of two layers
+UNITS = "--untie-embeddings-and-output-weights --fsdp-double-buffer --suggested-communication-unit-size 10000"
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (padding of a shard included)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(storages.values())
+
+
+def _gathered_bytes(model) -> int:
+    """Bytes of all-gathered (unsharded) weights FSDP2 still holds."""
+    groups = {
+        id(g): g for m in model.modules() if isinstance(m, FSDPModule) and (g := m._get_fsdp_state()._fsdp_param_group)
+    }
+    outputs = [t for g in groups.values() for p in g.fsdp_params for t in getattr(p, "all_gather_outputs", [])]
+    return sum(t.untyped_storage().nbytes() for t in outputs)
+
+
+def _held_bytes(trainer) -> int:
+    """Weights, gradients, fp32 main copies and Adam moments this rank holds between steps."""
+    opt = trainer.optimizer
+    weights = _storage_bytes(local_shard(p) for p in trainer.model.parameters())
+    grads = _storage_bytes(p.main_grad for p in opt.params)
+    mains = _storage_bytes(opt.main_params) if opt.mixed else 0
+    states = _storage_bytes(t for s in opt.optimizer.state.values() for t in s.values() if t.dim() > 0)
+    return weights + grads + mains + states
+
+
+def _run(flags: str, world_size: int) -> tuple[list[float], Trainer]:
+    trainer = Trainer(_parse(flags, world_size))
+    return list(trainer.train().losses.values()), trainer
+
+
+def _close(got: list[float], want: list[float], rel: float, label: str, steps: int = STEPS) -> None:
+    assert len(got) == len(want) == steps, label
+    for step, (a, b) in enumerate(zip(got, want), 1):
+        assert abs(a - b) <= rel * abs(b), f"{label} step {step}: {a} vs {b}"
+
+
+def _body(rank, world_size):
+    for precision, rel in (("", 1e-5), ("--bf16", 1e-3)):
+        want, distopt = _run(f"{FLAGS} {precision} {DISTOPT}", world_size)
+        numel = sum(p.numel() for p in distopt.model.parameters())
+        for name, flags in (("optim_grads_params", PARAMS), ("optim_grads", GRADS)):
+            got, trainer = _run(f"{FLAGS} {precision} {flags}", world_size)
+            _close(got, want, rel, f"{name} {precision}")
+            # fp32 weights, fp32 gradients and two fp32 moments per element, halved, plus one layer's worth
+            layer = sum(p.numel() for p in trainer.model.decoder.layers[0].parameters())
+            held, bound = _held_bytes(trainer), 16 * (numel / 2 + layer)
+            assert _gathered_bytes(trainer.model) == 0, name
+            assert held <= bound < _held_bytes(distopt), (name, precision, held, bound, _held_bytes(distopt))
+    # bf16 gradient shards (and bf16 reduce-scatters) against the distributed optimizer's bf16 gradient buffers
+    want, _ = _run(f"{FLAGS} --bf16 --grad-reduce-in-bf16 {DISTOPT}", world_size)
+    got, trainer = _run(f"{FLAGS} --bf16 --megatron-fsdp-main-grads-dtype bf16 {PARAMS}", world_size)
+    assert trainer.optimizer.grads()[0].dtype == torch.bfloat16
+    _close(got, want, 1e-3, "bf16 gradient shards")
+    want, _ = _run(f"{FLAGS} --untie-embeddings-and-output-weights {DISTOPT}", world_size)
+    got, trainer = _run(f"{FLAGS} {UNITS} {PARAMS}", world_size)
+    _close(got, want, 1e-5, "two-layer units, untied")
+    units = {id(m._get_fsdp_state()) for m in trainer.model.modules() if isinstance(m, FSDPModule)}
+    assert len(units) == 5, len(units)  # root, embedding, two units of two layers, final norm + output layer
+
+
+def test_fsdp_matches_distributed_optimizer_and_holds_a_shard():
+    run_distributed(_body, world_size=2)
+
+
+def _fp8_body(rank, world_size):
+    recompute = " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+    for recipe in (FP8, TENSORWISE, FP8 + recompute):  # the local FP8 linears cast the gathered bf16 weights
+        want, _ = _run(f"{FLAGS} --bf16 {recipe} {DISTOPT}", world_size)
+        got, trainer = _run(f"{FLAGS} --bf16 {recipe} {PARAMS}", world_size)
+        assert trainer.fp8 is not None
+        # A micro-batch's forward and backward leave no FP8 copy of the (freed) gathered weights behind
+        trainer._loss(_to_device(next(iter(trainer._loader(trainer.datasets.train, 0))), trainer.device)).backward()
+        states = [m.fp8 for m in trainer.model.modules() if getattr(m, "fp8", None) is not None]
+        assert states and all(s._weight_cache is None for s in states)
+        _close(got, want, 1e-3, recipe)
+
+
+def test_fsdp_fp8_matches_distributed_optimizer():
+    run_distributed(_fp8_body, world_size=2)
+
+
+CKPT = f"{BASE} --eval-iters 0 --ckpt-format torch_dist"
+
+
+def _checkpoint_body(rank, world_size, out_dir):
+    saved = f"{out_dir}/fsdp"
+    whole, _ = _run(f"{CKPT} --train-iters 4 {PARAMS}", world_size)
+    _run(f"{CKPT} --train-iters 4 --exit-interval 2 {PARAMS} --save {saved}", world_size)
+    resumed, _ = _run(f"{CKPT} --train-iters 4 {PARAMS} --load {saved}", world_size)
+    assert resumed == whole[2:], (resumed, whole)  # the same layout resumes exactly
+    resumed, _ = _run(f"{CKPT} --train-iters 4 {DISTOPT} --load {saved}", world_size)
+    _close(resumed, whole[2:], 1e-5, "the distributed optimizer from FSDP's checkpoint", steps=2)
+    if rank == 0:
+        torch.save(whole, f"{out_dir}/whole.pt")
+
+
+def test_fsdp_checkpoint_saves_shards_and_loads_under_other_layouts(tmp_path):
+    run_distributed(_checkpoint_body, world_size=2, args=(str(tmp_path),))
+    # Each rank wrote its own half of the weights and states: nothing was gathered on one rank
+    files = sorted((tmp_path / "fsdp" / "iter_0000002").glob("*.distcp"))
+    sizes = [f.stat().st_size for f in files]
+    assert len(sizes) == 2 and min(sizes) > 0.8 * max(sizes), sizes
+    whole = torch.load(tmp_path / "whole.pt")
+    resumed = list(Trainer(_parse(f"{CKPT} --train-iters 4 --load {tmp_path}/fsdp", 1)).train().losses.values())
+    _close(resumed, whole[2:], 1e-5, "one process from FSDP's checkpoint", steps=2)
+
+
+def _meta_body(rank, world_size):
+    parts = []  # the most parameter elements a rank built at once, per initialization
+    fill = meta_init.DeferredInit.__call__
+    meta_init.DeferredInit.__call__ = lambda self, model: (fill(self, model), parts.append(self.largest_part))[0]
+    for extra in ("", "--bf16 --untie-embeddings-and-output-weights"):
+        flags = f"{FLAGS} {PARAMS} {extra} --train-iters 2"
+        eager = Trainer(_parse(flags, world_size))
+        meta = Trainer(_parse(f"{flags} --init-model-with-meta-device", world_size))
+        for (name, a), b in zip(eager.model.named_parameters(), meta.model.parameters()):
+            assert torch.equal(local_shard(a), local_shard(b)), name
+        # One part at a time (here a layer, the largest part), never the whole model
+        assert parts.pop() == max(sum(p.numel() for p in layer.parameters()) for layer in eager.model.decoder.layers)
+        assert list(meta.train().losses.values()) == list(eager.train().losses.values()), extra
+
+
+def test_meta_device_init_gives_the_eager_weights():
+    run_distributed(_meta_body, world_size=2)

@@ -1,0 +1,70 @@
+"""FSDP flags: the strategy they resolve to, and a one-line error naming the flags for every combination not built."""
+
+import pytest
+
+from megatron.config import ConfigError, parse_args
+
+BASE = "--mock-data --vocab-size 128 --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16"
+
+
+def parse(extra: str, world_size: int = 2):
+    return parse_args(f"{BASE} {extra}".split(), world_size=world_size)
+
+
+@pytest.mark.parametrize(
+    "extra, strategy, distopt",
+    [
+        ("", None, False),
+        ("--use-megatron-fsdp", "optim_grads_params", False),  # Megatron-LM's default strategy
+        ("--use-torch-fsdp2", "optim_grads_params", False),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads", "optim_grads", False),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim", "optim", True),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy no_shard", "no_shard", False),
+    ],
+)
+def test_strategy_resolution(extra, strategy, distopt):
+    cfg = parse(extra)
+    assert cfg.parallel.data_parallel_sharding_strategy == strategy
+    assert cfg.parallel.fsdp == (strategy in ("optim_grads", "optim_grads_params"))
+    assert cfg.optimizer.use_distributed_optimizer == distopt
+    assert cfg.finalize().parallel.data_parallel_sharding_strategy == strategy  # idempotent
+
+
+FSDP = "--use-megatron-fsdp"
+
+
+@pytest.mark.parametrize(
+    "extra, world_size, message",
+    [
+        ("--data-parallel-sharding-strategy optim_grads", 2, "--data-parallel-sharding-strategy configure FSDP"),
+        ("--fsdp-double-buffer --init-model-with-meta-device", 2, "--fsdp-double-buffer, --init-model-with-meta"),
+        ("--megatron-fsdp-grad-comm-dtype bf16", 2, "--megatron-fsdp-grad-comm-dtype configure FSDP"),
+        (f"{FSDP} --data-parallel-sharding-strategy optim --fsdp-double-buffer", 2, "--fsdp-double-buffer need"),
+        (f"{FSDP} --data-parallel-sharding-strategy no_shard --use-distributed-optimizer", 2, "choose optim"),
+        (f"{FSDP} --use-distributed-optimizer", 2, "drop --use-distributed-optimizer"),
+        (FSDP, 1, "run at least two"),
+        (f"{FSDP} --tensor-model-parallel-size 2", 4, "--tensor-model-parallel-size 2: not built yet"),
+        (f"{FSDP} --pipeline-model-parallel-size 2", 4, "--pipeline-model-parallel-size 2: not built yet"),
+        (f"{FSDP} --context-parallel-size 2", 4, "--context-parallel-size 2: not built yet"),
+        (f"{FSDP} --bf16 --fp8-format hybrid --fp8-param-gather", 2, "--fp8-param-gather: not built yet"),
+        (f"{FSDP} --fp16", 2, "--fp16: not built yet"),
+        (f"{FSDP} --init-model-with-meta-device --fp8-format hybrid", 2, "--init-model-with-meta-device with --fp8"),
+        (f"{FSDP} --bf16 --fp8-grad-reduce", 2, "--fp8-grad-reduce"),
+        (f"{FSDP} --bf16 --use-precision-aware-optimizer", 2, "--use-precision-aware-optimizer"),
+        (f"{FSDP} --bf16 --megatron-fsdp-main-params-dtype bf16", 2, "--megatron-fsdp-main-params-dtype bf16"),
+        (f"{FSDP} --bf16 --megatron-fsdp-main-params-dtype auto", 2, "--megatron-fsdp-main-params-dtype auto"),
+        (f"{FSDP} --megatron-fsdp-main-grads-dtype fp16", 2, "--megatron-fsdp-main-grads-dtype fp16"),
+        (f"{FSDP} --megatron-fsdp-grad-comm-dtype fp16", 2, "--megatron-fsdp-grad-comm-dtype fp16"),
+        (f"{FSDP} --save /tmp/x --ckpt-format torch", 2, "FSDP saves its shards with --ckpt-format torch_dist"),
+        (f"{FSDP} --save /tmp/x --async-save", 2, "--async-save: not built yet"),
+    ],
+)
+def test_combinations_not_built_fail_in_one_line(extra, world_size, message):
+    with pytest.raises(ConfigError) as error:
+        parse(extra, world_size)
+    assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_overlap_flags_are_noted_not_silent():
+    cfg = parse(f"{FSDP} --overlap-grad-reduce --overlap-param-gather --megatron-fsdp-grad-comm-dtype bf16")
+    assert any("FSDP2 overlaps" in note for note in cfg.notes)
