@@ -26,7 +26,8 @@ FLAGS = (
     " --transformer-impl local --use-distributed-optimizer --fp8-format hybrid"
 )
 PROBE = str(ROOT / "tests" / "assets" / "exit_probe.py")
-COMMUNICATION_THREADS = re.compile(r"gloo|pt_")  # gloo_tcp_loop, pt_gloo_runloop, pt_tcpstore_uv, pt_nccl_*
+# gloo_tcp_loop, pt_gloo_runloop, pt_tcpstore_uv (rank 0's store), NCCL's
+COMMUNICATION_THREADS = re.compile(r"gloo|nccl|tcpstore", re.IGNORECASE)
 
 
 def _free_port() -> int:
