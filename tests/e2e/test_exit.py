@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from megatron.checkpoint import latest_iteration
 from tests.assets.data_helpers import ROOT
 
 FLAGS = (
@@ -102,7 +103,9 @@ def test_sigterm_to_every_rank_saves_and_exits_zero(tmp_path):
         proc.send_signal(signal.SIGTERM)
     codes, out = _finish(ranks, tmp_path)
     assert codes == [0, 0], out
-    assert re.search(r"exiting program at iteration \d+ after receiving SIGTERM", out), out
+    stopped = re.search(r"exiting program at iteration (\d+) after receiving SIGTERM", out)
+    assert stopped, out
+    assert latest_iteration(str(save)) == int(stopped.group(1))  # the --async-save write finished and published
     _check_orderly(out)
 
 
