@@ -77,6 +77,10 @@ class Shutdown:
         watched: a group still referenced after its release keeps its threads alive, and `close` says so.
         `timeout_minutes`: --distributed-timeout-minutes, named by the error of a final barrier a rank missed."""
         self._owns_process_groups, self._timeout_minutes = True, timeout_minutes
+        self.watch(groups)
+
+    def watch(self, groups: Iterable[dist.ProcessGroup | None]) -> None:
+        """More groups to check at their release (None entries skipped)."""
         self._groups += [weakref.ref(group) for group in groups if group is not None]
 
     def stop(self, ok: bool = True) -> None:

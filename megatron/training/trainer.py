@@ -55,10 +55,10 @@ class Trainer:
             apply_deterministic_mode()
         started = dist.is_initialized()
         self.device = init_distributed(cfg)
-        self.dims = ParallelDims.build(cfg)
         if not started and dist.is_initialized():  # this run started torch.distributed: its end destroys the groups
-            groups = [dist.group.WORLD, *(v for v in vars(self.dims).values() if isinstance(v, dist.ProcessGroup))]
-            self.shutdown.own_process_groups(groups, cfg.parallel.distributed_timeout_minutes)
+            self.shutdown.own_process_groups([dist.group.WORLD], cfg.parallel.distributed_timeout_minutes)
+        self.dims = ParallelDims.build(cfg)
+        self.shutdown.watch(v for v in vars(self.dims).values() if isinstance(v, dist.ProcessGroup))
         with self.shutdown.on_error():  # a part that fails to start stops those started before it
             self._build()
 
