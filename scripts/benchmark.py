@@ -363,7 +363,7 @@ def profile(argv: list[str], steps: int, warmup: int = 2, top: int = 15) -> tupl
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = Trainer(parse_args(argv, world_size=world_size, device_type="cuda"))
-    batches = iter(trainer._loader(trainer.datasets.train, 0))
+    batches = iter(trainer.loader(trainer.datasets.train, 0))
     lr = trainer.cfg.optimizer.lr  # the profile times steps; the schedule's value does not matter here
     for _ in range(warmup):
         trainer.train_step(batches, lr)

@@ -28,6 +28,7 @@ class Config(Protocol):
     @property
     def data_parallel_size(self) -> int: ...
 
+
 _FSDP_ONLY = (
     "data_parallel_sharding_strategy",
     "fsdp_double_buffer",

@@ -119,6 +119,9 @@ class GradientBuffers:
                 self.buckets.append(_Bucket(current.pop(kind), param.device, grad_dtype, pad_to))
         for rest in current.values():
             self.buckets.append(_Bucket(rest, rest[0].device, grad_dtype, pad_to))
+        # Torch keeps a parameter's hooks on its C++ side, out of the garbage collector's sight: until they are
+        # removed (`remove_hooks`), the parameters keep these buffers, and with them their process group, alive.
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._bucket_of: dict[nn.Parameter, _Bucket] = {}
         self._offset_of: dict[nn.Parameter, int] = {}
         for bucket in self.buckets:
@@ -128,7 +131,7 @@ class GradientBuffers:
                 param.grad_added_to_main_grad = False
                 self._bucket_of[param], self._offset_of[param] = bucket, offset
                 offset += param.numel()
-                param.register_post_accumulate_grad_hook(self._on_grad)
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
             if shard:
                 self._move_params_into_buffer(bucket)
 
@@ -235,9 +238,16 @@ class GradientBuffers:
 
         for module in model.modules():
             if params := list(module.parameters(recurse=False)):
-                module.register_forward_pre_hook(hook_for(params))
+                self._hooks.append(module.register_forward_pre_hook(hook_for(params)))
         for layer in layers:
-            layer.register_forward_pre_hook(hook_for(list(layer.parameters())))
+            self._hooks.append(layer.register_forward_pre_hook(hook_for(list(layer.parameters()))))
+
+    def remove_hooks(self) -> None:
+        """Take the buffers' hooks off the model (gradients stop flowing into the buffers): at the end of a run, so
+        that the buffers and their process group can go."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     def _reset_pending(self) -> None:
         for bucket in self.buckets:

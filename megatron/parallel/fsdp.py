@@ -142,6 +142,7 @@ class ShardedGrads:
         self.model = model
         self._keep = keep_gathered_until_last_backward
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self._hooks = []
         with torch.no_grad():
             for param in self.params:
                 if dtype == param.dtype:  # FSDP2 adds every reduce-scatter into the existing grad, in place
@@ -149,7 +150,7 @@ class ShardedGrads:
                     param.main_grad = param.grad.to_local()
                 else:  # a grad of another dtype than its parameter's: added here from FSDP2's (one unit's shard)
                     param.main_grad = torch.zeros_like(local_shard(param), dtype=dtype)
-                    param.register_post_accumulate_grad_hook(_add_into_main_grad)
+                    self._hooks.append(param.register_post_accumulate_grad_hook(_add_into_main_grad))
         self._last = True
 
     @property
@@ -186,6 +187,12 @@ class ShardedGrads:
 
     def zero(self) -> None:
         torch._foreach_zero_([p.main_grad for p in self.params])
+
+    def remove_hooks(self) -> None:
+        """Take the gradient hooks off the model at the end of a run (as `GradientBuffers.remove_hooks`)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
 
 def build_fsdp(

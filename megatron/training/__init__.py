@@ -1,5 +1,6 @@
 """Training loop, logging, FLOPs accounting."""
 
-from .trainer import Trainer, TrainState, pretrain
+from .train_state import TrainState
+from .trainer import Trainer, pretrain
 
 __all__ = ["TrainState", "Trainer", "pretrain"]

@@ -22,17 +22,20 @@ holds micro-batches in flight (`in_flight_layers`: pp of them on the first stage
 removes what it recomputes (`recomputed_activation_units`). Plus the fp32 logits and their gradient
 (8 * s * b * V / t).
 
-`estimate_bytes` gives the numbers (the trainer prints the total again beside the measured peak at the end of the
-run); `memory_estimate_lines` writes them as the start-of-run log line.
+`estimate_bytes` gives the numbers; `memory_estimate_lines` writes them as the start-of-run log line, and
+`print_peak_memory` the total again beside the measured peak at the end of the run.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megatron.config import Config
 from megatron.config.sharding import main_grads_bf16
 from megatron.optim.states import state_bytes
+
+from .logger import print_rank_0
 
 
 def _size(num_bytes: float) -> str:
@@ -217,3 +220,17 @@ def memory_estimate_lines(
         f" activations ~{_size(est['activations'])} {in_flight}"
         f" (total ~{_size(est['total'])}; {_per(est['static'] / n)} B/param before activations)"
     ]
+
+
+def print_peak_memory(device: torch.device, estimate_gib: float) -> None:
+    """On a GPU, the end-of-run line: the peak memory allocated and the start-of-run estimate, of the busiest rank
+    (pipeline stages and vocabulary shards differ), in one reduction every rank joins."""
+    if device.type != "cuda":
+        return
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    both = torch.tensor([peak, estimate_gib], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    peak, estimate = both.tolist()
+    where = "the most on any rank; " if dist.is_initialized() else ""
+    print_rank_0(f"> peak memory allocated: {peak:.2f} GiB ({where}estimate at start: {estimate:.2f} GiB)")

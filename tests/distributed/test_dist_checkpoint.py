@@ -108,7 +108,7 @@ def test_async_save_moves_the_pointer_only_when_written(tmp_path, monkeypatch):
     monkeypatch.setattr(FileSystemWriter, "write_data", slow_write)
     ckpt = tmp_path / "async"
     trainer = Trainer(_parse(f"{FLAGS} --train-iters 2 --async-save --save {ckpt}", 1))
-    trainer.train_step(iter(trainer._loader(trainer.datasets.train, 0)), 1e-2)
+    trainer.train_step(iter(trainer.loader(trainer.datasets.train, 0)), 1e-2)
     trainer.state.iteration, trainer.state.consumed_samples = 2, 8
     weight = trainer.model.decoder.final_layernorm.weight
     saved_value = weight.detach().clone()
@@ -132,7 +132,7 @@ def test_async_saves_reuse_their_host_buffers(tmp_path):
     of the first (DCP's own stager, kept across saves, failed at the second save under torch 2.11)."""
     ckpt = tmp_path / "twice"
     trainer = Trainer(_parse(f"{FLAGS} --train-iters 2 --async-save --save {ckpt}", 1))
-    data = iter(trainer._loader(trainer.datasets.train, 0))
+    data = iter(trainer.loader(trainer.datasets.train, 0))
     buffers = []
     for iteration in (1, 2):
         trainer.train_step(data, 1e-2)

@@ -110,7 +110,7 @@ def _fp8_skip_body(rank, world_size):
 
         trainer.fp8.step = fp8_step
     before = [p.detach().clone() for p in trainer.optimizer.params]
-    batches = iter(trainer._loader(trainer.datasets.train, 0))
+    batches = iter(trainer.loader(trainer.datasets.train, 0))
     _, norm, stepped = trainer.train_step(batches, 1e-3)
     assert not stepped and norm == float("inf"), (norm, stepped)  # both stages skip; neither waits for the other
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.optimizer.params))

@@ -45,7 +45,7 @@ def _fp8_weights(trainer: Trainer) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _run(flags: str, world_size: int) -> tuple[list[float], list]:
     trainer = Trainer(_parse(flags, world_size))
-    batches = iter(trainer._loader(trainer.datasets.train, 0))
+    batches = iter(trainer.loader(trainer.datasets.train, 0))
     losses, weights = [], [_fp8_weights(trainer)]
     for _ in range(STEPS):
         loss, _, stepped = trainer.train_step(batches, 1e-3)
@@ -102,7 +102,7 @@ def _gather_bytes_body(rank, world_size):
             flags += " --no-fp8-first-layer-bf16"  # every weight in FP8: the bound is for FP8 weights alone
             trainer = Trainer(_parse(flags, world_size))
             counted.clear()  # the optimizer's first cast at construction gathers nothing; count one step
-            trainer.train_step(iter(trainer._loader(trainer.datasets.train, 0)), 1e-3)
+            trainer.train_step(iter(trainer.loader(trainer.datasets.train, 0)), 1e-3)
             moved[name] = sum(counted)
         assert moved["fp8"] <= 0.55 * moved["bf16"], moved
     finally:
@@ -125,7 +125,7 @@ def _resume_body(rank, world_size, out_dir):
 
 def _run_iters(flags: str, world_size: int) -> list[float]:
     trainer = Trainer(_parse(flags, world_size))
-    batches = iter(trainer._loader(trainer.datasets.train, trainer.state.consumed_samples))
+    batches = iter(trainer.loader(trainer.datasets.train, trainer.state.consumed_samples))
     losses = []
     while trainer.state.iteration < trainer.cfg.training.train_iters:
         loss, _, _ = trainer.train_step(batches, 1e-3)

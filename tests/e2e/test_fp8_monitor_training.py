@@ -10,7 +10,7 @@ from megatron.config import parse_args
 from megatron.fp8 import Role, fp8_max
 from megatron.model.layers import LayerNormLinear, Linear, normalize
 from megatron.training import Trainer
-from megatron.training.trainer import _to_device
+from megatron.training.data_loading import to_device
 
 TINY = (
     "--mock-data --vocab-size 128 --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32"
@@ -61,8 +61,8 @@ def _first_micro_batch_amaxes(t: Trainer) -> torch.Tensor:
     handles = [h for i, s in enumerate(states) for h in hooks(i, modules[s.name])]
     for s in states:
         s.enabled = False  # plain high-precision linears
-    batch = next(iter(t._loader(t.datasets.train, 0)))
-    t._loss(_to_device(batch, t.device)).backward()
+    batch = next(iter(t.loader(t.datasets.train, 0)))
+    t.steps.loss(to_device(batch, t.device)).backward()
     for h in handles:
         h.remove()
     for s in states:

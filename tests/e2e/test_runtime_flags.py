@@ -156,7 +156,7 @@ def _stats_body(rank, world_size, expected):
         cfg = parse_args(f"{TINY} {STATS} {layout}".split(), world_size=world_size)
         trainer = Trainer(cfg)
         norm = trainer.stats.params_norm()
-        trainer.train_step(iter(trainer._loader(trainer.datasets.train, 0)), 0.0)
+        trainer.train_step(iter(trainer.loader(trainer.datasets.train, 0)), 0.0)
         fields, _ = trainer.stats.report()
         got = (norm, int(fields[0].split(": ")[1]))
         # Zeros: a duplicate counted twice would add thousands (a whole embedding or norm); a layout's summation
@@ -170,7 +170,7 @@ STATS = "--log-params-norm --log-num-zeros-in-grad --untie-embeddings-and-output
 def test_statistics_count_every_element_once_in_every_layout():
     trainer = Trainer(parse_args(f"{TINY} {STATS}".split()))
     norm = trainer.stats.params_norm()
-    trainer.train_step(iter(trainer._loader(trainer.datasets.train, 0)), 0.0)
+    trainer.train_step(iter(trainer.loader(trainer.datasets.train, 0)), 0.0)
     zeros = int(trainer.stats.report()[0][0].split(": ")[1])
     run_distributed(_stats_body, world_size=2, args=((norm, zeros),))
 

@@ -46,7 +46,7 @@ def grads_of_one_step(flags: str) -> list[torch.Tensor]:
         return step(lr, norm_fn)
 
     trainer.optimizer.step = capture
-    trainer.train_step(iter(trainer._loader(trainer.datasets.train, 0)), lr=1e-3)
+    trainer.train_step(iter(trainer.loader(trainer.datasets.train, 0)), lr=1e-3)
     return captured
 
 

@@ -1,0 +1,101 @@
+"""The run's parts, built from a Config in the order each needs the previous: seeds -> model (built in fp32 on the CPU
+from the seed, so every device and layout starts from the same weights, then moved and cast) -> FP8 state attached to
+its linears -> gradient buffers -> optimizer."""
+
+from __future__ import annotations
+
+import random
+from functools import partial
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from megatron.config import Config
+from megatron.fp8.monitor import Fp8Monitor, build_fp8_monitor
+from megatron.model import GPTModel, Stage
+from megatron.model.meta_init import DeferredInit
+from megatron.optim import MixedPrecisionAdamW
+from megatron.parallel import GradientBuffers, ParallelDims
+from megatron.parallel.context_parallel import ContextParallel, attach_context_parallel
+from megatron.parallel.fsdp import ShardedGrads, build_fsdp
+from megatron.parallel.tensor_parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from megatron.fp8 import Fp8Manager
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_model(
+    cfg: Config, dims: ParallelDims, device: torch.device, vocab_size: int
+) -> tuple[TensorParallel, ContextParallel, Stage, GPTModel, DeferredInit | None]:
+    """This rank's pipeline stage of the GPT, on `device` in --params-dtype, with its tensor- and context-parallel
+    settings (returned with the stage and the model). With --init-model-with-meta-device the model is built without
+    storage and the returned `DeferredInit` gives it its values once FSDP has sharded it (model/meta_init.py)."""
+    par = cfg.parallel
+    tp = TensorParallel(dims.tp_group, dims.tp, dims.tp_rank, par.sequence_parallel, par.tp_comm_overlap)
+    cp = ContextParallel.from_dims(dims, par.cp_comm_type)
+    if par.tp_comm_overlap:  # TE's userbuffers must exist before the TE modules that use them are built
+        from megatron.model.te_comm_overlap import initialize_userbuffers
+
+        initialize_userbuffers(cfg, dims.tp)
+    chunks = cfg.stage_chunks(dims.pp_rank)
+    stage = Stage.of_chunks(chunks, pre_process=dims.is_first_stage, post_process=dims.is_last_stage)
+    build = partial(GPTModel, cfg.model, vocab_size, precision=cfg.precision, amax_group=dims.amax_group, tp=tp)
+    deferred = DeferredInit(build, stage, cfg.precision.params_dtype) if par.init_model_with_meta_device else None
+    model = deferred.model if deferred else build(stage=stage).to(device, cfg.precision.params_dtype)
+    attach_context_parallel(model, cp)
+    return tp, cp, stage, model, deferred
+
+
+def build_fp8(
+    cfg: Config, model: GPTModel, dims: ParallelDims, device: torch.device
+) -> tuple[Fp8Manager | None, Fp8Monitor | None]:
+    """The local engine's FP8 state attached to the model's linears (None under Transformer Engine, which runs its
+    FP8 inside the model, and without FP8), and the FP8 monitor (None without FP8)."""
+    fp8 = None
+    if cfg.precision.fp8 and cfg.model.transformer_impl == "local":
+        from megatron.fp8 import attach_fp8
+
+        fp8 = attach_fp8(model, cfg, dims.amax_group)
+    return fp8, build_fp8_monitor(cfg, model, fp8, dims, device)
+
+
+def build_grad_buffers(
+    cfg: Config, dims: ParallelDims, model: GPTModel, device: torch.device, deferred: DeferredInit | None
+) -> GradientBuffers | ShardedGrads:
+    """Where the gradients go: the data-parallel buffers, or under FSDP (megatron/parallel/fsdp.py) the sharded
+    model's gradient shards (a model built on the meta device is given its values there, its shards only)."""
+    par = cfg.parallel
+    if par.fsdp:
+        return build_fsdp(model, cfg, dims.dp_cp_group, device, deferred)
+    # Under the pipeline schedule the last micro-batch's backward is not the last backward of the step on every
+    # stage, so the buckets are reduced after the schedule there.
+    overlap = par.overlap_grad_reduce and dims.pp == 1
+    buffers = GradientBuffers(
+        model,
+        dims.dp_cp_group,
+        overlap,
+        par.ddp_bucket_size,
+        cfg.optimizer.use_distributed_optimizer,
+        par.overlap_param_gather,
+        grad_dtype=torch.bfloat16 if par.grad_reduce_in_bf16 else torch.float32,
+        fp8_reduce=par.fp8_grad_reduce,
+    )
+    if buffers.overlap_param_gather:
+        buffers.wait_for_params_in_forward(model, list(model.decoder.layers))
+    return buffers
+
+
+def build_optimizer(
+    cfg: Config, dims: ParallelDims, model: GPTModel, device: torch.device, grad_buffers: GradientBuffers | ShardedGrads
+) -> MixedPrecisionAdamW:
+    # FP8 weights' amaxes, when their main copies are cast: TE scales each tensor-parallel shard by itself, the
+    # local engine the whole tensor (as in one process)
+    fp8_group = dims.amax_group if cfg.model.transformer_impl == "local" else dims.dp_cp_group
+    return MixedPrecisionAdamW(model, cfg.optimizer, device.type == "cuda", grad_buffers, fp8_group)

@@ -1,0 +1,79 @@
+"""The run's counters (`TrainState`), and the part of them a checkpoint carries: restored at start from --load,
+written at each save point with the model and optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from megatron.checkpoint import Checkpointer, checkpoint_is_finite
+from megatron.config import Config
+from megatron.optim import MixedPrecisionAdamW
+from megatron.parallel import GradientBuffers
+
+from .logger import print_rank_0
+
+SAVED = ("consumed_samples", "skipped_iters", "nan_iters")
+"""The counters a checkpoint's train state holds besides the iteration (which the checkpointer writes itself)."""
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iters: int = 0
+    nan_iters: int = 0
+    losses: dict[int, float] = field(default_factory=dict)
+    """lm loss of every iteration this process ran (global average), by iteration number."""
+    valid_losses: dict[int, float] = field(default_factory=dict)
+
+    def record_step(self, loss: float, batch_size: int, stepped: bool, nan: bool) -> None:
+        """The counters after step `self.iteration` (already counted): its samples, whether it was skipped or a nan
+        iteration, its loss."""
+        self.consumed_samples += batch_size
+        self.skipped_iters += not stepped
+        self.nan_iters += nan
+        self.losses[self.iteration] = loss
+
+
+def restore_train_state(
+    state: TrainState, checkpointer: Checkpointer, cfg: Config, optimizer: MixedPrecisionAdamW
+) -> None:
+    """Load --load's newest checkpoint: the model, and the rest unless the flags say otherwise; the counters go
+    into `state` (not with --finetune, which takes the weights only and starts counting afresh)."""
+    ckpt_cfg = cfg.checkpoint
+    if not ckpt_cfg.load:
+        return
+    loaded = checkpointer.load(ckpt_cfg.load)
+    if loaded is None:
+        print_rank_0(f"> no checkpoint found in {ckpt_cfg.load}: starting from scratch")
+        return
+    if ckpt_cfg.finetune:
+        optimizer.reload_model_params()
+        return
+    state.iteration = loaded["iteration"]
+    state.consumed_samples = loaded["consumed_samples"]
+    state.skipped_iters = loaded.get("skipped_iters", 0)
+    state.nan_iters = loaded.get("nan_iters", 0)
+
+
+def save_train_state(
+    state: TrainState,
+    checkpointer: Checkpointer,
+    cfg: Config,
+    model: nn.Module,
+    optimizer: MixedPrecisionAdamW,
+    grad_buffers: GradientBuffers,
+) -> None:
+    """Save iteration `state.iteration` into --save (the checkpointer logs Megatron-LM's line), unless the weights or
+    optimizer state are not finite."""
+    grad_buffers.wait_for_params()  # overlapped all-gathers of the last update
+    if not checkpoint_is_finite(model, optimizer):  # never write (nor point `latest` at) a NaN state
+        print_rank_0(
+            f"> WARNING: not saving the checkpoint of iteration {state.iteration}: weights or"
+            " optimizer state are not finite; `latest` still names the previous one"
+        )
+        return
+    train_state = {k: getattr(state, k) for k in SAVED} | {"config": cfg.to_dict()}
+    checkpointer.save(cfg.checkpoint.save, state.iteration, train_state)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Usage: scripts/exit_soak.sh N [OUT_DIR] -- N sequential DP=2 FP8 CPU launches (issue 32: a finished run must exit 0).
+#
+# Each launch is torchrun --nproc-per-node 2 pretrain_gpt.py on a tiny Llama (local layers, the distributed optimizer,
+# FP8 hybrid, 8 iterations), cycling through the variants that once aborted at exit: recipe tensorwise / delayed,
+# with / without --fp8-param-gather, no checkpoint / --ckpt-format torch / torch_dist with --async-save. A launch
+# fails when torchrun exits non-zero, a `terminate called` line appears (a C++ std::thread destroyed while joinable),
+# or the final loss line is missing. Prints one line per launch and a summary; exits 1 when any launch failed.
+# Run it from the repository root; set SOAK_PYTHON to choose the interpreter (default: python).
+set -u
+n=${1:?usage: scripts/exit_soak.sh N [OUT_DIR]}
+out=${2:-$(mktemp -d /tmp/exit_soak.XXXXXX)}
+mkdir -p "$out"
+py=${SOAK_PYTHON:-python}
+TINY="--mock-data --vocab-size 128 --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
+ --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 2 --log-interval 1 --eval-iters 1
+ --eval-interval 1000 --train-iters 8 --seed 1234"
+LLAMA="--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
+ --untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2"
+recipes=(tensorwise delayed)
+gathers=("" "--fp8-param-gather")
+ckpts=("" "--ckpt-format torch --save-interval 4" "--ckpt-format torch_dist --async-save --save-interval 4")
+failed=0
+for ((i = 0; i < n; i++)); do
+    recipe=${recipes[i % 2]}
+    gather=${gathers[(i / 2) % 2]}
+    ckpt=${ckpts[(i / 4) % 3]}
+    save=""
+    [ -n "$ckpt" ] && save="--save $out/ckpt$i $ckpt"
+    # a free port per launch: several soaks (or other runs) may share the machine
+    port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    log="$out/run$i.log"
+    # shellcheck disable=SC2086  # the flag strings are meant to split
+    OMP_NUM_THREADS=1 "$py" -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 --master-port "$port" \
+        pretrain_gpt.py $TINY $LLAMA --transformer-impl local --use-distributed-optimizer --fp8-format hybrid \
+        --fp8-recipe "$recipe" $gather $save >"$log" 2>&1
+    rc=$?
+    terminate=$(grep -c "terminate called" "$log")
+    final=$(grep -c '"final_iteration": 8' "$log")
+    status=ok
+    if [ "$rc" -ne 0 ] || [ "$terminate" -ne 0 ] || [ "$final" -eq 0 ]; then
+        status=FAILED
+        failed=$((failed + 1))
+    fi
+    echo "run $i: $status rc=$rc terminate=$terminate final=$final recipe=$recipe ${gather:-no-gather} ${ckpt:-no-save}"
+    rm -rf "$out/ckpt$i"
+done
+echo "exit soak: $failed of $n launches failed (logs in $out)"
+[ "$failed" -eq 0 ]
