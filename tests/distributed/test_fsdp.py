@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from megatron.model import meta_init
 from megatron.parallel.fsdp import local_shard
 from megatron.training import Trainer
-from megatron.training.trainer import _to_device
+from megatron.training.data_loading import to_device
 from tests.dist_utils import run_distributed
 from tests.distributed.test_parallel_layouts import BASE, FP8, TENSORWISE, _parse
 
@@ -98,7 +98,7 @@ def _fp8_body(rank, world_size):
         got, trainer = _run(f"{FLAGS} --bf16 {recipe} {PARAMS}", world_size)
         assert trainer.fp8 is not None
         # A micro-batch's forward and backward leave no FP8 copy of the (freed) gathered weights behind
-        trainer._loss(_to_device(next(iter(trainer._loader(trainer.datasets.train, 0))), trainer.device)).backward()
+        trainer.steps.loss(to_device(next(iter(trainer.loader(trainer.datasets.train, 0))), trainer.device)).backward()
         states = [m.fp8 for m in trainer.model.modules() if getattr(m, "fp8", None) is not None]
         assert states and all(s._weight_cache is None for s in states)
         _close(got, want, 1e-3, recipe)
