@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from megatron.checkpoint.safe_load import take_trust_flag
+from megatron.checkpoint.safe_load import trust_checkpoints
 from megatron.config import parse_args
 from megatron.errors import TrainingAborted, UserError
 from megatron.parallel import world_size_from_env
@@ -20,10 +20,11 @@ from megatron.training import pretrain
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(
-            take_trust_flag(sys.argv[1:] if argv is None else argv),  # --trust-checkpoint: docs/checkpoints.md
+            sys.argv[1:] if argv is None else argv,
             world_size=world_size_from_env(),
             device_type="cuda" if torch.cuda.is_available() else "cpu",
         )
+        trust_checkpoints(cfg.checkpoint.trust_checkpoint)
         pretrain(cfg)
     except UserError as exc:
         print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)

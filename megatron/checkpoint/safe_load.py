@@ -74,12 +74,11 @@ def trusted() -> bool:
     return os.environ.get(TRUST_ENV, "") == "1"
 
 
-def take_trust_flag(argv: list[str]) -> list[str]:
-    """`argv` without --trust-checkpoint; when it was given, sets MEGATRON_TRUST_CHECKPOINT=1 for this process
-    (every rank of a torchrun job parses its own argv, so all see it)."""
-    if TRUST_FLAG in argv:
+def trust_checkpoints(trust: bool) -> None:
+    """--trust-checkpoint given: this process loads checkpoints the old way from now on (MEGATRON_TRUST_CHECKPOINT=1;
+    every rank of a torchrun job parses its own flags, so all see it)."""
+    if trust:
         os.environ[TRUST_ENV] = "1"
-    return [a for a in argv if a != TRUST_FLAG]
 
 
 def first_line(exc: BaseException) -> str:

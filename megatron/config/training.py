@@ -162,6 +162,10 @@ class CheckpointConfig:
     the checkpoint (a torch checkpoint loads as such, as in Megatron-LM); with torch a torch_dist checkpoint stops
     with an error unless --auto-detect-ckpt-format is given. torch_dcp and fsdp_dtensor (Megatron-LM's formats for
     its FSDP) stop with an error."""
+    trust_checkpoint: bool = False
+    """Load checkpoint files the old way, as full pickles that may run code, for files you trust (a checkpoint is
+    otherwise data only: this project's files load weights-only, foreign ones through an allowlist, and a file naming
+    any other class is refused in one line; docs/checkpoints.md). The same as MEGATRON_TRUST_CHECKPOINT=1."""
     auto_detect_ckpt_format: bool = False
     """Load a checkpoint in the format found on disk (torch or torch_dist, told apart by its files) whatever
     --ckpt-format says; saves still use --ckpt-format. With --ckpt-format torch_dist loading already does this (as in

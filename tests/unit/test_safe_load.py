@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from megatron.checkpoint.safe_load import TRUST_ENV, SafeReader, _canonical, malformed, take_trust_flag, trusted
+from megatron.checkpoint.safe_load import TRUST_ENV, SafeReader, _canonical, malformed, trust_checkpoints, trusted
 from megatron.errors import UserError
 
 
@@ -31,11 +31,16 @@ def test_torch_refusals_are_named_as_today():
     assert _canonical("posix.system") == "posix.system"
 
 
-def test_the_trust_flag_is_taken_out_of_argv_and_set_for_the_process(monkeypatch):
+def test_the_trust_flag_is_a_documented_flag_that_sets_trust_for_the_process(monkeypatch):
+    from megatron.config import parse_args
+
     monkeypatch.delenv(TRUST_ENV, raising=False)
-    assert take_trust_flag(["--load", "d"]) == ["--load", "d"] and not trusted()
-    assert take_trust_flag(["--trust-checkpoint", "--load", "d"]) == ["--load", "d"] and trusted()
-    assert os.environ[TRUST_ENV] == "1"
+    assert not parse_args("--mock-data --vocab-size 64".split()).checkpoint.trust_checkpoint
+    trust_checkpoints(False)
+    assert not trusted()
+    assert parse_args("--mock-data --vocab-size 64 --trust-checkpoint".split()).checkpoint.trust_checkpoint
+    trust_checkpoints(True)
+    assert trusted() and os.environ[TRUST_ENV] == "1"
 
 
 def test_an_index_that_is_not_dcps_is_refused(tmp_path):

@@ -63,6 +63,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="Saver native: pad the vocabulary to a multiple of this times the tensor-parallel size (Megatron-LM's"
         " rule; use the value the training run will be given).",
     )  # fmt: skip
+    parser.add_argument(
+        "--trust-checkpoint", action="store_true",
+        help="Load the source the old way, as full pickles that may run code: only for files you trust (otherwise"
+        " foreign classes are rebuilt as plain data and any callable is refused; docs/checkpoints.md).",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -102,9 +107,10 @@ def convert(args: argparse.Namespace, log=print) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron.checkpoint.safe_load import take_trust_flag
+    from megatron.checkpoint.safe_load import trust_checkpoints
 
-    args = parse(take_trust_flag(sys.argv[1:] if argv is None else argv))
+    args = parse(sys.argv[1:] if argv is None else argv)
+    trust_checkpoints(args.trust_checkpoint)
     try:
         convert(args)
     except UserError as exc:
