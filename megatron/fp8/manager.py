@@ -15,7 +15,7 @@ Embeddings, the output layer, norms and softmax stay in high precision.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,6 @@ from .scaling import AmaxState
 _KIND = {"delayed": "tensor", "tensorwise": "tensor", "rowwise": "row", "mxfp8": "mx"}
 
 
-@runtime_checkable
 class Fp8Capable(Protocol):
     """A linear the FP8 engine takes over: the local layers' `Linear` and `LayerNormLinear` (megatron/model/layers.py,
     above this package, so the engine names what it needs rather than the class). Its forward runs the GEMMs through
@@ -46,6 +45,12 @@ class Fp8Capable(Protocol):
     weight: torch.Tensor
     parallel_mode: str | None
     tp: Any
+
+
+def is_fp8_capable(module: nn.Module) -> bool:
+    """Whether `module` has what `Fp8Capable` names. Not an isinstance check against a runtime protocol: from Python
+    3.12 that looks attributes up statically and misses an nn.Module's parameters (`weight` lives in `_parameters`)."""
+    return all(hasattr(module, name) for name in Fp8Capable.__annotations__)
 
 
 def attach_fp8(
@@ -69,7 +74,7 @@ def attach_fp8(
         if number is None or number not in fp8_layers:
             continue
         for sub_name, sub in module.named_modules():
-            if isinstance(sub, Fp8Capable):
+            if is_fp8_capable(sub):
                 _check_shape(f"{name}.{sub_name}", sub)
                 targets.append((f"{name}.{sub_name}", sub, number))
     if not targets:

@@ -168,3 +168,17 @@ def test_resume_reproduces_an_uninterrupted_delayed_scaling_run():
     optimizer.load_state_dict(saved["optim"])
     manager.load_state_dict(saved["fp8"])
     assert first + train(model, manager, optimizer, range(3, 6)) == straight
+
+
+def test_the_engine_takes_over_the_local_linears_by_their_attributes():
+    """attach_fp8 finds its linears by the attributes Fp8Capable names, looked up as a module serves them (a
+    parameter from `_parameters`): an isinstance against a runtime protocol misses them on Python 3.12."""
+    from torch import nn
+
+    from megatron.fp8.manager import is_fp8_capable
+    from megatron.model.layers import Linear
+
+    _, model, _ = build("--fp8-format hybrid")
+    linear = next(m for m in model.modules() if isinstance(m, Linear))
+    assert "weight" not in vars(linear) and is_fp8_capable(linear)
+    assert not is_fp8_capable(nn.Linear(4, 4))
