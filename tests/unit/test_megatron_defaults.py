@@ -37,6 +37,8 @@ DIFFERENT_ON_PURPOSE = {
     "--log-interval": "10: short runs get a line every 10 steps (Megatron-LM 100); its scripts pass it",
     "--lr-decay-style": "cosine, the GPT-3 and Llama recipes' schedule (Megatron-LM linear); its scripts pass it",
     "--num-query-groups": "None: 1 with --group-query-attention (Megatron-LM's MQA), one per head without it",
+    "--data-parallel-sharding-strategy": "None: optim_grads_params (Megatron-LM's) with --use-megatron-fsdp, so that"
+    " the flag given without FSDP is an error",
 }
 
 
