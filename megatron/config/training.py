@@ -234,9 +234,9 @@ class CheckpointConfig:
     """Accepted, already the behaviour: torch_dist saves the distributed optimizer's state (main weights, moments)
     in global form, so it loads under any tensor, pipeline and data-parallel layout (docs/checkpoints.md)."""
     ckpt_assume_constant_structure: bool = False
-    """Accepted; changes nothing here: Megatron-LM reuses its save plan between saves under this hint. Here each
-    save plans afresh (its cost is small next to the write: scripts/bench_checkpoint.py), so any structure is
-    saved correctly with or without it."""
+    """Accepted; changes nothing here: under this hint Megatron-LM reuses its save plan between saves and skips its
+    sharding checks. Each save here plans afresh (DCP's plan cache is not used), so a save is correct whatever
+    changed since the last one."""
     async_strategy: str = option("mcore", choices=["nvrx", "mcore"])
     """--async-save's writer: `mcore`, the one built here (a background thread of the training process through
     DCP's async save). `nvrx` (NVIDIA Resiliency Extension's writer) is refused with --async-save; without
