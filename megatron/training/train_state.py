@@ -67,9 +67,11 @@ def restore_schedule(cfg: Config, loaded: dict) -> None:
     A checkpoint without this project's config (a Megatron-LM one) leaves the flags'."""
     saved = loaded.get("config")
     saved = saved.get("optimizer") if isinstance(saved, dict) else None
-    if not isinstance(saved, dict):
-        return
     ckpt_cfg = cfg.checkpoint
+    if not isinstance(saved, dict):
+        if ckpt_cfg.use_checkpoint_opt_param_scheduler:
+            print_rank_0("> --use-checkpoint-opt_param-scheduler: the checkpoint holds no schedule; the flags' is used")
+        return
     cfg.optimizer, differ = resolve_schedule(cfg.optimizer, saved, ckpt_cfg.use_checkpoint_opt_param_scheduler)
     if not differ:
         return
