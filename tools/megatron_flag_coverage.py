@@ -61,22 +61,7 @@ FILLERS = {
 
 # Why an unknown flag is left out. Reviewed by hand: add a line when a new flag shows up as "not yet triaged".
 REASONS = {
-    **dict.fromkeys(
-        [
-            "--dist-ckpt-optim-fully-reshardable",
-            "--ckpt-fully-parallel-load",
-            "--ckpt-fully-parallel-save",
-            "--no-ckpt-fully-parallel-save",
-            "--ckpt-assume-constant-structure",
-            "--async-strategy",
-            "--async-ckpt-use-cpu-shm",
-        ],
-        "distributed (torch_dist) checkpoint options: issue 18",
-    ),
-    "--save-retain-interval": "keeping only some checkpoints: not implemented (checkpointing, issue 18)",
-    "--use-checkpoint-opt_param-scheduler": "LR-scheduler settings taken from the checkpoint: not implemented",
-    "--override-opt_param-scheduler": "LR-scheduler settings taken from the flags over the checkpoint: not implemented",
-    "--verify-integrity": "Megatron-LM checkpoint integrity check: not implemented",
+    "--async-ckpt-use-cpu-shm": "distributed (torch_dist) checkpoint options: issue 18",
     "--rerun-mode": "Megatron-LM's rerun state machine (re-running steps to find faults): not implemented",
     "--error-injection-rate": "rerun state machine fault injection: not implemented",
     "--error-injection-type": "rerun state machine fault injection: not implemented",

@@ -85,7 +85,9 @@ class Checkpointer:
         """Load the newest checkpoint under `root` (see `DistCheckpointer.load`, `TorchCheckpointer.load`); returns
         its train state, or None when there is none."""
         start = time.perf_counter()
-        iteration = select_checkpoint(root)  # verified, else the newest older one that verifies (logged)
+        iteration = select_checkpoint(
+            root, strict=self.cfg.checkpoint.verify_integrity
+        )  # verified, else the newest older one that verifies (logged)
         if iteration is None:
             return None
         fmt = folder_format(iteration_dir(root, iteration)) or self.format

@@ -18,7 +18,8 @@ stale `.tmp` folder is removed by the next save.
 
 Verification (megatron/checkpoint/integrity.py): metadata.json records every file's size and CRC-32; loading checks
 them and, when the checkpoint `latest` names is damaged, falls back to the newest older one that verifies (and says
-so). --save-retain-last N deletes all but the newest N after each successful save.
+so); with --verify-integrity it stops instead. After each successful save --save-retain-last N deletes all but
+the newest N, --save-retain-interval K all but the multiples of K (with both: kept by either).
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ from megatron.errors import UserError
 
 from . import faults
 from .integrity import (
+    Retention,
     Unusable,
+    apply_retention,
     gather_checksums,
     iterations,
     local_checksums,
     record_checksums,
-    retain_last,
     verify_checkpoint,
 )
 from .safe_load import first_line, load_own
@@ -154,12 +156,12 @@ def save_checkpoint(
     shard: str = "mp_rank_00",
     layout: dict[str, int] | None = None,
     rank_files: dict[str, Any] | None = None,
-    retain: int | None = None,
+    retain: Retention | int | None = None,
 ) -> Path:
     """Write `state` as iteration `iteration` under `root`. Only `writer` ranks write (one per model shard: the
     first data-parallel replica); every rank must call this, because of the barriers. `rank_files`: file name ->
     state that this rank writes into its shard's folder whether or not it is the writer (per-rank optimizer
-    shards). `retain`: --save-retain-last."""
+    shards). `retain`: which older checkpoints stay (an int: --save-retain-last)."""
     layout = layout or {"tp": 1, "pp": 1, "dp": 1}
     root_path = Path(root)
     final = iteration_dir(root_path, iteration)
@@ -216,11 +218,11 @@ def publish_checkpoint(
     final: Path,
     iteration: int,
     checksums: dict[str, Any] | None = None,
-    retain: int | None = None,
+    retention: Retention | int | None = None,
 ) -> None:
     """Make the complete checkpoint in `tmp` visible as `final` and point `latest` at it (one rank, after every
     rank's files are written). `checksums`: of `tmp`'s files, computed by all ranks together; None: computed here.
-    `retain`: --save-retain-last (None keeps every checkpoint)."""
+    `retention`: which older checkpoints stay (an int: --save-retain-last; None keeps every checkpoint)."""
     record_checksums(tmp, checksums if checksums is not None else local_checksums(tmp))
     faults.point("publish:checksummed")
     _fsync_tree(tmp)
@@ -235,8 +237,9 @@ def publish_checkpoint(
     faults.point("publish:renamed")
     _write_atomically(Path(root) / LATEST, f"{iteration}\n")
     faults.point("publish:pointer")
-    if retain is not None:
-        retain_last(root, retain, iteration)
+    rule = Retention(last=retention) if isinstance(retention, int) else retention
+    if rule is not None and rule.deletes:
+        apply_retention(root, rule, iteration)
 
 
 def latest_iteration(root: str) -> int | None:
@@ -273,10 +276,11 @@ def read_metadata(folder: Path) -> dict[str, Any] | None:
     return metadata
 
 
-def select_checkpoint(root: str, group: Any = None) -> int | None:
+def select_checkpoint(root: str, group: Any = None, strict: bool = False) -> int | None:
     """The iteration to load from `root`: the one `latest` names if it verifies, else the newest older one that
     does (logged); None when `root` holds no checkpoint. Raises CheckpointError (one line) when none verifies: a run
-    never starts from scratch silently. Every rank of `group` calls this and gets the same answer."""
+    never starts from scratch silently. `strict` (--verify-integrity): the one `latest` names must verify, and must
+    have checksums to verify, or CheckpointError. Every rank of `group` calls this and gets the same answer."""
     latest = latest_iteration(root)
     if latest is None:
         return None
@@ -285,6 +289,11 @@ def select_checkpoint(root: str, group: Any = None) -> int | None:
         try:
             verified = verify_checkpoint(iteration_dir(root, iteration), group)
         except Unusable as exc:
+            if strict:
+                raise CheckpointError(
+                    f"--verify-integrity: the checkpoint at iteration {iteration} in {root} is refused: {exc};"
+                    " restore the file, or drop --verify-integrity to fall back to an older checkpoint that verifies"
+                ) from None
             _log(f"> checkpoint at iteration {iteration} fails verification: {exc}")
             first_problem = first_problem or str(exc)
             continue
@@ -292,6 +301,11 @@ def select_checkpoint(root: str, group: Any = None) -> int | None:
             _log(
                 f"> WARNING: falling back to the checkpoint at iteration {iteration} in {root}, the newest that"
                 f" verifies (iteration {latest}, named by {LATEST}, is damaged)"
+            )
+        if not verified and strict:
+            raise CheckpointError(
+                f"--verify-integrity: the checkpoint at iteration {iteration} in {root} has no checksums (saved before"
+                " they were recorded), so it cannot be verified; drop --verify-integrity to load it unverified"
             )
         if not verified:  # written before checksums (or by hand): read like any other, weights only (safe_load.py)
             _log(f"> checkpoint at iteration {iteration} in {root} predates checksums: loaded without verification")

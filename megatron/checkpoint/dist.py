@@ -63,7 +63,7 @@ from .checkpointing import (
 from .dist_optimizer import ENCODING, OptimizerEntries
 from .dist_planner import ChunkLoadPlanner, ChunkSavePlanner, split_entries
 from .dist_stager import PinnedStager
-from .integrity import gather_checksums
+from .integrity import gather_checksums, retention
 from .safe_load import SafeReader, first_line, malformed
 from .sharding import Chunk, Placement, clip_vocab, global_name, placement, tensor_chunks
 
@@ -163,7 +163,8 @@ class DistCheckpointer:
                 json.dumps({"format": FORMAT, "layout": layout, "iteration": iteration}) + "\n"
             )
         self._barrier()
-        writer, planner = FileSystemWriter(tmp), ChunkSavePlanner(where)
+        writer = FileSystemWriter(tmp)
+        planner = ChunkSavePlanner(where, self.cfg.checkpoint.ckpt_fully_parallel_save)
         if self.cfg.checkpoint.async_save:
             times = {"queued": time.perf_counter()}
             future = dcp.async_save(
@@ -185,7 +186,7 @@ class DistCheckpointer:
             self._barrier()
             checksums = gather_checksums(tmp, self.group)
             if self._first():
-                publish_checkpoint(root, tmp, final, iteration, checksums, self.cfg.checkpoint.save_retain_last)
+                publish_checkpoint(root, tmp, final, iteration, checksums, retention(self.cfg.checkpoint))
         except (CheckpointException, OSError) as exc:  # a full disk: the previous checkpoint stays the latest
             if self._first():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -203,7 +204,7 @@ class DistCheckpointer:
         def publish() -> None:
             written.result()  # a failed write raises here, before anything is made visible
             times["written"] = time.perf_counter()
-            publish_checkpoint(str(final.parent), tmp, final, iteration, None, self.cfg.checkpoint.save_retain_last)
+            publish_checkpoint(str(final.parent), tmp, final, iteration, None, retention(self.cfg.checkpoint))
             times["published"] = time.perf_counter()
 
         return self._publisher.submit(publish)

@@ -5,7 +5,8 @@ DCP's default planners take a chunk's place from a DTensor's mesh and placements
 slice, a distributed-optimizer piece cut into boxes, the part of a vocabulary shard that a checkpoint with other
 padding holds) are not all DTensor shards, so these planners subclass DCP's default ones and declare each chunk
 directly, through DCP's public planner interface. Entries of several ranks with the same name and offsets (data-
-parallel replicas, replicated tensors) are written once (DCP's deduplication)."""
+parallel replicas, replicated tensors) are written once (DCP's deduplication), by one of the ranks holding them
+chosen to balance the bytes each rank writes (--ckpt-fully-parallel-save) or by the lowest."""
 
 from __future__ import annotations
 
@@ -58,8 +59,13 @@ def _compact(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class ChunkSavePlanner(DefaultSavePlanner):
-    def __init__(self, where: dict[str, Where]):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
+    def __init__(self, where: dict[str, Where], fully_parallel: bool = True):
+        # fully_parallel (--ckpt-fully-parallel-save, the default): DCP gives each replicated entry to the rank
+        # holding it that has the least to write so far, so the replicas' bytes are spread over the ranks; otherwise
+        # the lowest rank holding it writes it (--no-ckpt-fully-parallel-save)
+        super().__init__(
+            flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=not fully_parallel
+        )
         self.where = where
         self._key_of: dict[tuple[str, tuple[int, ...] | None], str] = {}
 

@@ -23,7 +23,7 @@ import re
 import shutil
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -168,17 +168,38 @@ def iterations(root: str | os.PathLike) -> list[int]:
     return sorted((int(m.group(1)) for m in found if m), reverse=True)
 
 
-def retain_last(root: str | os.PathLike, keep: int, current: int, log: Any = print) -> None:
-    """--save-retain-last: delete the checkpoint folders older than the `keep` newest up to `current` (the one
-    `latest` names now, never deleted). Folders newer than `current` (left by a run that was resumed from an older
-    checkpoint) are not this save's to judge and stay."""
+class Retention(NamedTuple):
+    """Which checkpoints a save keeps: the newest `last` (--save-retain-last) and every multiple of `interval`
+    (--save-retain-interval); None for both keeps all."""
+
+    last: int | None = None
+    interval: int | None = None
+
+    @property
+    def deletes(self) -> bool:
+        return self.last is not None or self.interval is not None
+
+
+def retention(ckpt_cfg: Any) -> Retention:
+    """The retention rule of a CheckpointConfig."""
+    return Retention(ckpt_cfg.save_retain_last, ckpt_cfg.save_retain_interval)
+
+
+def apply_retention(root: str | os.PathLike, rule: Retention, current: int, log: Any = print) -> None:
+    """Delete the checkpoint folders up to `current` (the one `latest` names now, never deleted) that `rule` does
+    not keep. Folders newer than `current` (left by a run that was resumed from an older checkpoint) are not this
+    save's to judge and stay."""
     older = [i for i in iterations(root) if i <= current]
-    for iteration in older[keep:]:
-        if iteration == current:
+    kept = set(older[: rule.last]) if rule.last is not None else set()
+    why = " and ".join(
+        f"--save-retain-{name} {value}" for name, value in (("last", rule.last), ("interval", rule.interval)) if value
+    )
+    for iteration in older:
+        if iteration == current or iteration in kept or (rule.interval and iteration % rule.interval == 0):
             continue
         faults.point("retain:delete")
         shutil.rmtree(Path(root) / f"iter_{iteration:07d}", ignore_errors=True)
-        log(f"  deleted checkpoint at iteration {iteration} (--save-retain-last {keep})")
+        log(f"  deleted checkpoint at iteration {iteration} ({why})")
 
 
 def all_finite(tensors: list[torch.Tensor], group: Any = None) -> bool:

@@ -23,6 +23,7 @@ from .checkpointing import (
     save_checkpoint,
     set_rng_state,
 )
+from .integrity import retention
 from .safe_load import malformed
 
 
@@ -64,7 +65,7 @@ class TorchCheckpointer:
             shard=self.shard,
             layout=self.layout,
             rank_files=rank_files,
-            retain=self.cfg.checkpoint.save_retain_last,
+            retain=retention(self.cfg.checkpoint),
         )
 
     def load(self, root: str, iteration: int | None = None) -> dict[str, Any] | None:

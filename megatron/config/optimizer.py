@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from .base import option, require
+from .base import ConfigError, option, require
 
 O2_STATES = {
     "exp_avg_dtype": "fp8",
@@ -150,3 +153,50 @@ class OptimizerConfig:
                     getattr(self, name) == "fp32",
                     f"--{name.replace('_', '-')} {getattr(self, name)} needs --use-precision-aware-optimizer",
                 )
+
+
+SCHEDULE_FIELDS = (
+    "lr",
+    "min_lr",
+    "lr_decay_style",
+    "lr_wsd_decay_style",
+    "lr_warmup_iters",
+    "lr_warmup_samples",
+    "lr_warmup_fraction",
+    "lr_warmup_init",
+    "lr_decay_iters",
+    "lr_decay_samples",
+    "lr_wsd_decay_iters",
+    "lr_wsd_decay_samples",
+)
+"""The learning-rate schedule's settings (Megatron-LM's OptimizerParamScheduler state): what
+--use-checkpoint-opt_param-scheduler takes from a checkpoint and --override-opt_param-scheduler lets the flags
+replace. Finalized values are compared (--lr-decay-iters defaults to --train-iters, so it counts)."""
+
+
+def schedule_differences(flags: OptimizerConfig, saved: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{field: (flag value, checkpoint value)} for the schedule settings a checkpoint's optimizer section (its
+    saved config) holds with another value; ConfigError (one line) for a value that is not a number, a name or
+    None."""
+    differ = {}
+    for name in SCHEDULE_FIELDS:
+        if name not in saved:
+            continue
+        value = saved[name]
+        if not (value is None or type(value) in (int, float, str)):
+            raise ConfigError(f"the checkpoint's {name} is {str(value)[:40]!r}, not a schedule setting")
+        if value != getattr(flags, name):
+            differ[name] = (getattr(flags, name), value)
+    return differ
+
+
+def resolve_schedule(
+    flags: OptimizerConfig, saved: Mapping[str, Any], use_checkpoint: bool
+) -> tuple[OptimizerConfig, dict[str, tuple[Any, Any]]]:
+    """The optimizer settings a resumed run uses and the schedule settings in which flags and checkpoint differ:
+    with `use_checkpoint` (--use-checkpoint-opt_param-scheduler) the checkpoint's schedule replaces the flags';
+    otherwise the flags' stand."""
+    differ = schedule_differences(flags, saved)
+    if use_checkpoint and differ:
+        flags = dataclasses.replace(flags, **{name: saved_value for name, (_, saved_value) in differ.items()})
+    return flags, differ

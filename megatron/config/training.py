@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 from .base import option, require
@@ -202,8 +203,44 @@ class CheckpointConfig:
     save_retain_last: int | None = None
     """After each successful save, delete all but the newest N checkpoints under --save (default: keep all). The
     one `latest` names is never deleted; keep N >= 2 so that a checkpoint damaged after its save (they are verified
-    at load) leaves an older one to fall back to. (Megatron-LM's --save-retain-interval, which keeps every checkpoint
-    whose iteration is a multiple of its value, is another rule and not implemented here.)"""
+    at load) leaves an older one to fall back to. With --save-retain-interval, its multiples are kept as well."""
+    save_retain_interval: int | None = None
+    """Megatron-LM's retention rule: after each successful save, delete the older checkpoints under --save whose
+    iteration is not a multiple of this (the one `latest` names always stays; a multiple of --save-interval). With
+    --save-retain-last N the newest N are kept as well."""
+    verify_integrity: bool = False
+    """Refuse to load a checkpoint that does not verify, in one line, instead of falling back to an older one; and
+    refuse one saved without checksums. (Every torch_dist and torch checkpoint here records each file's size and
+    CRC-32 at save and is checked at load anyway: megatron/checkpoint/integrity.py; without this flag a damaged
+    latest checkpoint makes the newest older one that verifies load, logged.)"""
+    use_checkpoint_opt_param_scheduler: bool = option(False, flag="--use-checkpoint-opt_param-scheduler")
+    """Resuming: take the learning-rate schedule (--lr, --min-lr, the warmup, decay and WSD flags, --lr-decay-style,
+    --decoupled-lr/--decoupled-min-lr) from the checkpoint and ignore those flags (Megatron-LM's meaning). The
+    weight decay is constant here (--weight-decay), not part of a schedule, and always the flag's."""
+    override_opt_param_scheduler: bool = option(False, flag="--override-opt_param-scheduler")
+    """Resuming: the learning-rate schedule flags win over the checkpoint's values (Megatron-LM's meaning). Without
+    either scheduler flag the flags win too, and the settings that differ from the checkpoint's are logged
+    (Megatron-LM stops there instead)."""
+    ckpt_fully_parallel_save: bool = option(True, action=argparse.BooleanOptionalAction)
+    """torch_dist: every rank writes a share of the replicated tensors (weights replicated over data-parallel
+    ranks), balanced by size (DCP's deduplication), besides its own shards: Megatron-LM's default.
+    --no-ckpt-fully-parallel-save: the lowest rank holding a replicated tensor writes it. The files load the same
+    either way under any layout."""
+    ckpt_fully_parallel_load: bool = False
+    """Accepted, already the behaviour: loading a torch_dist checkpoint, every rank reads only the chunks it holds
+    (those overlapping its tensor-parallel slice and its distributed-optimizer piece), all ranks at once; no rank
+    reads the whole checkpoint for others."""
+    dist_ckpt_optim_fully_reshardable: bool = False
+    """Accepted, already the behaviour: torch_dist saves the distributed optimizer's state (main weights, moments)
+    in global form, so it loads under any tensor, pipeline and data-parallel layout (docs/checkpoints.md)."""
+    ckpt_assume_constant_structure: bool = False
+    """Accepted; changes nothing here: under this hint Megatron-LM reuses its save plan between saves and skips its
+    sharding checks. Each save here plans afresh (DCP's plan cache is not used), so a save is correct whatever
+    changed since the last one."""
+    async_strategy: str = option("mcore", choices=["nvrx", "mcore"])
+    """--async-save's writer: `mcore`, the one built here (a background thread of the training process through
+    DCP's async save). `nvrx` (NVIDIA Resiliency Extension's writer) is refused with --async-save; without
+    --async-save the value is unused (Megatron-LM's rule)."""
 
     def finalize(self) -> None:
         require(self.save_interval is None or self.save_interval >= 1, "--save-interval must be >= 1")
@@ -213,6 +250,26 @@ class CheckpointConfig:
             " to)",
         )
         require(self.save_retain_last is None or self.save, "--save-retain-last needs --save DIR")
+        require(
+            self.save_retain_interval is None or (self.save_retain_interval >= 1 and self.save),
+            "--save-retain-interval must be >= 1 and needs --save DIR",
+        )
+        require(
+            self.save_retain_interval is None
+            or self.save_interval is None
+            or self.save_retain_interval % self.save_interval == 0,
+            f"--save-retain-interval {self.save_retain_interval} must be a multiple of --save-interval"
+            f" {self.save_interval} (Megatron-LM's rule: otherwise no save would be retained)",
+        )
+        require(
+            not (self.use_checkpoint_opt_param_scheduler and self.override_opt_param_scheduler),
+            "--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler contradict each other: give one",
+        )
+        require(
+            not (self.async_save and self.async_strategy == "nvrx"),
+            "--async-strategy nvrx (NVIDIA Resiliency Extension's writer) is not built here; choices: mcore (the"
+            " default, a background thread), or drop --async-save",
+        )
         require(self.save_interval is None or self.save, "--save-interval needs --save DIR")
         require(
             self.ckpt_format in ("torch", "torch_dist"),

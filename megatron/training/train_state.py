@@ -9,6 +9,7 @@ from torch import nn
 
 from megatron.checkpoint import Checkpointer, checkpoint_is_finite
 from megatron.config import Config
+from megatron.config.optimizer import resolve_schedule
 from megatron.optim import MixedPrecisionAdamW
 from megatron.parallel import GradientBuffers
 
@@ -56,6 +57,37 @@ def restore_train_state(
     state.consumed_samples = loaded["consumed_samples"]
     state.skipped_iters = loaded.get("skipped_iters", 0)
     state.nan_iters = loaded.get("nan_iters", 0)
+    if not ckpt_cfg.no_load_optim:  # the schedule is part of the optimizer state (Megatron-LM: its scheduler's)
+        restore_schedule(cfg, loaded)
+
+
+def restore_schedule(cfg: Config, loaded: dict) -> None:
+    """The learning-rate schedule of a resumed run: the checkpoint's with --use-checkpoint-opt_param-scheduler,
+    else the flags' (with --override-opt_param-scheduler silently; without it the settings that differ are logged).
+    A checkpoint without this project's config (a Megatron-LM one) leaves the flags'."""
+    saved = loaded.get("config")
+    saved = saved.get("optimizer") if isinstance(saved, dict) else None
+    ckpt_cfg = cfg.checkpoint
+    if not isinstance(saved, dict):
+        if ckpt_cfg.use_checkpoint_opt_param_scheduler:
+            print_rank_0("> --use-checkpoint-opt_param-scheduler: the checkpoint holds no schedule; the flags' is used")
+        return
+    cfg.optimizer, differ = resolve_schedule(cfg.optimizer, saved, ckpt_cfg.use_checkpoint_opt_param_scheduler)
+    if not differ:
+        return
+    listed = ", ".join(
+        f"--{name.replace('_', '-')} {ours} (checkpoint: {theirs})" for name, (ours, theirs) in differ.items()
+    )
+    if ckpt_cfg.use_checkpoint_opt_param_scheduler:
+        print_rank_0(f"> --use-checkpoint-opt_param-scheduler: the checkpoint's schedule is used, not {listed}")
+    elif ckpt_cfg.override_opt_param_scheduler:
+        print_rank_0(f"> --override-opt_param-scheduler: the flags' schedule is used: {listed}")
+    else:
+        print_rank_0(
+            f"> WARNING: the learning-rate schedule differs from the checkpoint's: {listed}; the flags' is used (add"
+            " --override-opt_param-scheduler to say so, or --use-checkpoint-opt_param-scheduler to keep the"
+            " checkpoint's; Megatron-LM stops without one of them)"
+        )
 
 
 def save_train_state(
