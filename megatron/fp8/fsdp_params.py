@@ -1,4 +1,4 @@
-"""FP8 all-gather under FSDP2 (--fp8-param-gather with --use-megatron-fsdp / --use-torch-fsdp2), tensorwise recipe.
+"""FP8 all-gather under FSDP2 (--fp8-param-gather with --use-megatron-fsdp / --use-torch-fsdp2): per-tensor recipes.
 
 FSDP2 calls two hooks on a parameter's sharded local tensor when it defines them (torch's all-gather extension):
 `fsdp_pre_all_gather` gives the tensors to gather for this rank's shard, `fsdp_post_all_gather` builds the
@@ -12,17 +12,21 @@ unsharded weight from the gathered ones. Here:
   takes it as its FP8 operand without re-casting (`fp8_tensor`), as an `Fp8Parameter`; its weight gradient is
   returned to autograd in fp32 (FSDP reduce-scatters `unsharded_param.grad`, not `main_grad`: params.py).
 * `Fp8GatherScales.agree` max-reduces the amaxes of all wrapped shards in one all-reduce, once per optimizer step
-  (parallel/fsdp.py calls it from the root's forward pre-hook, before any unit's all-gather). Each rank then casts
-  its own shard with the scale of the whole tensor: the bytes the distributed optimizer's FP8 weights hold.
+  (parallel/fsdp.py calls it from the root's forward pre-hook, before any unit's all-gather): tensorwise casts with
+  fp8_max / amax, delayed with delayed scaling's weight scale (reduced by the FP8 manager already; the agreed amax
+  is what the linear records in the history). Each rank casts its own shard with the scale of the whole tensor: the
+  bytes the distributed optimizer's FP8 weights hold.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
-from .formats import E4M3
+from .formats import E4M3, Role
 from .quantize import TENSOR, Fp8Tensor, scale_from_amax, scaled_cast
 
 aten = torch.ops.aten
@@ -49,11 +53,22 @@ _GATHERED_VIEWS = {aten.detach.default, aten.alias.default, aten.as_strided.defa
 
 class GatherScale:
     """The scale one weight is cast with before its all-gather, and the amax it came from (shared by all wrappers
-    of the weight's shard)."""
+    of the weight's shard). `state`: the linear's `Fp8LinearState` (its recipe; delayed scaling's scale)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, state: Any):
         self.scale = torch.ones((), device=device)
         self.amax = torch.zeros((), device=device)
+        self.state = state
+
+    def set(self, amax: torch.Tensor) -> None:
+        """The weight's agreed amax, and its scale: delayed scaling's current weight scale once it has one (the
+        scale the distributed optimizer casts its FP8 weights with), else fp8_max / amax."""
+        amax_state = self.state.amax
+        self.amax.copy_(amax)
+        if self.state.recipe.delayed and amax_state.generation > 0:
+            self.scale.copy_(amax_state.scale[self.state.index, Role.WEIGHT.value])
+        else:
+            self.scale.copy_(scale_from_amax(amax, E4M3))
 
 
 class Fp8ShardWeight(torch.Tensor):
@@ -158,9 +173,10 @@ class Fp8GatheredWeight(torch.Tensor):
         return Fp8Tensor(self._data, self.scale_inv.reshape(1, 1), tuple(self.shape), self.amax)
 
 
-def wrap_fp8_weight(weight: torch.Tensor) -> torch.nn.Parameter:
-    """An FP8 linear's fp32 weight as a parameter whose FSDP2 all-gather moves E4M3 bytes."""
-    return torch.nn.Parameter(Fp8ShardWeight(weight.detach(), GatherScale(weight.device)))
+def wrap_fp8_weight(weight: torch.Tensor, state: Any) -> torch.nn.Parameter:
+    """An FP8 linear's fp32 weight as a parameter whose FSDP2 all-gather moves E4M3 bytes (`state`: the linear's
+    `Fp8LinearState`)."""
+    return torch.nn.Parameter(Fp8ShardWeight(weight.detach(), GatherScale(weight.device, state)))
 
 
 class Fp8GatherScales:
@@ -173,7 +189,7 @@ class Fp8GatherScales:
 
     def agree(self) -> None:
         """If the weights changed since the last call: max-reduce all shards' amaxes in one all-reduce and set each
-        weight's scale to fp8_max / amax (tensorwise, as the distributed optimizer casts its FP8 weights)."""
+        weight's scale (`GatherScale.set`)."""
         if not self.stale or not self.shards:
             return
         with torch.no_grad():
@@ -182,6 +198,5 @@ class Fp8GatherScales:
             amax = torch.stack([t.abs().amax().float() if t.numel() else zero for t in locals_])
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
             for local, tensor_amax in zip(locals_, amax):
-                local._scale.amax.copy_(tensor_amax)
-                local._scale.scale.copy_(scale_from_amax(tensor_amax, E4M3))
+                local._scale.set(tensor_amax)
         self.stale = False

@@ -16,9 +16,9 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
   * the strategy decides when gathered weights are freed: optim_grads_params after each unit's forward and
     backward; optim_grads keeps them from the first forward to the last micro-batch's backward (one all-gather per
     step, as the distributed optimizer's);
-  * with --fp8-param-gather (tensorwise), the FP8 linears' weights are all-gathered as E4M3 bytes with one scale
-    per tensor agreed by the ranks once per step (megatron/fp8/fsdp_params.py), and the linears read them as
-    their FP8 operands.
+  * with --fp8-param-gather (delayed, tensorwise), the FP8 linears' weights are all-gathered as E4M3 bytes with
+    one scale per tensor agreed by the ranks once per step (megatron/fp8/fsdp_params.py), and the linears read
+    them as their FP8 operands.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _wrap_fp8_weights(modules: list[nn.Module]) -> None:
     for module in modules:
         for linear in module.modules():
             if getattr(linear, "fp8", None) is not None and not isinstance(linear.weight, DTensor):
-                linear.weight = wrap_fp8_weight(linear.weight)
+                linear.weight = wrap_fp8_weight(linear.weight, linear.fp8)
 
 
 def _cast_unsharded_to_fp32(modules: list[nn.Module]) -> None:

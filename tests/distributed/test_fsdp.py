@@ -2,7 +2,7 @@
 micro-batches per step: gradients accumulate into the shards): fp32 losses within 1e-5 relative, bf16 and FP8
 (delayed, tensorwise; bf16 all-gather; delayed with every layer recomputed) within 1e-3;
 both strategies (optim_grads_params, optim_grads), and untied embeddings with units of two layers and explicit
-prefetch. With --fp8-param-gather (tensorwise) FSDP all-gathers E4M3 bytes: within 1e-3 of the distributed
+prefetch. With --fp8-param-gather (tensorwise; delayed) FSDP all-gathers E4M3 bytes: within 1e-3 of the distributed
 optimizer's FP8 weights, each layer's gather at most 0.55x bf16's bytes, one amax all-reduce per step. Between
 steps each rank holds at most half of the weight, gradient and Adam state bytes plus one unit, measured from the
 tensors it holds (and no gathered weights), where the distributed optimizer holds whole weights and gradients. A
@@ -192,6 +192,9 @@ def _fp8_gather_body(rank, world_size, out_dir):
     assert fp8_reduces - bf16_reduces == STEPS  # one amax all-reduce per step for all FP8 weights
     got, _ = _run(f"{flags} --fp8-param-gather {GRADS}", world_size)  # gathered once per step, kept
     _close(got, want, 1e-3, "FSDP FP8 all-gather, optim_grads")
+    want, _ = _run(f"{FLAGS} --bf16 {FP8} --fp8-param-gather {DISTOPT}", world_size)  # delayed scaling
+    got, _ = _run(f"{FLAGS} --bf16 {FP8} --fp8-param-gather {PARAMS}", world_size)
+    _close(got, want, 1e-3, "FSDP FP8 all-gather, delayed")
     # Its torch_dist checkpoint holds the plain fp32 shards and resumes exactly
     flags = f"{CKPT} --bf16 {TENSORWISE} --fp8-param-gather --train-iters 4 {PARAMS}"
     whole, _ = _run(flags, world_size)

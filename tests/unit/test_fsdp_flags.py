@@ -46,7 +46,7 @@ FSDP = "--use-megatron-fsdp"
         (f"{FSDP} --tensor-model-parallel-size 2", 4, "--tensor-model-parallel-size 2: not built yet"),
         (f"{FSDP} --pipeline-model-parallel-size 2", 4, "--pipeline-model-parallel-size 2: not built yet"),
         (f"{FSDP} --context-parallel-size 2", 4, "--context-parallel-size 2: not built yet"),
-        (f"{FSDP} --bf16 --fp8-format hybrid --fp8-param-gather", 2, "--fp8-recipe delayed: not built yet"),
+        (f"{FSDP} --bf16 --fp8-format e4m3 --fp8-recipe rowwise --fp8-param-gather", 2, "rowwise: not built yet"),
         (f"{FSDP} --fp16", 2, "--fp16: not built yet"),
         (f"{FSDP} --init-model-with-meta-device --fp8-format hybrid", 2, "--init-model-with-meta-device with --fp8"),
         (f"{FSDP} --bf16 --fp8-grad-reduce", 2, "--fp8-grad-reduce"),
