@@ -96,8 +96,9 @@ def _check_fsdp(cfg: Config) -> None:
         f"{strategy} with --transformer-impl transformer_engine: not built yet; use --transformer-impl local",
     )
     require(
-        not prec.fp8_param_gather,
-        f"{strategy} with --fp8-param-gather: not built yet (FSDP gathers the training dtype; FP8 GEMMs cast it)",
+        not prec.fp8_param_gather or prec.fp8_recipe in ("delayed", "tensorwise"),
+        f"{strategy} with --fp8-param-gather and --fp8-recipe {prec.fp8_recipe}: not built yet (FSDP all-gathers FP8"
+        " weights with per-tensor recipes only); use --fp8-recipe delayed|tensorwise or drop --fp8-param-gather",
     )
     require(not prec.fp16, f"{strategy} with --fp16: not built yet; use --bf16")
     require(

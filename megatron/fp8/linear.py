@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .formats import Role
 from .gemm import fp8_gemm
-from .params import Fp8Parameter, accumulate_weight_grad, high_precision_linear
+from .params import accumulate_weight_grad, high_precision_linear, holds_fp8
 from .quantize import EAGER, Fp8Tensor, Kernels, quantize, scale_from_amax
 from .recipes import Recipe
 from .scaling import AmaxState
@@ -77,7 +77,7 @@ class Fp8LinearState:
     def _observe(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """y = x W^T + b in high precision, recording the amaxes of x, W and (in backward) dY as a cast would."""
         self.amax.record(self.index, Role.INPUT, x.detach().abs().amax())
-        w_amax = weight.amax if isinstance(weight, Fp8Parameter) else weight.detach().abs().amax()
+        w_amax = weight.amax if holds_fp8(weight) else weight.detach().abs().amax()
         self.amax.record(self.index, Role.WEIGHT, w_amax)
         y = high_precision_linear(x, weight, bias)
         if y.requires_grad:
@@ -119,7 +119,7 @@ class Fp8LinearState:
     def weight_operands(self, weight: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
         """(q(W) along K for fprop, q(W^T) along N for dgrad), cached until the step ends or W changes. An FP8
         weight (--fp8-param-gather) is its own q(W); only its transpose is made here."""
-        if isinstance(weight, Fp8Parameter):
+        if holds_fp8(weight):
             key: tuple = (id(weight), weight.version)
         else:
             key = (weight.data_ptr(), weight._version, weight.dtype, self.amax.generation)
@@ -127,7 +127,7 @@ class Fp8LinearState:
             _, w_q, w_t = self._weight_cache
             self.amax.record(self.index, Role.WEIGHT, w_q.amax)  # this step saw the weight too
             return w_q, w_t
-        if isinstance(weight, Fp8Parameter):
+        if holds_fp8(weight):
             w_q = weight.fp8_tensor()
             w_t = w_q.t()
             self.amax.record(self.index, Role.WEIGHT, w_q.amax)
@@ -166,7 +166,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.state, ctx.tokens = state, tokens
         ctx.x_dtype, ctx.b_dtype = x.dtype, None if bias is None else bias.dtype
         # an FP8 weight's gradient is formed in fp32 and added into main_grad (params.py)
-        ctx.fp8_weight = weight if isinstance(weight, Fp8Parameter) else None
+        ctx.fp8_weight = weight if holds_fp8(weight) else None
         ctx.w_dtype = torch.float32 if ctx.fp8_weight is not None else weight.dtype
         ctx.w_t = w_t  # FP8, shared with the weight cache
         ctx.x_t = x_t  # FP8 wgrad operand (None unless fp8 wgrad)

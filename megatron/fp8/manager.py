@@ -88,7 +88,9 @@ def attach_fp8(
     for index, (name, linear, number) in enumerate(targets):
         tp_group = linear.tp.group if linear.parallel_mode else None
         linear.fp8 = states[name] = Fp8LinearState(name, index, recipe, amax, kernels, tp_group, number)
-    if cfg.precision.fp8_param_gather:  # before the gradient buffers and the optimizer see the weights
+    # before the gradient buffers and the optimizer see the weights; under FSDP the weights stay fp32 shards and
+    # their all-gather casts them (parallel/fsdp.py, fsdp_params.py)
+    if cfg.precision.fp8_param_gather and not cfg.parallel.fsdp:
         convert_to_fp8_params([linear for _, linear, _ in targets])
     return Fp8Manager(recipe, states, amax, amax_group, cfg, compile_kernels, device)
 

@@ -37,6 +37,12 @@ from .formats import E4M3, Role
 from .quantize import TENSOR, Fp8Tensor, scale_from_amax, scaled_cast
 
 
+def holds_fp8(weight: torch.Tensor | None) -> bool:
+    """A weight the FP8 linear reads as its operand without casting (`fp8_tensor`): an `Fp8Parameter`, or under
+    FSDP the gathered FP8 weight (fsdp_params.py)."""
+    return callable(getattr(weight, "fp8_tensor", None))
+
+
 def is_fp8_param(param: torch.Tensor | None) -> bool:
     """An FP8 weight (a Transformer Engine quantized parameter or an `Fp8Parameter`): it is written by quantizing a
     value into it (`quantize_`) and read back with `dequantize`."""
@@ -176,7 +182,7 @@ class _LinearOnDequantizedWeight(torch.autograd.Function):
     calibration pass): the weight is dequantized, and its gradient goes to main_grad as in the FP8 linear."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: Fp8Parameter, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x)
         ctx.weight, ctx.has_bias = weight, bias is not None
         return F.linear(x, weight.dequantize(x.dtype), bias)
@@ -184,7 +190,7 @@ class _LinearOnDequantizedWeight(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (x,) = ctx.saved_tensors
-        weight: Fp8Parameter = ctx.weight
+        weight = ctx.weight
         dx = grad_out @ weight.dequantize(grad_out.dtype) if ctx.needs_input_grad[0] else None
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         dw = accumulate_weight_grad(weight, dy.t().float() @ x.reshape(-1, x.shape[-1]).float())
@@ -194,14 +200,17 @@ class _LinearOnDequantizedWeight(torch.autograd.Function):
 
 def high_precision_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear, also for an FP8 weight (dequantized)."""
-    if isinstance(weight, Fp8Parameter):
+    if holds_fp8(weight):
         return _LinearOnDequantizedWeight.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def accumulate_weight_grad(weight: Fp8Parameter, dw: torch.Tensor) -> torch.Tensor:
+def accumulate_weight_grad(weight: torch.Tensor, dw: torch.Tensor) -> torch.Tensor:
     """main_grad += dw (fp32) for an FP8 weight, which can hold no gradient of its own; returns the zero-stride dummy
-    gradient autograd gets instead (the gradient buffers' hook frees it)."""
+    gradient autograd gets instead (the gradient buffers' hook frees it). A weight gathered by FSDP gets dw itself
+    (FSDP reduce-scatters the autograd gradient into the shards)."""
+    if getattr(weight, "grad_to_autograd", False):
+        return dw.to(weight.dtype)
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is None:
         raise RuntimeError(

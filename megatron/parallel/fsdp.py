@@ -15,7 +15,10 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
     holds a whole-model gradient buffer, and the shard's address never changes (the optimizer lists it once);
   * the strategy decides when gathered weights are freed: optim_grads_params after each unit's forward and
     backward; optim_grads keeps them from the first forward to the last micro-batch's backward (one all-gather per
-    step, as the distributed optimizer's).
+    step, as the distributed optimizer's);
+  * with --fp8-param-gather (delayed, tensorwise), the FP8 linears' weights are all-gathered as E4M3 bytes with
+    one scale per tensor agreed by the ranks once per step (megatron/fp8/fsdp_params.py), and the linears read
+    them as their FP8 operands.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from megatron.config import Config
 from megatron.config.sharding import grad_comm_bf16, main_grads_bf16
+from megatron.fp8.fsdp_params import Fp8GatherScales, Fp8ShardWeight, wrap_fp8_weight
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:
@@ -68,6 +72,14 @@ def fsdp_units(layers: list[nn.Module], unit_size: int | None) -> list[list[nn.M
     return units
 
 
+def _wrap_fp8_weights(modules: list[nn.Module]) -> None:
+    """--fp8-param-gather: the FP8 linears' (fp32) weights become shards whose all-gather moves E4M3 bytes."""
+    for module in modules:
+        for linear in module.modules():
+            if getattr(linear, "fp8", None) is not None and not isinstance(linear.weight, DTensor):
+                linear.weight = wrap_fp8_weight(linear.weight, linear.fp8)
+
+
 def _cast_unsharded_to_fp32(modules: list[nn.Module]) -> None:
     """The main weights are fp32: cast the parameters about to be sharded (one unit at a time, so the whole model
     never exists in fp32 at once). From the training dtype's values, as the distributed optimizer's main copies."""
@@ -86,12 +98,14 @@ def apply_fsdp(
     shard_params: bool,
     prefetch: bool,
     unit_size: int | None = None,
+    fp8_gather: bool = False,
 ) -> list[nn.Module]:
     """Shard `model` (a GPT model: embedding, decoder.layers, decoder.final_layernorm, output_layer) over `group`
     (on `device`; the model may still be on the meta device);
     returns its units (their first modules) in forward order. `param_dtype`: the dtype units are gathered in (None:
     the fp32 of the shards); `reduce_dtype`: the gradient reduce-scatter's; `shard_params`: reshard each unit after
-    its forward (optim_grads_params); `prefetch`: gather the next unit while the current one computes."""
+    its forward (optim_grads_params); `prefetch`: gather the next unit while the current one computes;
+    `fp8_gather`: all-gather the FP8 linears' weights as FP8 (the caller agrees their scales: `Fp8GatherScales`)."""
     mesh = DeviceMesh.from_group(group, device.type)
     # Inputs keep their dtypes, as in a model cast to the training dtype (rotary tables stay fp32)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
@@ -100,6 +114,8 @@ def apply_fsdp(
 
     def shard(modules: list[nn.Module], reshard: bool) -> nn.Module:
         _cast_unsharded_to_fp32(modules)
+        if fp8_gather:
+            _wrap_fp8_weights(modules)
         fully_shard(
             modules if len(modules) > 1 else modules[0], mesh=mesh, mp_policy=policy, reshard_after_forward=reshard
         )
@@ -136,6 +152,7 @@ class ShardedGrads:
     sharded = True
     overlap_param_gather = False
     fp8_stats = None
+    fp8_scales: Fp8GatherScales | None = None
 
     def __init__(self, model: nn.Module, keep_gathered_until_last_backward: bool, dtype: torch.dtype = torch.float32):
         """`dtype`: of the gradient shards (fp32, or bf16: FSDP2 adds its fp32 reduce-scatter output into them)."""
@@ -186,7 +203,10 @@ class ShardedGrads:
             self.zero()
 
     def zero(self) -> None:
+        """After each optimizer step: the gradients start again, and the FP8 all-gather scales are out of date."""
         torch._foreach_zero_([p.main_grad for p in self.params])
+        if self.fp8_scales is not None:
+            self.fp8_scales.stale = True
 
     def remove_hooks(self) -> None:
         """Take the gradient hooks off the model at the end of a run (as `GradientBuffers.remove_hooks`)."""
@@ -207,6 +227,7 @@ def build_fsdp(
     `device`, its shards only, and given its values by `initialize(model)`."""
     par = cfg.parallel
     params_dtype = cfg.precision.params_dtype
+    fp8_gather = cfg.precision.fp8_param_gather
     apply_fsdp(
         model,
         group,
@@ -216,6 +237,7 @@ def build_fsdp(
         shard_params=par.data_parallel_sharding_strategy == "optim_grads_params",
         prefetch=par.fsdp_double_buffer,
         unit_size=par.suggested_communication_unit_size,
+        fp8_gather=fp8_gather,
     )
     assert isinstance(model, FSDPModule)
     for module in model.modules():  # FP8 casts of a freed weight are not kept for the next micro-batch either
@@ -225,4 +247,10 @@ def build_fsdp(
         model.to_empty(device=device)
         initialize(model)
     keep = par.data_parallel_sharding_strategy == "optim_grads"
-    return ShardedGrads(model, keep, torch.bfloat16 if main_grads_bf16(cfg) else torch.float32)
+    grads = ShardedGrads(model, keep, torch.bfloat16 if main_grads_bf16(cfg) else torch.float32)
+    if fp8_gather:
+        shards = [p for p in model.parameters() if isinstance(local_shard(p), Fp8ShardWeight)]
+        grads.fp8_scales = scales = Fp8GatherScales(shards, group)
+        # before the root's own pre-forward hook, which starts the first all-gather
+        model.register_forward_pre_hook(lambda module, args: scales.agree(), prepend=True)
+    return grads

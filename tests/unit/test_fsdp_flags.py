@@ -46,7 +46,7 @@ FSDP = "--use-megatron-fsdp"
         (f"{FSDP} --tensor-model-parallel-size 2", 4, "--tensor-model-parallel-size 2: not built yet"),
         (f"{FSDP} --pipeline-model-parallel-size 2", 4, "--pipeline-model-parallel-size 2: not built yet"),
         (f"{FSDP} --context-parallel-size 2", 4, "--context-parallel-size 2: not built yet"),
-        (f"{FSDP} --bf16 --fp8-format hybrid --fp8-param-gather", 2, "--fp8-param-gather: not built yet"),
+        (f"{FSDP} --bf16 --fp8-format e4m3 --fp8-recipe rowwise --fp8-param-gather", 2, "rowwise: not built yet"),
         (f"{FSDP} --fp16", 2, "--fp16: not built yet"),
         (f"{FSDP} --init-model-with-meta-device --fp8-format hybrid", 2, "--init-model-with-meta-device with --fp8"),
         (f"{FSDP} --bf16 --fp8-grad-reduce", 2, "--fp8-grad-reduce"),
@@ -63,6 +63,11 @@ def test_combinations_not_built_fail_in_one_line(extra, world_size, message):
     with pytest.raises(ConfigError) as error:
         parse(extra, world_size)
     assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_fp8_param_gather_with_the_tensorwise_recipe_is_built():
+    cfg = parse(f"{FSDP} --bf16 --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather")
+    assert cfg.precision.fp8_param_gather and cfg.parallel.fsdp
 
 
 def test_overlap_flags_are_noted_not_silent():

@@ -1,0 +1,202 @@
+"""FP8 all-gather under FSDP2 (--fp8-param-gather with --use-megatron-fsdp / --use-torch-fsdp2): per-tensor recipes.
+
+FSDP2 calls two hooks on a parameter's sharded local tensor when it defines them (torch's all-gather extension):
+`fsdp_pre_all_gather` gives the tensors to gather for this rank's shard, `fsdp_post_all_gather` builds the
+unsharded weight from the gathered ones. Here:
+
+* `Fp8ShardWeight` is the fp32 local shard (the optimizer's main weight, stepped in place) wrapped so that FSDP's
+  own ops on shards (view, narrow, copy_, new_zeros, ...) keep the wrapper. Before the gather it casts the shard to
+  E4M3 bytes (uint8: gloo has no FP8 dtype) with one scale per tensor agreed by all ranks, so the all-gather moves
+  one byte per element instead of bf16's two.
+* `Fp8GatheredWeight` is the unsharded weight the FP8 linear reads: the gathered bytes and the scale. The linear
+  takes it as its FP8 operand without re-casting (`fp8_tensor`), as an `Fp8Parameter`; its weight gradient is
+  returned to autograd in fp32 (FSDP reduce-scatters `unsharded_param.grad`, not `main_grad`: params.py).
+* `Fp8GatherScales.agree` max-reduces the amaxes of all wrapped shards in one all-reduce, once per optimizer step
+  (parallel/fsdp.py calls it from the root's forward pre-hook, before any unit's all-gather): tensorwise casts with
+  fp8_max / amax, delayed with delayed scaling's weight scale (reduced by the FP8 manager already; the agreed amax
+  is what the linear records in the history). Each rank casts its own shard with the scale of the whole tensor: the
+  bytes the distributed optimizer's FP8 weights hold.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
+
+from .formats import E4M3, Role
+from .quantize import TENSOR, Fp8Tensor, scale_from_amax, scaled_cast
+
+aten = torch.ops.aten
+
+# FSDP2's ops on a shard, whose results are still the shard (or a piece of it) and must keep the hooks
+_SHARD_OPS = {
+    aten.detach.default,
+    aten.view.default,
+    aten.as_strided.default,
+    aten.slice.Tensor,
+    aten.narrow.default,
+    aten.split.Tensor,
+    aten.chunk.default,
+    aten.copy_.default,
+    aten.new_zeros.default,
+    aten.empty_like.default,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.alias.default,
+}
+# View ops on the gathered weight (FSDP's as_strided to the parameter's shape, nn.Parameter's detach)
+_GATHERED_VIEWS = {aten.detach.default, aten.alias.default, aten.as_strided.default, aten.view.default}
+
+
+class GatherScale:
+    """The scale one weight is cast with before its all-gather, and the amax it came from (shared by all wrappers
+    of the weight's shard). `state`: the linear's `Fp8LinearState` (its recipe; delayed scaling's scale)."""
+
+    def __init__(self, device: torch.device, state: Any):
+        self.scale = torch.ones((), device=device)
+        self.amax = torch.zeros((), device=device)
+        self.state = state
+
+    def set(self, amax: torch.Tensor) -> None:
+        """The weight's agreed amax, and its scale: delayed scaling's current weight scale once it has one (the
+        scale the distributed optimizer casts its FP8 weights with), else fp8_max / amax."""
+        amax_state = self.state.amax
+        self.amax.copy_(amax)
+        if self.state.recipe.delayed and amax_state.generation > 0:
+            self.scale.copy_(amax_state.scale[self.state.index, Role.WEIGHT.value])
+        else:
+            self.scale.copy_(scale_from_amax(amax, E4M3))
+
+
+class Fp8ShardWeight(torch.Tensor):
+    """An fp32 shard of an FP8 linear's weight with FSDP2's all-gather hooks (see the module docstring)."""
+
+    _tensor: torch.Tensor
+    _scale: GatherScale
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, scale: GatherScale) -> Fp8ShardWeight:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), dtype=tensor.dtype, device=tensor.device
+        )
+
+    def __init__(self, tensor: torch.Tensor, scale: GatherScale):
+        self._tensor, self._scale = tensor, scale
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        scales = []
+
+        def unwrap(t: Fp8ShardWeight) -> torch.Tensor:
+            scales.append(t._scale)
+            return t._tensor
+
+        args, kwargs = tree_map_only(Fp8ShardWeight, unwrap, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _SHARD_OPS:  # arithmetic (the optimizer's, the amax): plain tensors
+            return out
+        return tree_map_only(torch.Tensor, lambda t: Fp8ShardWeight(t, scales[0]), out)
+
+    def __repr__(self) -> str:
+        return f"Fp8ShardWeight({self._tensor})"
+
+    def __reduce_ex__(self, protocol):
+        """Saved (checkpoints) as the plain fp32 shard it holds: a checkpoint is data, loadable without this class."""
+        return self._tensor.__reduce_ex__(protocol)
+
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        """(E4M3 bytes of this shard padded to FSDP's shard rows,), metadata: the scale and amax used."""
+        rows = -(-orig_size[0] // mesh.size())  # FSDP pads every shard to ceil(rows / ranks)
+        data = torch.zeros((rows, *self.shape[1:]), dtype=torch.uint8, device=self.device)
+        if self._tensor.numel():
+            flat, _ = scaled_cast(self._tensor.reshape(1, -1), self._scale.scale.reshape(1, 1), TENSOR, E4M3)
+            data[: self.shape[0]].copy_(flat.view(torch.uint8).reshape(self.shape))
+        return (data,), (self._scale.scale.reciprocal(), self._scale.amax.clone())
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        """The gathered weight (first gather), or `out` refilled: its bytes are the re-allocated outputs already,
+        its scale is copied in."""
+        (data,) = outputs
+        scale_inv, amax = metadata
+        if out is not None:
+            with torch.no_grad():
+                out.scale_inv.copy_(scale_inv)
+                out.amax.copy_(amax)
+            return None
+        return Fp8GatheredWeight(data.view(E4M3), scale_inv, amax, param_dtype), (data,)
+
+
+class Fp8GatheredWeight(torch.Tensor):
+    """An unsharded FP8 weight [out, in] under FSDP: E4M3 data and one scale, with the nominal dtype FSDP gathers
+    the other weights in (its gradient's: FSDP reduce-scatters a unit's gradients of one dtype together). The FP8
+    linear reads it as `fp8_tensor()`; anything else sees `dequantize()`."""
+
+    grad_to_autograd = True  # params.accumulate_weight_grad: FSDP reduce-scatters the autograd gradient
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, data.size(), dtype=dtype, device=data.device)
+
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
+        self._data, self.scale_inv, self.amax = data, scale_inv, amax
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in _GATHERED_VIEWS:  # the result shares the bytes and the scale tensors (refilled in place)
+            weight = args[0]
+            rest = tree_map_only(Fp8GatheredWeight, lambda t: t._data, (args[1:], kwargs or {}))
+            data = func(weight._data, *rest[0], **rest[1])
+            return Fp8GatheredWeight(data, weight.scale_inv, weight.amax, weight.dtype)
+        args, kwargs = tree_map_only(Fp8GatheredWeight, lambda t: t.dequantize(), (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Fp8GatheredWeight(shape={tuple(self.shape)}, scale_inv={self.scale_inv})"
+
+    @property
+    def version(self) -> int:
+        """Changes with every refill (each all-gather copies the scale in): the linear's weight cache key."""
+        return self.scale_inv._version
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return (self._data.float() * self.scale_inv).to(dtype or self.dtype)
+
+    def fp8_tensor(self) -> Fp8Tensor:
+        """The weight as the GEMM operand q(W) [out, in] (one block: the whole tensor)."""
+        return Fp8Tensor(self._data, self.scale_inv.reshape(1, 1), tuple(self.shape), self.amax)
+
+
+def wrap_fp8_weight(weight: torch.Tensor, state: Any) -> torch.nn.Parameter:
+    """An FP8 linear's fp32 weight as a parameter whose FSDP2 all-gather moves E4M3 bytes (`state`: the linear's
+    `Fp8LinearState`)."""
+    return torch.nn.Parameter(Fp8ShardWeight(weight.detach(), GatherScale(weight.device, state)))
+
+
+class Fp8GatherScales:
+    """The per-tensor scales of the FP8 all-gathers, agreed by the data-parallel ranks once per optimizer step."""
+
+    def __init__(self, shards: list[torch.Tensor], group: dist.ProcessGroup):
+        """`shards`: the wrapped weights' sharded parameters (DTensors whose local tensors are `Fp8ShardWeight`)."""
+        self.shards, self.group = shards, group
+        self.stale = True
+
+    def agree(self) -> None:
+        """If the weights changed since the last call: max-reduce all shards' amaxes in one all-reduce and set each
+        weight's scale (`GatherScale.set`)."""
+        if not self.stale or not self.shards:
+            return
+        with torch.no_grad():
+            locals_ = [s.to_local() for s in self.shards]
+            zero = torch.zeros((), device=locals_[0].device)
+            amax = torch.stack([t.abs().amax().float() if t.numel() else zero for t in locals_])
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+            for local, tensor_amax in zip(locals_, amax):
+                local._scale.set(tensor_amax)
+        self.stale = False
