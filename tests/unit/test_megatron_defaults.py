@@ -39,6 +39,8 @@ DIFFERENT_ON_PURPOSE = {
     "--num-query-groups": "None: 1 with --group-query-attention (Megatron-LM's MQA), one per head without it",
     "--data-parallel-sharding-strategy": "None: optim_grads_params (Megatron-LM's) with --use-megatron-fsdp, so that"
     " the flag given without FSDP is an error",
+    "--async-strategy": "mcore, the background writer built here; Megatron-LM's nvrx (NVIDIA Resiliency Extension)"
+    " is not, so its default would make every --async-save an error",
 }
 
 
