@@ -1,0 +1,92 @@
+#!/bin/bash
+# Megatron-LM checkpoints of today, written by Megatron-LM itself on the device (issue 32): fixtures and references.
+#
+# usage (device, checkout root, after `source .devkit/setup-te.sh`; Megatron-LM's sources in .anchors/megatron and
+# ../shared/anchors in .devkit/anchors, as ../shared/anchors/README.md says):
+#   bash scripts/mlm_interop.sh fixtures     # $OUT/mlm_fixtures.tgz: tiny Llama checkpoints, mock data
+#   bash scripts/mlm_interop.sh train DIR    # TP=2 on the real-text corpus below: 20 iterations, saved in DIR/td
+#                                            # (torch_dist) and DIR/torch (torch format), validation loss at 20
+#   bash scripts/mlm_interop.sh continue DIR # Megatron-LM's own continuation of both to iteration 40 (the reference)
+#   bash scripts/mlm_interop.sh load CKPT NAME # Megatron-LM loads a checkpoint written elsewhere (--finetune-free: it
+#                                            # keeps the iteration) and trains to 40; NAME names its log; more flags after NAME
+# The corpus: `python tools/build_default_corpus.py --output-dir .interop/data` (this Python's docs, 676k tokens of
+# GPT2BPE ids < 8192), read by Megatron-LM through its NullTokenizer with --vocab-size 8191 (8192 ids, unpadded at
+# TP=2), and here with the same flags.
+set -u
+KIT=.devkit/anchors
+MEG=$(cd "${MEGATRON_DIR:-.anchors/megatron}" && pwd)
+ROOT=$(pwd)
+export PYTHONPATH=$ROOT/$KIT/shim:${PYTHONPATH:-} CUDA_DEVICE_MAX_CONNECTIONS=1 NVTE_FUSED_ATTN=1 PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0
+LLAMA="--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
+ --untie-embeddings-and-output-weights --group-query-attention --attention-dropout 0 --hidden-dropout 0 --bf16"
+OPT="--lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1 --clip-grad 1.0
+ --seed 1234 --log-interval 1 --transformer-impl transformer_engine --use-distributed-optimizer
+ --distributed-backend nccl"
+TINY="--num-layers 2 --hidden-size 64 --ffn-hidden-size 256 --num-attention-heads 4 --num-query-groups 2
+ --seq-length 128 --max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 4 --mock-data
+ --tokenizer-type NullTokenizer --vocab-size 1023 --train-iters 4 --save-interval 4 --eval-iters 0
+ --eval-interval 1000 --lr-warmup-iters 1"
+SMALL="--num-layers 4 --hidden-size 256 --ffn-hidden-size 1024 --num-attention-heads 8 --num-query-groups 4
+ --seq-length 512 --max-position-embeddings 512 --micro-batch-size 4 --global-batch-size 16
+ --data-path $ROOT/.interop/data/python3.11-docs_text_document --split 98,1,1 --tokenizer-type NullTokenizer
+ --vocab-size 8191 --train-iters 40 --lr-decay-iters 40 --eval-interval 20 --eval-iters 10"
+TP2="--tensor-model-parallel-size 2 --sequence-parallel"
+PORT=29600
+
+# megatron NAME NPROC FLAGS...: one Megatron-LM run in the background, its log in $LOGS/NAME.log
+megatron() {
+  local name=$1 nproc=$2; shift 2
+  PORT=$((PORT + 1))
+  (cd "$MEG" && timeout ${TIMEOUT:-400} torchrun --nproc-per-node "$nproc" --master-port $PORT pretrain_gpt.py \
+    $LLAMA $OPT "$@") > "$LOGS/$name.log" 2>&1 &
+}
+summary() {  # the last training line and every validation line of each log
+  for f in "$@"; do
+    echo "== $(basename "$f")"
+    grep -E "iteration +[0-9]+/" "$f" | tail -1 | grep -oE "iteration +[0-9]+/ *[0-9]+|lm loss: [0-9.E+-]+"
+    grep -E "validation (loss )?at|on validation set" -A2 "$f" | grep -oE "at iteration [0-9]+|lm loss value: [0-9.E+-]+"
+    grep -m3 -E "Error|error:|Traceback" "$f" | cut -c1-240
+  done
+}
+
+MODE=$1
+LOGS=$OUT/mlm_logs
+mkdir -p "$LOGS" /tmp/mlm
+make -s -C "$MEG/megatron/core/datasets" > /dev/null  # the dataset helpers, once, before parallel launches
+case $MODE in
+  fixtures)
+    F=/tmp/mlm/fixtures
+    rm -rf $F && mkdir -p $F
+    megatron td_bf16 2 $TINY $TP2 --save $F/td_bf16
+    megatron td_full 2 $TINY $TP2 --save $F/td_full --dist-ckpt-optim-fully-reshardable
+    megatron torch_bf16 2 $TINY $TP2 --save $F/torch_bf16 --ckpt-format torch
+    megatron td_fp8_weights 2 $TINY $TP2 --save $F/td_fp8_weights --fp8-format hybrid --fp8-recipe delayed \
+      --no-save-optim --no-save-rng
+    megatron td_dp2 2 $TINY --save $F/td_dp2
+    megatron torch_dp2 2 $TINY --save $F/torch_dp2 --ckpt-format torch
+    wait
+    cp "$LOGS"/*.log $F/
+    summary $F/*.log
+    tar -czf "$OUT/mlm_fixtures.tgz" -C /tmp/mlm fixtures && ls -la "$OUT/mlm_fixtures.tgz"
+    ;;
+  train)
+    D=$2; mkdir -p "$D"
+    megatron train_td 2 $SMALL $TP2 --save $D/td --save-interval 20 --exit-interval 20 --data-cache-path /tmp/mlm/c1
+    megatron train_torch 2 $SMALL $TP2 --save $D/torch --save-interval 20 --exit-interval 20 --ckpt-format torch \
+      --data-cache-path /tmp/mlm/c2
+    wait; summary "$LOGS"/train_*.log
+    ;;
+  continue)
+    D=$2
+    megatron cont_td 2 $SMALL $TP2 --load $D/td --data-cache-path /tmp/mlm/c1
+    megatron cont_torch 2 $SMALL $TP2 --load $D/torch --ckpt-format torch --data-cache-path /tmp/mlm/c2
+    wait; summary "$LOGS"/cont_*.log
+    ;;
+  load)
+    CKPT=$2 NAME=$3; shift 3
+    megatron "load_$NAME" 2 $SMALL $TP2 --load "$CKPT" --data-cache-path /tmp/mlm/c3 "$@"
+    wait; summary "$LOGS/load_$NAME.log"
+    ;;
+  *) echo "unknown mode $MODE"; exit 2;;
+esac
