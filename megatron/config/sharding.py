@@ -74,7 +74,7 @@ def resolve_sharding(cfg: Config) -> None:
 
 def _check_fsdp(cfg: Config) -> None:
     """Combinations FSDP (optim_grads, optim_grads_params) does not run yet, each a one-line error."""
-    par, opt, prec, model = cfg.parallel, cfg.optimizer, cfg.precision, cfg.model
+    par, opt, prec = cfg.parallel, cfg.optimizer, cfg.precision
     strategy = f"--data-parallel-sharding-strategy {par.data_parallel_sharding_strategy}"
     require(
         not opt.use_distributed_optimizer,
@@ -88,13 +88,6 @@ def _check_fsdp(cfg: Config) -> None:
     }
     for flag, size in layout.items():
         require(size == 1, f"{strategy} with {flag} {size}: not built yet (FSDP runs data parallelism alone)")
-    if model.transformer_impl is None:  # resolved later; FSDP wraps the local layers only
-        model.transformer_impl = "local"
-        cfg.notes.append(f"--transformer-impl local: {strategy} wraps the local layers (Transformer Engine's: not yet)")
-    require(
-        model.transformer_impl == "local",
-        f"{strategy} with --transformer-impl transformer_engine: not built yet; use --transformer-impl local",
-    )
     require(
         not prec.fp8_param_gather or prec.fp8_recipe in ("delayed", "tensorwise"),
         f"{strategy} with --fp8-param-gather and --fp8-recipe {prec.fp8_recipe}: not built yet (FSDP all-gathers FP8"
@@ -143,6 +136,25 @@ def _check_fsdp(cfg: Config) -> None:
             f"{strategy}: FSDP2 overlaps every unit's all-gather and reduce-scatter with computation itself"
             " (--overlap-grad-reduce / --overlap-param-gather change nothing more)"
         )
+
+
+def check_fsdp_layers(cfg: Config) -> None:
+    """What FSDP does not run yet with Transformer Engine's layers (once --transformer-impl is resolved): FP8-only
+    weights (TE's quantized parameters) and meta-device initialization, each a one-line error."""
+    par, prec = cfg.parallel, cfg.precision
+    if not par.fsdp or cfg.model.transformer_impl != "transformer_engine":
+        return
+    strategy = f"--data-parallel-sharding-strategy {par.data_parallel_sharding_strategy}"
+    require(
+        not prec.fp8_param_gather,
+        f"{strategy} with --fp8-param-gather and --transformer-impl transformer_engine: not built yet (FSDP"
+        " all-gathers TE's weights in bf16 and TE casts them); drop --fp8-param-gather or use --transformer-impl local",
+    )
+    require(
+        not par.init_model_with_meta_device,
+        f"{strategy} with --init-model-with-meta-device and --transformer-impl transformer_engine: not built yet;"
+        " drop --init-model-with-meta-device or use --transformer-impl local",
+    )
 
 
 def main_grads_bf16(cfg: Config) -> bool:

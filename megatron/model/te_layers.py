@@ -81,6 +81,9 @@ class TETransformerLayer(nn.Module):
         self.self_attention.recompute_core_attn = plan.selective("core_attn")
         self.recompute_mlp = plan.selective("mlp")
         self._weights_version: int | None = None
+        # Keep each step's FP8 weight casts for its later micro-batches (off under FSDP: a cast of every weight kept
+        # for the whole step would be an unsharded copy of the model, megatron/parallel/fsdp.py)
+        self.cache_weight_casts = True
         self._graphed: Callable[..., torch.Tensor] | None = None  # see `use_graph`
 
     def te_modules(self) -> tuple[nn.Module, ...]:
@@ -108,6 +111,8 @@ class TETransformerLayer(nn.Module):
         zero then anyway)."""
         if not (self.training and (torch.is_grad_enabled() or in_checkpointed_forward())):
             return None  # (a recomputed layer's first forward runs without autograd, yet is a training forward)
+        if not self.cache_weight_casts:
+            return None
         version = sum(module.weight._version for module in self.te_modules())
         first = version != self._weights_version
         self._weights_version = version

@@ -242,7 +242,9 @@ def build_fsdp(
     assert isinstance(model, FSDPModule)
     for module in model.modules():  # FP8 casts of a freed weight are not kept for the next micro-batch either
         if getattr(module, "fp8", None) is not None and hasattr(module.fp8, "cache_weight"):
-            module.fp8.cache_weight = False
+            module.fp8.cache_weight = False  # a local FP8 linear
+        if hasattr(module, "cache_weight_casts"):
+            module.cache_weight_casts = False  # a Transformer Engine layer
     if initialize is not None:
         model.to_empty(device=device)
         initialize(model)

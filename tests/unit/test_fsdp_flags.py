@@ -3,6 +3,7 @@
 import pytest
 
 from megatron.config import ConfigError, parse_args
+from megatron.config.sharding import check_fsdp_layers
 
 BASE = "--mock-data --vocab-size 128 --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16"
 
@@ -73,3 +74,23 @@ def test_fp8_param_gather_with_the_tensorwise_recipe_is_built():
 def test_overlap_flags_are_noted_not_silent():
     cfg = parse(f"{FSDP} --overlap-grad-reduce --overlap-param-gather --megatron-fsdp-grad-comm-dtype bf16")
     assert any("FSDP2 overlaps" in note for note in cfg.notes)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("--fp8-param-gather", "--fp8-param-gather and --transformer-impl transformer_engine: not built yet"),
+        ("--init-model-with-meta-device", "--init-model-with-meta-device and --transformer-impl transformer_engine"),
+    ],
+)
+def test_transformer_engine_layers_under_fsdp_refuse_what_is_not_built(extra, message):
+    # TE does not run on this CPU machine: the rule is checked on a configuration whose layers resolved to TE's
+    cfg = parse(f"{FSDP} --bf16")
+    cfg.model.transformer_impl = "transformer_engine"
+    cfg.precision.fp8_param_gather = extra == "--fp8-param-gather"
+    cfg.parallel.init_model_with_meta_device = extra == "--init-model-with-meta-device"
+    with pytest.raises(ConfigError) as error:
+        check_fsdp_layers(cfg)
+    assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+    cfg.model.transformer_impl = "local"
+    check_fsdp_layers(cfg)  # the local layers run both

@@ -1,0 +1,53 @@
+"""Transformer Engine layers under FSDP (PyTorch's FSDP2) on 2 GPUs (NCCL) train as under the distributed optimizer:
+the CPU comparison of tests/distributed/test_fsdp.py with --transformer-impl transformer_engine.
+
+FSDP gathers each TE layer's weights in bf16 and TE casts them to FP8 in every forward (no FP8 weight cast is kept
+across micro-batches: that would be an unsharded copy of the model); the distributed optimizer's TE layers
+accumulate their weight gradients into fp32 buffers inside the GEMM, FSDP's get bf16 gradients reduce-scattered in
+fp32. So the runs differ by rounding: losses within 2e-3 relative in bf16, 1e-2 with FP8 (tests/gpu/test_te_parallel.py's
+FP8 tolerance). Between steps each rank holds at most half of the weight, gradient and state bytes plus one layer.
+A torch_dist checkpoint written under FSDP resumes under the distributed optimizer.
+"""
+
+import pytest
+import torch
+
+from megatron.config.te_rules import te_import_error
+from tests.dist_utils import run_distributed
+from tests.distributed.test_fsdp import DISTOPT, GRADS, PARAMS, _close, _gathered_bytes, _held_bytes, _run
+from tests.distributed.test_parallel_layouts import BASE, FP8
+
+STEPS = 6
+TE = "--transformer-impl transformer_engine --bf16"
+FLAGS = f"{BASE} {TE} --train-iters {STEPS} --eval-iters 0"
+RECOMPUTE = " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(te_import_error() is not None, reason=f"needs Transformer Engine ({te_import_error()})"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (nvidia-h100-x2)"
+    ),
+]
+
+
+def _body(rank, world_size, out_dir):
+    for recipe, rel in (("", 2e-3), (FP8, 1e-2), (FP8 + RECOMPUTE, 1e-2)):
+        want, distopt = _run(f"{FLAGS} {recipe} {DISTOPT}", world_size)
+        numel = sum(p.numel() for p in distopt.model.parameters())
+        for name, flags in (("optim_grads_params", PARAMS), ("optim_grads", GRADS)):
+            got, trainer = _run(f"{FLAGS} {recipe} {flags}", world_size)
+            _close(got, want, rel, f"TE {name} {recipe}", steps=STEPS)
+            layer = sum(p.numel() for p in trainer.model.decoder.layers[0].parameters())
+            held, bound = _held_bytes(trainer), 16 * (numel / 2 + layer)
+            assert _gathered_bytes(trainer.model) == 0, name
+            assert held <= bound, (name, recipe, held, bound)
+    ckpt = f"{BASE} {TE} {FP8} --eval-iters 0 --ckpt-format torch_dist --train-iters 4"
+    whole, _ = _run(f"{ckpt} {PARAMS}", world_size)
+    _run(f"{ckpt} --exit-interval 2 {PARAMS} --save {out_dir}/fsdp", world_size)
+    resumed, _ = _run(f"{ckpt} {DISTOPT} --load {out_dir}/fsdp", world_size)
+    _close(resumed, whole[2:], 1e-2, "TE: the distributed optimizer from FSDP's checkpoint", steps=2)
+
+
+def test_te_fsdp_matches_distributed_optimizer(tmp_path):
+    run_distributed(_body, world_size=2, args=(str(tmp_path),), backend="nccl")
