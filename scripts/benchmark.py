@@ -123,11 +123,22 @@ LAYOUTS = {  # name: (GPUs, flags)
         2,
         "--overlap-grad-reduce --use-distributed-optimizer --overlap-param-gather --tp-only-amax-red",
     ),
-    # FSDP (PyTorch's FSDP2, local layers only so far: use the local-* configs): weights, gradients and states
-    # sharded, each layer gathered before use with the next one prefetched; optim_grads keeps the gathered weights
-    # from the first forward to the last backward of a step
+    # FSDP (PyTorch's FSDP2; TE configs gather bf16 weights, local configs also FP8 ones with --fp8-param-gather):
+    # weights, gradients and states sharded, each layer gathered before use with the next one prefetched;
+    # optim_grads keeps the gathered weights from the first forward to the last backward of a step
     "fsdp2": (2, "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer"),
     "fsdp2_optim_grads": (2, "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"),
+    # fp32 gradient shards, reduce-scattered in bf16 (half the bytes of each micro-batch's reduce-scatter)
+    "fsdp2_bf16comm": (
+        2,
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer"
+        " --megatron-fsdp-grad-comm-dtype bf16",
+    ),
+    "fsdp2_optim_grads_bf16comm": (
+        2,
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"
+        " --megatron-fsdp-grad-comm-dtype bf16",
+    ),
     # bf16 gradient shards, reduce-scattered in bf16: 2 bytes per parameter less (the Llama-3-8B shape's fit on 80 GB)
     "fsdp2_bf16grads": (
         2,

@@ -153,6 +153,7 @@ class ShardedGrads:
     overlap_param_gather = False
     fp8_stats = None
     fp8_scales: Fp8GatherScales | None = None
+    cached_casts: list[nn.Module] = []  # layers whose FP8 weight casts last a step (TE's, under optim_grads)
 
     def __init__(self, model: nn.Module, keep_gathered_until_last_backward: bool, dtype: torch.dtype = torch.float32):
         """`dtype`: of the gradient shards (fp32, or bf16: FSDP2 adds its fp32 reduce-scatter output into them)."""
@@ -207,6 +208,8 @@ class ShardedGrads:
         torch._foreach_zero_([p.main_grad for p in self.params])
         if self.fp8_scales is not None:
             self.fp8_scales.stale = True
+        for layer in self.cached_casts:
+            layer.forget_weight_casts()
 
     def remove_hooks(self) -> None:
         """Take the gradient hooks off the model at the end of a run (as `GradientBuffers.remove_hooks`)."""
@@ -243,13 +246,17 @@ def build_fsdp(
     for module in model.modules():  # FP8 casts of a freed weight are not kept for the next micro-batch either
         if getattr(module, "fp8", None) is not None and hasattr(module.fp8, "cache_weight"):
             module.fp8.cache_weight = False  # a local FP8 linear
-        if hasattr(module, "cache_weight_casts"):
-            module.cache_weight_casts = False  # a Transformer Engine layer
+    keep = par.data_parallel_sharding_strategy == "optim_grads"
+    # A Transformer Engine layer keeps its FP8 weight casts for a step's later micro-batches only where the gathered
+    # weights stay too (optim_grads); they are cast again after each optimizer step (`ShardedGrads.zero`)
+    te_layers = [m for m in model.modules() if hasattr(m, "cache_weight_casts")]
+    for layer in te_layers:
+        layer.cache_weight_casts = keep
     if initialize is not None:
         model.to_empty(device=device)
         initialize(model)
-    keep = par.data_parallel_sharding_strategy == "optim_grads"
     grads = ShardedGrads(model, keep, torch.bfloat16 if main_grads_bf16(cfg) else torch.float32)
+    grads.cached_casts = te_layers if keep else []
     if fp8_gather:
         shards = [p for p in model.parameters() if isinstance(local_shard(p), Fp8ShardWeight)]
         grads.fp8_scales = scales = Fp8GatherScales(shards, group)

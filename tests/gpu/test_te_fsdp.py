@@ -1,13 +1,13 @@
 """Transformer Engine layers under FSDP (PyTorch's FSDP2) on 2 GPUs (NCCL) train as under the distributed optimizer:
 the CPU comparison of tests/distributed/test_fsdp.py with --transformer-impl transformer_engine.
 
-FSDP gathers each TE layer's weights in bf16 and TE casts them to FP8 in every forward (no FP8 weight cast is kept
-across micro-batches: that would be an unsharded copy of the model); the distributed optimizer's TE layers
-accumulate their weight gradients into fp32 buffers inside the GEMM, FSDP's get bf16 gradients reduce-scattered in
-fp32. So the runs differ by rounding: losses within 2e-3 relative in bf16, 1e-2 with FP8 (tests/gpu/test_te_parallel.py's
-FP8 tolerance). Between steps each rank holds at most half of the weight, gradient and state bytes plus one layer.
-A torch_dist checkpoint written under FSDP resumes under the distributed optimizer.
-"""
+FSDP gathers each TE layer's weights in bf16 and TE casts them to FP8: under optim_grads_params in every forward
+(a cast kept across micro-batches would be an unsharded copy of the model), under optim_grads once per step (the
+gathered weights stay for the step anyway). The distributed optimizer's TE layers accumulate their weight gradients
+into fp32 buffers inside the GEMM; FSDP's get bf16 gradients reduce-scattered in fp32. So the runs differ by
+rounding: losses within 2e-3 relative in bf16, 1e-2 with FP8 (tests/gpu/test_te_parallel.py's FP8 tolerance).
+Between steps each rank holds at most half of the weight, gradient and state bytes plus one layer. A torch_dist
+checkpoint written under FSDP resumes under the distributed optimizer."""
 
 import pytest
 import torch
@@ -41,6 +41,8 @@ def _body(rank, world_size, out_dir):
             layer = sum(p.numel() for p in trainer.model.decoder.layers[0].parameters())
             held, bound = _held_bytes(trainer), 16 * (numel / 2 + layer)
             assert _gathered_bytes(trainer.model) == 0, name
+            layers = list(trainer.model.decoder.layers)
+            assert all(layer.cache_weight_casts == (name == "optim_grads") for layer in layers), name
             assert held <= bound, (name, recipe, held, bound)
     ckpt = f"{BASE} {TE} {FP8} --eval-iters 0 --ckpt-format torch_dist --train-iters 4"
     whole, _ = _run(f"{ckpt} {PARAMS}", world_size)

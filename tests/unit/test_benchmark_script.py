@@ -146,6 +146,8 @@ def test_the_fsdp_layouts_parse_with_the_local_configs():
         "fsdp2": "optim_grads_params",
         "fsdp2_optim_grads": "optim_grads",
         "fsdp2_bf16grads": "optim_grads_params",
+        "fsdp2_bf16comm": "optim_grads_params",
+        "fsdp2_optim_grads_bf16comm": "optim_grads",
     }
     for preset in ("llama-1b", "llama3-8b"):
         for config in ("local-bf16", "local-delayed", "local-delayed-recompute-full"):
