@@ -12,7 +12,8 @@ keep their tensor-parallel attributes) resumes exactly, and within 1e-5 under TP
 optimizer and in one process.
 
 CP=2 x FSDP=2: FSDP shards over the four data x context parallel ranks; fp32 within 1e-5, tensorwise with
---fp8-param-gather (optim_grads) within 1e-3, and its checkpoint resumes under the distributed optimizer."""
+--fp8-param-gather (optim_grads) within 1e-3, and its checkpoint resumes there exactly and under the distributed
+optimizer within 1e-5."""
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,18 @@ from torch.distributed.tensor import DTensor
 
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
-from tests.distributed.test_fsdp import CKPT, DISTOPT, FLAGS, GRADS, PARAMS, _close, _gathered_bytes, _held_bytes, _run
+from tests.distributed.test_fsdp import (
+    CKPT,
+    DISTOPT,
+    FLAGS,
+    GRADS,
+    PARAMS,
+    _close,
+    _gathered_bytes,
+    _held_bytes,
+    _run,
+    resume_across,
+)
 from tests.distributed.test_parallel_layouts import FP8, TENSORWISE, _parse
 
 TP = "--tensor-model-parallel-size 2"
@@ -74,14 +86,8 @@ def _tp_body(rank, world_size, out_dir):
         _close(got, want, 1e-3, f"{flags} {strategy}")
         if "fp8-param-gather" in flags:
             _assert_whole_tensor_scales(trainer)
-    saved = f"{out_dir}/tp"
-    flags = f"{CKPT} {SP} --train-iters 4"
-    whole, _ = _run(f"{flags} {PARAMS}", world_size)
-    _run(f"{flags} --exit-interval 2 {PARAMS} --init-model-with-meta-device --save {saved}", world_size)
-    resumed, _ = _run(f"{flags} {PARAMS} --load {saved}", world_size)
-    assert resumed == whole[2:], (resumed, whole)
-    resumed, _ = _run(f"{flags} {DISTOPT} --load {saved}", world_size)
-    _close(resumed, whole[2:], 1e-5, "TP=2 x DP=2, the distributed optimizer, from TP=2 x FSDP=2", steps=2)
+    # Built on the meta device: the checkpoint places its TP pieces by the attributes kept through to_empty
+    whole = resume_across(SP, f"{out_dir}/tp", world_size, "--init-model-with-meta-device")
     if rank == 0:
         torch.save(whole, f"{out_dir}/whole.pt")
 
@@ -102,11 +108,7 @@ def _cp_body(rank, world_size, out_dir):
     want, _ = _run(f"{flags} {DISTOPT}", world_size)
     got, _ = _run(f"{flags} {GRADS}", world_size)
     _close(got, want, 1e-3, "CP=2 x FSDP=2, FP8 all-gather")
-    flags = f"{CKPT} {CP} --train-iters 4"
-    whole, _ = _run(f"{flags} {PARAMS}", world_size)
-    _run(f"{flags} --exit-interval 2 {PARAMS} --save {out_dir}/cp", world_size)
-    resumed, _ = _run(f"{flags} {DISTOPT} --load {out_dir}/cp", world_size)
-    _close(resumed, whole[2:], 1e-5, "CP=2 x DP=2, the distributed optimizer, from CP=2 x FSDP=2", steps=2)
+    resume_across(CP, f"{out_dir}/cp", world_size)
 
 
 def test_fsdp_with_context_parallelism_matches_distributed_optimizer(tmp_path):
