@@ -145,6 +145,18 @@ LAYOUTS = {  # name: (GPUs, flags)
         "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer"
         " --megatron-fsdp-main-grads-dtype bf16",
     ),
+    # FSDP with tensor (+ sequence) or context parallelism on 4 GPUs: each tensor-parallel piece sharded over the
+    # two data-parallel ranks; under CP=2 the four data x context parallel ranks shard everything
+    "fsdp2_tp2": (
+        4,
+        "--tensor-model-parallel-size 2 --sequence-parallel --use-megatron-fsdp"
+        " --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer",
+    ),
+    "fsdp2_cp2": (
+        4,
+        "--context-parallel-size 2 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
+        " --fsdp-double-buffer",
+    ),
     "tp2": (2, "--tensor-model-parallel-size 2 --sequence-parallel"),
     "tp2_overlap": (2, "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"),
     "pp2": (2, "--pipeline-model-parallel-size 2"),

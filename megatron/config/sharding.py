@@ -81,13 +81,14 @@ def _check_fsdp(cfg: Config) -> None:
         f"{strategy} shards the optimizer states itself: drop --use-distributed-optimizer",
     )
     require(cfg.data_parallel_size > 1, f"{strategy} shards over the data-parallel ranks: run at least two")
-    layout = {
-        "--tensor-model-parallel-size": par.tensor_model_parallel_size,
-        "--pipeline-model-parallel-size": par.pipeline_model_parallel_size,
-        "--context-parallel-size": par.context_parallel_size,
-    }
-    for flag, size in layout.items():
-        require(size == 1, f"{strategy} with {flag} {size}: not built yet (FSDP runs data parallelism alone)")
+    # Tensor and context parallelism compose: FSDP shards each rank's tensor-parallel piece over the data (x context)
+    # parallel ranks holding the same piece
+    pp = par.pipeline_model_parallel_size
+    require(
+        pp == 1,
+        f"{strategy} with --pipeline-model-parallel-size {pp}: not built yet (FSDP composes with tensor and context"
+        " parallelism only)",
+    )
     require(
         not prec.fp8_param_gather or prec.fp8_recipe in ("delayed", "tensorwise"),
         f"{strategy} with --fp8-param-gather and --fp8-recipe {prec.fp8_recipe}: not built yet (FSDP all-gathers FP8"

@@ -11,7 +11,8 @@ unsharded weight from the gathered ones. Here:
 * `Fp8GatheredWeight` is the unsharded weight the FP8 linear reads: the gathered bytes and the scale. The linear
   takes it as its FP8 operand without re-casting (`fp8_tensor`), as an `Fp8Parameter`; its weight gradient is
   returned to autograd in fp32 (FSDP reduce-scatters `unsharded_param.grad`, not `main_grad`: params.py).
-* `Fp8GatherScales.agree` max-reduces the amaxes of all wrapped shards in one all-reduce, once per optimizer step
+* `Fp8GatherScales.agree` max-reduces the amaxes of all wrapped shards in one all-reduce, once per optimizer step,
+  over the data-parallel ranks (and the tensor-parallel ones: the whole weight's amax)
   (parallel/fsdp.py calls it from the root's forward pre-hook, before any unit's all-gather): tensorwise casts with
   fp8_max / amax, delayed with delayed scaling's weight scale (reduced by the FP8 manager already; the agreed amax
   is what the linear records in the history). Each rank casts its own shard with the scale of the whole tensor: the
@@ -180,10 +181,14 @@ def wrap_fp8_weight(weight: torch.Tensor, state: Any) -> torch.nn.Parameter:
 
 
 class Fp8GatherScales:
-    """The per-tensor scales of the FP8 all-gathers, agreed by the data-parallel ranks once per optimizer step."""
+    """The per-tensor scales of the FP8 all-gathers, agreed once per optimizer step by the ranks holding pieces of
+    the weights."""
 
-    def __init__(self, shards: list[torch.Tensor], group: dist.ProcessGroup):
-        """`shards`: the wrapped weights' sharded parameters (DTensors whose local tensors are `Fp8ShardWeight`)."""
+    def __init__(self, shards: list[torch.Tensor], group: dist.ProcessGroup | None):
+        """`shards`: the wrapped weights' sharded parameters (DTensors whose local tensors are `Fp8ShardWeight`);
+        `group`: the data-parallel ranks FSDP shards them over, and under tensor parallelism the ranks holding the
+        other tensor-parallel pieces too (every rank lists its shards in the same order), so that each piece is
+        cast with the whole weight's scale, as the tensorwise recipe casts a tensor-parallel weight."""
         self.shards, self.group = shards, group
         self.stale = True
 

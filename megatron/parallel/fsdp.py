@@ -9,7 +9,9 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
     embeddings, which the output layer reads at the end of the forward, and the final norm with them);
   * every parameter becomes a DTensor sharded on dim 0 over the data-parallel group: its local shard is the fp32
     main weight the optimizer steps on (in place), and FSDP2 all-gathers each unit in the training dtype (bf16
-    under --bf16) before it runs;
+    under --bf16) before it runs. Under tensor parallelism the parameter is this rank's tensor-parallel piece (the
+    model's own TP layers split the weights), sharded over the data (x context) parallel ranks holding the same
+    piece: the DTensor's global shape is the piece's, and the TP collectives run inside the units as without FSDP;
   * every parameter keeps a persistent fp32 (or bf16) gradient shard (`param.grad`, a DTensor; `param.main_grad`
     its local tensor): FSDP2 reduce-scatters each micro-batch's gradients and adds them into it, so no rank ever
     holds a whole-model gradient buffer, and the shard's address never changes (the optimizer lists it once);
@@ -89,6 +91,19 @@ def _cast_unsharded_to_fp32(modules: list[nn.Module]) -> None:
                 param.data = param.data.float()
 
 
+def parallel_attributes(model: nn.Module) -> dict[str, dict[str, object]]:
+    """The attributes the parallel code reads on each parameter (megatron/parallel/grads.py; the tensor-parallel
+    layout the checkpoints place it by), by name: FSDP2's sharding and `to_empty` make new Parameter objects, and
+    `set_parallel_attributes` puts them back."""
+    return {name: {k: v for k, v in vars(p).items() if not k.startswith("_")} for name, p in model.named_parameters()}
+
+
+def set_parallel_attributes(model: nn.Module, attributes: dict[str, dict[str, object]]) -> None:
+    for name, param in model.named_parameters():
+        for key, value in attributes[name].items():
+            setattr(param, key, value)
+
+
 def apply_fsdp(
     model: nn.Module,
     group: dist.ProcessGroup,
@@ -109,8 +124,7 @@ def apply_fsdp(
     mesh = DeviceMesh.from_group(group, device.type)
     # Inputs keep their dtypes, as in a model cast to the training dtype (rotary tables stay fp32)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
-    # FSDP2 makes new Parameter objects: the attributes the parallel code reads (megatron/parallel/grads.py) move over
-    attributes = {name: dict(vars(p)) for name, p in model.named_parameters()}
+    attributes = parallel_attributes(model)
 
     def shard(modules: list[nn.Module], reshard: bool) -> nn.Module:
         _cast_unsharded_to_fp32(modules)
@@ -133,10 +147,7 @@ def apply_fsdp(
         for before, after in zip(units, units[1:]):
             before.set_modules_to_forward_prefetch([after])
             after.set_modules_to_backward_prefetch([before])
-    for name, param in model.named_parameters():
-        for key, value in attributes[name].items():
-            if not key.startswith("_"):
-                setattr(param, key, value)
+    set_parallel_attributes(model, attributes)
     return [root, *units]
 
 
@@ -224,10 +235,13 @@ def build_fsdp(
     group: dist.ProcessGroup,
     device: torch.device,
     initialize: Callable[[nn.Module], None] | None = None,
+    scale_group: dist.ProcessGroup | None = None,
 ) -> ShardedGrads:
     """Shard `model` over the data-parallel `group` as the flags say (the one place that maps the strategy and
     options to FSDP2's). A model built on the meta device (--init-model-with-meta-device) is then allocated on
-    `device`, its shards only, and given its values by `initialize(model)`."""
+    `device`, its shards only, and given its values by `initialize(model)`. `scale_group`: with --fp8-param-gather,
+    the ranks that agree each FP8 weight's scale, all that hold a piece of it (data x tensor parallel; default
+    `group`), so that each piece is cast with the whole tensor's scale, as one process casts it."""
     par = cfg.parallel
     params_dtype = cfg.precision.params_dtype
     fp8_gather = cfg.precision.fp8_param_gather
@@ -253,13 +267,15 @@ def build_fsdp(
     for layer in te_layers:
         layer.cache_weight_casts = keep
     if initialize is not None:
+        attributes = parallel_attributes(model)
         model.to_empty(device=device)
+        set_parallel_attributes(model, attributes)
         initialize(model)
     grads = ShardedGrads(model, keep, torch.bfloat16 if main_grads_bf16(cfg) else torch.float32)
     grads.cached_casts = te_layers if keep else []
     if fp8_gather:
         shards = [p for p in model.parameters() if isinstance(local_shard(p), Fp8ShardWeight)]
-        grads.fp8_scales = scales = Fp8GatherScales(shards, group)
+        grads.fp8_scales = scales = Fp8GatherScales(shards, group if scale_group is None else scale_group)
         # before the root's own pre-forward hook, which starts the first all-gather
         model.register_forward_pre_hook(lambda module, args: scales.agree(), prepend=True)
     return grads

@@ -73,7 +73,9 @@ def build_grad_buffers(
     model's gradient shards (a model built on the meta device is given its values there, its shards only)."""
     par = cfg.parallel
     if par.fsdp:
-        return build_fsdp(model, cfg, dims.dp_cp_group, device, deferred)
+        # FP8 weights gathered as FP8 (--fp8-param-gather): each weight's scale is agreed over the amax group, every
+        # rank holding a piece of it (data x tensor (x context) parallel under the local engine), as one process's
+        return build_fsdp(model, cfg, dims.dp_cp_group, device, deferred, scale_group=dims.amax_group)
     # Under the pipeline schedule the last micro-batch's backward is not the last backward of the step on every
     # stage, so the buckets are reduced after the schedule there.
     overlap = par.overlap_grad_reduce and dims.pp == 1

@@ -68,10 +68,12 @@ def _fsdp_weights_and_grads(cfg: Config, num_params: int, vocab_size: int, items
     --megatron-fsdp-main-grads-dtype bf16; the weight shards are the main weights), plus at the
     peak what is gathered in the training dtype, the whole model under optim_grads (kept through the step) or two
     units (the one computing and the one prefetched; a unit is a layer or the vocabulary matrix, whichever is
-    larger), and one unit's unsharded gradient before its reduce-scatter."""
+    larger), and one unit's unsharded gradient before its reduce-scatter. Under tensor parallelism `num_params` is
+    this rank's tensor-parallel piece, which FSDP shards over the data (x context) parallel ranks, and a rank holds
+    1/t of the vocabulary matrix (vocabulary-parallel embedding and output layer)."""
     m = cfg.model
-    dp = cfg.data_parallel_size
-    vocab = vocab_size * m.hidden_size
+    dp = _optimizer_shards(cfg)
+    vocab = vocab_size * m.hidden_size / cfg.parallel.tensor_model_parallel_size
     layer = (num_params - vocab * (2 if m.untie_embeddings_and_output_weights else 1)) / max(m.num_layers, 1)
     unit = max(layer, vocab, cfg.parallel.suggested_communication_unit_size or 0)
     gathered = num_params if cfg.parallel.data_parallel_sharding_strategy == "optim_grads" else 2 * unit

@@ -114,14 +114,22 @@ def test_fsdp_fp8_matches_distributed_optimizer():
 CKPT = f"{BASE} --eval-iters 0 --ckpt-format torch_dist"
 
 
+def resume_across(layout: str, saved: str, world_size: int, save_flags: str = "") -> list[float]:
+    """Save FSDP's torch_dist checkpoint under `layout` (more flags of the saving run: `save_flags`) at step 2 of 4;
+    resume it there (exactly) and under the distributed optimizer on the same layout (within 1e-5). Returns the
+    uninterrupted run's losses."""
+    flags = f"{CKPT} {layout} --train-iters 4"
+    whole, _ = _run(f"{flags} {PARAMS}", world_size)
+    _run(f"{flags} --exit-interval 2 {PARAMS} {save_flags} --save {saved}", world_size)
+    resumed, _ = _run(f"{flags} {PARAMS} --load {saved}", world_size)
+    assert resumed == whole[2:], (layout, resumed, whole)
+    resumed, _ = _run(f"{flags} {DISTOPT} --load {saved}", world_size)
+    _close(resumed, whole[2:], 1e-5, f"the distributed optimizer ({layout}) from FSDP's checkpoint", steps=2)
+    return whole
+
+
 def _checkpoint_body(rank, world_size, out_dir):
-    saved = f"{out_dir}/fsdp"
-    whole, _ = _run(f"{CKPT} --train-iters 4 {PARAMS}", world_size)
-    _run(f"{CKPT} --train-iters 4 --exit-interval 2 {PARAMS} --save {saved}", world_size)
-    resumed, _ = _run(f"{CKPT} --train-iters 4 {PARAMS} --load {saved}", world_size)
-    assert resumed == whole[2:], (resumed, whole)  # the same layout resumes exactly
-    resumed, _ = _run(f"{CKPT} --train-iters 4 {DISTOPT} --load {saved}", world_size)
-    _close(resumed, whole[2:], 1e-5, "the distributed optimizer from FSDP's checkpoint", steps=2)
+    whole = resume_across("", f"{out_dir}/fsdp", world_size)
     if rank == 0:
         torch.save(whole, f"{out_dir}/whole.pt")
 

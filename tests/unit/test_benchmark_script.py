@@ -139,7 +139,8 @@ def test_bound_rows_print_bound_measured_and_ratio_with_fake_probes():
 
 
 def test_the_fsdp_layouts_parse_with_the_local_configs():
-    """Issue 30's runs: llama-1b and the Llama-3-8B shape under FSDP at DP=2 (local layers, bf16 and FP8)."""
+    """Issue 30's runs: llama-1b and the Llama-3-8B shape under FSDP at DP=2, and with TP=2 or CP=2 on 4 GPUs (local
+    layers, bf16 and FP8)."""
     from megatron.config import parse_args
 
     strategies = {
@@ -148,10 +149,15 @@ def test_the_fsdp_layouts_parse_with_the_local_configs():
         "fsdp2_bf16grads": "optim_grads_params",
         "fsdp2_bf16comm": "optim_grads_params",
         "fsdp2_optim_grads_bf16comm": "optim_grads",
+        "fsdp2_tp2": "optim_grads_params",
+        "fsdp2_cp2": "optim_grads_params",
     }
     for preset in ("llama-1b", "llama3-8b"):
-        for config in ("local-bf16", "local-delayed", "local-delayed-recompute-full"):
+        for config in ("local-bf16", "local-delayed", "local-delayed-recompute-full", "local-delayed-fp8params"):
             for layout, strategy in strategies.items():
+                gpus = benchmark.LAYOUTS[layout][0]
                 flags = benchmark.train_flags(preset, config, 10, 5, layout)
-                cfg = parse_args(flags, world_size=2, device_type="cuda")
+                cfg = parse_args(flags, world_size=gpus, device_type="cuda")
                 assert cfg.parallel.data_parallel_sharding_strategy == strategy, (preset, config, layout)
+                assert cfg.data_parallel_size == 2, (preset, config, layout)
+    assert "--nproc-per-node=4" in benchmark.command("llama3-8b", "local-delayed-fp8params", 10, 5, "fsdp2_tp2")

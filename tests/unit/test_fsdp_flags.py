@@ -44,9 +44,8 @@ FSDP = "--use-megatron-fsdp"
         (f"{FSDP} --data-parallel-sharding-strategy no_shard --use-distributed-optimizer", 2, "choose optim"),
         (f"{FSDP} --use-distributed-optimizer", 2, "drop --use-distributed-optimizer"),
         (FSDP, 1, "run at least two"),
-        (f"{FSDP} --tensor-model-parallel-size 2", 4, "--tensor-model-parallel-size 2: not built yet"),
         (f"{FSDP} --pipeline-model-parallel-size 2", 4, "--pipeline-model-parallel-size 2: not built yet"),
-        (f"{FSDP} --context-parallel-size 2", 4, "--context-parallel-size 2: not built yet"),
+        (f"{FSDP} --tensor-model-parallel-size 2", 2, "run at least two"),  # no data-parallel ranks left
         (f"{FSDP} --bf16 --fp8-format e4m3 --fp8-recipe rowwise --fp8-param-gather", 2, "rowwise: not built yet"),
         (f"{FSDP} --fp16", 2, "--fp16: not built yet"),
         (f"{FSDP} --init-model-with-meta-device --fp8-format hybrid", 2, "--init-model-with-meta-device with --fp8"),
@@ -69,6 +68,13 @@ def test_combinations_not_built_fail_in_one_line(extra, world_size, message):
 def test_fp8_param_gather_with_the_tensorwise_recipe_is_built():
     cfg = parse(f"{FSDP} --bf16 --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather")
     assert cfg.precision.fp8_param_gather and cfg.parallel.fsdp
+
+
+@pytest.mark.parametrize("layout", ["--tensor-model-parallel-size 2 --sequence-parallel", "--context-parallel-size 2"])
+def test_tensor_and_context_parallelism_compose(layout):
+    """FSDP shards each tensor-parallel piece over the data-parallel ranks (tests/distributed/test_fsdp_layouts.py)."""
+    cfg = parse(f"{FSDP} {layout}", world_size=4)
+    assert cfg.parallel.fsdp and cfg.data_parallel_size == 2
 
 
 def test_overlap_flags_are_noted_not_silent():

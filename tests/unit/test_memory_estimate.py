@@ -156,3 +156,23 @@ def test_fsdp_over_two_data_parallel_ranks():
     assert estimate_bytes(parse(flags, world_size=2), N, VOCAB, torch.bfloat16)["grads"] == N + 2 * layer
     line = memory_estimate_lines(parse("--bf16 --use-megatron-fsdp", world_size=2), est, N, torch.bfloat16)[0]
     assert "no fp32 main params" in line and "over 2 data-parallel ranks" in line, line
+
+
+def test_fsdp_with_tensor_and_context_parallelism():
+    """TP=2 x FSDP=2: N is this rank's tensor-parallel piece, sharded over the two data-parallel ranks (fp32 weights
+    and gradients 2 + 2 bytes per parameter, Adam's 8 halved), and the rank's vocabulary matrix is half of it
+    (128 x 128 / 2), so a layer is (N - 64 x 128) / 2. Under CP=2 x DP=2 FSDP shards over all four data x context
+    parallel ranks."""
+    layer = (N - VOCAB * 128 / 2) / 2
+    cfg = parse("--bf16 --use-megatron-fsdp --tensor-model-parallel-size 2 --sequence-parallel", world_size=4)
+    est = estimate_bytes(cfg, N, VOCAB, torch.bfloat16)
+    assert est["weights"] == 2 * N + 2 * 2 * layer
+    assert est["grads"] == 2 * N + 2 * layer
+    assert (est["main_params"], est["adam"]) == (0, 4 * N)
+    layer = (N - VOCAB * 128) / 2
+    est = estimate_bytes(
+        parse("--bf16 --use-megatron-fsdp --context-parallel-size 2", world_size=4), N, VOCAB, torch.bfloat16
+    )
+    assert est["weights"] == N + 2 * 2 * layer
+    assert est["grads"] == N + 2 * layer
+    assert (est["main_params"], est["adam"]) == (0, 2 * N)
