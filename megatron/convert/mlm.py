@@ -12,9 +12,8 @@ Its QKV rows (per query group: the group's query heads, its key, its value) and 
 tensor-parallel rank) are laid out as here. A pipeline's last stage holds `output_layer.weight` also with tied
 embeddings (its copy of the word embeddings): dropped then.
 
-Megatron-LM's `torch_dist` checkpoints (iter_XXXXXXX/.metadata, *.distcp, common.pt with the args) are read with
-torch.distributed.checkpoint in one process: Megatron-Core keys each tensor by name with its global shape, so no
-layout needs joining; homogeneous layers come stacked along a leading axis (see `_read_torch_dist`).
+Megatron-LM's `torch_dist` checkpoints (iter_XXXXXXX/.metadata, *.distcp; the args in common.pt or, since 2026,
+in the DCP's `common_state` object) are read with torch.distributed.checkpoint in one process (mlm_dist.py).
 """
 
 from __future__ import annotations
@@ -23,14 +22,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from megatron.checkpoint.safe_load import SafeLoadPlanner, SafeReader, first_line
 from megatron.config.data import TOKENIZER_TYPES, DataConfig
 from megatron.data.tokenizers import build_tokenizer
 from megatron.errors import UserError
 
 from .files import load_torch_file
+from .mlm_dist import MegatronDist, is_megatron_dist, unstack
 from .ours import detect_layout, find_iteration, merge_layout
 from .state import ConvertError, FullModel, check_complete, model_config, unpad_vocab
 
@@ -169,46 +166,15 @@ def _check_args(args: Any, folder: Path) -> Any:
 
 
 _MODEL_KEY = re.compile(r"^(embedding|decoder|output_layer)\.")
-_STACKED = re.compile(r"^decoder\.layers\.(?!\d)(.*)$")
 
 
 def _read_torch_dist(folder: Path) -> tuple[Any, dict[str, Any], tuple[int, int]]:
-    """(args, Megatron-Core state dict, (tp, pp)) of a `torch_dist` checkpoint folder, read with
-    torch.distributed.checkpoint in this one process. Megatron-Core saves each model tensor whole (global shape,
-    whatever the layout): homogeneous layers stacked along a leading layer axis under `decoder.layers.<name>`,
-    SwiGLU's linear_fc1 as [gate; up] (or, with singleton local shards, as `<name>_w` and `<name>_v`)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    args = _check_args(load_torch_file(folder / "common.pt", foreign=True).get("args"), folder)
-    reader = SafeReader(str(folder))
-    try:
-        metadata = reader.read_metadata()
-    except Exception as exc:
-        raise ConvertError(f"cannot read {folder / '.metadata'} (truncated?): {first_line(exc)}") from None
-    tensors = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
-        if isinstance(meta, TensorStorageMetadata) and _MODEL_KEY.match(key) and "_extra_state" not in key
-    }
-    try:
-        dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(folder), no_dist=True)
-    except (CheckpointException, Exception) as exc:  # DCP's failure report is a BaseException
-        raise ConvertError(
-            f"cannot read the tensors of {folder} (missing or truncated *.distcp files?): {first_line(exc)}"
-        ) from None
-    state: dict[str, torch.Tensor] = {}
-    for key, tensor in tensors.items():
-        match = _STACKED.match(key)
-        if match:
-            for i, layer in enumerate(tensor.unbind(0)):
-                state[f"decoder.layers.{i}.{match.group(1)}"] = layer
-        else:
-            state[key] = tensor
-    for key in [k for k in state if k.endswith("linear_fc1.weight_w") or k.endswith("linear_fc1.bias_w")]:
-        whole = key[:-2]
-        state[whole] = torch.cat([state.pop(key), state.pop(whole + "_v")], 0)
+    """(args, Megatron-Core state dict, (tp, pp)) of a `torch_dist` checkpoint folder, either generation
+    (megatron/convert/mlm_dist.py)."""
+    ckpt = MegatronDist(folder)
+    args = _check_args(ckpt.common().get("args"), folder)
+    keys = [k for k in ckpt.tensor_keys() if _MODEL_KEY.match(k) and "_extra_state" not in k]
+    state = unstack(ckpt.tensors(keys))
     return args, state, (_arg(args, "tensor_model_parallel_size", 1), _arg(args, "pipeline_model_parallel_size", 1))
 
 
@@ -216,7 +182,7 @@ def read_mlm(root: str | Path, true_vocab_size: int | None = None, log=print) ->
     """The newest checkpoint under a Megatron-LM --save folder (legacy `torch` or `torch_dist`) as a FullModel."""
     root = Path(root)
     iteration, folder = find_iteration(root, "Megatron-LM checkpoint")
-    dist = (folder / ".metadata").exists() or (folder / "common.pt").exists()
+    dist = (folder / ".metadata").exists() or is_megatron_dist(folder)
     args, state, layout = _read_torch_dist(folder) if dist else _read_legacy(folder)
     cfg = model_config(**config_from_args(args))
     if _arg(args, "openai_gelu") and not cfg.swiglu:
