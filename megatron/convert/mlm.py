@@ -178,22 +178,35 @@ def _read_torch_dist(folder: Path) -> tuple[Any, dict[str, Any], tuple[int, int]
     return args, state, (_arg(args, "tensor_model_parallel_size", 1), _arg(args, "pipeline_model_parallel_size", 1))
 
 
+def to_ours(state: dict[str, Any], cfg: Any) -> dict[str, Any]:
+    """Megatron-Core names -> this project's (the local spec's separate norms fused into the next linear), without
+    a later pipeline stage's copy of tied word embeddings (`output_layer.weight`)."""
+    out = {}
+    for key, value in state.items():
+        if key == "output_layer.weight" and not cfg.untie_embeddings_and_output_weights:
+            continue
+        for pattern, replacement in _RENAMES:
+            key = pattern.sub(replacement, key)
+        out[key] = value
+    return out
+
+
+def read_mlm_folder(folder: Path) -> tuple[Any, Any, dict[str, Any], tuple[int, int]]:
+    """(args, ModelConfig, weights by this project's names with the vocabulary still padded, (tp, pp)) of one
+    Megatron-LM checkpoint folder (iter_XXXXXXX), either format."""
+    dist = (folder / ".metadata").exists() or is_megatron_dist(folder)
+    args, state, layout = _read_torch_dist(folder) if dist else _read_legacy(folder)
+    cfg = model_config(**config_from_args(args))
+    return args, cfg, to_ours(state, cfg), layout
+
+
 def read_mlm(root: str | Path, true_vocab_size: int | None = None, log=print) -> FullModel:
     """The newest checkpoint under a Megatron-LM --save folder (legacy `torch` or `torch_dist`) as a FullModel."""
     root = Path(root)
     iteration, folder = find_iteration(root, "Megatron-LM checkpoint")
-    dist = (folder / ".metadata").exists() or is_megatron_dist(folder)
-    args, state, layout = _read_torch_dist(folder) if dist else _read_legacy(folder)
-    cfg = model_config(**config_from_args(args))
+    args, cfg, state, layout = read_mlm_folder(folder)
     if _arg(args, "openai_gelu") and not cfg.swiglu:
         log("> note: Megatron-LM's --openai-gelu (tanh approximation) runs as exact GELU here; logits differ slightly")
-    if not cfg.untie_embeddings_and_output_weights:
-        state.pop("output_layer.weight", None)  # the last pipeline stage's copy of the word embeddings
-    for key in list(state):
-        ours = key
-        for pattern, replacement in _RENAMES:
-            ours = pattern.sub(replacement, ours)
-        state[ours] = state.pop(key)
     source = f"Megatron-LM checkpoint {root} (iteration {iteration})"
     data = _tokenizer(args)
     rows = state["embedding.word_embeddings.weight"].shape[0] if "embedding.word_embeddings.weight" in state else 0
