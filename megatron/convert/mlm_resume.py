@@ -162,8 +162,11 @@ def _read_dist_optimizer(res: Resume, ckpt: MegatronDist) -> None:
                 rank[b][k] = {key.rsplit(".", 1)[1]: v for key, v in rank[b][k].items()}
         res.optimizer = _bucketed(res, flat, str(ckpt.folder))
         res.optimizer_format = "distributed optimizer, dp_reshardable"
-        objects = ckpt.object_keys("optimizer.distributed.dp_group_idx_0.optimizer")
-        optimizer = {"optimizer": ckpt.objects(objects)[objects[0]]} if objects else None
+        optimizer = {}
+        for name in ("optimizer", "grad_scaler"):  # the first group's (the same in every group)
+            found = ckpt.object_keys(f"optimizer.distributed.dp_group_idx_0.{name}")
+            if found:
+                optimizer[name] = ckpt.objects(found[:1])[found[0]]
     else:
         return
     res.step = optimizer_step(optimizer)
