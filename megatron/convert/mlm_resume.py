@@ -227,6 +227,22 @@ def _read_legacy(res: Resume) -> tuple[dict[str, Any], Callable[[], None]]:
     return states[(0, 0)][1], optimizer
 
 
+def _check_main_params(res: Resume) -> None:
+    """The fp32 main params are the weights before their rounding to the weights' dtype: a state laid out on other
+    parameters than the reader placed it (a bucket layout not rebuilt right) differs grossly, and stops here."""
+    mains = (res.optimizer or {}).get("main", {})
+    missing = sorted(set(res.weights) - set(mains)) if mains else []
+    if missing or (res.optimizer is not None and not mains):
+        raise ConvertError(f"{res.folder}: its optimizer state lacks the main params of {missing[:3]}: {NO_OPTIM}")
+    for name, main in mains.items():
+        weight = res.weights[name].float()
+        if main.shape != weight.shape or (main - weight).norm() > 1e-2 * weight.norm() + 1e-6:
+            raise ConvertError(
+                f"{res.folder}: the optimizer's main params of {name} are not its weights, so its optimizer layout"
+                f" ({res.optimizer_format}) is not read right here: {NO_OPTIM}"
+            )
+
+
 def read_resume(root: str | Path, load_optim: bool = True) -> Resume:
     """The newest Megatron-LM checkpoint under `root` as a Resume (the optimizer state only with `load_optim`)."""
     root = Path(root)
@@ -244,6 +260,7 @@ def read_resume(root: str | Path, load_optim: bool = True) -> Resume:
     res.schedule = _schedule(args, scheduler)
     if load_optim and iteration != "release":
         read_optimizer()
+        _check_main_params(res)
     if _arg(args, "fp8"):
         res.notes.append(
             "Megatron-LM's FP8 scaling state (Transformer Engine's _extra_state) is not carried over: the amax"

@@ -86,11 +86,18 @@ def test_no_load_optim_keeps_the_position_and_starts_adam_afresh(tmp_path, run):
     assert step == 0 and all(float(t.abs().max()) == 0 for t in states["exp_avg_sq"].values())
 
 
-def test_what_cannot_be_mapped_stops_in_one_line(tmp_path, run):
-    """Buckets other than the args describe (here the args say --overlap-grad-reduce with 1000-element buckets, the
-    checkpoint holds one bucket): one line naming --no-load-optim; with it the run resumes."""
-    root = _write(tmp_path, run, "dist_dp", overlap_grad_reduce=True, ddp_bucket_size=1000)
-    with pytest.raises(UserError, match="buckets hold .* --no-load-optim") as err:
+@pytest.mark.parametrize(
+    "extra,match",
+    [  # the args say --overlap-grad-reduce with 1000-element buckets, the checkpoint holds one bucket
+        ({"overlap_grad_reduce": True, "ddp_bucket_size": 1000}, "buckets hold .* --no-load-optim"),
+        # the args say the local layer spec (norms first in each layer), the buckets hold the TE spec's order
+        ({"transformer_impl": "local"}, "main params of .* are not its weights.* --no-load-optim"),
+    ],
+)
+def test_what_cannot_be_mapped_stops_in_one_line(tmp_path, run, extra, match):
+    """An optimizer layout the reader does not rebuild: one line naming --no-load-optim; with it the run resumes."""
+    root = _write(tmp_path, run, "dist_dp", **extra)
+    with pytest.raises(UserError, match=match) as err:
         Trainer(parse_args(f"{FLAGS} --load {root}".split(), world_size=1))
     assert "\n" not in str(err.value)
     assert Trainer(parse_args(f"{FLAGS} --load {root} --no-load-optim".split(), world_size=1)).state.iteration == 3
