@@ -31,6 +31,7 @@ import os
 import pathlib
 import pickle
 import re
+import signal
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -203,6 +204,7 @@ PLAIN: dict[tuple[str, str], Any] = {
        for n, o in (("_reconstruct", _numpy_core.multiarray._reconstruct), ("scalar", _numpy_core.multiarray.scalar))},
     ("numpy", "ndarray"): np.ndarray,
     ("numpy", "dtype"): np.dtype,
+    ("signal", "Signals"): signal.Signals,  # an enum: Megatron-LM's args.exit_signal (SIGTERM)
 }  # fmt: skip
 """Globals any pickle may name: constructors of plain data that run no code of the pickle's choosing."""
 

@@ -15,6 +15,7 @@ afresh from --seed + the iteration, as for this project's checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -59,6 +60,12 @@ class MegatronLMLoader(DistCheckpointer):
         with malformed(f"Megatron-LM checkpoint {root}", CheckpointError):
             res = read_resume(root, load_optim=not (ckpt.finetune or ckpt.no_load_optim))
             self.tensors, self.objects = self._entries(res)
+        if res.optimizer is None and not (ckpt.finetune or ckpt.no_load_optim):
+            res.notes.append(
+                "the Megatron-LM checkpoint holds no optimizer state (saved with --no-save-optim): the optimizer"
+                " starts afresh from its weights, as Megatron-LM's would"
+            )
+            self.cfg = dataclasses.replace(self.cfg, checkpoint=dataclasses.replace(ckpt, no_load_optim=True))
         for note in res.notes:
             _log(f"> {note}")
         if res.optimizer is not None:

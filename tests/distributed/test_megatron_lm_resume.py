@@ -42,3 +42,44 @@ def test_a_tp2_megatron_lm_run_resumes_at_tp2(tmp_path, fmt):
     cfg = trainer.model.cfg
     write_mlm(tmp_path / fmt, fmt, cfg, weights, states, step, mlm_args(cfg, 2, 127, 3, 24))
     run_distributed(_body, world_size=2, args=(str(tmp_path / fmt), reference, cfg, weights, states, step))
+
+
+# ------------------------------------------------------------------ checkpoints Megatron-LM itself wrote (TP=2)
+
+
+def _real_body(rank, world_size, root, reference):
+    import random
+
+    from tests.unit.test_megatron_lm_checkpoints import FLAGS as REAL
+    from tests.unit.test_megatron_lm_checkpoints import LAYER_KEYS, raw
+
+    trainer = Trainer(parse_args(f"{REAL} --tensor-model-parallel-size 2 --load {root}".split(), world_size=2))
+    assert (trainer.state.iteration, trainer.state.consumed_samples) == (4, 16)
+    weights, states, step = by_name(trainer.model, trainer.optimizer)
+    cfg = trainer.model.cfg
+    keys = [f"decoder.layers.{k}" for k in LAYER_KEYS]
+    saved = raw(root, ["output_layer.weight", *keys])
+    torch.testing.assert_close(weights["output_layer.weight"], saved["output_layer.weight"].chunk(2)[rank])
+    for key in keys:
+        name = key.replace("layers.", "layers.1.")
+        torch.testing.assert_close(weights[name], split_tp(name, saved[key][1], cfg, 2)[rank], atol=0, rtol=0)
+    if reference is not None:  # the optimizer-state fixture: its moments, and Megatron-LM's rank's RNG streams
+        assert step == 4
+        moments = raw(reference, [f"optimizer.state.exp_avg.{k}" for k in keys])
+        for key in keys:
+            name = key.replace("layers.", "layers.0.")
+            want = split_tp(name, moments[f"optimizer.state.exp_avg.{key}"][0], cfg, 2)[rank]
+            torch.testing.assert_close(states["exp_avg"][name], want, atol=0, rtol=0)
+        from megatron.convert.mlm_resume import read_resume
+
+        assert random.getstate() == read_resume(root, load_optim=False).rng[(0, rank)]["python"]
+    losses = trainer.train().losses
+    assert set(losses) == {5, 6} and all(6.5 < v < 7.2 for v in losses.values()), losses
+
+
+def test_checkpoints_megatron_lm_wrote_resume_at_tp2():
+    from tests.unit.test_megatron_lm_checkpoints import ASSET, FIXTURES
+
+    run_distributed(_real_body, world_size=2, args=(ASSET, None))
+    if (FIXTURES / "td_full").is_dir():
+        run_distributed(_real_body, world_size=2, args=(FIXTURES / "td_bf16", FIXTURES / "td_full"))
