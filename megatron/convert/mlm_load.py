@@ -55,6 +55,8 @@ def _entry(value: Any) -> Any:
 class MegatronLMLoader(DistCheckpointer):
     """DistCheckpointer's load, reading from a Megatron-LM checkpoint held in memory instead of DCP files."""
 
+    KIND = "Megatron-LM checkpoint"
+
     def load(self, root: str, iteration: int | None = None) -> dict[str, Any] | None:
         ckpt = self.cfg.checkpoint
         with malformed(f"Megatron-LM checkpoint {root}", CheckpointError):
