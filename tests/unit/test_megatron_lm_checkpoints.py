@@ -128,3 +128,13 @@ def test_dp2_layouts_agree():
 def _loaded(root: Path):
     trainer = Trainer(parse_args(f"{FLAGS} --load {root}".split(), world_size=1))
     return trainer.model, trainer.optimizer
+
+
+def test_the_checkpoints_schedule_with_use_checkpoint_opt_param_scheduler(capsys):
+    """Megatron-LM's schedule (its args and opt_param_scheduler) is the checkpoint's for the scheduler flags."""
+    flags = f"{FLAGS} --lr 1e-3 --lr-warmup-iters 2 --load {ASSET}"
+    trainer = Trainer(parse_args(f"{flags} --use-checkpoint-opt_param-scheduler".split(), world_size=1))
+    assert (trainer.cfg.optimizer.lr, trainer.cfg.optimizer.lr_warmup_iters) == (3e-4, 1)
+    trainer = Trainer(parse_args(f"{flags} --override-opt_param-scheduler".split(), world_size=1))
+    assert (trainer.cfg.optimizer.lr, trainer.cfg.optimizer.lr_warmup_iters) == (1e-3, 2)
+    assert "--lr 0.001 (checkpoint: 0.0003)" in capsys.readouterr().out
