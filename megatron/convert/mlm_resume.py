@@ -168,6 +168,11 @@ def _read_dist_optimizer(res: Resume, ckpt: MegatronDist) -> None:
             if found:
                 optimizer[name] = ckpt.objects(found[:1])[found[0]]
     else:
+        other = [k for k in ckpt.index if k.startswith("optimizer")] or (["optimizer"] if "optimizer" in common else [])
+        if other:  # saved, but in a layout not read here: never resumed silently with a fresh optimizer
+            raise ConvertError(
+                f"{ckpt.folder}: its optimizer state ({other[0][:80]}, ...) is in a layout not read here: {NO_OPTIM}"
+            )
         return
     res.step = optimizer_step(optimizer)
     if isinstance(optimizer, dict) and isinstance(optimizer.get("grad_scaler"), dict):
@@ -230,10 +235,15 @@ def _read_legacy(res: Resume) -> tuple[dict[str, Any], Callable[[], None]]:
 def _check_main_params(res: Resume) -> None:
     """The fp32 main params are the weights before their rounding to the weights' dtype: a state laid out on other
     parameters than the reader placed it (a bucket layout not rebuilt right) differs grossly, and stops here."""
-    mains = (res.optimizer or {}).get("main", {})
-    missing = sorted(set(res.weights) - set(mains)) if mains else []
-    if missing or (res.optimizer is not None and not mains):
-        raise ConvertError(f"{res.folder}: its optimizer state lacks the main params of {missing[:3]}: {NO_OPTIM}")
+    if res.optimizer is None:
+        return
+    for kind in ("main", "exp_avg", "exp_avg_sq"):  # Adam's (another optimizer, e.g. SGD, has other states)
+        missing = sorted(set(res.weights) - set(res.optimizer.get(kind, {})))
+        if missing:
+            what = f"{kind} of {', '.join(missing[:2])}" + (f" and {len(missing) - 2} more" if len(missing) > 2 else "")
+            optimizer = _arg(res.args, "optimizer", "adam")
+            raise ConvertError(f"{res.folder}: its optimizer state ({optimizer}) lacks Adam's {what}: {NO_OPTIM}")
+    mains = res.optimizer["main"]
     for name, main in mains.items():
         weight = res.weights[name].float()
         if main.shape != weight.shape or (main - weight).norm() > 1e-2 * weight.norm() + 1e-6:

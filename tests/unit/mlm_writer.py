@@ -6,6 +6,8 @@ as Megatron-LM lays them out (megatron/core/dist_checkpointing, megatron/core/op
                  (--dist-ckpt-optim-fully-reshardable)
     dist_dp      torch_dist, common state in the DCP, the distributed optimizer's default `dp_reshardable` buckets
     dist_old     torch_dist of older Megatron-Core: common.pt, model-space optimizer state
+    dist_sgd     dist_fully with SGD's states (param, momentum_buffer); dist_unknown: optimizer entries of no known
+                 layout
     torch        --ckpt-format torch: mp_rank_TT/model_optim_rng.pt and distrib_optim.pt
 
 The bucket layout is written with megatron/convert/mlm_optim.py's own `bucket_layout` (whose agreement with
@@ -119,8 +121,11 @@ def write_mlm(root: Path, fmt: str, cfg, weights, states, step: int, args) -> No
             bucket = f"{prefix}.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0"
             entries.update({f"{bucket}.{k}": v for k, v in _flat(args, cfg, tp, t, states).items()})
             entries[f"{prefix}.optimizer/shard_0_1"] = [optimizer["optimizer"]]
+    elif fmt == "dist_unknown":  # an optimizer layout the reader does not know
+        entries.update({f"optimizer.layer_wise.{k}": v for k, v in _stack(states["exp_avg"]).items()})
     else:
-        for kind, name in MLM_STATE.items():
+        names = {"main": "param", "exp_avg": "momentum_buffer"} if fmt == "dist_sgd" else MLM_STATE
+        for kind, name in names.items():
             entries.update({f"optimizer.state.{name}.{k}": v for k, v in _stack(states[kind]).items()})
         common["optimizer"] = dict(optimizer, param_state_sharding_type="fully_reshardable")
     if fmt == "dist_old":

@@ -87,16 +87,19 @@ def test_no_load_optim_keeps_the_position_and_starts_adam_afresh(tmp_path, run):
 
 
 @pytest.mark.parametrize(
-    "extra,match",
+    "fmt,extra,match",
     [  # the args say --overlap-grad-reduce with 1000-element buckets, the checkpoint holds one bucket
-        ({"overlap_grad_reduce": True, "ddp_bucket_size": 1000}, "buckets hold .* --no-load-optim"),
+        ("dist_dp", {"overlap_grad_reduce": True, "ddp_bucket_size": 1000}, "buckets hold .* --no-load-optim"),
         # the args say the local layer spec (norms first in each layer), the buckets hold the TE spec's order
-        ({"transformer_impl": "local"}, "main params of .* are not its weights.* --no-load-optim"),
+        ("dist_dp", {"transformer_impl": "local"}, "main params of .* are not its weights.* --no-load-optim"),
+        ("dist_sgd", {"optimizer": "sgd"}, r"\(sgd\) lacks Adam's exp_avg of .* --no-load-optim"),
+        ("dist_unknown", {}, "optimizer state .optimizer.layer_wise.* is in a layout not read here.* --no-load-optim"),
     ],
 )
-def test_what_cannot_be_mapped_stops_in_one_line(tmp_path, run, extra, match):
-    """An optimizer layout the reader does not rebuild: one line naming --no-load-optim; with it the run resumes."""
-    root = _write(tmp_path, run, "dist_dp", **extra)
+def test_what_cannot_be_mapped_stops_in_one_line(tmp_path, run, fmt, extra, match):
+    """An optimizer state the reader does not map: one line naming --no-load-optim (never a silent fresh
+    optimizer); with it the run resumes."""
+    root = _write(tmp_path, run, fmt, **extra)
     with pytest.raises(UserError, match=match) as err:
         Trainer(parse_args(f"{FLAGS} --load {root}".split(), world_size=1))
     assert "\n" not in str(err.value)
