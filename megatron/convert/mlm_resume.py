@@ -121,10 +121,17 @@ def _merge(
     return out
 
 
-def _bucketed(res: Resume, buffers: dict[tuple[int, int], dict[int, dict[int, dict[str, torch.Tensor]]]], where: str):
-    """The distributed optimizer's flat states {(tp, pp rank): {buffer: {bucket: {state: flat}}}} by name."""
+def _layout(res: Resume, pp_rank: int) -> Any:
+    """The gradient-buffer layout of a rank of pipeline stage `pp_rank` (mlm_optim.rank_layout)."""
     local_spec = any(".input_layernorm." in k for k in res.weights) or _arg(res.args, "transformer_impl") == "local"
-    stages = _stages(res.args, res.model)
+    layers = _stages(res.args, res.model)[pp_rank]
+    return rank_layout(res.args, res.model, res.layout[0], pp_rank, layers, local_spec)
+
+
+def _bucketed(
+    res: Resume, buffers: dict[tuple[int, int], dict[int, dict[int, dict[str, torch.Tensor]]]], where: str
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The distributed optimizer's flat states {(tp, pp rank): {buffer: {bucket: {state: flat}}}} by name."""
     shards = {}
     for (t, p), per_buffer in buffers.items():
         if set(per_buffer) != {0}:
@@ -132,8 +139,7 @@ def _bucketed(res: Resume, buffers: dict[tuple[int, int], dict[int, dict[int, di
                 f"{where}: the distributed optimizer holds {len(per_buffer)} gradient buffers per rank (FP8 or"
                 f" mixed-dtype parameters), which this reader does not lay out: {NO_OPTIM}"
             )
-        layout = rank_layout(res.args, res.model, res.layout[0], p, stages[p], local_spec)
-        shards[(t, p)] = split_buckets(layout, per_buffer[0], f"{where} (tensor rank {t}, pipeline stage {p})")
+        shards[(t, p)] = split_buckets(_layout(res, p), per_buffer[0], f"{where} (tensor rank {t}, pipeline stage {p})")
     return _merge(res, shards)
 
 
@@ -150,7 +156,7 @@ def _read_dist_optimizer(res: Resume, ckpt: MegatronDist) -> None:
             if tensors:
                 whole = unstack({k[len(prefix) :]: v for k, v in tensors.items()})
                 state[kind] = to_ours(whole, res.model)
-        res.optimizer, res.optimizer_format = state, "model-space (--dist-ckpt-optim-fully-reshardable)"
+        res.optimizer, res.optimizer_format = state, "model-space (fully reshardable, or a non-distributed optimizer)"
         optimizer = common.get("optimizer")
     elif buckets:
         tp = res.layout[0]
@@ -215,9 +221,7 @@ def _read_legacy(res: Resume) -> tuple[dict[str, Any], Callable[[], None]]:
         buffers = {}
         for (t, p), (path, _) in states.items():
             saved = load_torch_file(path / "distrib_optim.pt", foreign=True)
-            stages = _stages(res.args, res.model)
-            local_spec = any(".input_layernorm." in k for k in res.weights)
-            layout = rank_layout(res.args, res.model, tp, p, stages[p], local_spec)
+            layout = _layout(res, p)
             per_buffer = {}
             for b, by_dtype in ((k, v) for k, v in saved.items() if isinstance(k, int)):
                 flat = next(iter(by_dtype.values()))
