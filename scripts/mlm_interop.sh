@@ -7,8 +7,11 @@
 #   bash scripts/mlm_interop.sh train DIR    # TP=2 on the real-text corpus below: 20 iterations, saved in DIR/td
 #                                            # (torch_dist) and DIR/torch (torch format), validation loss at 20
 #   bash scripts/mlm_interop.sh continue DIR # Megatron-LM's own continuation of both to iteration 40 (the reference)
-#   bash scripts/mlm_interop.sh load CKPT NAME # Megatron-LM loads a checkpoint written elsewhere (--finetune-free: it
-#                                            # keeps the iteration) and trains to 40; NAME names its log; more flags after NAME
+#   bash scripts/mlm_interop.sh load CKPT NAME [FLAGS] # Megatron-LM loads a checkpoint written elsewhere and trains
+#                                            # to 40 (FLAGS: e.g. --no-load-optim --no-load-rng); log load_NAME.log
+#   [NPROC=n] bash scripts/mlm_interop.sh here CKPT TP [FLAGS] # THIS project resumes CKPT (a Megatron-LM run, or a
+#                                            # checkpoint of ours) at TP (1 or 2; NPROC defaults to TP), trains to 40;
+#                                            # log here_<basename CKPT>_tp<TP>.log
 # The corpus: `python tools/build_default_corpus.py --output-dir .interop/data` (this Python's docs, 676k tokens of
 # GPT2BPE ids < 8192), read by Megatron-LM through its NullTokenizer with --vocab-size 8191 (8192 ids, unpadded at
 # TP=2), and here with the same flags.
@@ -87,6 +90,16 @@ case $MODE in
     CKPT=$2 NAME=$3; shift 3
     megatron "load_$NAME" 2 $SMALL $TP2 --load "$CKPT" --data-cache-path /tmp/mlm/c3 "$@"
     wait; summary "$LOGS/load_$NAME.log"
+    ;;
+  here)
+    CKPT=$2 TP=$3; shift 3
+    PAR="--tensor-model-parallel-size $TP"
+    [ "$TP" -gt 1 ] && PAR="$PAR --sequence-parallel"
+    LOG=$LOGS/here_$(basename "$CKPT")_tp$TP.log
+    timeout ${TIMEOUT:-400} torchrun --nproc-per-node "${NPROC:-$TP}" --master-port $((29700 + TP)) pretrain_gpt.py \
+      $LLAMA $OPT $SMALL $PAR --load "$CKPT" --data-cache-path /tmp/mlm/here_$TP "$@" > "$LOG" 2>&1
+    echo "rc=$?"; summary "$LOG"
+    grep -E "validation loss at iteration" "$LOG"
     ;;
   *) echo "unknown mode $MODE"; exit 2;;
 esac
