@@ -27,6 +27,7 @@ import argparse
 import io
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +46,18 @@ FORMATS = ("torch", "torch_dist")
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
-# TE modules of a layer under the transformer_engine spec that carry `_extra_state` (FP8 metadata), by format:
-# Megatron-Core's TEDotProductAttention leaves its own out of the sharded state dict (torch_dist).
-_TE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-_EXTRA_STATE_MODULES = {"torch": ("self_attention.core_attention", *_TE_LINEARS), "torch_dist": _TE_LINEARS}
+
+def extra_state_modules(cfg: Any, ckpt_format: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(modules of each layer, modules outside the layers) that carry a TE `_extra_state` (FP8 metadata) in a
+    GPTModel of the transformer_engine spec: the TE linears, TE's norms (TENorm: final_layernorm, q/k_layernorm), and
+    in the torch format also TEDotProductAttention (Megatron-Core leaves it out of the sharded state dict) and the
+    output layer's (None: ColumnParallelLinear keeps it for TE compatibility; GPTModel drops it from torch_dist)."""
+    layer = ["self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"]
+    if cfg.qk_layernorm:
+        layer += ["self_attention.q_layernorm", "self_attention.k_layernorm"]
+    if ckpt_format == "torch":
+        layer.append("self_attention.core_attention")
+    return tuple(layer), ("decoder.final_layernorm",)
 
 
 def empty_extra_state() -> torch.Tensor:
@@ -107,15 +116,18 @@ def write_mcore_torch(full: FullModel, out: Path, tp: int, pp: int, divisible_by
     padded = padded_vocab_size(full.vocab_size, divisible_by, tp)
     args = megatron_args(full, tp, pp, padded, divisible_by, "torch")
     tied = not full.model.untie_embeddings_and_output_weights
+    layer_modules, other_modules = extra_state_modules(full.model, "torch")
     folder = iteration_dir(out, full.iteration)
     for (t, p), shard in shard_state(full, tp, pp, padded).items():
         model: dict[str, Any] = {}
         for name, tensor in shard.items():
             model[_model_name(name, tied and p == pp - 1 and p > 0)] = own_storage(tensor)
         for i in range(len(stage_layer_numbers(full.model.num_layers, pp, p))):
-            for module in _EXTRA_STATE_MODULES["torch"]:
+            for module in layer_modules:
                 model[f"decoder.layers.{i}.{module}._extra_state"] = empty_extra_state()
         if p == pp - 1:
+            for module in other_modules:
+                model[f"{module}._extra_state"] = empty_extra_state()
             model["output_layer._extra_state"] = None  # ColumnParallelLinear's get_extra_state
         rank_dir = folder / model_parallel_name(t, p, pp)
         rank_dir.mkdir(parents=True)
@@ -150,13 +162,17 @@ def sharded_tensors(full: FullModel, padded: int) -> dict[str, torch.Tensor]:
 
 
 def sharded_objects(full: FullModel) -> dict[str, Any]:
-    """The model's ShardedObject unique keys -> data: TE `_extra_state` per layer, `<key>/shard_<layer>_<layers>`."""
+    """The model's ShardedObject unique keys -> data: TE `_extra_state`s, `<key>/shard_<offset>_<shape>` (a layer's
+    offset and shape are its number and the number of layers, as its ShardedTensors' leading axis)."""
     layers = full.model.num_layers
-    return {
+    layer_modules, other_modules = extra_state_modules(full.model, "torch_dist")
+    objects = {
         f"decoder.layers.{module}._extra_state/shard_{i}_{layers}": empty_extra_state()
-        for module in _EXTRA_STATE_MODULES["torch_dist"]
+        for module in layer_modules
         for i in range(layers)
     }
+    objects.update({f"{module}._extra_state/shard_0_1": empty_extra_state() for module in other_modules})
+    return objects
 
 
 def common_state(full: FullModel, args: argparse.Namespace) -> dict[str, Any]:
@@ -198,7 +214,9 @@ def write_mcore_dist(full: FullModel, out: Path, tp: int, pp: int, divisible_by:
     state.update({key: _pickled(obj) for key, obj in sharded_objects(full).items()})
     state["common_state/shard_0_1"] = _pickled(common_state(full, args))
     folder = iteration_dir(out, full.iteration)
-    dcp.save(state, checkpoint_id=str(folder), planner=BytesAsIs(flatten_state_dict=False), no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that it saves in a single process: that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(folder), planner=BytesAsIs(flatten_state_dict=False), no_dist=True)
     config = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
     (folder / "metadata.json").write_text(json.dumps(config))
     (out / LATEST).write_text(f"{full.iteration}")

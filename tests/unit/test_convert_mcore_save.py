@@ -137,7 +137,7 @@ def megatron_core_names(cfg, pp_rank: int, pp: int) -> set[str]:
     for i in range(len(numbers)):
         names |= {f"decoder.layers.{i}.{m}._extra_state" for m in ("self_attention.core_attention", *TE_EXTRA)}
     if pp_rank == pp - 1:
-        names.add("output_layer._extra_state")
+        names |= {"output_layer._extra_state", "decoder.final_layernorm._extra_state"}
         if tied and pp > 1:
             names.add("output_layer.weight")
     return names
@@ -200,6 +200,7 @@ def test_torch_dist_files(tmp_path):
             full.state[f"decoder.layers.{i}.self_attention.linear_qkv.weight"], atol=0, rtol=0,
         )  # fmt: skip
     want = {f"decoder.layers.{m}._extra_state/shard_{i}_4" for m in TE_EXTRA for i in range(4)}
+    want.add("decoder.final_layernorm._extra_state/shard_0_1")
     assert set(objects) == want | {"common_state/shard_0_1"}
     for key in want:
         (extra,) = weights_only(objects[key])
