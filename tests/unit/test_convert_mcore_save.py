@@ -27,15 +27,14 @@ sys.path.insert(0, str(ROOT / "tools" / "checkpoint"))
 import convert as tool  # noqa: E402
 
 VOCAB = 100  # NullTokenizer --vocab-size 99: ids 0..98 and the end-of-document id 99
-LLAMA = dict(
-    num_layers=4, hidden_size=32, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
-    swiglu=True, ffn_hidden_size=48, normalization="RMSNorm", position_embedding_type="rope", rotary_base=5000,
-    disable_bias_linear=True, untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0,
-    seq_length=16, transformer_impl="local",
-)  # fmt: skip
 GPT = dict(
     num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=16,
     max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0, transformer_impl="local",
+)  # fmt: skip
+LLAMA = dict(
+    GPT, num_layers=4, group_query_attention=True, num_query_groups=2, swiglu=True, ffn_hidden_size=48,
+    normalization="RMSNorm", position_embedding_type="rope", rotary_base=5000, disable_bias_linear=True,
+    untie_embeddings_and_output_weights=True, max_position_embeddings=None,
 )  # fmt: skip
 TE_EXTRA = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
@@ -99,7 +98,7 @@ def dcp_entries(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, bytes]
         ("torch", 2, 1, LLAMA),
         ("torch", 2, 2, dict(LLAMA, untie_embeddings_and_output_weights=False)),
         ("torch_dist", 1, 1, LLAMA),
-        ("torch_dist", 2, 1, GPT),
+        ("torch_dist", 2, 1, dict(GPT, qk_layernorm=True)),
     ],
 )
 def test_round_trip_gives_identical_tensors(tmp_path, fmt, tp, pp, arch):
