@@ -70,7 +70,9 @@ def megatron_args(
 ) -> argparse.Namespace:
     """Megatron-LM's args for the written checkpoint: what its load path reads (check_checkpoint_args, the
     parallel sizes, consumed samples, no_save_optim / no_save_rng) and what --use-checkpoint-args takes over (the
-    model's shape), under Megatron-LM's argument names."""
+    model's shape), under Megatron-LM's argument names (`layernorm_epsilon`, `layernorm_zero_centered_gamma` for
+    --norm-epsilon, --apply-layernorm-1p; `apply_layernorm_1p` too, the name --use-checkpoint-args reads). The
+    values are plain (numbers, strings, None), never Megatron-LM's enums or torch dtypes."""
     cfg = full.model
     groups = cfg.num_query_groups if cfg.group_query_attention else None
     data = full.data
@@ -80,9 +82,10 @@ def megatron_args(
         num_query_groups=groups or cfg.num_attention_heads, kv_channels=cfg.kv_channels,
         seq_length=cfg.seq_length, max_position_embeddings=cfg.max_position_embeddings,
         position_embedding_type=cfg.position_embedding_type, add_position_embedding=True,
-        use_rotary_position_embeddings=cfg.position_embedding_type == "rope", rotary_base=cfg.rotary_base,
+        use_rotary_position_embeddings=False, rotary_base=cfg.rotary_base,
         rotary_percent=cfg.rotary_percent, rotary_interleaved=False, use_rope_scaling=False,
-        normalization=cfg.normalization, norm_epsilon=cfg.norm_epsilon, apply_layernorm_1p=cfg.apply_layernorm_1p,
+        normalization=cfg.normalization, layernorm_epsilon=cfg.norm_epsilon,
+        layernorm_zero_centered_gamma=cfg.apply_layernorm_1p, apply_layernorm_1p=cfg.apply_layernorm_1p,
         qk_layernorm=cfg.qk_layernorm, swiglu=cfg.swiglu, squared_relu=cfg.squared_relu, openai_gelu=False,
         add_bias_linear=not cfg.disable_bias_linear, add_qkv_bias=not cfg.disable_bias_linear,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
@@ -98,7 +101,7 @@ def megatron_args(
         decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
         expert_model_parallel_size=1, context_parallel_size=1, data_parallel_size=1, world_size=tp * pp,
         data_parallel_random_init=False, ckpt_format=ckpt_format, use_dist_ckpt=ckpt_format == "torch_dist",
-        async_save=False, ckpt_fully_parallel_save=False, no_save_optim=True, no_save_rng=True,
+        async_save=False, no_save_optim=True, no_save_rng=True,
         iteration=full.iteration, consumed_train_samples=full.consumed_samples, skipped_train_samples=0,
         consumed_valid_samples=0,
     )  # fmt: skip
@@ -136,7 +139,7 @@ def write_mcore_torch(full: FullModel, out: Path, tp: int, pp: int, divisible_by
             "checkpoint_version": MLM_CHECKPOINT_VERSION,
             "iteration": full.iteration,
             "model": model,
-            "num_floating_point_operations_so_far": 0,
+            "num_floating_point_operations_so_far": 0.0,
         }
         torch.save(payload, rank_dir / "model_optim_rng.pt")
     (out / LATEST).write_text(f"{full.iteration}")
@@ -181,9 +184,14 @@ def common_state(full: FullModel, args: argparse.Namespace) -> dict[str, Any]:
         "args": args,
         "checkpoint_version": MLM_CHECKPOINT_VERSION,
         "iteration": full.iteration,
-        "num_floating_point_operations_so_far": 0,
-        # how the sharded state dict was built (Megatron-LM's _build_sharded_state_dict_metadata, no optimizer)
-        "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True},
+        "num_floating_point_operations_so_far": 0.0,
+        # how the sharded state dict was built: what Megatron-LM's _build_sharded_state_dict_metadata records by
+        # default, also when it saves no optimizer (the optimizer's layout then names nothing: none is stored)
+        "content_metadata": {
+            "distrib_optim_sharding_type": "dp_reshardable",
+            "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True,
+        },
     }
 
 
@@ -199,7 +207,7 @@ def write_mcore_dist(full: FullModel, out: Path, tp: int, pp: int, divisible_by:
     """`full` as a Megatron-LM `--ckpt-format torch_dist` checkpoint (for a run at tp x pp, whose padded vocabulary
     the embedding rows take) in the (empty, temporary) folder `out`."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
     class BytesAsIs(DefaultSavePlanner):
         """Byte objects are written as given (Megatron-Core's MCoreSavePlanner): DCP's default would pickle the
@@ -216,7 +224,8 @@ def write_mcore_dist(full: FullModel, out: Path, tp: int, pp: int, divisible_by:
     folder = iteration_dir(out, full.iteration)
     with warnings.catch_warnings():  # DCP warns that it saves in a single process: that is the intent
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, checkpoint_id=str(folder), planner=BytesAsIs(flatten_state_dict=False), no_dist=True)
+        writer = FileSystemWriter(str(folder))
+        dcp.save(state, storage_writer=writer, planner=BytesAsIs(flatten_state_dict=False), no_dist=True)
     config = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
     (folder / "metadata.json").write_text(json.dumps(config))
     (out / LATEST).write_text(f"{full.iteration}")

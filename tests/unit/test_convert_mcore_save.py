@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron.config.pipeline_split import stage_layer_numbers
-from megatron.convert import FullModel, atomic_output_dir, read_ours, write_torch
+from megatron.convert import FullModel, atomic_output_dir, read_ours, write_mcore, write_torch
 from megatron.convert.state import ConvertError, expected_names, model_config
 from megatron.data import padded_vocab_size
 from megatron.model.gpt import GPTModel, Stage
@@ -206,7 +206,7 @@ def test_torch_dist_files(tmp_path):
         assert isinstance(extra, torch.Tensor) and extra.numel() == 0
     (common,) = weights_only(objects["common_state/shard_0_1"])
     assert (common["iteration"], common["checkpoint_version"]) == (30, 3.0)
-    assert common["content_metadata"] == {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    assert common["content_metadata"]["singleton_local_shards"] is False
     args = common["args"]
     assert (args.tensor_model_parallel_size, args.ckpt_format, args.no_save_optim, args.no_save_rng) == (
         2, "torch_dist", True, True)  # fmt: skip
@@ -223,3 +223,49 @@ def test_flags_and_layouts_refused(tmp_path, capsys):
     assert tool.main(argv.split()) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("convert.py: error:") and "\n" not in err and not (tmp_path / "x").exists()
+
+
+# What Megatron-LM itself wrote for a tiny Llama at TP=2 (tests/assets/megatron_lm_layout.py says how it was made).
+LAYOUT = json.loads((ROOT / "tests" / "assets" / "megatron_lm_layout.json").read_text())
+NOT_WRITTEN = ("optimizer", "opt_param_scheduler", "rng_state", "rerun_state_machine")  # weights only
+
+
+def test_same_layout_as_megatron_lm_writes(tmp_path):
+    """The same model converted for TP=2 gives Megatron-LM's key names, shapes, dtypes, entries and model args, in
+    both formats; only the optimizer, scheduler, RNG and rerun-machine entries of a training run are left out."""
+    arch = dict(
+        num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, group_query_attention=True,
+        num_query_groups=2, seq_length=128, max_position_embeddings=128, position_embedding_type="rope",
+        normalization="RMSNorm", swiglu=True, disable_bias_linear=True, untie_embeddings_and_output_weights=True,
+        transformer_impl="local",
+    )  # fmt: skip
+    cfg = model_config(**arch)
+    stage = Stage(stage_layer_numbers(cfg.num_layers, 1, 0), pre_process=True, post_process=True)
+    model = GPTModel(cfg, 1024, tp=TensorParallel(None, 1, 0), stage=stage)
+    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    data = {"tokenizer_type": "NullTokenizer", "vocab_size": 1023}
+    full = FullModel(cfg, 1024, state, "test", iteration=4, consumed_samples=16, data=data)
+    for fmt in ("torch", "torch_dist"):
+        with atomic_output_dir(tmp_path / fmt) as out:
+            write_mcore(full, out, tp=2, pp=1, ckpt_format=fmt)
+
+    want = LAYOUT["torch"]
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        payload = weights_only(tmp_path / "torch" / "iter_0000004" / rank / "model_optim_rng.pt")
+        assert sorted(payload) == [k for k in want[rank]["keys"] if k not in NOT_WRITTEN]
+        assert payload["checkpoint_version"] == want[rank]["checkpoint_version"]
+        entries = {k: [list(v.shape), str(v.dtype)] if v is not None else None for k, v in payload["model"].items()}
+        assert entries == want[rank]["model"]
+        assert {k: getattr(payload["args"], k) for k in want["args"]} == want["args"]
+
+    want = LAYOUT["torch_dist"]
+    folder = tmp_path / "torch_dist" / "iter_0000004"
+    assert json.loads((folder / "metadata.json").read_text()) == want["metadata.json"]
+    tensors, objects = dcp_entries(folder)
+    assert {k: [list(v.shape), str(v.dtype)] for k, v in tensors.items()} == {
+        k: v for k, v in want["tensors"].items() if not k.startswith(NOT_WRITTEN)}  # fmt: skip
+    assert sorted(objects) == [k for k in want["objects"] if not k.startswith(NOT_WRITTEN)]
+    (common,) = weights_only(objects["common_state/shard_0_1"])
+    assert sorted(common) == [k for k in want["common_state"] if k not in NOT_WRITTEN]
+    assert common["content_metadata"] == want["content_metadata"]
+    assert {k: getattr(common["args"], k) for k in want["args"]} == want["args"]
