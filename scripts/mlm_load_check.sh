@@ -1,78 +1,103 @@
 #!/bin/bash
-# Megatron-LM loads and continues from checkpoints that `tools/checkpoint/convert.py --saver mcore` writes (issue 32,
-# part 3; docs/checkpoints.md "Continuing in Megatron-LM"). On the device, from the checkout root, with Megatron-LM's
-# sources in .anchors/megatron (../shared/anchors/README.md) and `carry: [".devkit", ".anchors"]`:
+# Megatron-LM loads and trains on from checkpoints that `tools/checkpoint/convert.py --saver mcore` writes (issue 32,
+# part 3; docs/checkpoints.md "Continuing in Megatron-LM"). The model, data and flags are scripts/mlm_interop.sh's
+# SMALL Llama (4 layers, hidden 256, TE, bf16, distributed optimizer, TP=2 + SP) on the default corpus read through
+# NullTokenizer --vocab-size 8191. On the device (nvidia-h100-x2), from the checkout root, with Megatron-LM's sources
+# in .anchors/megatron and ../shared/anchors in .devkit/anchors, `carry: [".devkit", ".anchors"]`, each under 10 min:
 #
-#   source .devkit/setup-te.sh; bash scripts/mlm_load_check.sh              # one GPU: Megatron-LM at TP=1
-#   source .devkit/setup-te.sh; TP=2 bash scripts/mlm_load_check.sh         # two GPUs (nvidia-h100-x2): TP=2
+#   source .devkit/setup-te.sh; bash scripts/mlm_load_check.sh mlm     # Megatron-LM -> here -> Megatron-LM
+#   source .devkit/setup-te.sh; bash scripts/mlm_load_check.sh ours    # this project's checkpoint -> Megatron-LM
 #
-# 1. This project trains a small Llama (TE layers, bf16) for 30 iterations on the default corpus (its ids read
-#    through NullTokenizer, which both programs have), saves it (torch_dist, one GPU), and goes on at TP for 20 iterations from that checkpoint
-#    with a fresh optimizer (--no-load-optim --no-load-rng, constant LR): the reference validation losses.
-# 2. convert.py --saver mcore writes the checkpoint for Megatron-LM at TP, in torch_dist and in torch.
-# 3. Megatron-LM (as ../shared/anchors/megatron_run.sh runs it) loads each: --skip-train evaluates the loaded weights
-#    (compare with this project's validation loss at iteration 30), then 20 iterations continued as in 1.
-# Prints each validation loss and its gap to this project's in %; the target is within 1%. Logs go to $OUT.
+# mlm:  Megatron-LM trains 20 iterations and saves (torch_dist). The reference: Megatron-LM goes on from it to 40 with
+#       --no-load-optim --no-load-rng (what any weights-only checkpoint gets: a fresh optimizer, the schedule from its
+#       start). Its checkpoint converted here (--loader mcore --saver native) and back (--saver mcore: torch_dist at
+#       TP=2 and TP=1, torch at TP=2) is loaded by Megatron-LM at TP=2 the same way: the weights are the same, so the
+#       validation loss at 40 should equal the reference's (target: within 1%).
+# ours: this project trains 20 iterations (TE layers) and saves; it goes on to 40 with a fresh optimizer at a constant
+#       LR (the reference); the checkpoint converted by --saver mcore (torch_dist, torch) is loaded by Megatron-LM,
+#       which goes on the same way. Validation losses at 40 compared (target: within 1%).
+# Prints each validation loss at 40 and its gap to the reference in %; logs in $OUT/mlm_load_check/.
 set -u
-TP=${TP:-1}
-OUT=${OUT:-/tmp/mlm_load_check}
-WORK=${WORK:-/tmp/mlm_load_check_work}
-MEG=${MEGATRON_DIR:-.anchors/megatron}
-KIT=${KIT:-.devkit/anchors}
+MODE=${1:-mlm}
+KIT=.devkit/anchors
+MEG=$(cd "${MEGATRON_DIR:-.anchors/megatron}" && pwd)
 ROOT=$(pwd)
-rm -rf "$WORK" && mkdir -p "$WORK" "$OUT"
-export PYTHONPATH=$ROOT/$KIT/shim:${PYTHONPATH:-} CUDA_DEVICE_MAX_CONNECTIONS=1 NVTE_FUSED_ATTN=1 PYTHONUNBUFFERED=1 \
-    NCCL_NVLS_ENABLE=0
+W=/tmp/mlm_load_check
+LOGS=${OUT:-/tmp}/mlm_load_check
+mkdir -p "$W" "$LOGS"
+export PYTHONPATH=$ROOT/$KIT/shim:${PYTHONPATH:-} CUDA_DEVICE_MAX_CONNECTIONS=1 NVTE_FUSED_ATTN=1 PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0
+ls .interop/data/*_text_document.bin > /dev/null 2>&1 || python tools/build_default_corpus.py --output-dir .interop/data
+DATA=$(ls "$ROOT"/.interop/data/*_text_document.bin | head -1); DATA=${DATA%.bin}
+COMMON="--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
+ --untie-embeddings-and-output-weights --group-query-attention --attention-dropout 0 --hidden-dropout 0 --bf16
+ --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --log-interval 5 --transformer-impl transformer_engine
+ --use-distributed-optimizer --distributed-backend nccl --num-layers 4 --hidden-size 256 --ffn-hidden-size 1024
+ --num-attention-heads 8 --num-query-groups 4 --seq-length 512 --max-position-embeddings 512 --micro-batch-size 4
+ --global-batch-size 16 --data-path $DATA --split 98,1,1 --tokenizer-type NullTokenizer --vocab-size 8191
+ --train-iters 40 --eval-interval 20 --eval-iters 10 --tensor-model-parallel-size 2 --sequence-parallel"
+MLM_SCHEDULE="--lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5 --lr-decay-iters 40"
+CONSTANT="--lr 3e-4 --lr-decay-style constant --lr-warmup-iters 0"
+WEIGHTS_ONLY="--no-load-optim --no-load-rng"
+PORT=29650
 
-PREFIX=$(python tools/build_default_corpus.py --output-dir "$WORK/data") || { echo "corpus build failed"; exit 1; }
-PREFIX=$(cd "$(dirname "$PREFIX")" && pwd)/$(basename "$PREFIX")
-MODEL="--num-layers 4 --hidden-size 512 --ffn-hidden-size 1408 --num-attention-heads 8 --group-query-attention
- --num-query-groups 4 --seq-length 512 --max-position-embeddings 512 --position-embedding-type rope
- --normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout 0
- --hidden-dropout 0 --bf16 --transformer-impl transformer_engine --micro-batch-size 8 --global-batch-size 16
- --data-path $PREFIX --split 98,2,0 --tokenizer-type NullTokenizer --vocab-size 8192 --seed 1234
- --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95 --log-interval 10 --eval-iters 20"
-CONTINUE="--train-iters 50 --lr 3e-4 --lr-warmup-iters 0 --lr-decay-style constant --eval-interval 50
- --no-load-optim --no-load-rng"
-
-loss() {  # the lm loss value of the last "validation loss at iteration N" line of log $1
-    grep "validation loss at iteration $2 " "$1" | tail -1 | sed -E 's/.*lm loss value: ([0-9.E+-]+).*/\1/'
+megatron() {  # megatron NAME FLAGS...: Megatron-LM on 2 GPUs, log in $LOGS/NAME.log
+  local name=$1; shift; PORT=$((PORT + 1))
+  (cd "$MEG" && timeout 300 torchrun --nproc-per-node 2 --master-port $PORT pretrain_gpt.py $COMMON "$@") \
+    > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc $(grep -m1 -oE "successfully loaded checkpoint.*" "$LOGS/$name.log" | cut -c1-120)"
+  grep -m2 -E "Error|error:" "$LOGS/$name.log" | grep -v -i warn | cut -c1-300
 }
+ours() {  # ours NAME FLAGS...: this project on 2 GPUs
+  local name=$1; shift; PORT=$((PORT + 1))
+  timeout 300 torchrun --nproc-per-node 2 --master-port $PORT pretrain_gpt.py $COMMON "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc $(grep -m1 -oE "successfully loaded checkpoint.*" "$LOGS/$name.log" | cut -c1-120)"; grep -m2 -E "Error|error:" "$LOGS/$name.log" | grep -v -i warn | cut -c1-300
+}
+convert() {  # convert NAME FLAGS...
+  python tools/checkpoint/convert.py --model-type GPT "${@:2}" > "$LOGS/convert_$1.log" 2>&1
+  local rc=$?
+  echo "convert $1: rc=$rc $(tail -1 "$LOGS/convert_$1.log" | cut -c1-160)"
+}
+loss_at() {  # loss_at LOG N: the last "validation loss at iteration N" value
+  grep -E "validation loss at iteration $2 " "$LOGS/$1.log" | tail -1 | sed -E 's/.*lm loss value: ([0-9.E+-]+).*/\1/'
+}
+compare() {  # compare REFERENCE RUN...
+  local ref; ref=$(loss_at "$1" 40); shift
+  for run in "$@"; do
+    python -c "import sys; r, v = sys.argv[1:]; g = 100 * (float(v) - float(r)) / float(r)
+print(f'{sys.argv[3]}: validation loss at 40 {v} vs reference {r}: gap {g:+.4f}% ' + ('(within 1%)' if abs(g) <= 1 else '(NOT within 1%)'))" \
+      "$ref" "$(loss_at "$run" 40)" "$run" 2>/dev/null || echo "$run: no validation loss at 40 (see $LOGS/$run.log)"
+  done
+}
+make -s -C "$MEG/megatron/core/datasets" > /dev/null
 
-echo "=== this project: train 30 iterations, save; continue 20 with a fresh optimizer"
-python pretrain_gpt.py $MODEL --train-iters 30 --lr 3e-4 --lr-warmup-iters 5 --lr-decay-style constant \
-    --eval-interval 30 --save "$WORK/ours" --save-interval 30 > "$OUT/ours_train.log" 2>&1
-echo "rc=$?"
-torchrun --nproc-per-node "$TP" --master-port 29512 pretrain_gpt.py $MODEL $CONTINUE \
-    --tensor-model-parallel-size "$TP" --load "$WORK/ours" > "$OUT/ours_continue.log" 2>&1
-echo "rc=$?"
-REF30=$(loss "$OUT/ours_train.log" 30); REF50=$(loss "$OUT/ours_continue.log" 50)
-echo "this project: validation loss at 30 = $REF30, at 50 (continued) = $REF50"
-
-for FMT in torch_dist torch; do
-    echo "=== convert.py --saver mcore --ckpt-format $FMT --target-tensor-parallel-size $TP"
-    python tools/checkpoint/convert.py --model-type GPT --loader native --saver mcore --ckpt-format "$FMT" \
-        --load-dir "$WORK/ours" --save-dir "$WORK/mlm_$FMT" --target-tensor-parallel-size "$TP" \
-        > "$OUT/convert_$FMT.log" 2>&1
-    echo "rc=$?"; tail -1 "$OUT/convert_$FMT.log"
-    RUN="torchrun --nproc-per-node $TP --master-port 29511 pretrain_gpt.py $MODEL $CONTINUE
-        --tensor-model-parallel-size $TP --load $WORK/mlm_$FMT --distributed-backend nccl"
-    echo "=== Megatron-LM: --load ($FMT) --skip-train"
-    (cd "$MEG" && timeout 600 $RUN --skip-train) > "$OUT/megatron_${FMT}_eval.log" 2>&1
-    echo "rc=$?"; grep -m1 -E "loaded checkpoint|Error|error:" "$OUT/megatron_${FMT}_eval.log" | cut -c1-300
-    echo "=== Megatron-LM: --load ($FMT), 20 iterations"
-    (cd "$MEG" && timeout 600 $RUN) > "$OUT/megatron_${FMT}_continue.log" 2>&1
-    echo "rc=$?"; grep -m1 -E "Error|error:" "$OUT/megatron_${FMT}_continue.log" | cut -c1-300
-    M30=$(loss "$OUT/megatron_${FMT}_eval.log" 30); M50=$(loss "$OUT/megatron_${FMT}_continue.log" 50)
-    python - "$FMT" "$REF30" "$M30" "$REF50" "$M50" <<'EOF'
-import sys
-fmt, pairs = sys.argv[1], sys.argv[2:]
-for at, (ours, theirs) in zip((30, 50), zip(pairs[::2], pairs[1::2])):
-    try:
-        gap = 100 * (float(theirs) - float(ours)) / float(ours)
-        print(f"{fmt}: validation loss at {at}: Megatron-LM {theirs}, this project {ours}, gap {gap:+.3f}%"
-              f" ({'within' if abs(gap) <= 1 else 'NOT within'} 1%)")
-    except ValueError:
-        print(f"{fmt}: validation loss at {at}: Megatron-LM {theirs!r}, this project {ours!r}: missing (see logs)")
-EOF
-done
+case $MODE in
+  mlm)
+    rm -rf "$W/mlm" && mkdir -p "$W/mlm"
+    megatron mlm_train $MLM_SCHEDULE --save "$W/mlm/td" --save-interval 20 --exit-interval 20
+    megatron mlm_own $MLM_SCHEDULE --load "$W/mlm/td" $WEIGHTS_ONLY
+    convert to_native --loader mcore --saver native --load-dir "$W/mlm/td" --save-dir "$W/mlm/native"
+    convert td_tp2 --loader native --saver mcore --load-dir "$W/mlm/native" --save-dir "$W/mlm/td_tp2" \
+      --target-tensor-parallel-size 2
+    convert td_tp1 --loader native --saver mcore --load-dir "$W/mlm/native" --save-dir "$W/mlm/td_tp1" \
+      --target-tensor-parallel-size 1
+    convert torch_tp2 --loader native --saver mcore --ckpt-format torch --load-dir "$W/mlm/native" \
+      --save-dir "$W/mlm/torch_tp2" --target-tensor-parallel-size 2
+    for c in td_tp2 td_tp1 torch_tp2; do megatron "mlm_from_$c" $MLM_SCHEDULE --load "$W/mlm/$c" $WEIGHTS_ONLY; done
+    compare mlm_own mlm_from_td_tp2 mlm_from_td_tp1 mlm_from_torch_tp2
+    ;;
+  ours)
+    rm -rf "$W/ours" && mkdir -p "$W/ours"
+    ours ours_train $MLM_SCHEDULE --save "$W/ours/native" --save-interval 20 --exit-interval 20
+    ours ours_own $CONSTANT --load "$W/ours/native" $WEIGHTS_ONLY
+    convert ours_td --loader native --saver mcore --load-dir "$W/ours/native" --save-dir "$W/ours/td" \
+      --target-tensor-parallel-size 2
+    convert ours_torch --loader native --saver mcore --ckpt-format torch --load-dir "$W/ours/native" \
+      --save-dir "$W/ours/torch" --target-tensor-parallel-size 2
+    for c in td torch; do megatron "ours_mlm_$c" $CONSTANT --load "$W/ours/$c" $WEIGHTS_ONLY; done
+    compare ours_own ours_mlm_td ours_mlm_torch
+    ;;
+  *) echo "usage: bash scripts/mlm_load_check.sh mlm|ours"; exit 2;;
+esac

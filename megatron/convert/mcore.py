@@ -15,8 +15,8 @@
                                DIR/iter_NNNNNNN/metadata.json {"sharded_backend": "torch_dist", ...}
 
 The names are this project's (they are Megatron-Core's under the TE spec: norms fused into linear_qkv / linear_fc1).
-The checkpoint holds weights only: its args say `no_save_optim` and `no_save_rng`, which a torch_dist load honours;
-a torch one needs `--no-load-optim --no-load-rng` (keeps the iteration and consumed samples) or `--finetune`.
+The checkpoint holds weights only (its args say `no_save_optim` and `no_save_rng`): Megatron-LM continues from it
+with `--no-load-optim --no-load-rng` (keeping the iteration and consumed samples) or `--finetune`.
 Every pickle written is plain data that Megatron-LM's weights-only unpickler accepts: tensors, containers, numbers,
 strings and the args as an argparse.Namespace (Megatron-LM registers it as a safe global).
 """

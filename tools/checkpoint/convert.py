@@ -23,9 +23,8 @@ apart by config.json), mcore (Megatron-LM's torch and torch_dist checkpoints). S
 model is RMSNorm + SwiGLU + RoPE, GPT-2 when LayerNorm + GELU + learned positions), mcore (Megatron-LM, Megatron-Core
 names of its transformer_engine layer spec). A native or mcore checkpoint written here holds weights and the model
 configuration only: train from it with `--load DIR --finetune`, or with `--no-load-optim --no-load-rng` to keep
-counting from the source's iteration (Megatron-LM needs neither flag for torch_dist: its args say no_save_optim).
-The output appears only when complete (it is written to a hidden `.NAME.partial` folder beside --save-dir, then
-renamed).
+counting from the source's iteration (in Megatron-LM too). The output appears only when complete (it is written
+to a hidden `.NAME.partial` folder beside --save-dir, then renamed).
 """
 
 from __future__ import annotations
