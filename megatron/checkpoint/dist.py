@@ -73,6 +73,9 @@ FORMAT = "torch_dist"
 class DistCheckpointer:
     """Saves and loads the training state of one rank in the torch_dist format; every rank calls every method."""
 
+    KIND = "torch_dist checkpoint"
+    """What the load log calls the checkpoint."""
+
     def __init__(self, cfg: Any, dims: Any, model: nn.Module, optimizer: Any, loss_scaler: Any, fp8: Any, monitor: Any):
         self.cfg, self.dims, self.model, self.optimizer = cfg, dims, model, optimizer
         self.loss_scaler, self.fp8, self.monitor = loss_scaler, fp8, monitor
@@ -274,7 +277,7 @@ class DistCheckpointer:
             loaded[key] = _plain(loaded.get(key), key, path)
         train_state = loaded["train_state"]
         _log(
-            f"> torch_dist checkpoint {root} at iteration {iteration} was saved with layout {loaded['layout']}"
+            f"> {self.KIND} {root} at iteration {iteration} was saved with layout {loaded['layout']}"
             f" (this run: tp {self.dims.tp}, pp {self.dims.pp}, dp {self.dims.dp}, cp {self.dims.cp})"
         )
 

@@ -31,6 +31,7 @@ import os
 import pathlib
 import pickle
 import re
+import signal
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -203,6 +204,7 @@ PLAIN: dict[tuple[str, str], Any] = {
        for n, o in (("_reconstruct", _numpy_core.multiarray._reconstruct), ("scalar", _numpy_core.multiarray.scalar))},
     ("numpy", "ndarray"): np.ndarray,
     ("numpy", "dtype"): np.dtype,
+    ("signal", "Signals"): signal.Signals,  # an enum: Megatron-LM's args.exit_signal (SIGTERM)
 }  # fmt: skip
 """Globals any pickle may name: constructors of plain data that run no code of the pickle's choosing."""
 
@@ -285,11 +287,14 @@ def _pickle_module(unpickler: type[pickle.Unpickler]) -> types.ModuleType:
 _FOREIGN_PICKLE = _pickle_module(ForeignUnpickler)
 
 
-def load_foreign(path: os.PathLike | str, what: str, error: type[Exception] = UserError) -> Any:
-    """`torch.load` (memory-mapped where the format allows) of another program's file through `ForeignUnpickler`.
-    Raises `error` (one line naming `what`) on a refused class or an unreadable file."""
+def load_foreign(path: os.PathLike | str | io.BytesIO, what: str, error: type[Exception] = UserError) -> Any:
+    """`torch.load` (memory-mapped where the format allows) of another program's file (or a buffer: a DCP bytes
+    entry of Megatron-LM's) through `ForeignUnpickler`. Raises `error` (one line naming `what`) on a refused class
+    or an unreadable file."""
     kwargs: dict[str, Any] = {"map_location": "cpu", "weights_only": False, "pickle_module": _FOREIGN_PICKLE}
     try:
+        if isinstance(path, io.BytesIO):
+            return torch.load(path, **kwargs)
         try:
             return torch.load(path, mmap=True, **kwargs)
         except RuntimeError as exc:
@@ -337,14 +342,18 @@ def load_bytes_entry(value: io.BytesIO, fqn: str, folder: Any) -> Any:
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner for a flat state dict, reading bytes entries weights only (DCP's own unpickles
-    them unrestricted)."""
+    them unrestricted); `foreign`: another program's (Megatron-LM's), through `ForeignUnpickler`."""
 
-    def __init__(self, folder: Any):
+    def __init__(self, folder: Any, foreign: bool = False):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.folder = folder
+        self.folder, self.foreign = folder, foreign
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        self.state_dict[read_item.dest_index.fqn] = load_bytes_entry(value, read_item.dest_index.fqn, self.folder)
+        fqn = read_item.dest_index.fqn
+        if self.foreign:
+            self.state_dict[fqn] = load_foreign(value, f"entry {fqn} of {self.folder}")
+        else:
+            self.state_dict[fqn] = load_bytes_entry(value, fqn, self.folder)
 
 
 @contextlib.contextmanager

@@ -12,9 +12,8 @@ Its QKV rows (per query group: the group's query heads, its key, its value) and 
 tensor-parallel rank) are laid out as here. A pipeline's last stage holds `output_layer.weight` also with tied
 embeddings (its copy of the word embeddings): dropped then.
 
-Megatron-LM's `torch_dist` checkpoints (iter_XXXXXXX/.metadata, *.distcp, common.pt with the args) are read with
-torch.distributed.checkpoint in one process: Megatron-Core keys each tensor by name with its global shape, so no
-layout needs joining; homogeneous layers come stacked along a leading axis (see `_read_torch_dist`).
+Megatron-LM's `torch_dist` checkpoints (iter_XXXXXXX/.metadata, *.distcp; the args in common.pt or, since 2026,
+in the DCP's `common_state` object) are read with torch.distributed.checkpoint in one process (mlm_dist.py).
 """
 
 from __future__ import annotations
@@ -23,14 +22,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from megatron.checkpoint.safe_load import SafeLoadPlanner, SafeReader, first_line
 from megatron.config.data import TOKENIZER_TYPES, DataConfig
 from megatron.data.tokenizers import build_tokenizer
 from megatron.errors import UserError
 
 from .files import load_torch_file
+from .mlm_dist import MegatronDist, is_megatron_dist, unstack
 from .ours import detect_layout, find_iteration, merge_layout
 from .state import ConvertError, FullModel, check_complete, model_config, unpad_vocab
 
@@ -169,65 +166,47 @@ def _check_args(args: Any, folder: Path) -> Any:
 
 
 _MODEL_KEY = re.compile(r"^(embedding|decoder|output_layer)\.")
-_STACKED = re.compile(r"^decoder\.layers\.(?!\d)(.*)$")
 
 
 def _read_torch_dist(folder: Path) -> tuple[Any, dict[str, Any], tuple[int, int]]:
-    """(args, Megatron-Core state dict, (tp, pp)) of a `torch_dist` checkpoint folder, read with
-    torch.distributed.checkpoint in this one process. Megatron-Core saves each model tensor whole (global shape,
-    whatever the layout): homogeneous layers stacked along a leading layer axis under `decoder.layers.<name>`,
-    SwiGLU's linear_fc1 as [gate; up] (or, with singleton local shards, as `<name>_w` and `<name>_v`)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    args = _check_args(load_torch_file(folder / "common.pt", foreign=True).get("args"), folder)
-    reader = SafeReader(str(folder))
-    try:
-        metadata = reader.read_metadata()
-    except Exception as exc:
-        raise ConvertError(f"cannot read {folder / '.metadata'} (truncated?): {first_line(exc)}") from None
-    tensors = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
-        if isinstance(meta, TensorStorageMetadata) and _MODEL_KEY.match(key) and "_extra_state" not in key
-    }
-    try:
-        dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(folder), no_dist=True)
-    except (CheckpointException, Exception) as exc:  # DCP's failure report is a BaseException
-        raise ConvertError(
-            f"cannot read the tensors of {folder} (missing or truncated *.distcp files?): {first_line(exc)}"
-        ) from None
-    state: dict[str, torch.Tensor] = {}
-    for key, tensor in tensors.items():
-        match = _STACKED.match(key)
-        if match:
-            for i, layer in enumerate(tensor.unbind(0)):
-                state[f"decoder.layers.{i}.{match.group(1)}"] = layer
-        else:
-            state[key] = tensor
-    for key in [k for k in state if k.endswith("linear_fc1.weight_w") or k.endswith("linear_fc1.bias_w")]:
-        whole = key[:-2]
-        state[whole] = torch.cat([state.pop(key), state.pop(whole + "_v")], 0)
+    """(args, Megatron-Core state dict, (tp, pp)) of a `torch_dist` checkpoint folder, either generation
+    (megatron/convert/mlm_dist.py)."""
+    ckpt = MegatronDist(folder)
+    args = _check_args(ckpt.common().get("args"), folder)
+    keys = [k for k in ckpt.tensor_keys() if _MODEL_KEY.match(k) and "_extra_state" not in k]
+    state = unstack(ckpt.tensors(keys))
     return args, state, (_arg(args, "tensor_model_parallel_size", 1), _arg(args, "pipeline_model_parallel_size", 1))
+
+
+def to_ours(state: dict[str, Any], cfg: Any) -> dict[str, Any]:
+    """Megatron-Core names -> this project's (the local spec's separate norms fused into the next linear), without
+    a later pipeline stage's copy of tied word embeddings (`output_layer.weight`)."""
+    out = {}
+    for key, value in state.items():
+        if key == "output_layer.weight" and not cfg.untie_embeddings_and_output_weights:
+            continue
+        for pattern, replacement in _RENAMES:
+            key = pattern.sub(replacement, key)
+        out[key] = value
+    return out
+
+
+def read_mlm_folder(folder: Path) -> tuple[Any, Any, dict[str, Any], tuple[int, int]]:
+    """(args, ModelConfig, weights by this project's names with the vocabulary still padded, (tp, pp)) of one
+    Megatron-LM checkpoint folder (iter_XXXXXXX), either format."""
+    dist = (folder / ".metadata").exists() or is_megatron_dist(folder)
+    args, state, layout = _read_torch_dist(folder) if dist else _read_legacy(folder)
+    cfg = model_config(**config_from_args(args))
+    return args, cfg, to_ours(state, cfg), layout
 
 
 def read_mlm(root: str | Path, true_vocab_size: int | None = None, log=print) -> FullModel:
     """The newest checkpoint under a Megatron-LM --save folder (legacy `torch` or `torch_dist`) as a FullModel."""
     root = Path(root)
     iteration, folder = find_iteration(root, "Megatron-LM checkpoint")
-    dist = (folder / ".metadata").exists() or (folder / "common.pt").exists()
-    args, state, layout = _read_torch_dist(folder) if dist else _read_legacy(folder)
-    cfg = model_config(**config_from_args(args))
+    args, cfg, state, layout = read_mlm_folder(folder)
     if _arg(args, "openai_gelu") and not cfg.swiglu:
         log("> note: Megatron-LM's --openai-gelu (tanh approximation) runs as exact GELU here; logits differ slightly")
-    if not cfg.untie_embeddings_and_output_weights:
-        state.pop("output_layer.weight", None)  # the last pipeline stage's copy of the word embeddings
-    for key in list(state):
-        ours = key
-        for pattern, replacement in _RENAMES:
-            ours = pattern.sub(replacement, ours)
-        state[ours] = state.pop(key)
     source = f"Megatron-LM checkpoint {root} (iteration {iteration})"
     data = _tokenizer(args)
     rows = state["embedding.word_embeddings.weight"].shape[0] if "embedding.word_embeddings.weight" in state else 0

@@ -10,6 +10,8 @@ from torch import nn
 from megatron.checkpoint import Checkpointer, checkpoint_is_finite
 from megatron.config import Config
 from megatron.config.optimizer import resolve_schedule
+from megatron.convert.mlm_load import load_megatron_lm
+from megatron.convert.mlm_resume import is_megatron_lm
 from megatron.optim import MixedPrecisionAdamW
 from megatron.parallel import GradientBuffers
 
@@ -46,7 +48,10 @@ def restore_train_state(
     ckpt_cfg = cfg.checkpoint
     if not ckpt_cfg.load:
         return
-    loaded = checkpointer.load(ckpt_cfg.load)
+    if is_megatron_lm(ckpt_cfg.load):  # resumed through the converters' readers (docs/checkpoints.md)
+        loaded = load_megatron_lm(checkpointer, ckpt_cfg.load)
+    else:
+        loaded = checkpointer.load(ckpt_cfg.load)
     if loaded is None:
         print_rank_0(f"> no checkpoint found in {ckpt_cfg.load}: starting from scratch")
         return
@@ -64,7 +69,7 @@ def restore_train_state(
 def restore_schedule(cfg: Config, loaded: dict) -> None:
     """The learning-rate schedule of a resumed run: the checkpoint's with --use-checkpoint-opt_param-scheduler,
     else the flags' (with --override-opt_param-scheduler silently; without it the settings that differ are logged).
-    A checkpoint without this project's config (a Megatron-LM one) leaves the flags'."""
+    A checkpoint without a schedule leaves the flags'; a Megatron-LM one gives its args' (and scheduler's) schedule."""
     saved = loaded.get("config")
     saved = saved.get("optimizer") if isinstance(saved, dict) else None
     ckpt_cfg = cfg.checkpoint

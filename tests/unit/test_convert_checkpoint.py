@@ -257,11 +257,11 @@ def test_megatron_lm_legacy_checkpoint_imports(tmp_path, te_spec, tied):
         torch.testing.assert_close(full.state[name], want[name], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("singleton_swiglu", [False, True])
-def test_megatron_lm_torch_dist_checkpoint_imports(tmp_path, singleton_swiglu):
+@pytest.mark.parametrize("singleton_swiglu,common_pt", [(False, True), (True, True), (False, False)])
+def test_megatron_lm_torch_dist_checkpoint_imports(tmp_path, singleton_swiglu, common_pt):
     """Megatron-Core's torch_dist layout: whole tensors by name, homogeneous layers stacked on a leading axis,
     linear_fc1 as [gate; up] (or `_w` / `_v` with singleton local shards), TE `_extra_state` as byte objects, the
-    args in common.pt."""
+    args in common.pt (older Megatron-Core) or in the DCP's `common_state` object (today's)."""
     import torch.distributed.checkpoint as dcp
 
     cfg = model_config(**LLAMA)
@@ -284,10 +284,14 @@ def test_megatron_lm_torch_dist_checkpoint_imports(tmp_path, singleton_swiglu):
         else:
             state[f"decoder.layers.{rest}"] = stacked
     state["decoder.layers.self_attention.linear_qkv._extra_state/shard_0_4"] = io.BytesIO(b"te")
+    common = {"args": args, "iteration": 20, "checkpoint_version": 3.0}
+    if not common_pt:  # a ShardedObject: a one-item list, as a bytes entry (DCP torch.saves it)
+        state["common_state/shard_0_1"] = [common]
     folder = tmp_path / "dist" / "iter_0000020"
-    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
-    torch.save({"args": args, "iteration": 20, "checkpoint_version": 3.0}, folder / "common.pt")
-    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    dcp.save(state, checkpoint_id=str(folder), planner=dcp.DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
+    if common_pt:
+        torch.save(common, folder / "common.pt")
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
     (tmp_path / "dist" / "latest_checkpointed_iteration.txt").write_text("20")
     full = read_mlm(tmp_path / "dist", log=lambda *_: None)
     want = full_of(model).state
