@@ -216,16 +216,25 @@ def write_mcore_dist(full: FullModel, out: Path, tp: int, pp: int, divisible_by:
         def transform_object(self, write_item: Any, object: Any) -> Any:
             return object
 
+    class Writer(FileSystemWriter):
+        """DCP's writer, naming the checkpoint by its folder (as a string) in the index: the folder it writes is
+        renamed when the conversion completes, and a path object would be one more class in the pickle."""
+
+        def storage_meta(self) -> Any:
+            meta = super().storage_meta()
+            if meta is not None:
+                meta.checkpoint_id = folder.name
+            return meta
+
     padded = padded_vocab_size(full.vocab_size, divisible_by, tp)
     args = megatron_args(full, tp, pp, padded, divisible_by, "torch_dist")
+    folder = iteration_dir(out, full.iteration)
     state: dict[str, Any] = {key: own_storage(t) for key, t in sharded_tensors(full, padded).items()}
     state.update({key: _pickled(obj) for key, obj in sharded_objects(full).items()})
     state["common_state/shard_0_1"] = _pickled(common_state(full, args))
-    folder = iteration_dir(out, full.iteration)
     with warnings.catch_warnings():  # DCP warns that it saves in a single process: that is the intent
         warnings.simplefilter("ignore", UserWarning)
-        writer = FileSystemWriter(str(folder))
-        dcp.save(state, storage_writer=writer, planner=BytesAsIs(flatten_state_dict=False), no_dist=True)
+        dcp.save(state, storage_writer=Writer(str(folder)), planner=BytesAsIs(flatten_state_dict=False), no_dist=True)
     config = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
     (folder / "metadata.json").write_text(json.dumps(config))
     (out / LATEST).write_text(f"{full.iteration}")
