@@ -66,8 +66,8 @@ loss_at() {  # loss_at LOG N: the last "validation loss at iteration N" value
 compare() {  # compare REFERENCE RUN...
   local ref; ref=$(loss_at "$1" 40); shift
   for run in "$@"; do
-    python -c "import sys; r, v = sys.argv[1:]; g = 100 * (float(v) - float(r)) / float(r)
-print(f'{sys.argv[3]}: validation loss at 40 {v} vs reference {r}: gap {g:+.4f}% ' + ('(within 1%)' if abs(g) <= 1 else '(NOT within 1%)'))" \
+    python -c "import sys; r, v, name = sys.argv[1:]; g = 100 * (float(v) - float(r)) / float(r)
+print(f'{name}: validation loss at 40 {v} vs reference {r}: gap {g:+.4f}% ' + ('(within 1%)' if abs(g) <= 1 else '(NOT within 1%)'))" \
       "$ref" "$(loss_at "$run" 40)" "$run" 2>/dev/null || echo "$run: no validation loss at 40 (see $LOGS/$run.log)"
   done
 }
