@@ -40,8 +40,8 @@ def write_checkpoints(out: Path, tied: bool) -> None:
     """This project's side: the model, its mcore checkpoints, the reference logits."""
     sys.path.insert(0, str(ROOT))
     from megatron.config.pipeline_split import stage_layer_numbers
-    from megatron.convert import FullModel, atomic_output_dir, write_mcore
-    from megatron.convert.state import model_config
+    from megatron.convert import atomic_output_dir, write_mcore
+    from megatron.convert.state import full_model_of, model_config
     from megatron.model.gpt import GPTModel, Stage
     from megatron.parallel.tensor_parallel import TensorParallel
 
@@ -59,12 +59,8 @@ def write_checkpoints(out: Path, tied: bool) -> None:
         for name, param in model.named_parameters():
             if "norm" in name:  # not the ones they start as
                 param.normal_(1.0, 0.2)
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        if name in state:
-            state[name] = state[name][:VOCAB]
     data = {"tokenizer_type": "NullTokenizer", "vocab_size": VOCAB - 1}
-    full = FullModel(cfg, VOCAB, state, "test", iteration=7, consumed_samples=56, data=data)
+    full = full_model_of(cfg, model.state_dict(), VOCAB, "test", iteration=7, consumed_samples=56, data=data)
     for name, fmt, tp in (("td1", "torch_dist", 1), ("td2", "torch_dist", 2), ("torch1", "torch", 1),
                           ("torch2", "torch", 2)):  # fmt: skip
         with atomic_output_dir(out / name) as folder:

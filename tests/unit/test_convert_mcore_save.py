@@ -18,7 +18,7 @@ import torch
 
 from megatron.config.pipeline_split import stage_layer_numbers
 from megatron.convert import FullModel, atomic_output_dir, read_ours, write_mcore, write_torch
-from megatron.convert.state import ConvertError, expected_names, model_config
+from megatron.convert.state import ConvertError, expected_names, full_model_of, model_config
 from megatron.data import padded_vocab_size
 from megatron.model.gpt import GPTModel, Stage
 from megatron.parallel.tensor_parallel import TensorParallel
@@ -54,12 +54,8 @@ def source(tmp: Path, arch: dict, tp: int = 1, pp: int = 1) -> FullModel:
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith("bias"):  # not the ones and zeros they start as
                 param.normal_()
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        if name in state:
-            state[name] = state[name][:VOCAB]
     data = {"tokenizer_type": "NullTokenizer", "vocab_size": VOCAB - 1}
-    full = FullModel(cfg, VOCAB, state, "test", iteration=30, consumed_samples=240, data=data)
+    full = full_model_of(cfg, model.state_dict(), VOCAB, "test", iteration=30, consumed_samples=240, data=data)
     with atomic_output_dir(tmp / "native") as out:
         write_torch(full, out, tp, pp)
     return read_ours(tmp / "native")
@@ -245,9 +241,9 @@ def test_same_layout_as_megatron_lm_writes(tmp_path):
     cfg = model_config(**arch)
     stage = Stage(stage_layer_numbers(cfg.num_layers, 1, 0), pre_process=True, post_process=True)
     model = GPTModel(cfg, 1024, tp=TensorParallel(None, 1, 0), stage=stage)
-    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    bf16 = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     data = {"tokenizer_type": "NullTokenizer", "vocab_size": 1023}
-    full = FullModel(cfg, 1024, state, "test", iteration=4, consumed_samples=16, data=data)
+    full = full_model_of(cfg, bf16, 1024, "test", iteration=4, consumed_samples=16, data=data)
     for fmt in ("torch", "torch_dist"):
         with atomic_output_dir(tmp_path / fmt) as out:
             write_mcore(full, out, tp=2, pp=1, ckpt_format=fmt)
