@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from megatron.checkpoint.checkpointing import LATEST, iteration_dir, model_parallel_name
+from megatron.config import ModelConfig
 from megatron.config.pipeline_split import stage_layer_numbers
 from megatron.data.tokenizers import padded_vocab_size
 
@@ -42,12 +43,11 @@ from .state import FullModel, own_storage, pad_vocab
 
 MLM_CHECKPOINT_VERSION = 3.0
 """Megatron-LM's `checkpoint_version` (3.0 since its query/key/value row order became today's)."""
-FORMATS = ("torch", "torch_dist")
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 
-def extra_state_modules(cfg: Any, ckpt_format: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def extra_state_modules(cfg: ModelConfig, ckpt_format: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(modules of each layer, modules outside the layers) that carry a TE `_extra_state` (FP8 metadata) in a
     GPTModel of the transformer_engine spec: the TE linears, TE's norms (TENorm: final_layernorm, q/k_layernorm), and
     in the torch format also TEDotProductAttention (Megatron-Core leaves it out of the sharded state dict) and the
