@@ -1,8 +1,10 @@
 """Checkpoint conversion (tools/checkpoint/convert.py): this project's checkpoints under any layout, Hugging Face
-Llama / GPT-2 and Megatron-LM checkpoints, all through one whole-model form (`FullModel`)."""
+Llama / GPT-2 and Megatron-LM checkpoints (read, and written by `mcore`), all through one whole-model form
+(`FullModel`)."""
 
 from .files import atomic_output_dir
 from .hf import read_hf, write_hf
+from .mcore import write_mcore
 from .mlm import read_mlm
 from .ours import read_ours, write_torch
 from .state import ConvertError, FullModel
@@ -15,5 +17,6 @@ __all__ = [
     "read_mlm",
     "read_ours",
     "write_hf",
+    "write_mcore",
     "write_torch",
 ]

@@ -128,6 +128,18 @@ def unpad_vocab(state: dict[str, torch.Tensor], vocab_size: int, source: str) ->
             state[name] = state[name][:vocab_size]
 
 
+def full_model_of(
+    cfg: ModelConfig, model_state: dict[str, torch.Tensor], vocab_size: int, source: str, **fields: Any
+) -> FullModel:
+    """The FullModel of a single-process GPTModel's state dict (a model in memory): TE's `_extra_state` entries
+    dropped, the vocabulary padding cut off; `fields` are FullModel's others (iteration, consumed_samples, data)."""
+    state = {name: t for name, t in model_state.items() if not name.endswith("_extra_state")}
+    unpad_vocab(state, vocab_size, source)
+    full = FullModel(cfg, vocab_size, state, source, **fields)
+    check_complete(full)
+    return full
+
+
 def expected_names(cfg: ModelConfig) -> list[str]:
     """The parameter names a single-process GPTModel of `cfg` holds (the key set a FullModel must have)."""
     names = ["embedding.word_embeddings.weight"]

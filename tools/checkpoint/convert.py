@@ -10,16 +10,21 @@ Megatron-LM's tools/checkpoint/convert.py: a loader reads the source, a saver wr
     # Megatron-LM (torch or torch_dist format, Megatron-Core names) -> this project, resharded
     python tools/checkpoint/convert.py --model-type GPT --loader mcore --saver native --load-dir mlm/ckpt \\
         --save-dir ckpt/from_mlm --target-tensor-parallel-size 1
+    # this project -> Megatron-LM (its default torch_dist format; --ckpt-format torch for the legacy one), for a
+    # Megatron-LM run at tensor-parallel size 2 (transformer_engine layer spec)
+    python tools/checkpoint/convert.py --model-type GPT --loader native --saver mcore --load-dir ckpt/run \\
+        --save-dir mlm/from_ours --target-tensor-parallel-size 2
 
 Checkpoints are read as data only (docs/checkpoints.md): a file holding any other class is refused in one line;
 --trust-checkpoint (or MEGATRON_TRUST_CHECKPOINT=1) loads a file you trust the old way.
 
 Loaders: native (this project's checkpoints, --ckpt-format torch), hf (LlamaForCausalLM or GPT2LMHeadModel, told
 apart by config.json), mcore (Megatron-LM's torch and torch_dist checkpoints). Savers: native, hf (Llama when the
-model is RMSNorm + SwiGLU + RoPE, GPT-2 when LayerNorm + GELU + learned positions). A native checkpoint written
-here holds weights and the model configuration only: train from it with `--load DIR --finetune`, or with
-`--no-load-optim --no-load-rng` to keep counting from the source's iteration. The output appears only when
-complete (it is written to a hidden `.NAME.partial` folder beside --save-dir, then renamed).
+model is RMSNorm + SwiGLU + RoPE, GPT-2 when LayerNorm + GELU + learned positions), mcore (Megatron-LM, Megatron-Core
+names of its transformer_engine layer spec). A native or mcore checkpoint written here holds weights and the model
+configuration only: train from it with `--load DIR --finetune`, or with `--no-load-optim --no-load-rng` to keep
+counting from the source's iteration (in Megatron-LM too). The output appears only when complete (it is written
+to a hidden `.NAME.partial` folder beside --save-dir, then renamed).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from megatron.errors import UserError  # noqa: E402
 
 LOADERS = ("native", "hf", "mcore")
-SAVERS = ("native", "hf")
+SAVERS = ("native", "hf", "mcore")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -48,11 +53,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--save-dir", required=True, help="Output folder; must not exist or be empty.")
     parser.add_argument(
         "--target-tensor-parallel-size", type=int, default=None,
-        help="Saver native: tensor-parallel size of the written checkpoint (default: the source's, else 1).",
+        help="Savers native, mcore: tensor-parallel size of the written checkpoint (default: the source's, else 1).",
     )  # fmt: skip
     parser.add_argument(
         "--target-pipeline-parallel-size", type=int, default=None,
-        help="Saver native: pipeline-parallel size of the written checkpoint (default: the source's, else 1).",
+        help="Savers native, mcore: pipeline-parallel size of the written checkpoint (default: the source's, else 1).",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ckpt-format", default=None, choices=["torch", "torch_dist"],
+        help="Saver mcore: Megatron-LM's checkpoint format to write (default torch_dist, Megatron-LM's default)."
+        " Saver native writes torch.",
     )  # fmt: skip
     parser.add_argument(
         "--true-vocab-size", type=int, default=None,
@@ -60,8 +70,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--make-vocab-size-divisible-by", type=int, default=128,
-        help="Saver native: pad the vocabulary to a multiple of this times the tensor-parallel size (Megatron-LM's"
-        " rule; use the value the training run will be given).",
+        help="Savers native, mcore: pad the vocabulary to a multiple of this times the tensor-parallel size"
+        " (Megatron-LM's rule; use the value the training run will be given).",
     )  # fmt: skip
     parser.add_argument(
         "--trust-checkpoint", action="store_true",
@@ -73,11 +83,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def convert(args: argparse.Namespace, log=print) -> None:
     from megatron.checkpoint.safe_load import malformed
-    from megatron.convert import atomic_output_dir, read_hf, read_mlm, read_ours, write_hf, write_torch
+    from megatron.convert import atomic_output_dir, read_hf, read_mlm, read_ours, write_hf, write_mcore, write_torch
     from megatron.convert.state import ConvertError
 
-    if args.saver != "native" and (args.target_tensor_parallel_size or args.target_pipeline_parallel_size):
-        raise ConvertError("--target-tensor/pipeline-parallel-size apply to --saver native only")
+    if args.saver == "hf" and (args.target_tensor_parallel_size or args.target_pipeline_parallel_size):
+        raise ConvertError("--target-tensor/pipeline-parallel-size apply to --saver native and mcore only")
+    if args.ckpt_format and args.saver != "mcore" and (args.saver, args.ckpt_format) != ("native", "torch"):
+        raise ConvertError(f"--ckpt-format {args.ckpt_format} does not apply to --saver {args.saver} (it is for"
+                           " --saver mcore; --saver native writes torch)")  # fmt: skip
     start = time.perf_counter()
     try:
         with malformed(f"--load-dir {args.load_dir} ({args.loader})", ConvertError):  # one line, never a traceback
@@ -101,8 +114,14 @@ def convert(args: argparse.Namespace, log=print) -> None:
         else:
             tp, pp = full.layout or (1, 1)
             tp, pp = args.target_tensor_parallel_size or tp, args.target_pipeline_parallel_size or pp
-            write_torch(full, out, tp, pp, args.make_vocab_size_divisible_by)
-            what = f"checkpoint for tensor x pipeline {tp} x {pp} (iteration {full.iteration})"
+            if args.saver == "mcore":
+                fmt = args.ckpt_format or "torch_dist"
+                write_mcore(full, out, tp, pp, fmt, args.make_vocab_size_divisible_by)
+                what = f"Megatron-LM {fmt} checkpoint"
+            else:
+                write_torch(full, out, tp, pp, args.make_vocab_size_divisible_by)
+                what = "checkpoint"
+            what += f" for tensor x pipeline {tp} x {pp} (iteration {full.iteration})"
     log(f"> wrote {what} to {args.save_dir} ({time.perf_counter() - start:.1f} s)")
 
 
