@@ -96,8 +96,9 @@ case $MODE in
     PAR="--tensor-model-parallel-size $TP"
     [ "$TP" -gt 1 ] && PAR="$PAR --sequence-parallel"
     LOG=$LOGS/here_$(basename "$CKPT")_tp$TP.log
-    timeout ${TIMEOUT:-400} torchrun --nproc-per-node "${NPROC:-$TP}" --master-port $((29700 + TP)) pretrain_gpt.py \
-      $LLAMA $OPT $SMALL $PAR --load "$CKPT" --data-cache-path /tmp/mlm/here_$TP "$@" > "$LOG" 2>&1
+    NAME=$(basename "$CKPT")_tp$TP
+    timeout ${TIMEOUT:-400} torchrun --nproc-per-node "${NPROC:-$TP}" --master-port $((29700 + ${#NAME} * 7 + TP)) \
+      pretrain_gpt.py $LLAMA $OPT $SMALL $PAR --load "$CKPT" --data-cache-path /tmp/mlm/here_$NAME "$@" > "$LOG" 2>&1
     echo "rc=$?"; summary "$LOG"
     grep -E "validation loss at iteration" "$LOG"
     ;;
