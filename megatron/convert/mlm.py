@@ -216,7 +216,8 @@ def read_mlm(root: str | Path, true_vocab_size: int | None = None, log=print) ->
     vocab = _vocab_size(args, data, rows, true_vocab_size, log)
     unpad_vocab(state, vocab, source)
     consumed = int(_arg(args, "consumed_train_samples", 0) or 0)
+    valid = int(_arg(args, "consumed_valid_samples", 0) or 0)
     iteration = 0 if iteration == "release" else int(iteration)
-    full = FullModel(cfg, vocab, state, source, iteration, consumed, data, layout=layout)
+    full = FullModel(cfg, vocab, state, source, iteration, consumed, data, layout, valid)
     check_complete(full)
     return full
