@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron.config import parse_args
+from megatron.convert import read_mlm
 from megatron.convert.mlm_resume import is_megatron_lm
 from megatron.errors import UserError
 from megatron.training import Trainer
@@ -110,3 +111,11 @@ def test_what_cannot_be_mapped_stops_in_one_line(tmp_path, run, fmt, extra, matc
         Trainer(parse_args(f"{FLAGS} --load {root}".split(), world_size=1))
     assert "\n" not in str(err.value)
     assert Trainer(parse_args(f"{FLAGS} --load {root} --no-load-optim".split(), world_size=1)).state.iteration == 3
+
+
+@pytest.mark.parametrize("name", [None, "apply_layernorm_1p", "layernorm_zero_centered_gamma"])
+def test_zero_centred_norms_are_read_under_either_name(tmp_path, run, name):
+    """--apply-layernorm-1p: older Megatron-LM checkpoints name it `apply_layernorm_1p` in their args, today's
+    `layernorm_zero_centered_gamma` (its TransformerConfig field); either one means zero-centred norm weights."""
+    root = _write(tmp_path, run, "torch", **({name: True} if name else {}))
+    assert read_mlm(root, log=lambda *_: None).model.apply_layernorm_1p == (name is not None)
