@@ -2,7 +2,7 @@
 
 Megatron-Core's BlendedDataset (helpers.cpp, build_blending_indices): sample i of the blend comes from the dataset k
 whose share lags most, the first k maximizing w_k * max(i, 1) - c_k (c_k: samples taken from k so far), and is its
-c_k-th sample. By construction, in every prefix of n samples dataset k holds w_k n samples within about one. The
+c_k-th sample. In every prefix of n samples dataset k then holds w_k n samples within (K + 1) / 2 (tested). The
 assignment depends on the weights and the sample count alone; it is cached like the GPT indices.
 """
 
