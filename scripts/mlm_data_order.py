@@ -4,9 +4,10 @@ same .bin/.idx, and prints per split the lengths and how many samples agree (sha
 token ids), with the first samples and samples 320..335. CPU only; Megatron-LM's sources must have their dataset
 helpers built (`make -C MEGATRON/megatron/core/datasets`).
 
-    python scripts/mlm_data_order.py --megatron .anchors/megatron -- --data-path .interop/data/python3.11-docs_text_document \
-        --split 98,1,1 --tokenizer-type NullTokenizer --vocab-size 8191 --seq-length 512 --micro-batch-size 4 \
-        --global-batch-size 16 --train-iters 40 --eval-interval 20 --eval-iters 10 --seed 1234
+    python scripts/mlm_data_order.py --megatron .anchors/megatron -- \
+        --data-path .interop/data/python3.11-docs_text_document --split 98,1,1 --tokenizer-type NullTokenizer \
+        --vocab-size 8191 --seq-length 512 --micro-batch-size 4 --global-batch-size 16 --train-iters 40 \
+        --eval-interval 20 --eval-iters 10 --seed 1234
 
 (the flags after `--` are this project's pretrain_gpt.py flags; NullTokenizer or any tokenizer with an eod).
 Both packages are called `megatron`, so Megatron-Core runs in a child process of this script.
