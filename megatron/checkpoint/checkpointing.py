@@ -381,7 +381,7 @@ def load_rank_file(root: str, shard: str, name: str, iteration: int | None = Non
 def check_train_state(state: dict[str, Any], source: str) -> dict[str, Any]:
     """The training position a checkpoint restores (what the trainer reads from it), checked: CheckpointError, one
     line naming `source`, unless the counters are non-negative integers."""
-    for key in ("iteration", "consumed_samples", "skipped_iters", "nan_iters"):
+    for key in ("iteration", "consumed_samples", "consumed_valid_samples", "skipped_iters", "nan_iters"):
         value = state.get(key, 0)
         if type(value) is not int or value < 0:
             raise CheckpointError(f"{source} is malformed: its {key} is {str(value)[:40]!r}, not a count")

@@ -103,7 +103,7 @@ def megatron_args(
         data_parallel_random_init=False, ckpt_format=ckpt_format, use_dist_ckpt=ckpt_format == "torch_dist",
         async_save=False, no_save_optim=True, no_save_rng=True,
         iteration=full.iteration, consumed_train_samples=full.consumed_samples, skipped_train_samples=0,
-        consumed_valid_samples=0,
+        consumed_valid_samples=full.consumed_valid_samples,
     )  # fmt: skip
     return argparse.Namespace(**values)
 

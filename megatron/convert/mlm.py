@@ -78,13 +78,19 @@ def config_from_args(args: Any) -> dict[str, Any]:
         position_embedding_type=position, rotary_base=_arg(args, "rotary_base", 10000),
         rotary_percent=_arg(args, "rotary_percent", 1.0), normalization=_arg(args, "normalization", "LayerNorm"),
         norm_epsilon=_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5)),
-        apply_layernorm_1p=bool(_arg(args, "apply_layernorm_1p")), qk_layernorm=bool(_arg(args, "qk_layernorm")),
+        apply_layernorm_1p=_zero_centered(args), qk_layernorm=bool(_arg(args, "qk_layernorm")),
         swiglu=bool(_arg(args, "swiglu")), squared_relu=bool(_arg(args, "squared_relu")),
         disable_bias_linear=not bias,
         untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights")),
         init_method_std=_arg(args, "init_method_std", 0.02), hidden_dropout=_arg(args, "hidden_dropout", 0.1),
         attention_dropout=_arg(args, "attention_dropout", 0.1),
     )  # fmt: skip
+
+
+def _zero_centered(args: Any) -> bool:
+    """Zero-centred norm weights: today's Megatron-LM stores --apply-layernorm-1p as `layernorm_zero_centered_gamma`
+    (its TransformerConfig name); older checkpoints as `apply_layernorm_1p`."""
+    return bool(_arg(args, "apply_layernorm_1p") or _arg(args, "layernorm_zero_centered_gamma"))
 
 
 def _tokenizer(args: Any) -> dict[str, Any]:
@@ -216,7 +222,8 @@ def read_mlm(root: str | Path, true_vocab_size: int | None = None, log=print) ->
     vocab = _vocab_size(args, data, rows, true_vocab_size, log)
     unpad_vocab(state, vocab, source)
     consumed = int(_arg(args, "consumed_train_samples", 0) or 0)
+    valid = int(_arg(args, "consumed_valid_samples", 0) or 0)
     iteration = 0 if iteration == "release" else int(iteration)
-    full = FullModel(cfg, vocab, state, source, iteration, consumed, data, layout=layout)
+    full = FullModel(cfg, vocab, state, source, iteration, consumed, data, layout, valid)
     check_complete(full)
     return full

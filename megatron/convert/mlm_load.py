@@ -86,6 +86,7 @@ class MegatronLMLoader(DistCheckpointer):
         cp = getattr(args, "context_parallel_size", 1) or 1
         dp = getattr(args, "data_parallel_size", None) or 1
         train = {"iteration": res.iteration, "consumed_samples": res.consumed_samples, "skipped_iters": 0}
+        train["consumed_valid_samples"] = res.consumed_valid_samples
         train |= {"nan_iters": 0, "config": {"optimizer": res.schedule}}
         objects: dict[str, Any] = {
             "train_state": train,

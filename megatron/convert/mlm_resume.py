@@ -52,6 +52,7 @@ class Resume:
     optimizer_format: str = ""
     step: int | None = None
     consumed_samples: int = 0
+    consumed_valid_samples: int = 0
     schedule: dict[str, Any] = field(default_factory=dict)
     loss_scale: dict[str, Any] = field(default_factory=dict)
     rng: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
@@ -269,6 +270,7 @@ def read_resume(root: str | Path, load_optim: bool = True) -> Resume:
         res.iteration = common["iteration"]
     scheduler = common.get("opt_param_scheduler")
     res.consumed_samples = int(_arg(args, "consumed_train_samples", 0) or 0)
+    res.consumed_valid_samples = int(_arg(args, "consumed_valid_samples", 0) or 0)
     if not res.consumed_samples and isinstance(scheduler, dict) and scheduler.get("num_steps"):
         res.consumed_samples = int(scheduler["num_steps"])  # Megatron-LM's scheduler counts samples
     res.schedule = _schedule(args, scheduler)

@@ -176,7 +176,8 @@ def read_torch(root: Path, true_vocab_size: int | None = None) -> FullModel:
     unpad_vocab(state, vocab, source)
     data = {k: v for k, v in config.get("data", {}).items() if k in _TOKENIZER_FIELDS}
     iteration, consumed = int(first.get("iteration", 0)), first.get("consumed_samples", 0)
-    full = FullModel(cfg, vocab, state, source, iteration, consumed, data, layout=(tp, pp))
+    valid = int(first.get("consumed_valid_samples", 0))
+    full = FullModel(cfg, vocab, state, source, iteration, consumed, data, (tp, pp), valid)
     check_complete(full)
     return full
 
@@ -252,6 +253,7 @@ def write_torch(full: FullModel, out: Path, tp: int, pp: int, divisible_by: int 
             "layer_numbers": list(stage_layer_numbers(full.model.num_layers, pp, p)),
             "iteration": full.iteration,
             "consumed_samples": full.consumed_samples,
+            "consumed_valid_samples": full.consumed_valid_samples,
             "checkpoint_version": CHECKPOINT_VERSION,
             "vocab_size": full.vocab_size,
             "converted_from": full.source,
@@ -315,8 +317,9 @@ def read_torch_dist(root: Path, true_vocab_size: int | None = None) -> FullModel
     data = {k: v for k, v in config.get("data", {}).items() if k in _TOKENIZER_FIELDS}
     par = config.get("parallel", {})
     layout = (par.get("tensor_model_parallel_size", 1), par.get("pipeline_model_parallel_size", 1))
-    consumed = int(train_state.get("consumed_samples", 0))
-    full = FullModel(cfg, vocab, weights, source, int(train_state.get("iteration", iteration)), consumed, data, layout)
+    consumed, valid = int(train_state.get("consumed_samples", 0)), int(train_state.get("consumed_valid_samples", 0))
+    iteration = int(train_state.get("iteration", iteration))
+    full = FullModel(cfg, vocab, weights, source, iteration, consumed, data, layout, valid)
     check_complete(full)
     return full
 

@@ -48,6 +48,8 @@ class FullModel:
     """Tokenizer settings (DataConfig fields) the source names, carried into the written config."""
     layout: tuple[int, int] | None = None
     """The source's (tensor, pipeline) parallel sizes, where it has them: the saver's default layout."""
+    consumed_valid_samples: int = 0
+    """Validation samples the source run had read (Megatron-LM's consumed_valid_samples; 0: not recorded)."""
 
 
 def model_config(**values: Any) -> ModelConfig:

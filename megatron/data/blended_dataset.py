@@ -1,10 +1,9 @@
-"""A weighted blend of datasets (`--data-path 0.3 /data/a 0.7 /data/b`), deterministic and evenly interleaved.
+"""A weighted blend of datasets (`--data-path 0.3 /data/a 0.7 /data/b`), in Megatron-Core's order.
 
-Dataset k with weight w_k (weights sum to 1) contributes its j-th sample at the "ideal time" (j + 1/2) / w_k, and
-the blend lists all contributions in order of ideal time (ties: lower k first). By time t dataset k has contributed
-floor(t w_k + 1/2) samples, so in every prefix of n blended samples dataset k holds w_k n samples up to
-+-(K + 1)/2 for K datasets: the proportions hold over any window of training, not just on average. The assignment
-depends on the weights and the sample count alone; it is cached like the GPT indices.
+Megatron-Core's BlendedDataset (helpers.cpp, build_blending_indices): sample i of the blend comes from the dataset k
+whose share lags most, the first k maximizing w_k * max(i, 1) - c_k (c_k: samples taken from k so far), and is its
+c_k-th sample. In every prefix of n samples dataset k then holds w_k n samples within (K + 1) / 2 (tested). The
+assignment depends on the weights and the sample count alone; it is cached like the GPT indices.
 """
 
 from __future__ import annotations
@@ -15,30 +14,28 @@ from torch.utils.data import Dataset
 from .errors import DataError
 from .index_cache import load_or_build
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2
 
 
-def blend_indices(weights: list[float], num_samples: int, chunk: int = 1 << 22) -> dict[str, np.ndarray]:
+def blend_indices(weights: list[float], num_samples: int) -> dict[str, np.ndarray]:
     """dataset_index[i] and dataset_sample_index[i]: which dataset sample i of the blend comes from, and which of
-    its samples. Built in windows of `chunk` time units, so memory stays O(chunk) beyond the outputs."""
-    w = np.asarray(weights, dtype=np.float64)
-    w = w / w.sum()
+    its samples; Megatron-Core's greedy rule, step for step in the same double-precision arithmetic (a Python loop:
+    about a million samples a second; the result is cached)."""
+    w = [float(x) for x in weights]
+    counts = [0] * len(w)
     dataset_index = np.empty(num_samples, dtype=np.int16 if len(w) < 2**15 else np.int32)
     dataset_sample_index = np.empty(num_samples, dtype=np.int64)
-    filled, t0 = 0, 0.0
-    while filled < num_samples:
-        t1 = t0 + chunk
-        # Samples of dataset k with ideal time in [t0, t1): j from ceil(t0 w - 1/2) to ceil(t1 w - 1/2) - 1.
-        lo = np.ceil(t0 * w - 0.5).clip(min=0).astype(np.int64)
-        hi = np.ceil(t1 * w - 0.5).clip(min=0).astype(np.int64)
-        ks = np.repeat(np.arange(len(w)), hi - lo)
-        js = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)])
-        order = np.lexsort((ks, (js + 0.5) / w[ks]))  # by time, then by dataset
-        take = min(len(order), num_samples - filled)
-        dataset_index[filled : filled + take] = ks[order[:take]]
-        dataset_sample_index[filled : filled + take] = js[order[:take]]
-        filled += take
-        t0 = t1
+    ks = range(1, len(w))
+    for i in range(num_samples):
+        t = float(max(i, 1))
+        best, best_error = 0, w[0] * t - counts[0]
+        for k in ks:
+            error = w[k] * t - counts[k]
+            if error > best_error:
+                best, best_error = k, error
+        dataset_index[i] = best
+        dataset_sample_index[i] = counts[best]
+        counts[best] += 1
     return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
 
 

@@ -1,7 +1,9 @@
-"""Build the train / validation / test datasets named by the configuration."""
+"""Build the train / validation / test datasets named by the configuration, as Megatron-LM's
+BlendedMegatronDatasetBuilder does: the same sizes, splits, blend layout and so the same samples in the same order."""
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -10,6 +12,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from megatron.config import Config
+from megatron.config.batch_schedule import train_iterations
 from megatron.config.batch_schedule import train_samples as run_samples
 from megatron.config.data import parse_blend, parse_split
 
@@ -20,6 +23,9 @@ from .indexed_dataset import IndexedDataset
 from .mock import MockGPTDataset
 
 SPLIT_NAMES = ("train", "valid", "test")
+MID_LEVEL_SURPLUS = 0.005
+"""Megatron-LM's --mid-level-dataset-surplus default: each blend component is built for this much more than its
+share (the component's index, and so its order, depends on that count)."""
 
 
 @dataclass
@@ -30,8 +36,8 @@ class Datasets:
 
 
 def split_bounds(fractions: list[float], num_documents: int) -> list[int]:
-    """Document boundaries of the splits: split i is documents [b[i], b[i+1]) with b[i] = round(F_i * D) for the
-    cumulative fraction F_i, so the splits are contiguous, disjoint and cover all D documents."""
+    """Boundaries of the splits: split i is elements [b[i], b[i+1]) with b[i] = round(F_i * D) for the cumulative
+    fraction F_i (Megatron-Core's rounding), so the splits are contiguous, disjoint and cover all D elements."""
     bounds, cumulative = [0], 0.0
     for fraction in fractions:
         cumulative += fraction
@@ -44,29 +50,42 @@ def cache_dir_for(prefix: str, data_cache_path: str | None) -> str:
     return data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefix)), "index-cache")
 
 
+def split_sizes(cfg: Config) -> tuple[int, int, int]:
+    """Samples asked of the train, validation and test datasets: Megatron-LM's get_train_valid_test_num_samples.
+    Training: --train-samples, else train_iters x global batch (at least what a batch-size schedule consumes);
+    validation: eval_iters x global batch for each evaluation of the run (every --eval-interval-th step and once at
+    the end, each reading the next samples); test: one evaluation."""
+    train, gbs = cfg.training, cfg.training.global_batch_size
+    iterations = train_iterations(cfg)
+    samples = train.train_samples if train.train_samples is not None else iterations * gbs
+    evaluations = iterations // train.eval_interval + 1
+    return max(samples, run_samples(cfg)), evaluations * train.eval_iters * gbs, train.eval_iters * gbs
+
+
 def build_datasets(cfg: Config, tokenizer, vocab_size: int) -> Datasets:
-    """Datasets sized for the whole run: at least the samples its steps consume for training, and eval_iters x
-    global batch for validation and test (the same samples at every evaluation); None where eval_iters is 0 or the
-    split gives no documents."""
-    train_samples = run_samples(cfg)
-    eval_samples = cfg.training.eval_iters * cfg.training.global_batch_size
+    """Datasets sized for the whole run (`split_sizes`); None where eval_iters is 0 or the split gives no
+    documents. The splits cut each prefix's sequences (documents, unless preprocessed with sentence splitting), as
+    Megatron-Core's GPT datasets do."""
+    train_samples, valid_samples, test_samples = split_sizes(cfg)
     seq, seed = cfg.model.seq_length, cfg.training.seed
     if cfg.data.mock_data:
         vocab, eod = tokenizer.vocab_size, tokenizer.eod
         return Datasets(
             train=MockGPTDataset(train_samples, seq, vocab, eod, seed),
-            valid=MockGPTDataset(eval_samples, seq, vocab, eod, seed + 1) if eval_samples else None,
-            test=MockGPTDataset(eval_samples, seq, vocab, eod, seed + 2) if eval_samples else None,
+            valid=MockGPTDataset(valid_samples, seq, vocab, eod, seed + 1) if valid_samples else None,
+            test=MockGPTDataset(test_samples, seq, vocab, eod, seed + 2) if test_samples else None,
         )
     blend = parse_blend(cfg.data.data_path)
     if not all(np.isfinite(w) and w > 0 for w, _ in blend):  # 1e400 parses as inf, and inf / inf as nan
         raise DataError(f"--data-path {' '.join(cfg.data.data_path)}: a weight is not a finite number: `0.3 /data/a`")
     fractions = parse_split(cfg.data.split)
     indexed = [IndexedDataset(prefix, mmap=cfg.data.mmap_bin_files) for _, prefix in blend]
-    bounds = [split_bounds(fractions, ds.num_documents) for ds in indexed]
+    bounds = [split_bounds(fractions, len(ds.sequence_lengths)) for ds in indexed]
+    weighted = len(cfg.data.data_path) > 1  # Megatron-LM blends a weighted prefix even when it is the only one
+    raw_weights = [float(w) for w in cfg.data.data_path[::2]] if weighted else [1.0]  # normalized as Megatron-LM does
     splits = []
-    for i, (name, num_samples) in enumerate(zip(SPLIT_NAMES, (train_samples, eval_samples, eval_samples))):
-        parts = [(w, ds, b[i], b[i + 1]) for (w, _), ds, b in zip(blend, indexed, bounds) if b[i + 1] > b[i]]
+    for i, (name, num_samples) in enumerate(zip(SPLIT_NAMES, (train_samples, valid_samples, test_samples))):
+        parts = [(w, ds, b[i], b[i + 1]) for w, ds, b in zip(raw_weights, indexed, bounds) if b[i + 1] > b[i]]
         if name == "train" and not parts:
             raise DataError(f"--split {cfg.data.split} leaves no documents for training; give the first entry a share")
         if name != "train":
@@ -88,17 +107,18 @@ def build_datasets(cfg: Config, tokenizer, vocab_size: int) -> Datasets:
                 splits.append(None)
                 continue
             parts = usable
-        splits.append(_build_split(cfg, tokenizer, vocab_size, name, parts, num_samples))
+        splits.append(_build_split(cfg, tokenizer, vocab_size, name, parts, num_samples, weighted))
     return Datasets(*splits)
 
 
-def _tokens(indexed: IndexedDataset, first_doc: int, last_doc: int) -> int:
-    """Tokens in documents [first_doc, last_doc)."""
-    docs = indexed.document_indices
-    return int(indexed.sequence_lengths[docs[first_doc] : docs[last_doc]].sum(dtype=np.int64))
+def _tokens(indexed: IndexedDataset, first: int, last: int) -> int:
+    """Tokens in sequences [first, last)."""
+    return int(indexed.sequence_lengths[first:last].sum(dtype=np.int64))
 
 
-def _build_split(cfg: Config, tokenizer, vocab_size: int, name: str, parts: list, num_samples: int) -> Dataset:
+def _build_split(
+    cfg: Config, tokenizer, vocab_size: int, name: str, parts: list, num_samples: int, weighted: bool
+) -> Dataset:
     data = cfg.data
 
     def gpt(indexed: IndexedDataset, first: int, last: int, samples: int) -> GPTDataset:
@@ -118,13 +138,20 @@ def _build_split(cfg: Config, tokenizer, vocab_size: int, name: str, parts: list
             name=name,
         )
 
-    if len(parts) == 1:
+    if not weighted:
         _, indexed, first, last = parts[0]
         return gpt(indexed, first, last, num_samples)
-    weights = [w for w, *_ in parts]
+    # Megatron-LM's sizes: component k serves ceil(n w_k) samples and is built for that plus the surplus; the blend
+    # holds the sum of the shares.
+    raw = np.array([w for w, *_ in parts], dtype=np.float64)
+    weights = (raw / np.sum(raw)).tolist()
+    shares = [math.ceil(num_samples * w) for w in weights]
+    size = sum(shares)
     dataset_index, dataset_sample_index = cached_blend_indices(
-        weights, num_samples, cache_dir_for(parts[0][1].prefix, data.data_cache_path), name
+        weights, size, cache_dir_for(parts[0][1].prefix, data.data_cache_path), name
     )
-    counts = np.bincount(dataset_index, minlength=len(parts)).tolist()
-    components = [gpt(indexed, first, last, count) for (_, indexed, first, last), count in zip(parts, counts)]
+    components = [
+        gpt(indexed, first, last, math.ceil(share * (1 + MID_LEVEL_SURPLUS)))
+        for (_, indexed, first, last), share in zip(parts, shares)
+    ]
     return BlendedDataset(components, dataset_index, dataset_sample_index)

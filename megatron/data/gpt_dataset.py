@@ -1,16 +1,13 @@
-"""GPT pretraining samples cut from an indexed dataset: fixed windows over a shuffled stream of documents.
+"""GPT pretraining samples cut from an indexed dataset, in Megatron-Core's order (its GPTDataset, sample for sample).
 
-One epoch is the split's documents in a seeded random order, concatenated into a stream of T tokens. Sample j of
-the epoch is the window of seq_length + 1 tokens starting at token j * seq_length, so consecutive windows share one
-token (the last label of one is the first input of the next) and every token of the stream is an input exactly once
-in
-
-    S = (T - 1) // seq_length
-
-samples per epoch; the final (T - 1) mod seq_length tokens (< seq_length) are left out of that epoch. Windows run
-across document boundaries. The samples of an epoch are then read in a second seeded random order, so consecutive
-samples come from different places. Dataset sample i is sample `perm_e[i mod S]` of epoch e = i // S, where both
-orders of epoch e come from a generator seeded with (seed, e): sample i depends on the data, the seed and i alone,
+The split's sequences, repeated for E epochs (the fewest whose tokens cover `num_samples` samples), are shuffled
+with numpy's `RandomState(seed)` into the document index and concatenated into one stream of E * T tokens. Sample j
+is the window of seq_length + 1 tokens starting at stream token j * seq_length (consecutive windows share one token:
+the last label of one is the first input of the next), so windows run across document and epoch boundaries and the
+dataset holds (E * T - 1) // seq_length samples. Dataset sample i is window shuffle_index[i], a second permutation
+drawn from the same RandomState. When the last epoch would give less than 80% of an epoch's samples to the
+requested `num_samples`, Megatron-Core shuffles that epoch's documents and windows apart from the others' ("separate
+final epoch"), and so does this module. Sample i depends on the data, the seed, seq_length and num_samples alone,
 which is what makes resuming from a consumed-sample count exact. The orders are cached (see index_cache.py).
 """
 
@@ -24,7 +21,7 @@ from .errors import DataError
 from .index_cache import file_fingerprint, load_or_build
 from .indexed_dataset import IndexedDataset
 
-INDEX_VERSION = 1  # bump when the index construction changes, so old cache entries are not reused
+INDEX_VERSION = 2  # bump when the index construction changes, so old cache entries are not reused
 
 
 def ltor_masks(
@@ -59,49 +56,59 @@ def ltor_masks(
     return loss_mask, position_ids, attention_mask
 
 
-def build_epoch_orders(
-    document_indices: np.ndarray, sequence_lengths: np.ndarray, num_epochs: int, seq_length: int, seed: int
-) -> dict[str, np.ndarray]:
-    """The index arrays of `num_epochs` epochs over the documents whose sequences `document_indices` delimits
-    (entries d..d+1 of the .idx document indices, already cut to the split).
+def num_epochs_for(tokens_per_epoch: int, num_samples: int, seq_length: int) -> int:
+    """The fewest epochs whose tokens hold `num_samples` windows of seq_length + 1 tokens (at least 1)."""
+    needed = num_samples * seq_length + 1
+    return max(1, -(-needed // tokens_per_epoch))
 
-    sequence_order[e]: sequence ids in the order epoch e reads them (whole documents, shuffled);
-    token_start[e][p]: stream offset of the p-th sequence of epoch e (with the total T at the end);
-    sample_order[e]: the permutation of the epoch's S windows.
-    """
-    num_docs = len(document_indices) - 1
-    first_seq, counts = document_indices[:-1], np.diff(document_indices)
-    total_tokens = int(sequence_lengths[document_indices[0] : document_indices[-1]].sum(dtype=np.int64))
-    samples = (total_tokens - 1) // seq_length
-    num_seqs = int(counts.sum())
-    seq_dtype = np.int32 if document_indices[-1] < 2**31 else np.int64
-    sequence_order = np.empty((num_epochs, num_seqs), dtype=seq_dtype)
-    token_start = np.empty((num_epochs, num_seqs + 1), dtype=np.int64)
-    sample_order = np.empty((num_epochs, samples), dtype=np.int32 if samples < 2**31 else np.int64)
-    for epoch in range(num_epochs):
-        rng = np.random.default_rng([seed, epoch])
-        docs = rng.permutation(num_docs)
-        # Expand each chosen document to its run of sequence ids: start of its run + 0, 1, ..., count - 1.
-        run_counts = counts[docs]
-        run_offsets = np.repeat(np.cumsum(run_counts) - run_counts, run_counts)
-        order = np.repeat(first_seq[docs], run_counts) + (np.arange(num_seqs) - run_offsets)
-        sequence_order[epoch] = order
-        token_start[epoch, 0] = 0
-        np.cumsum(sequence_lengths[order], dtype=np.int64, out=token_start[epoch, 1:])
-        sample_order[epoch] = rng.permutation(samples)
-    return {"sequence_order": sequence_order, "token_start": token_start, "sample_order": sample_order}
+
+def build_indices(
+    sequence_ids: np.ndarray, sequence_lengths: np.ndarray, num_samples: int, seq_length: int, seed: int
+) -> dict[str, np.ndarray]:
+    """Megatron-Core's GPTDataset indices (gpt_dataset.py, _build_document_sample_shuffle_indices) for the sequences
+    `sequence_ids` of a split: document_index (the sequence read at each place of the stream, int32),
+    token_start (the stream offset of each place, with the total at the end; Megatron-Core's sample index says the
+    same in (place, offset) pairs) and shuffle_index (dataset sample -> window, uint32)."""
+    tokens_per_epoch = int(sequence_lengths[sequence_ids].sum(dtype=np.int64))
+    num_epochs = num_epochs_for(tokens_per_epoch, num_samples, seq_length)
+    total = (num_epochs * tokens_per_epoch - 1) // seq_length
+    separate_final_epoch = False
+    if num_epochs > 1:
+        before_final = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+        per_epoch = (tokens_per_epoch - 1) // seq_length
+        separate_final_epoch = num_samples - before_final < int(0.80 * per_epoch)
+    rng = np.random.RandomState(seed)
+    ids = np.asarray(sequence_ids, dtype=np.int32)
+    if separate_final_epoch:
+        document_index = np.concatenate([_shuffled(np.tile(ids, num_epochs - 1), rng), _shuffled(ids.copy(), rng)])
+    else:
+        document_index = _shuffled(np.tile(ids, num_epochs), rng)
+    token_start = np.zeros(len(document_index) + 1, dtype=np.int64)
+    np.cumsum(sequence_lengths[document_index], dtype=np.int64, out=token_start[1:])
+    dtype = np.uint32 if total < np.iinfo(np.uint32).max - 1 else np.int64
+    first = before_final if separate_final_epoch else total
+    shuffle_index = _shuffled(np.arange(first, dtype=dtype), rng)
+    if first < total:
+        shuffle_index = np.concatenate([shuffle_index, _shuffled(np.arange(first, total, dtype=dtype), rng)])
+    return {"document_index": document_index, "token_start": token_start, "shuffle_index": shuffle_index}
+
+
+def _shuffled(values: np.ndarray, rng: np.random.RandomState) -> np.ndarray:
+    rng.shuffle(values)  # in place, as Megatron-Core draws it: same RandomState, same call order
+    return values
 
 
 class GPTDataset(Dataset):
-    """At least `num_samples` samples (whole epochs) of `seq_length` tokens from documents [first_doc, last_doc) of
-    `indexed`. Each sample is {tokens, labels, loss_mask, position_ids} (+ attention_mask), see `ltor_masks`; with
-    `vocab_size`, a token id outside [0, vocab_size) is an error naming the dataset."""
+    """At least `num_samples` samples of `seq_length` tokens from sequences [first, last) of `indexed` (documents,
+    unless the data was preprocessed with sentence splitting: Megatron-Core splits sequences), in Megatron-Core's
+    order (see `build_indices`). Each sample is {tokens, labels, loss_mask, position_ids} (+ attention_mask), see
+    `ltor_masks`; with `vocab_size`, a token id outside [0, vocab_size) is an error naming the dataset."""
 
     def __init__(
         self,
         indexed: IndexedDataset,
-        first_doc: int,
-        last_doc: int,
+        first: int,
+        last: int,
         num_samples: int,
         seq_length: int,
         seed: int,
@@ -116,41 +123,38 @@ class GPTDataset(Dataset):
         self.indexed, self.seq_length, self.eod, self.vocab_size = indexed, seq_length, eod, vocab_size
         self.reset_position_ids, self.reset_attention_mask = reset_position_ids, reset_attention_mask
         self.eod_mask_loss = eod_mask_loss
-        document_indices = np.asarray(indexed.document_indices[first_doc : last_doc + 1])
         lengths = indexed.sequence_lengths
-        tokens = int(lengths[document_indices[0] : document_indices[-1]].sum(dtype=np.int64))
-        self.samples_per_epoch = (tokens - 1) // seq_length
-        if self.samples_per_epoch < 1:
+        tokens = int(lengths[first:last].sum(dtype=np.int64))
+        if tokens <= seq_length:
             raise DataError(
-                f"{indexed.prefix}: the {name} split (documents {first_doc}..{last_doc - 1}) holds {tokens} tokens,"
+                f"{indexed.prefix}: the {name} split (documents {first}..{last - 1}) holds {tokens} tokens,"
                 f" too few for one sample of --seq-length {seq_length} + 1; use more data or change --split"
             )
-        self.num_epochs = max(1, -(-num_samples // self.samples_per_epoch))
+        self.num_epochs = num_epochs_for(tokens, num_samples, seq_length)
+        self.samples_per_epoch = (tokens - 1) // seq_length
         description = {
             "version": INDEX_VERSION,
             "idx": file_fingerprint(indexed.idx_path),
             "bin": file_fingerprint(indexed.bin_path),
-            "documents": [first_doc, last_doc],
+            "sequences": [first, last],
+            "num_samples": num_samples,
             "seq_length": seq_length,
             "seed": seed,
-            "num_epochs": self.num_epochs,
         }
         stem = f"{name}-{indexed.prefix.rstrip('/').split('/')[-1]}"
+        ids = np.arange(first, last, dtype=np.int32)
         arrays, self.built_index = load_or_build(
-            cache_dir,
-            stem,
-            description,
-            lambda: build_epoch_orders(document_indices, lengths, self.num_epochs, seq_length, seed),
+            cache_dir, stem, description, lambda: build_indices(ids, lengths, num_samples, seq_length, seed)
         )
-        self.sequence_order, self.token_start = arrays["sequence_order"], arrays["token_start"]
-        self.sample_order = arrays["sample_order"]
+        self.document_index, self.token_start = arrays["document_index"], arrays["token_start"]
+        self.shuffle_index = arrays["shuffle_index"]
 
     def __len__(self) -> int:
-        return self.num_epochs * self.samples_per_epoch
+        return len(self.shuffle_index)
 
-    def window(self, epoch: int, sample: int) -> np.ndarray:
-        """Stream tokens [sample * s, sample * s + s + 1) of `epoch` (before the sample shuffle), as int64."""
-        starts, order = self.token_start[epoch], self.sequence_order[epoch]
+    def window(self, sample: int) -> np.ndarray:
+        """Stream tokens [sample * s, sample * s + s + 1) (window `sample`, before the shuffle), as int64."""
+        starts, order = self.token_start, self.document_index
         begin = sample * self.seq_length
         end = begin + self.seq_length + 1
         p = int(np.searchsorted(starts, begin, side="right")) - 1
@@ -166,8 +170,7 @@ class GPTDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} outside the dataset's {len(self)} samples")
-        epoch, j = divmod(int(index), self.samples_per_epoch)
-        window = self.window(epoch, int(self.sample_order[epoch, j]))
+        window = self.window(int(self.shuffle_index[index]))
         if self.vocab_size is not None and (window.max() >= self.vocab_size or window.min() < 0):
             # Caught here, not as an index error deep in the embedding (a device-side assert on a GPU).
             raise DataError(

@@ -17,7 +17,7 @@ from megatron.parallel import GradientBuffers
 
 from .logger import print_rank_0
 
-SAVED = ("consumed_samples", "skipped_iters", "nan_iters")
+SAVED = ("consumed_samples", "consumed_valid_samples", "skipped_iters", "nan_iters")
 """The counters a checkpoint's train state holds besides the iteration (which the checkpointer writes itself)."""
 
 
@@ -25,6 +25,9 @@ SAVED = ("consumed_samples", "skipped_iters", "nan_iters")
 class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
+    consumed_valid_samples: int = 0
+    """Validation samples read so far: each evaluation reads the next eval_iters x global batch (Megatron-LM's
+    consumed_valid_samples, carried by checkpoints)."""
     skipped_iters: int = 0
     nan_iters: int = 0
     losses: dict[int, float] = field(default_factory=dict)
@@ -60,10 +63,22 @@ def restore_train_state(
         return
     state.iteration = loaded["iteration"]
     state.consumed_samples = loaded["consumed_samples"]
+    valid = loaded.get("consumed_valid_samples", 0)
+    state.consumed_valid_samples = valid or resumed_valid_samples(cfg, state.iteration)
     state.skipped_iters = loaded.get("skipped_iters", 0)
     state.nan_iters = loaded.get("nan_iters", 0)
     if not ckpt_cfg.no_load_optim:  # the schedule is part of the optimizer state (Megatron-LM: its scheduler's)
         restore_schedule(cfg, loaded)
+
+
+def resumed_valid_samples(cfg: Config, iteration: int) -> int:
+    """The validation position of a checkpoint that holds none (or 0) at `iteration`, as Megatron-LM takes it
+    (training.py, build_train_valid_test_data_loaders): one evaluation of eval_iters x global batch per
+    --eval-interval steps done (with --train-samples, none)."""
+    train = cfg.training
+    if train.train_samples is not None:
+        return 0
+    return iteration // train.eval_interval * train.eval_iters * train.global_batch_size
 
 
 def restore_schedule(cfg: Config, loaded: dict) -> None:

@@ -148,11 +148,21 @@ class Trainer:
         return self.steps.train_step(batches, lr, num_micro or self.cfg.num_micro_batches)
 
     def evaluate(self, dataset: Dataset | None, split: str = "validation") -> float | None:
+        """The loss over eval_iters global batches of `dataset`. As in Megatron-LM, validation reads on from
+        `state.consumed_valid_samples` (each evaluation the next samples, a resumed run where the checkpoint
+        stopped) and the test split from its start."""
         if dataset is None or self.cfg.training.eval_iters == 0:
             return None
+        samples = self.cfg.training.eval_iters * self.cfg.training.global_batch_size
+        start = self.state.consumed_valid_samples if split == "validation" else 0
+        if start + samples > len(dataset):  # more evaluations than the split was sized for (flags changed)
+            print_rank_0(f"> the {split} samples from {start} on are fewer than {samples}: reading from sample 0")
+            start = 0
         self.runtime.before_evaluation()
-        batches = iter(self.loader(dataset, 0))
+        batches = iter(self.loader(dataset, start))
         loss = self.steps.evaluation_loss(batches, self.cfg.training.eval_iters * self.cfg.num_micro_batches)
+        if split == "validation":
+            self.state.consumed_valid_samples += samples
         self.runtime.after_evaluation()
         self.progress.log_validation(self.state.iteration, loss, split)
         return loss
@@ -171,11 +181,13 @@ class Trainer:
         self.shutdown.add("the data loader", lambda: close_loader(batches))
         with self.shutdown.stopping():
             stopped_early, saved_at = self._steps(batches)
+            # Megatron-LM's order: the last save, then a final evaluation (after the loop's own at a multiple of
+            # --eval-interval: the validation split is sized for both) and the test split.
+            if cfg.checkpoint.save and saved_at != state.iteration:
+                self.save()
             if cfg.training.eval_iters > 0 and not stopped_early:
                 state.valid_losses[state.iteration] = self.evaluate(self.datasets.valid)
                 self.evaluate(self.datasets.test, "test")
-            if cfg.checkpoint.save and saved_at != state.iteration:
-                self.save()
         return state
 
     def _steps(self, batches: Batches) -> tuple[bool, int | None]:
@@ -204,7 +216,7 @@ class Trainer:
                 self.fp8_monitor.report(watched, state.iteration, print_rank_0, self.tensorboard.scalars)
             self.progress.add_step(elapsed, loss, gbs)
             self.progress.log_if_due(state, gbs, lrs.default, norm)
-            if state.iteration % train_cfg.eval_interval == 0 and state.iteration < self.train_iters:
+            if state.iteration % train_cfg.eval_interval == 0:
                 state.valid_losses[state.iteration] = self.evaluate(self.datasets.valid)
             save_interval = cfg.checkpoint.save_interval
             if cfg.checkpoint.save and save_interval and state.iteration % save_interval == 0:

@@ -55,7 +55,9 @@ def source(tmp: Path, arch: dict, tp: int = 1, pp: int = 1) -> FullModel:
             if "norm" in name or name.endswith("bias"):  # not the ones and zeros they start as
                 param.normal_()
     data = {"tokenizer_type": "NullTokenizer", "vocab_size": VOCAB - 1}
-    full = full_model_of(cfg, model.state_dict(), VOCAB, "test", iteration=30, consumed_samples=240, data=data)
+    full = full_model_of(
+        cfg, model.state_dict(), VOCAB, "test", iteration=30, consumed_samples=240, data=data, consumed_valid_samples=48
+    )
     with atomic_output_dir(tmp / "native") as out:
         write_torch(full, out, tp, pp)
     return read_ours(tmp / "native")
@@ -111,6 +113,7 @@ def test_round_trip_gives_identical_tensors(tmp_path, fmt, tp, pp, arch):
     run(f"--loader mcore --saver native --load-dir {tmp_path / 'mlm'} --save-dir {tmp_path / 'back'}")
     back = read_ours(tmp_path / "back")
     assert (back.vocab_size, back.iteration, back.consumed_samples, back.layout) == (VOCAB, 30, 240, (tp, pp))
+    assert back.consumed_valid_samples == 48  # the validation position travels both ways (Megatron-LM restores it)
     assert back.state.keys() == full.state.keys()
     for name, tensor in full.state.items():
         assert back.state[name].dtype == tensor.dtype
@@ -170,6 +173,7 @@ def test_torch_format_files(tmp_path):
             assert (args.padded_vocab_size, args.make_vocab_size_divisible_by, args.add_position_embedding) == (
                 padded, 128, True)  # fmt: skip
             assert (args.tokenizer_type, args.vocab_size, args.consumed_train_samples) == ("NullTokenizer", 99, 240)
+            assert args.consumed_valid_samples == 48
             assert args.no_save_optim and args.no_save_rng and not args.add_bias_linear and args.swiglu
             assert all(type(v) in (int, float, str, bool, type(None)) for v in vars(args).values())
 

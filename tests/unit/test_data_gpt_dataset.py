@@ -1,4 +1,4 @@
-"""The GPT dataset: every token of an epoch read once, deterministic orders that change per epoch, exact resume
+"""The GPT dataset: every token of an epoch read once, deterministic orders (Megatron-Core's), exact resume
 through the Megatron sampler, masks for --reset-*/--eod-mask-loss, the index cache, splits and bad-input errors."""
 
 import multiprocessing
@@ -44,8 +44,8 @@ def test_one_epoch_reads_every_token_once(tmp_path):
     ds = gpt(prefix, tmp_path / "cache", num_samples=1)
     seq, samples = 16, (total - 1) // 16
     assert ds.num_epochs == 1 and len(ds) == ds.samples_per_epoch == samples
-    assert sorted(ds.sequence_order[0].tolist()) == list(range(len(LENGTHS)))  # each document once
-    stream = np.concatenate([np.arange(sum(LENGTHS[:d]), sum(LENGTHS[: d + 1])) for d in ds.sequence_order[0]])
+    assert sorted(ds.document_index.tolist()) == list(range(len(LENGTHS)))  # each document once
+    stream = np.concatenate([np.arange(sum(LENGTHS[:d]), sum(LENGTHS[: d + 1])) for d in ds.document_index])
     seen = []
     for i in range(len(ds)):
         sample = ds[i]
@@ -56,19 +56,29 @@ def test_one_epoch_reads_every_token_once(tmp_path):
     assert sorted(seen) == sorted(stream[: samples * seq].tolist()) and len(set(seen)) == len(seen)
     assert total - samples * seq <= seq
     # Consecutive samples come from shuffled places, not stream order.
-    assert [int(s) for s in ds.sample_order[0]] != list(range(samples))
+    assert [int(s) for s in ds.shuffle_index] != list(range(samples))
 
 
-def test_orders_are_deterministic_and_change_per_epoch(tmp_path):
+def test_orders_are_deterministic_and_shuffle_the_final_epoch_apart(tmp_path):
     prefix = write_documents(tmp_path / "d", LENGTHS)
     a = gpt(prefix, tmp_path / "a", num_samples=250)
     b = gpt(prefix, tmp_path / "b", num_samples=250)  # built again from scratch elsewhere
     other_seed = gpt(prefix, tmp_path / "c", num_samples=250, seed=99)
-    assert a.num_epochs == -(-250 // a.samples_per_epoch) >= 2 and len(a) >= 250
+    total, per_epoch = sum(LENGTHS), a.samples_per_epoch
+    assert a.num_epochs == -(-(250 * 16 + 1) // total) == 4 and len(a) == (4 * total - 1) // 16 >= 250
     assert all(torch.equal(a[i]["tokens"], b[i]["tokens"]) for i in range(len(a)))
     assert not all(torch.equal(a[i]["tokens"], other_seed[i]["tokens"]) for i in range(10))
-    assert a.sequence_order[0].tolist() != a.sequence_order[1].tolist()
-    assert a.sample_order[0].tolist() != a.sample_order[1].tolist()
+    # The last epoch gives fewer than 80% of an epoch's samples to the 250: as in Megatron-Core, its documents and
+    # windows are shuffled apart from the first three epochs' (which are shuffled together).
+    before_final = (3 * total - 1) // 16
+    assert 250 - before_final < int(0.8 * per_epoch)
+    docs = a.document_index.tolist()
+    assert sorted(docs[-len(LENGTHS) :]) == list(range(len(LENGTHS)))
+    assert np.bincount(docs[: -len(LENGTHS)]).tolist() == [3] * len(LENGTHS)
+    assert sorted(docs[: len(LENGTHS)]) != list(range(len(LENGTHS)))  # epochs 0..2 mixed
+    shuffle = a.shuffle_index.tolist()
+    assert sorted(shuffle[:before_final]) == list(range(before_final))
+    assert sorted(shuffle[before_final:]) == list(range(before_final, len(a)))
 
 
 def test_resume_continues_without_replay_or_skip(tmp_path):

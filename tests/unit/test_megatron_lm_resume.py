@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron.config import parse_args
+from megatron.convert import read_mlm
 from megatron.convert.mlm_resume import is_megatron_lm
 from megatron.errors import UserError
 from megatron.training import Trainer
@@ -69,7 +70,7 @@ def test_each_format_resumes_and_continues(tmp_path, run, fmt, capsys):
 def test_finetune_takes_the_weights_only(tmp_path, run):
     root = _write(tmp_path, run, "dist_dp")
     trainer = Trainer(parse_args(f"{FLAGS} --load {root} --finetune".split(), world_size=1))
-    assert trainer.state.iteration == 0 and trainer.state.consumed_samples == 0
+    assert trainer.state.iteration == 0 and trainer.state.consumed_samples == trainer.state.consumed_valid_samples == 0
     _, states, step = by_name(trainer.model, trainer.optimizer)
     assert step == 0 and all(float(t.abs().max()) == 0 for t in states["exp_avg"].values())
     torch.testing.assert_close(
@@ -79,9 +80,15 @@ def test_finetune_takes_the_weights_only(tmp_path, run):
 
 
 def test_no_load_optim_keeps_the_position_and_starts_adam_afresh(tmp_path, run):
-    root = _write(tmp_path, run, "torch")
+    root = _write(tmp_path, run, "torch", consumed_valid_samples=40)
     trainer = Trainer(parse_args(f"{FLAGS} --load {root} --no-load-optim --no-load-rng".split(), world_size=1))
-    assert trainer.state.iteration == 3
+    # Megatron-LM's load_checkpoint takes iteration, consumed_train_samples and consumed_valid_samples from the
+    # checkpoint's args whatever --no-load-optim/--no-load-rng say (only --finetune starts them at 0)
+    assert (trainer.state.iteration, trainer.state.consumed_samples, trainer.state.consumed_valid_samples) == (
+        3,
+        24,
+        40,
+    )
     _, states, step = by_name(trainer.model, trainer.optimizer)
     assert step == 0 and all(float(t.abs().max()) == 0 for t in states["exp_avg_sq"].values())
 
@@ -104,3 +111,11 @@ def test_what_cannot_be_mapped_stops_in_one_line(tmp_path, run, fmt, extra, matc
         Trainer(parse_args(f"{FLAGS} --load {root}".split(), world_size=1))
     assert "\n" not in str(err.value)
     assert Trainer(parse_args(f"{FLAGS} --load {root} --no-load-optim".split(), world_size=1)).state.iteration == 3
+
+
+@pytest.mark.parametrize("name", [None, "apply_layernorm_1p", "layernorm_zero_centered_gamma"])
+def test_zero_centred_norms_are_read_under_either_name(tmp_path, run, name):
+    """--apply-layernorm-1p: older Megatron-LM checkpoints name it `apply_layernorm_1p` in their args, today's
+    `layernorm_zero_centered_gamma` (its TransformerConfig field); either one means zero-centred norm weights."""
+    root = _write(tmp_path, run, "torch", **({name: True} if name else {}))
+    assert read_mlm(root, log=lambda *_: None).model.apply_layernorm_1p == (name is not None)
