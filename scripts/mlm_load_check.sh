@@ -60,8 +60,10 @@ convert() {  # convert NAME FLAGS...
   local rc=$?
   echo "convert $1: rc=$rc $(tail -1 "$LOGS/convert_$1.log" | cut -c1-160)"
 }
-loss_at() {  # loss_at LOG N: the last "validation loss at iteration N" value
-  grep -E "validation loss at iteration $2 " "$LOGS/$1.log" | tail -1 | sed -E 's/.*lm loss value: ([0-9.E+-]+).*/\1/'
+loss_at() {  # loss_at LOG N: the last "validation loss at iteration N" value on the validation split (Megatron-LM
+  # prints its test split's loss last, on a line of the same shape ending "on test set")
+  grep -E "validation loss at iteration $2 " "$LOGS/$1.log" | grep -v "test set" | tail -1 \
+    | sed -E 's/.*lm loss value: ([0-9.E+-]+).*/\1/'
 }
 compare() {  # compare REFERENCE RUN...
   local ref; ref=$(loss_at "$1" 40); shift
