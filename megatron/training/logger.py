@@ -57,9 +57,12 @@ def training_log_line(
     return " | ".join(fields) + " |"
 
 
-def validation_log_lines(iteration: int, loss: float, split: str = "validation") -> str:
+def validation_log_lines(iteration: int, loss: float, split: str = "validation", final: bool = False) -> str:
+    """Megatron-LM's lines: "validation loss at iteration N | ..." in the training loop; after training "... at
+    iteration N on validation set | ..." and "... on test set | ..." (the test split is evaluated then only)."""
     ppl = math.exp(min(20.0, loss))
-    text = f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+    where = f" on {split} set" if final or split != "validation" else ""
+    text = f" validation loss at iteration {iteration}{where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
     bar = "-" * (len(text) + 1)
     return f"{bar}\n{text}\n{bar}"
 

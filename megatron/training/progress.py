@@ -113,8 +113,8 @@ class Progress:
         self.tensorboard.scalars(scalars, state.iteration)
         self.runtime.report_timers(state.iteration, len(self.losses), self.tensorboard)
 
-    def log_validation(self, iteration: int, loss: float, split: str) -> None:
-        print_rank_0(validation_log_lines(iteration, loss, split))
+    def log_validation(self, iteration: int, loss: float, split: str, final: bool = False) -> None:
+        print_rank_0(validation_log_lines(iteration, loss, split, final))
         scalars = {f"lm loss {split}": loss}
         if self.cfg.logging.log_validation_ppl_to_tensorboard:
             scalars[f"lm loss {split} ppl"] = math.exp(min(20.0, loss))

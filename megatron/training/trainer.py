@@ -147,10 +147,10 @@ class Trainer:
         returns (loss, grad norm, whether it was applied)."""
         return self.steps.train_step(batches, lr, num_micro or self.cfg.num_micro_batches)
 
-    def evaluate(self, dataset: Dataset | None, split: str = "validation") -> float | None:
+    def evaluate(self, dataset: Dataset | None, split: str = "validation", final: bool = False) -> float | None:
         """The loss over eval_iters global batches of `dataset`. As in Megatron-LM, validation reads on from
         `state.consumed_valid_samples` (each evaluation the next samples, a resumed run where the checkpoint
-        stopped) and the test split from its start."""
+        stopped) and the test split from its start. `final`: the evaluation after training (its own log line)."""
         if dataset is None or self.cfg.training.eval_iters == 0:
             return None
         samples = self.cfg.training.eval_iters * self.cfg.training.global_batch_size
@@ -164,7 +164,7 @@ class Trainer:
         if split == "validation":
             self.state.consumed_valid_samples += samples
         self.runtime.after_evaluation()
-        self.progress.log_validation(self.state.iteration, loss, split)
+        self.progress.log_validation(self.state.iteration, loss, split, final)
         return loss
 
     def save(self) -> None:
@@ -186,8 +186,8 @@ class Trainer:
             if cfg.checkpoint.save and saved_at != state.iteration:
                 self.save()
             if cfg.training.eval_iters > 0 and not stopped_early:
-                state.valid_losses[state.iteration] = self.evaluate(self.datasets.valid)
-                self.evaluate(self.datasets.test, "test")
+                state.valid_losses[state.iteration] = self.evaluate(self.datasets.valid, final=True)
+                self.evaluate(self.datasets.test, "test", final=True)
         return state
 
     def _steps(self, batches: Batches) -> tuple[bool, int | None]:

@@ -85,3 +85,13 @@ def test_a_checkpoint_without_a_validation_position_gets_megatron_lms(tmp_path, 
     assert resumed_valid_samples(cfg, 5) == 8
     by_samples = FLAGS.replace("--train-iters 4", "--train-samples 16")
     assert resumed_valid_samples(parse_args(by_samples.split()), 5) == 0  # Megatron-LM: only for --train-iters runs
+
+
+def test_log_lines_are_megatron_lms_in_the_loop_and_after_training():
+    from megatron.training.logger import validation_log_lines
+
+    assert " validation loss at iteration 40 | lm loss value: 6.000000E+00 |" in validation_log_lines(40, 6.0)
+    final = validation_log_lines(40, 6.0, final=True)
+    assert " validation loss at iteration 40 on validation set | lm loss value: 6.000000E+00 |" in final
+    test = validation_log_lines(40, 6.0, "test", final=True)
+    assert " validation loss at iteration 40 on test set | lm loss value: 6.000000E+00 |" in test
