@@ -2,14 +2,14 @@
 four gloo processes, against the distributed optimizer on the same layout over 20 steps (two micro-batches a step).
 
 TP=2 x FSDP=2: each rank's tensor-parallel piece of every weight is sharded over its two data-parallel ranks. fp32
-within 1e-5 relative with gradient clipping active (the norm over the two-dimensional shards counts every element
-once), bf16 (untied embeddings, multi-layer units, prefetch) and the local FP8 linears with --fp8-param-gather
-(delayed with full recomputation, tensorwise with optim_grads) within 1e-3, both strategies; between steps a rank
-holds at most half of its tensor-parallel piece's weight, gradient and Adam bytes plus one unit. With
---fp8-param-gather each gathered weight's scale is the whole tensor's (agreed over data x tensor parallel ranks, as
-the tensorwise recipe and the distributed optimizer cast a tensor-parallel weight). A torch_dist checkpoint saved there (from
---init-model-with-meta-device, whose parameters keep their tensor-parallel attributes) resumes exactly, and within
-1e-5 under TP=2 x DP=2 with the distributed optimizer and in one process.
+within 1e-5 relative with gradient clipping active (the norm over the two-dimensional shards counts every element once),
+bf16 (untied embeddings, multi-layer units, prefetch) and the local FP8 linears with --fp8-param-gather (delayed with
+full recomputation, tensorwise with optim_grads) within 1e-3, both strategies; between steps a rank holds at most half
+of its tensor-parallel piece's weight, gradient and Adam bytes plus one unit. With --fp8-param-gather each gathered
+weight's scale is the whole tensor's (agreed over data x tensor parallel ranks, as the tensorwise recipe and the
+distributed optimizer cast a tensor-parallel weight). A torch_dist checkpoint saved there (from --init-model-with-meta-
+device, whose parameters keep their tensor-parallel attributes) resumes exactly, and within 1e-5 under TP=2 x DP=2 with
+the distributed optimizer and in one process.
 
 CP=2 x FSDP=2: FSDP shards over the four data x context parallel ranks; fp32 within 1e-5, tensorwise with
 --fp8-param-gather (optim_grads) within 1e-3, and its checkpoint resumes there exactly and under the distributed
