@@ -6,7 +6,8 @@
 # with / without --fp8-param-gather, no checkpoint / --ckpt-format torch / torch_dist with --async-save. A launch
 # fails when torchrun exits non-zero, a `terminate called` line appears (a C++ std::thread destroyed while joinable),
 # or the final loss line is missing. Prints one line per launch and a summary; exits 1 when any launch failed.
-# Run it from the repository root; set SOAK_PYTHON to choose the interpreter (default: python).
+# Run it from the repository root; set SOAK_PYTHON to choose the interpreter (default: python) and SOAK_JOBS to run
+# that many launches at a time (default 1; the CI test runs 2, which also loads the machine as the aborts were seen).
 set -u
 n=${1:?usage: scripts/exit_soak.sh N [OUT_DIR]}
 out=${2:-$(mktemp -d /tmp/exit_soak.XXXXXX)}
@@ -20,30 +21,36 @@ LLAMA="--position-embedding-type rope --normalization RMSNorm --swiglu --disable
 recipes=(tensorwise delayed)
 gathers=("" "--fp8-param-gather")
 ckpts=("" "--ckpt-format torch --save-interval 4" "--ckpt-format torch_dist --async-save --save-interval 4")
-failed=0
-for ((i = 0; i < n; i++)); do
-    recipe=${recipes[i % 2]}
-    gather=${gathers[(i / 2) % 2]}
-    ckpt=${ckpts[(i / 4) % 3]}
-    save=""
+jobs=${SOAK_JOBS:-1}
+launch() {  # launch I: one run, its status line in $out/status$i
+    local i=$1 recipe=${recipes[$1 % 2]} gather=${gathers[($1 / 2) % 2]} ckpt=${ckpts[($1 / 4) % 3]} save="" port log
     [ -n "$ckpt" ] && save="--save $out/ckpt$i $ckpt"
-    # a free port per launch: several soaks (or other runs) may share the machine
+    # a free port per launch: several launches (or other runs) may share the machine
     port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     log="$out/run$i.log"
     # shellcheck disable=SC2086  # the flag strings are meant to split
     OMP_NUM_THREADS=1 "$py" -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 --master-port "$port" \
         pretrain_gpt.py $TINY $LLAMA --transformer-impl local --use-distributed-optimizer --fp8-format hybrid \
         --fp8-recipe "$recipe" $gather $save >"$log" 2>&1
-    rc=$?
+    local rc=$? terminate final status=ok
     terminate=$(grep -c "terminate called" "$log")
     final=$(grep -c '"final_iteration": 8' "$log")
-    status=ok
     if [ "$rc" -ne 0 ] || [ "$terminate" -ne 0 ] || [ "$final" -eq 0 ]; then
         status=FAILED
-        failed=$((failed + 1))
     fi
-    echo "run $i: $status rc=$rc terminate=$terminate final=$final recipe=$recipe ${gather:-no-gather} ${ckpt:-no-save}"
+    echo "run $i: $status rc=$rc terminate=$terminate final=$final recipe=$recipe ${gather:-no-gather} ${ckpt:-no-save}" \
+        >"$out/status$i"
     rm -rf "$out/ckpt$i"
+}
+for ((i = 0; i < n; i++)); do
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
+    launch "$i" &
+done
+wait
+failed=0
+for ((i = 0; i < n; i++)); do
+    cat "$out/status$i"
+    grep -q ": ok " "$out/status$i" || failed=$((failed + 1))
 done
 echo "exit soak: $failed of $n launches failed (logs in $out)"
 [ "$failed" -eq 0 ]

@@ -120,12 +120,12 @@ def test_a_diverged_run_exits_three_on_every_rank(tmp_path):
 
 @pytest.mark.slow
 def test_twenty_finished_launches_all_exit_zero(tmp_path):
-    """scripts/exit_soak.sh: 20 launches over recipe x --fp8-param-gather x checkpoint format (about two minutes)."""
+    """scripts/exit_soak.sh: 20 launches over recipe x --fp8-param-gather x checkpoint format, two at a time."""
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts" / "exit_soak.sh"), "20", str(tmp_path)],
         capture_output=True,
         text=True,
-        env=_env(SOAK_PYTHON=sys.executable),
+        env=_env(SOAK_PYTHON=sys.executable, SOAK_JOBS="2"),
         timeout=1200,
         cwd=ROOT,
     )
