@@ -147,6 +147,16 @@ def _checkpoint_body(rank, world_size, out_dir):
 PA = "--use-precision-aware-optimizer --main-params-dtype fp16 --exp-avg-dtype fp8 --exp-avg-sq-dtype fp16"
 
 
+def precision_aware_held(trainer) -> tuple[int, float]:
+    """The bytes a rank holds between steps under FSDP with `PA`'s states, and what their dtypes imply over two ranks
+    plus one layer: bf16 weights, fp32 gradients, fp16 main weights (+ int8 remainder), fp8 and fp16 moments (+ block
+    scales)."""
+    per_param = 2 + 4 + state_bytes("fp16", master=True) + state_bytes("fp8") + state_bytes("fp16")
+    numel = sum(p.numel() for p in trainer.model.parameters())
+    layer = sum(p.numel() for p in trainer.model.decoder.layers[0].parameters())
+    return _held_bytes(trainer), per_param * (numel / 2 + layer)
+
+
 def _precision_aware_body(world_size, out_dir):
     """--use-precision-aware-optimizer (O2's state dtypes) under FSDP: bf16 weight shards beside the optimizer's fp16
     main weights and FP8 / fp16 moments of the shard, against the distributed optimizer with the same flags."""
@@ -160,11 +170,7 @@ def _precision_aware_body(world_size, out_dir):
         got, trainer = _run(f"{flags} {extra} {layout}", world_size)
         _close(got, want, 1e-3, f"precision-aware states, {name}")
         assert {local_shard(p).dtype for p in trainer.model.parameters()} == {torch.bfloat16}, name
-        # bf16 weights, fp32 gradients, fp16 main weights (+ int8 remainder), fp8 and fp16 moments (+ block scales)
-        per_param = 2 + 4 + state_bytes("fp16", master=True) + state_bytes("fp8") + state_bytes("fp16")
-        numel = sum(p.numel() for p in trainer.model.parameters())
-        layer = sum(p.numel() for p in trainer.model.decoder.layers[0].parameters())
-        held, bound = _held_bytes(trainer), per_param * (numel / 2 + layer)
+        held, bound = precision_aware_held(trainer)
         assert _gathered_bytes(trainer.model) == 0, name
         assert held <= bound, (name, held, bound)
     # Its torch_dist checkpoint resumes exactly, and under the distributed optimizer with the same flags (its
