@@ -95,6 +95,12 @@ CONFIGS = {
     "te-delayed-recompute-selective": f"{TE} --fp8-format hybrid --fp8-recipe delayed --recompute-activations",
     "te-delayed-recompute-full": f"{TE} --fp8-format hybrid --fp8-recipe delayed --recompute-granularity full"
     " --recompute-method uniform --recompute-num-layers 1",
+    # the first N of the layers recomputed whole, the rest keeping their activations: llama3-8b under fsdp2_o2states
+    # (estimated 71.6 and 67.6 GiB per GPU; 75.6 with 8)
+    "te-delayed-recompute-block12": f"{TE} --fp8-format hybrid --fp8-recipe delayed --recompute-granularity full"
+    " --recompute-method block --recompute-num-layers 12",
+    "te-delayed-recompute-block16": f"{TE} --fp8-format hybrid --fp8-recipe delayed --recompute-granularity full"
+    " --recompute-method block --recompute-num-layers 16",
     # the fewest bytes a Llama-3-8B replica needs per GPU: FP8 weights, every layer recomputed (32k tokens at CP=2)
     "te-delayed-fp8params-recompute-full": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather"
     " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
@@ -144,6 +150,15 @@ LAYOUTS = {  # name: (GPUs, flags)
         2,
         "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer"
         " --megatron-fsdp-main-grads-dtype bf16",
+    ),
+    # and O2's optimizer states (precision-aware: fp16 main weights + remainder, FP8 / fp16 moments) beside bf16
+    # weight shards: 10.1 bytes per parameter over the ranks instead of 14 (room for the 8B's activations, so that
+    # fewer layers are recomputed)
+    "fsdp2_o2states": (
+        2,
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer"
+        " --megatron-fsdp-main-grads-dtype bf16 --use-precision-aware-optimizer --main-params-dtype fp16"
+        " --exp-avg-dtype fp8 --exp-avg-sq-dtype fp16",
     ),
     # FSDP with tensor (+ sequence) or context parallelism on 4 GPUs: each tensor-parallel piece sharded over the
     # two data-parallel ranks; under CP=2 the four data x context parallel ranks shard everything

@@ -123,8 +123,11 @@ class ParallelConfig:
     (one all-gather, one reduce-scatter) until it holds at least this many; default one layer per unit. Larger
     units mean fewer, larger collectives and more gathered memory."""
     megatron_fsdp_main_params_dtype: str = option("fp32", choices=list(FSDP_DTYPES))
-    """FSDP: dtype of the sharded main weights the optimizer steps on (auto: the model's dtype). Only fp32 is built:
-    the shards are the fp32 main weights, and each unit is gathered in the training dtype (bf16 under --bf16)."""
+    """FSDP: dtype of the sharded main weights the optimizer steps on (Megatron-LM's flag; auto: the model's dtype).
+    fp32 is built: the shards are the fp32 main weights, and each unit is gathered in the training dtype (bf16
+    under --bf16). With --use-precision-aware-optimizer (fp32 or auto) the optimizer holds each shard's main weights
+    itself, in --main-params-dtype (fp16 keeps an int8 remainder: ~19 significant bits), and the shards hold
+    the training dtype, gathered without a cast."""
     megatron_fsdp_main_grads_dtype: str = option("auto", choices=list(FSDP_DTYPES))
     """FSDP: dtype of the sharded gradients the micro-batches accumulate into: fp32, or bf16 (half the bytes; the
     optimizer upcasts them one step at a time, as with --grad-reduce-in-bf16); auto: fp32, bf16 with

@@ -97,22 +97,28 @@ def _check_fsdp(cfg: Config) -> None:
     require(not prec.fp16, f"{strategy} with --fp16: not built yet; use --bf16")
     require(
         opt.fp8_optimizer_level is None and not par.fp8_grad_reduce,
-        f"{strategy} with --fp8-grad-reduce / --fp8-optimizer-level: not built yet (FSDP reduces in fp32 or bf16)",
-    )
-    require(
-        not opt.use_precision_aware_optimizer,
-        f"{strategy} with --use-precision-aware-optimizer: not built yet (FSDP keeps fp32 states)",
+        f"{strategy} with --fp8-grad-reduce / --fp8-optimizer-level: not built yet (FSDP reduces in fp32 or bf16);"
+        " for O2's states use --use-precision-aware-optimizer --main-params-dtype fp16 --exp-avg-dtype fp8"
+        " --exp-avg-sq-dtype fp16",
     )
     require(
         cfg.training.cuda_graph_impl == "none",
         f"{strategy} with --cuda-graph-impl {cfg.training.cuda_graph_impl}: not built yet",
     )
     main_params = par.megatron_fsdp_main_params_dtype
-    require(
-        main_params == "fp32" or (main_params == "auto" and not (prec.bf16 or prec.fp16)),
-        f"--megatron-fsdp-main-params-dtype {main_params}: only fp32 main weights are built (the shards are the"
-        " main weights; units are gathered in the training dtype)",
-    )
+    if opt.use_precision_aware_optimizer:
+        require(
+            main_params in ("fp32", "auto"),
+            f"--megatron-fsdp-main-params-dtype {main_params} with --use-precision-aware-optimizer: the optimizer"
+            " holds the main weights (--main-params-dtype fp32|fp16), the shards the training dtype; drop the flag",
+        )
+    else:
+        require(
+            main_params == "fp32" or (main_params == "auto" and not (prec.bf16 or prec.fp16)),
+            f"--megatron-fsdp-main-params-dtype {main_params}: only fp32 main weights are built (the shards are the"
+            " main weights; units are gathered in the training dtype); or keep bf16 shards and fp16 or fp32 main"
+            " weights with --use-precision-aware-optimizer",
+        )
     require(
         par.megatron_fsdp_main_grads_dtype != "fp16",
         "--megatron-fsdp-main-grads-dtype fp16: accumulate the gradient shards in fp32 or bf16",
@@ -156,6 +162,13 @@ def check_fsdp_layers(cfg: Config) -> None:
         f"{strategy} with --init-model-with-meta-device and --transformer-impl transformer_engine: not built yet;"
         " drop --init-model-with-meta-device or use --transformer-impl local",
     )
+
+
+def shards_hold_main_weights(cfg: Config) -> bool:
+    """Whether FSDP's weight shards are the fp32 main weights the optimizer steps on in place (else, with
+    --use-precision-aware-optimizer, they hold the training dtype, bf16 under --bf16, and the optimizer holds the
+    main weights of its shard in --main-params-dtype: FSDP2 gathers the shards without a cast)."""
+    return not cfg.optimizer.use_precision_aware_optimizer
 
 
 def main_grads_bf16(cfg: Config) -> bool:

@@ -4,10 +4,11 @@ FSDP2 calls two hooks on a parameter's sharded local tensor when it defines them
 `fsdp_pre_all_gather` gives the tensors to gather for this rank's shard, `fsdp_post_all_gather` builds the
 unsharded weight from the gathered ones. Here:
 
-* `Fp8ShardWeight` is the fp32 local shard (the optimizer's main weight, stepped in place) wrapped so that FSDP's
-  own ops on shards (view, narrow, copy_, new_zeros, ...) keep the wrapper. Before the gather it casts the shard to
-  E4M3 bytes (uint8: gloo has no FP8 dtype) with one scale per tensor agreed by all ranks, so the all-gather moves
-  one byte per element instead of bf16's two.
+* `Fp8ShardWeight` is the local shard (fp32: the optimizer's main weight, stepped in place; or bf16 under
+  --use-precision-aware-optimizer, written from the optimizer's main weights) wrapped so that FSDP's own ops on shards
+  (view, narrow, copy_, new_zeros, ...) keep the wrapper. Before the gather it casts the shard to E4M3 bytes (uint8:
+  gloo has no FP8 dtype) with one scale per tensor agreed by all ranks, so the all-gather moves one byte per element
+  instead of bf16's two.
 * `Fp8GatheredWeight` is the unsharded weight the FP8 linear reads: the gathered bytes and the scale. The linear
   takes it as its FP8 operand without re-casting (`fp8_tensor`), as an `Fp8Parameter`; its weight gradient is
   returned to autograd in fp32 (FSDP reduce-scatters `unsharded_param.grad`, not `main_grad`: params.py).
@@ -73,7 +74,7 @@ class GatherScale:
 
 
 class Fp8ShardWeight(torch.Tensor):
-    """An fp32 shard of an FP8 linear's weight with FSDP2's all-gather hooks (see the module docstring)."""
+    """A shard (fp32 or bf16) of an FP8 linear's weight with FSDP2's all-gather hooks (see the module docstring)."""
 
     _tensor: torch.Tensor
     _scale: GatherScale
@@ -107,7 +108,7 @@ class Fp8ShardWeight(torch.Tensor):
         return f"Fp8ShardWeight({self._tensor})"
 
     def __reduce_ex__(self, protocol):
-        """Saved (checkpoints) as the plain fp32 shard it holds: a checkpoint is data, loadable without this class."""
+        """Saved (checkpoints) as the plain shard it holds: a checkpoint is data, loadable without this class."""
         return self._tensor.__reduce_ex__(protocol)
 
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
@@ -174,9 +175,15 @@ class Fp8GatheredWeight(torch.Tensor):
         return Fp8Tensor(self._data, self.scale_inv.reshape(1, 1), tuple(self.shape), self.amax)
 
 
+def shard_data(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor an `Fp8ShardWeight` (or a view of one) holds, sharing its storage; any other tensor itself:
+    what kernels that write raw storage (the precision-aware optimizer's Triton step) are given."""
+    return tensor._tensor if isinstance(tensor, Fp8ShardWeight) else tensor
+
+
 def wrap_fp8_weight(weight: torch.Tensor, state: Any) -> torch.nn.Parameter:
-    """An FP8 linear's fp32 weight as a parameter whose FSDP2 all-gather moves E4M3 bytes (`state`: the linear's
-    `Fp8LinearState`)."""
+    """An FP8 linear's (fp32 or bf16) weight as a parameter whose FSDP2 all-gather moves E4M3 bytes (`state`: the
+    linear's `Fp8LinearState`)."""
     return torch.nn.Parameter(Fp8ShardWeight(weight.detach(), GatherScale(weight.device, state)))
 
 

@@ -5,7 +5,7 @@ An ordinary build draws one base seed from the global RNG and initializes every 
 each layer, the output layer: megatron/model/gpt.py), so a part's values do not depend on which other parts are built.
 A *twin* of one part is therefore the model built for a stage holding that part alone, from the same global RNG state:
 its values are the part's values in the whole model. Each twin is built on the CPU, cast as the ordinary build casts
-(the training dtype; the FSDP shards keep those values in fp32), copied into this rank's shards and dropped.
+(the training dtype; fp32 FSDP shards keep those values in fp32), copied into this rank's shards and dropped.
 """
 
 from __future__ import annotations

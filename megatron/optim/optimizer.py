@@ -12,6 +12,9 @@ gradient-norm contribution cover those pieces only, and the buffers all-gather t
 FP8 weights (--fp8-param-gather) are written from their fp32 main copies (or pieces) by casting straight into their
 FP8 bytes (`megatron.fp8.params.quantize_masters`), so with the distributed optimizer the all-gather moves FP8.
 
+Under FSDP (megatron/parallel/fsdp.py) the pieces are each rank's whole local shards: fp32 ones are the main
+weights themselves; bf16 ones (--use-precision-aware-optimizer) get main copies like the distributed optimizer's.
+
 With --use-precision-aware-optimizer the main copies and Adam's moments are held in lower precisions by
 `megatron.optim.precision_aware.PrecisionAwareAdamW` (fp16 masters, fp8/fp16/bf16 moments), which updates one
 tensor at a time in fp32; the model parameters are then written from each main copy decoded in turn. Checkpoints of
@@ -28,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.config import OptimizerConfig
+from megatron.fp8.fsdp_params import shard_data
 from megatron.fp8.params import is_fp8_param, quantize_masters
 from megatron.parallel import GradientBuffers, counts_in_grad_norm
 from megatron.parallel.fsdp import ShardedGrads, flat_offset, local_shard
@@ -87,11 +91,14 @@ class MixedPrecisionAdamW:
             targets = self.params
         else:
             # This rank's pieces: flat views of the parameters, of their gradients, and fp32 copies (bf16, FP8) or
-            # the views themselves (fp32) to step on.
+            # the views themselves (fp32) to step on. FSDP's bf16 shards (--use-precision-aware-optimizer) are
+            # pieces like the distributed optimizer's; an FP8-gathered one is written through its plain storage.
             self.pieces = [(p, r) for p in self.params if (r := self.buffers.owned_range(p)) is not None]
             owned, starts = [p for p, _ in self.pieces], [a for _, (a, _) in self.pieces]
             targets = [p if is_fp8_param(p) else local_shard(p).view(-1)[a:b] for p, (a, b) in self.pieces]
             self._grads = [p.main_grad.view(-1)[a:b] for p, (a, b) in self.pieces]
+            if self.mixed:
+                targets, self._grads = [shard_data(t) for t in targets], [shard_data(g) for g in self._grads]
             self.main_params = (
                 [_initial_piece(p, t, a, b) for (p, (a, b)), t in zip(self.pieces, targets)] if self.mixed else targets
             )

@@ -7,14 +7,19 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
     one FSDP unit; an untied embedding is a unit of its own; the final norm and an untied output layer form the last
     unit, not resharded after the forward (its backward comes at once); the root unit holds the rest (the tied word
     embeddings, which the output layer reads at the end of the forward, and the final norm with them);
-  * every parameter becomes a DTensor sharded on dim 0 over the data-parallel group: its local shard is the fp32
-    main weight the optimizer steps on (in place), and FSDP2 all-gathers each unit in the training dtype (bf16
-    under --bf16) before it runs. Under tensor parallelism the parameter is this rank's tensor-parallel piece (the
-    model's own TP layers split the weights), sharded over the data (x context) parallel ranks holding the same
-    piece: the DTensor's global shape is the piece's, and the TP collectives run inside the units as without FSDP;
+  * every parameter becomes a DTensor sharded on dim 0 over the data-parallel group: its local shard is the fp32 main
+    weight the optimizer steps on (in place), and FSDP2 all-gathers each unit in the training dtype (bf16 under --bf16)
+    before it runs. With --use-precision-aware-optimizer the shard holds the training dtype itself (gathered without a
+    cast) and the optimizer keeps the shard's main weights (fp16 + remainder or fp32) and moments, writing the shard
+    from them after each step (megatron/optim/optimizer.py). Under tensor parallelism the parameter is this rank's
+    tensor-parallel piece (the model's own TP layers split the weights), sharded over the data (x context) parallel
+    ranks holding the same piece: the DTensor's global shape is the piece's, and the TP collectives run inside the units
+    as without FSDP;
   * every parameter keeps a persistent fp32 (or bf16) gradient shard (`param.grad`, a DTensor; `param.main_grad`
     its local tensor): FSDP2 reduce-scatters each micro-batch's gradients and adds them into it, so no rank ever
-    holds a whole-model gradient buffer, and the shard's address never changes (the optimizer lists it once);
+    holds a whole-model gradient buffer, and the shard's address never changes (the optimizer lists it once).
+    FSDP2 hands a gradient over in its shard's dtype: fp32 gradient shards of bf16 weight shards receive each
+    micro-batch's reduce-scattered sum rounded to bf16 (reduced in fp32 or bf16 as the flags say);
   * the strategy decides when gathered weights are freed: optim_grads_params after each unit's forward and
     backward; optim_grads keeps them from the first forward to the last micro-batch's backward (one all-gather per
     step, as the distributed optimizer's);
@@ -38,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from megatron.config import Config
-from megatron.config.sharding import grad_comm_bf16, main_grads_bf16
+from megatron.config.sharding import grad_comm_bf16, main_grads_bf16, shards_hold_main_weights
 from megatron.fp8.fsdp_params import Fp8GatherScales, Fp8ShardWeight, wrap_fp8_weight
 
 
@@ -82,13 +87,14 @@ def _wrap_fp8_weights(modules: list[nn.Module]) -> None:
                 linear.weight = wrap_fp8_weight(linear.weight, linear.fp8)
 
 
-def _cast_unsharded_to_fp32(modules: list[nn.Module]) -> None:
-    """The main weights are fp32: cast the parameters about to be sharded (one unit at a time, so the whole model
-    never exists in fp32 at once). From the training dtype's values, as the distributed optimizer's main copies."""
+def _cast_unsharded(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    """Cast the parameters about to be sharded to the shards' dtype (one unit at a time, so the whole model never
+    exists in fp32 at once): fp32 main weights from the training dtype's values, as the distributed optimizer's main
+    copies; or the training dtype (a model built on the meta device is fp32 until here)."""
     for module in modules:
         for param in module.parameters():
-            if not isinstance(param, DTensor) and param.dtype != torch.float32:
-                param.data = param.data.float()
+            if not isinstance(param, DTensor) and param.dtype != dtype:
+                param.data = param.data.to(dtype)
 
 
 def parallel_attributes(model: nn.Module) -> dict[str, dict[str, object]]:
@@ -114,20 +120,22 @@ def apply_fsdp(
     prefetch: bool,
     unit_size: int | None = None,
     fp8_gather: bool = False,
+    shard_dtype: torch.dtype = torch.float32,
 ) -> list[nn.Module]:
     """Shard `model` (a GPT model: embedding, decoder.layers, decoder.final_layernorm, output_layer) over `group`
     (on `device`; the model may still be on the meta device);
     returns its units (their first modules) in forward order. `param_dtype`: the dtype units are gathered in (None:
     the fp32 of the shards); `reduce_dtype`: the gradient reduce-scatter's; `shard_params`: reshard each unit after
     its forward (optim_grads_params); `prefetch`: gather the next unit while the current one computes;
-    `fp8_gather`: all-gather the FP8 linears' weights as FP8 (the caller agrees their scales: `Fp8GatherScales`)."""
+    `fp8_gather`: all-gather the FP8 linears' weights as FP8 (the caller agrees their scales: `Fp8GatherScales`);
+    `shard_dtype`: of the weight shards (fp32: the main weights; else the training dtype)."""
     mesh = DeviceMesh.from_group(group, device.type)
     # Inputs keep their dtypes, as in a model cast to the training dtype (rotary tables stay fp32)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     attributes = parallel_attributes(model)
 
     def shard(modules: list[nn.Module], reshard: bool) -> nn.Module:
-        _cast_unsharded_to_fp32(modules)
+        _cast_unsharded(modules, shard_dtype)
         if fp8_gather:
             _wrap_fp8_weights(modules)
         fully_shard(
@@ -255,6 +263,7 @@ def build_fsdp(
         prefetch=par.fsdp_double_buffer,
         unit_size=par.suggested_communication_unit_size,
         fp8_gather=fp8_gather,
+        shard_dtype=torch.float32 if shards_hold_main_weights(cfg) else params_dtype,
     )
     assert isinstance(model, FSDPModule)
     for module in model.modules():  # FP8 casts of a freed weight are not kept for the next micro-batch either

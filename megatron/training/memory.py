@@ -14,7 +14,10 @@ Weights and optimizer, in bytes per parameter of this rank:
   fp16, fp8).
 
 The distributed optimizer keeps 1/dp of the main copy and the moments (the gradient buffer stays whole: it is
-reduce-scattered in place). Activations of one micro-batch without recomputation, Korthikanti et al. (2022), for
+reduce-scattered in place). FSDP keeps 1/dp of the weights, gradients and moments: fp32 weight shards that are the
+main weights, or with --use-precision-aware-optimizer shards in the training dtype beside 1/dp of its main weights.
+
+Activations of one micro-batch without recomputation, Korthikanti et al. (2022), for
 16-bit activations: per layer s * b * h * (34 + 5 * a * s / h) bytes; SDPA's fused kernels do not keep the
 a * s * s attention matrix, so we drop that term. With tensor parallelism t that is s * b * h * (10 + 24 / t), and
 34 * s * b * h / t with sequence parallelism; only this pipeline stage's layers count, as often as its schedule
@@ -32,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import Config
-from megatron.config.sharding import main_grads_bf16
+from megatron.config.sharding import main_grads_bf16, shards_hold_main_weights
 from megatron.optim.states import state_bytes
 
 from .logger import print_rank_0
@@ -65,7 +68,8 @@ def _optimizer_shards(cfg: Config) -> int:
 
 def _fsdp_weights_and_grads(cfg: Config, num_params: int, vocab_size: int, itemsize: int) -> tuple[float, float]:
     """FSDP's weights and gradients per rank: fp32 shards of both (bf16 gradients with
-    --megatron-fsdp-main-grads-dtype bf16; the weight shards are the main weights), plus at the
+    --megatron-fsdp-main-grads-dtype bf16; the weight shards are the main weights, or hold the training dtype with
+    --use-precision-aware-optimizer, whose main weights `estimate_bytes` counts as the optimizer's), plus at the
     peak what is gathered in the training dtype, the whole model under optim_grads (kept through the step) or two
     units (the one computing and the one prefetched; a unit is a layer or the vocabulary matrix, whichever is
     larger), and one unit's unsharded gradient before its reduce-scatter. Under tensor parallelism `num_params` is
@@ -78,7 +82,8 @@ def _fsdp_weights_and_grads(cfg: Config, num_params: int, vocab_size: int, items
     unit = max(layer, vocab, cfg.parallel.suggested_communication_unit_size or 0)
     gathered = num_params if cfg.parallel.data_parallel_sharding_strategy == "optim_grads" else 2 * unit
     grad_bytes = 2 if main_grads_bf16(cfg) else 4
-    return num_params * 4 / dp + gathered * itemsize, num_params * grad_bytes / dp + unit * itemsize
+    shard_bytes = 4 if shards_hold_main_weights(cfg) else itemsize
+    return num_params * shard_bytes / dp + gathered * itemsize, num_params * grad_bytes / dp + unit * itemsize
 
 
 def in_flight_layers(cfg: Config, pp_rank: int = 0) -> int:
@@ -131,7 +136,7 @@ def estimate_bytes(
     adam = num_params * (state_bytes(opt.exp_avg_dtype) + state_bytes(opt.exp_avg_sq_dtype)) / shards
     if cfg.parallel.fsdp:
         weights, grads = _fsdp_weights_and_grads(cfg, num_params, vocab_size, high_precision)
-        main_params = 0
+        main_params = 0 if shards_hold_main_weights(cfg) else main_params
     m = cfg.model
     # this rank's part of the sequence under context parallelism
     s, b, h = m.seq_length // cfg.parallel.context_parallel_size, cfg.training.micro_batch_size, m.hidden_size

@@ -7,14 +7,19 @@ optimizer's FP8 weights, each layer's gather at most 0.55x bf16's bytes, one ama
 steps each rank holds at most half of the weight, gradient and Adam state bytes plus one unit, measured from the
 tensors it holds (and no gathered weights), where the distributed optimizer holds whole weights and gradients. A
 torch_dist checkpoint of FSDP (each rank writes its own shards) resumes FSDP exactly, and the distributed optimizer
-and one process within 1e-5. --init-model-with-meta-device gives the eager weights bit for bit (fp32; bf16 with
-untied embeddings), building one part of the model at a time."""
+and one process within 1e-5. With --use-precision-aware-optimizer (fp16 main weights, FP8 / fp16 moments) the weight
+shards are bf16: bf16, delayed (optim_grads) and delayed with --fp8-param-gather within 1e-3 of the distributed
+optimizer with the same flags, each rank holding at most half the bytes the states' dtypes imply plus one layer, and
+a checkpoint resumed exactly (within 1e-3 under the distributed optimizer). --init-model-with-meta-device gives
+the eager weights bit for bit (fp32; bf16 with untied embeddings), building one part of the model at a time."""
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from megatron.fp8.fsdp_params import shard_data
 from megatron.model import meta_init
+from megatron.optim.states import state_bytes
 from megatron.parallel.fsdp import local_shard
 from megatron.training import Trainer
 from megatron.training.data_loading import to_device
@@ -46,10 +51,14 @@ def _gathered_bytes(model) -> int:
 
 
 def _held_bytes(trainer) -> int:
-    """Weights, gradients, fp32 main copies and Adam moments this rank holds between steps."""
+    """Weights, gradients, main copies and Adam moments this rank holds between steps (the precision-aware
+    optimizer's: its encoded tensors, their remainders and block scales)."""
     opt = trainer.optimizer
-    weights = _storage_bytes(local_shard(p) for p in trainer.model.parameters())
-    grads = _storage_bytes(p.main_grad for p in opt.params)
+    weights = _storage_bytes(shard_data(local_shard(p)) for p in trainer.model.parameters())
+    grads = _storage_bytes(shard_data(p.main_grad) for p in opt.params)
+    if opt.precision_aware:
+        encoded = [s for states in opt.encoded_states().values() for s in states]
+        return weights + grads + _storage_bytes(t for s in encoded for t in (s.data, s.remainder, s.scales))
     mains = _storage_bytes(opt.main_params) if opt.mixed else 0
     states = _storage_bytes(t for s in opt.optimizer.state.values() for t in s.values() if t.dim() > 0)
     return weights + grads + mains + states
@@ -114,9 +123,9 @@ def test_fsdp_fp8_matches_distributed_optimizer():
 CKPT = f"{BASE} --eval-iters 0 --ckpt-format torch_dist"
 
 
-def resume_across(layout: str, saved: str, world_size: int, save_flags: str = "") -> list[float]:
+def resume_across(layout: str, saved: str, world_size: int, save_flags: str = "", rel: float = 1e-5) -> list[float]:
     """Save FSDP's torch_dist checkpoint under `layout` (more flags of the saving run: `save_flags`) at step 2 of 4;
-    resume it there (exactly) and under the distributed optimizer on the same layout (within 1e-5). Returns the
+    resume it there (exactly) and under the distributed optimizer on the same layout (within `rel`). Returns the
     uninterrupted run's losses."""
     flags = f"{CKPT} {layout} --train-iters 4"
     whole, _ = _run(f"{flags} {PARAMS}", world_size)
@@ -124,7 +133,7 @@ def resume_across(layout: str, saved: str, world_size: int, save_flags: str = ""
     resumed, _ = _run(f"{flags} {PARAMS} --load {saved}", world_size)
     assert resumed == whole[2:], (layout, resumed, whole)
     resumed, _ = _run(f"{flags} {DISTOPT} --load {saved}", world_size)
-    _close(resumed, whole[2:], 1e-5, f"the distributed optimizer ({layout}) from FSDP's checkpoint", steps=2)
+    _close(resumed, whole[2:], rel, f"the distributed optimizer ({layout}) from FSDP's checkpoint", steps=2)
     return whole
 
 
@@ -132,6 +141,41 @@ def _checkpoint_body(rank, world_size, out_dir):
     whole = resume_across("", f"{out_dir}/fsdp", world_size)
     if rank == 0:
         torch.save(whole, f"{out_dir}/whole.pt")
+    _precision_aware_body(world_size, out_dir)
+
+
+PA = "--use-precision-aware-optimizer --main-params-dtype fp16 --exp-avg-dtype fp8 --exp-avg-sq-dtype fp16"
+
+
+def precision_aware_held(trainer) -> tuple[int, float]:
+    """The bytes a rank holds between steps under FSDP with `PA`'s states, and what their dtypes imply over two ranks
+    plus one layer: bf16 weights, fp32 gradients, fp16 main weights (+ int8 remainder), fp8 and fp16 moments (+ block
+    scales)."""
+    per_param = 2 + 4 + state_bytes("fp16", master=True) + state_bytes("fp8") + state_bytes("fp16")
+    numel = sum(p.numel() for p in trainer.model.parameters())
+    layer = sum(p.numel() for p in trainer.model.decoder.layers[0].parameters())
+    return _held_bytes(trainer), per_param * (numel / 2 + layer)
+
+
+def _precision_aware_body(world_size, out_dir):
+    """--use-precision-aware-optimizer (O2's state dtypes) under FSDP: bf16 weight shards beside the optimizer's fp16
+    main weights and FP8 / fp16 moments of the shard, against the distributed optimizer with the same flags."""
+    flags = f"{FLAGS} --bf16 {PA}"
+    for name, extra, layout in (
+        ("bf16", "", PARAMS),
+        ("delayed", FP8, GRADS),
+        ("delayed, FP8 all-gather", f"{FP8} --fp8-param-gather", PARAMS),
+    ):
+        want, _ = _run(f"{flags} {extra} {DISTOPT}", world_size)
+        got, trainer = _run(f"{flags} {extra} {layout}", world_size)
+        _close(got, want, 1e-3, f"precision-aware states, {name}")
+        assert {local_shard(p).dtype for p in trainer.model.parameters()} == {torch.bfloat16}, name
+        held, bound = precision_aware_held(trainer)
+        assert _gathered_bytes(trainer.model) == 0, name
+        assert held <= bound, (name, held, bound)
+    # Its torch_dist checkpoint resumes exactly, and under the distributed optimizer with the same flags (its
+    # states re-encoded in that layout's blocks, stochastic rounding seeded afresh)
+    resume_across(f"--bf16 {PA}", f"{out_dir}/precision_aware", world_size, rel=1e-3)
 
 
 def test_fsdp_checkpoint_saves_shards_and_loads_under_other_layouts(tmp_path):

@@ -6,15 +6,26 @@ FSDP gathers each TE layer's weights in bf16 and TE casts them to FP8: under opt
 gathered weights stay for the step anyway). The distributed optimizer's TE layers accumulate their weight gradients
 into fp32 buffers inside the GEMM; FSDP's get bf16 gradients reduce-scattered in fp32. So the runs differ by
 rounding: losses within 2e-3 relative in bf16, 1e-2 with FP8 (tests/gpu/test_te_parallel.py's FP8 tolerance).
-Between steps each rank holds at most half of the weight, gradient and state bytes plus one layer. A torch_dist
-checkpoint written under FSDP resumes under the distributed optimizer."""
+Between steps each rank holds at most half of the weight, gradient and state bytes plus one layer; with O2's
+precision-aware states (bf16 weight shards) within 1e-2 of the distributed optimizer's, at most half the bytes their
+dtypes imply plus one layer. A torch_dist checkpoint written under FSDP resumes under the distributed optimizer."""
 
 import pytest
 import torch
 
 from megatron.config.te_rules import te_import_error
 from tests.dist_utils import run_distributed
-from tests.distributed.test_fsdp import DISTOPT, GRADS, PARAMS, _close, _gathered_bytes, _held_bytes, _run
+from tests.distributed.test_fsdp import (
+    DISTOPT,
+    GRADS,
+    PA,
+    PARAMS,
+    _close,
+    _gathered_bytes,
+    _held_bytes,
+    _run,
+    precision_aware_held,
+)
 from tests.distributed.test_parallel_layouts import BASE, FP8
 
 STEPS = 6
@@ -44,6 +55,12 @@ def _body(rank, world_size, out_dir):
             layers = list(trainer.model.decoder.layers)
             assert all(layer.cache_weight_casts == (name == "optim_grads") for layer in layers), name
             assert held <= bound, (name, recipe, held, bound)
+    # O2's precision-aware states: bf16 weight shards written by the fused (Triton) step from the fp16 main weights
+    want, _ = _run(f"{FLAGS} {FP8} {PA} {DISTOPT}", world_size)
+    got, trainer = _run(f"{FLAGS} {FP8} {PA} {PARAMS}", world_size)
+    _close(got, want, 1e-2, "TE precision-aware states", steps=STEPS)
+    held, bound = precision_aware_held(trainer)
+    assert _gathered_bytes(trainer.model) == 0 and held <= bound, (held, bound)
     ckpt = f"{BASE} {TE} {FP8} --eval-iters 0 --ckpt-format torch_dist --train-iters 4"
     whole, _ = _run(f"{ckpt} {PARAMS}", world_size)
     _run(f"{ckpt} --exit-interval 2 {PARAMS} --save {out_dir}/fsdp", world_size)

@@ -50,7 +50,12 @@ FSDP = "--use-megatron-fsdp"
         (f"{FSDP} --fp16", 2, "--fp16: not built yet"),
         (f"{FSDP} --init-model-with-meta-device --fp8-format hybrid", 2, "--init-model-with-meta-device with --fp8"),
         (f"{FSDP} --bf16 --fp8-grad-reduce", 2, "--fp8-grad-reduce"),
-        (f"{FSDP} --bf16 --use-precision-aware-optimizer", 2, "--use-precision-aware-optimizer"),
+        (f"{FSDP} --bf16 --fp8-optimizer-level O2", 2, "use --use-precision-aware-optimizer --main-params-dtype fp16"),
+        (
+            f"{FSDP} --bf16 --use-precision-aware-optimizer --megatron-fsdp-main-params-dtype bf16",
+            2,
+            "--megatron-fsdp-main-params-dtype bf16 with --use-precision-aware-optimizer: the optimizer holds",
+        ),
         (f"{FSDP} --bf16 --megatron-fsdp-main-params-dtype bf16", 2, "--megatron-fsdp-main-params-dtype bf16"),
         (f"{FSDP} --bf16 --megatron-fsdp-main-params-dtype auto", 2, "--megatron-fsdp-main-params-dtype auto"),
         (f"{FSDP} --megatron-fsdp-main-grads-dtype fp16", 2, "--megatron-fsdp-main-grads-dtype fp16"),
@@ -63,6 +68,15 @@ def test_combinations_not_built_fail_in_one_line(extra, world_size, message):
     with pytest.raises(ConfigError) as error:
         parse(extra, world_size)
     assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("main_params", ["fp32", "auto"])
+def test_precision_aware_states_are_built(main_params):
+    """bf16 weight shards beside the optimizer's fp16 main weights and FP8 / fp16 moments (test_fsdp.py)."""
+    states = "--use-precision-aware-optimizer --main-params-dtype fp16 --exp-avg-dtype fp8 --exp-avg-sq-dtype fp16"
+    fp8 = "--fp8-format hybrid --fp8-param-gather"
+    cfg = parse(f"{FSDP} --bf16 {states} --megatron-fsdp-main-params-dtype {main_params} {fp8}")
+    assert cfg.parallel.fsdp and cfg.optimizer.use_precision_aware_optimizer
 
 
 def test_fp8_param_gather_with_the_tensorwise_recipe_is_built():

@@ -158,6 +158,22 @@ def test_fsdp_over_two_data_parallel_ranks():
     assert "no fp32 main params" in line and "over 2 data-parallel ranks" in line, line
 
 
+def test_fsdp_with_precision_aware_states():
+    """FSDP at DP=2 with O2's precision-aware states: bf16 weight shards (1 B/param), fp32 gradient shards (2), the
+    optimizer's fp16 main weights with their remainder and block scales (3.03 / 2) and FP8 / fp16 moments
+    (1.03 / 2 + 2.03 / 2); the gathered units as without them."""
+    layer = (N - VOCAB * 128) / 2
+    states = "--use-precision-aware-optimizer --main-params-dtype fp16 --exp-avg-dtype fp8 --exp-avg-sq-dtype fp16"
+    cfg = parse(f"--bf16 --use-megatron-fsdp {states}", world_size=2)
+    est = estimate_bytes(cfg, N, VOCAB, torch.bfloat16)
+    assert est["weights"] == N + 2 * 2 * layer
+    assert est["grads"] == 2 * N + 2 * layer
+    assert est["main_params"] == pytest.approx((3 + 4 / 128) * N / 2)
+    assert est["adam"] == pytest.approx((3 + 8 / 128) * N / 2)
+    line = memory_estimate_lines(cfg, est, N, torch.bfloat16)[0]
+    assert "fp16 main params" in line and "over 2 data-parallel ranks, fp8/fp16" in line, line
+
+
 def test_fsdp_with_tensor_and_context_parallelism():
     """TP=2 x FSDP=2: N is this rank's tensor-parallel piece, sharded over the two data-parallel ranks (fp32 weights
     and gradients 2 + 2 bytes per parameter, Adam's 8 halved), and the rank's vocabulary matrix is half of it
