@@ -16,25 +16,13 @@
 # GPT2BPE ids < 8192), read by Megatron-LM through its NullTokenizer with --vocab-size 8191 (8192 ids, unpadded at
 # TP=2), and here with the same flags.
 set -u
-KIT=.devkit/anchors
-MEG=$(cd "${MEGATRON_DIR:-.anchors/megatron}" && pwd)
-ROOT=$(pwd)
-export PYTHONPATH=$ROOT/$KIT/shim:${PYTHONPATH:-} CUDA_DEVICE_MAX_CONNECTIONS=1 NVTE_FUSED_ATTN=1 PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0
-LLAMA="--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
- --untie-embeddings-and-output-weights --group-query-attention --attention-dropout 0 --hidden-dropout 0 --bf16"
-OPT="--lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1 --clip-grad 1.0
- --seed 1234 --log-interval 1 --transformer-impl transformer_engine --use-distributed-optimizer
- --distributed-backend nccl"
+source "$(dirname "${BASH_SOURCE[0]}")/mlm_flags.sh"
+OPT="$COSINE $ADAMW --log-interval 1"
 TINY="--num-layers 2 --hidden-size 64 --ffn-hidden-size 256 --num-attention-heads 4 --num-query-groups 2
  --seq-length 128 --max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 4 --mock-data
  --tokenizer-type NullTokenizer --vocab-size 1023 --train-iters 4 --save-interval 4 --eval-iters 0
  --eval-interval 1000 --lr-warmup-iters 1"
-SMALL="--num-layers 4 --hidden-size 256 --ffn-hidden-size 1024 --num-attention-heads 8 --num-query-groups 4
- --seq-length 512 --max-position-embeddings 512 --micro-batch-size 4 --global-batch-size 16
- --data-path $ROOT/.interop/data/python3.11-docs_text_document --split 98,1,1 --tokenizer-type NullTokenizer
- --vocab-size 8191 --train-iters 40 --lr-decay-iters 40 --eval-interval 20 --eval-iters 10"
-TP2="--tensor-model-parallel-size 2 --sequence-parallel"
+SMALL="$SMALL_MODEL $CORPUS $EVAL40 --lr-decay-iters 40"
 PORT=29600
 
 # megatron NAME NPROC FLAGS...: one Megatron-LM run in the background, its log in $LOGS/NAME.log

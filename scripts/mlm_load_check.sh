@@ -19,24 +19,12 @@
 # Prints each validation loss at 40 and its gap to the reference in %; logs in $OUT/mlm_load_check/.
 set -u
 MODE=${1:-mlm}
-KIT=.devkit/anchors
-MEG=$(cd "${MEGATRON_DIR:-.anchors/megatron}" && pwd)
-ROOT=$(pwd)
+source "$(dirname "${BASH_SOURCE[0]}")/mlm_flags.sh"
 W=/tmp/mlm_load_check
 LOGS=${OUT:-/tmp}/mlm_load_check
 mkdir -p "$W" "$LOGS"
-export PYTHONPATH=$ROOT/$KIT/shim:${PYTHONPATH:-} CUDA_DEVICE_MAX_CONNECTIONS=1 NVTE_FUSED_ATTN=1 PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0
-ls .interop/data/*_text_document.bin > /dev/null 2>&1 || python tools/build_default_corpus.py --output-dir .interop/data
-DATA=$(ls "$ROOT"/.interop/data/*_text_document.bin | head -1); DATA=${DATA%.bin}
-COMMON="--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
- --untie-embeddings-and-output-weights --group-query-attention --attention-dropout 0 --hidden-dropout 0 --bf16
- --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --log-interval 5 --transformer-impl transformer_engine
- --use-distributed-optimizer --distributed-backend nccl --num-layers 4 --hidden-size 256 --ffn-hidden-size 1024
- --num-attention-heads 8 --num-query-groups 4 --seq-length 512 --max-position-embeddings 512 --micro-batch-size 4
- --global-batch-size 16 --data-path $DATA --split 98,1,1 --tokenizer-type NullTokenizer --vocab-size 8191
- --train-iters 40 --eval-interval 20 --eval-iters 10 --tensor-model-parallel-size 2 --sequence-parallel"
-MLM_SCHEDULE="--lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5 --lr-decay-iters 40"
+COMMON="$LLAMA $ADAMW --log-interval 5 $SMALL_MODEL $CORPUS $EVAL40 $TP2"
+MLM_SCHEDULE="$COSINE --lr-decay-iters 40"
 CONSTANT="--lr 3e-4 --lr-decay-style constant --lr-warmup-iters 0"
 WEIGHTS_ONLY="--no-load-optim --no-load-rng"
 PORT=29650
