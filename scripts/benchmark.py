@@ -101,6 +101,14 @@ CONFIGS = {
     " --recompute-method block --recompute-num-layers 12",
     "te-delayed-recompute-block16": f"{TE} --fp8-format hybrid --fp8-recipe delayed --recompute-granularity full"
     " --recompute-method block --recompute-num-layers 16",
+    # FP8 weights (under FSDP: all-gathered as FP8) with fewer layers recomputed than O2's states alone allowed
+    "te-delayed-fp8params-recompute-block4": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather"
+    " --recompute-granularity full --recompute-method block --recompute-num-layers 4",
+    "te-delayed-fp8params-recompute-block8": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather"
+    " --recompute-granularity full --recompute-method block --recompute-num-layers 8",
+    # bf16 beside them on the same layout (its activations take more bytes than FP8's)
+    "te-bf16-recompute-block12": f"{TE} --recompute-granularity full --recompute-method block"
+    " --recompute-num-layers 12",
     # the fewest bytes a Llama-3-8B replica needs per GPU: FP8 weights, every layer recomputed (32k tokens at CP=2)
     "te-delayed-fp8params-recompute-full": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather"
     " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
@@ -129,11 +137,18 @@ LAYOUTS = {  # name: (GPUs, flags)
         2,
         "--overlap-grad-reduce --use-distributed-optimizer --overlap-param-gather --tp-only-amax-red",
     ),
-    # FSDP (PyTorch's FSDP2; TE configs gather bf16 weights, local configs also FP8 ones with --fp8-param-gather):
+    # FSDP (PyTorch's FSDP2; weights gathered in bf16, the FP8 layers' as FP8 with --fp8-param-gather):
     # weights, gradients and states sharded, each layer gathered before use with the next one prefetched;
     # optim_grads keeps the gathered weights from the first forward to the last backward of a step
     "fsdp2": (2, "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer"),
     "fsdp2_optim_grads": (2, "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"),
+    # units of at least 200M parameters (llama-1b: four layers; the 8B's layers are larger): fewer, larger
+    # collectives and a quarter of the per-unit hooks, one more unit's worth of gathered weights
+    "fsdp2_units200m": (
+        2,
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer"
+        " --suggested-communication-unit-size 200000000",
+    ),
     # fp32 gradient shards, reduce-scattered in bf16 (half the bytes of each micro-batch's reduce-scatter)
     "fsdp2_bf16comm": (
         2,

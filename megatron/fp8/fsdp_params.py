@@ -55,9 +55,10 @@ _GATHERED_VIEWS = {aten.detach.default, aten.alias.default, aten.as_strided.defa
 
 class GatherScale:
     """The scale one weight is cast with before its all-gather, and the amax it came from (shared by all wrappers
-    of the weight's shard). `state`: the linear's `Fp8LinearState` (its recipe; delayed scaling's scale)."""
+    of the weight's shard). `state`: the local linear's `Fp8LinearState` (its recipe; delayed scaling's scale), None
+    for a Transformer Engine weight (te_fsdp_params.py: fp8_max / amax, whatever the recipe)."""
 
-    def __init__(self, device: torch.device, state: Any):
+    def __init__(self, device: torch.device, state: Any | None):
         self.scale = torch.ones((), device=device)
         self.amax = torch.zeros((), device=device)
         self.state = state
@@ -65,10 +66,10 @@ class GatherScale:
     def set(self, amax: torch.Tensor) -> None:
         """The weight's agreed amax, and its scale: delayed scaling's current weight scale once it has one (the
         scale the distributed optimizer casts its FP8 weights with), else fp8_max / amax."""
-        amax_state = self.state.amax
         self.amax.copy_(amax)
-        if self.state.recipe.delayed and amax_state.generation > 0:
-            self.scale.copy_(amax_state.scale[self.state.index, Role.WEIGHT.value])
+        delayed = self.state is not None and self.state.recipe.delayed
+        if delayed and self.state.amax.generation > 0:
+            self.scale.copy_(self.state.amax.scale[self.state.index, Role.WEIGHT.value])
         else:
             self.scale.copy_(scale_from_amax(amax, E4M3))
 
@@ -80,7 +81,7 @@ class Fp8ShardWeight(torch.Tensor):
     _scale: GatherScale
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, scale: GatherScale) -> Fp8ShardWeight:
+    def __new__(cls, tensor: torch.Tensor, scale: GatherScale, *state: Any) -> Fp8ShardWeight:
         return torch.Tensor._make_wrapper_subclass(
             cls, tensor.size(), strides=tensor.stride(), dtype=tensor.dtype, device=tensor.device
         )
@@ -92,17 +93,21 @@ class Fp8ShardWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        scales = []
+        wrappers = []
 
         def unwrap(t: Fp8ShardWeight) -> torch.Tensor:
-            scales.append(t._scale)
+            wrappers.append(t)
             return t._tensor
 
         args, kwargs = tree_map_only(Fp8ShardWeight, unwrap, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _SHARD_OPS:  # arithmetic (the optimizer's, the amax): plain tensors
             return out
-        return tree_map_only(torch.Tensor, lambda t: Fp8ShardWeight(t, scales[0]), out)
+        return tree_map_only(torch.Tensor, wrappers[0].rewrap, out)
+
+    def rewrap(self, tensor: torch.Tensor) -> Fp8ShardWeight:
+        """`tensor` (a result of FSDP's ops on this shard) wrapped as this shard is, sharing its scale."""
+        return Fp8ShardWeight(tensor, self._scale)
 
     def __repr__(self) -> str:
         return f"Fp8ShardWeight({self._tensor})"

@@ -25,7 +25,8 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
     step, as the distributed optimizer's);
   * with --fp8-param-gather (delayed, tensorwise), the FP8 linears' weights are all-gathered as E4M3 bytes with
     one scale per tensor agreed by the ranks once per step (megatron/fp8/fsdp_params.py), and the linears read
-    them as their FP8 operands.
+    them as their FP8 operands: the local linears as their own FP8 weights, Transformer Engine's as TE Float8Tensors
+    (megatron/fp8/te_fsdp_params.py), which TE casts no more.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from megatron.config import Config
 from megatron.config.sharding import grad_comm_bf16, main_grads_bf16, shards_hold_main_weights
 from megatron.fp8.fsdp_params import Fp8GatherScales, Fp8ShardWeight, wrap_fp8_weight
+from megatron.fp8.linear import Fp8LinearState
+from megatron.fp8.te_fsdp_params import wrap_te_fp8_weight
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:
@@ -80,11 +83,19 @@ def fsdp_units(layers: list[nn.Module], unit_size: int | None) -> list[list[nn.M
 
 
 def _wrap_fp8_weights(modules: list[nn.Module]) -> None:
-    """--fp8-param-gather: the FP8 linears' (fp32) weights become shards whose all-gather moves E4M3 bytes."""
+    """--fp8-param-gather: the FP8 linears' (fp32) weights become shards whose all-gather moves E4M3 bytes: the local
+    linears (their `fp8` state) and the Transformer Engine linears of the layers in FP8 (`te_modules()` of a layer
+    whose autocast has it among its FP8 layers; layers kept in bf16 gather bf16)."""
     for module in modules:
-        for linear in module.modules():
-            if getattr(linear, "fp8", None) is not None and not isinstance(linear.weight, DTensor):
-                linear.weight = wrap_fp8_weight(linear.weight, linear.fp8)
+        for sub in module.modules():
+            if hasattr(sub, "te_modules"):
+                autocast = sub.fp8
+                if autocast is not None and sub.layer_number in autocast.fp8_layers:
+                    for linear in sub.te_modules():
+                        if not isinstance(linear.weight, DTensor):
+                            linear.weight = wrap_te_fp8_weight(linear.weight)
+            elif isinstance(getattr(sub, "fp8", None), Fp8LinearState) and not isinstance(sub.weight, DTensor):
+                sub.weight = wrap_fp8_weight(sub.weight, sub.fp8)
 
 
 def _cast_unsharded(modules: list[nn.Module], dtype: torch.dtype) -> None:

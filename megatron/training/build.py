@@ -5,6 +5,7 @@ its linears -> gradient buffers -> optimizer."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -46,7 +47,10 @@ def build_model(
         initialize_userbuffers(cfg, dims.tp)
     chunks = cfg.stage_chunks(dims.pp_rank)
     stage = Stage.of_chunks(chunks, pre_process=dims.is_first_stage, post_process=dims.is_last_stage)
-    build = partial(GPTModel, cfg.model, vocab_size, precision=cfg.precision, amax_group=dims.amax_group, tp=tp)
+    # Under FSDP the FP8 weights are high-precision shards that FSDP all-gathers as FP8 (megatron/parallel/fsdp.py),
+    # not TE's quantized parameters (as the local layers' are not Fp8Parameters then: megatron/fp8/manager.py)
+    precision = replace(cfg.precision, fp8_param_gather=False) if par.fsdp else cfg.precision
+    build = partial(GPTModel, cfg.model, vocab_size, precision=precision, amax_group=dims.amax_group, tp=tp)
     deferred = DeferredInit(build, stage, cfg.precision.params_dtype) if par.init_model_with_meta_device else None
     model = deferred.model if deferred else build(stage=stage).to(device, cfg.precision.params_dtype)
     attach_context_parallel(model, cp)

@@ -212,21 +212,32 @@ def _counted(flags: str, world_size: int) -> tuple[list[float], list[int], int]:
     """Losses of a run, the bytes each rank sent into every all-gather (FSDP2 calls all_gather_single), and the
     number of all-reduces it ran."""
     sent, reduces = [], []
-    gather, reduce = dist.all_gather_single, dist.all_reduce
+    # FSDP2's all-gather: all_gather_single in torch 2.13, all_gather_into_tensor in earlier ones (the GPU image's)
+    gathers = {
+        name: getattr(dist, name) for name in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, name)
+    }
+    reduce = dist.all_reduce
 
-    def counting_gather(output, input, *args, **kwargs):
-        sent.append(input.numel() * input.element_size())
-        return gather(output, input, *args, **kwargs)
+    def counting(gather):
+        def counting_gather(output, input, *args, **kwargs):
+            sent.append(input.numel() * input.element_size())
+            return gather(output, input, *args, **kwargs)
+
+        return counting_gather
 
     def counting_reduce(*args, **kwargs):
         reduces.append(1)
         return reduce(*args, **kwargs)
 
-    dist.all_gather_single, dist.all_reduce = counting_gather, counting_reduce
+    for name, gather in gathers.items():
+        setattr(dist, name, counting(gather))
+    dist.all_reduce = counting_reduce
     try:
         losses, _ = _run(flags, world_size)
     finally:
-        dist.all_gather_single, dist.all_reduce = gather, reduce
+        for name, gather in gathers.items():
+            setattr(dist, name, gather)
+        dist.all_reduce = reduce
     return losses, sent, len(reduces)
 
 

@@ -8,12 +8,16 @@ into fp32 buffers inside the GEMM; FSDP's get bf16 gradients reduce-scattered in
 rounding: losses within 2e-3 relative in bf16, 1e-2 with FP8 (tests/gpu/test_te_parallel.py's FP8 tolerance).
 Between steps each rank holds at most half of the weight, gradient and state bytes plus one layer; with O2's
 precision-aware states (bf16 weight shards) within 1e-2 of the distributed optimizer's, at most half the bytes their
-dtypes imply plus one layer. A torch_dist checkpoint written under FSDP resumes under the distributed optimizer."""
+dtypes imply plus one layer. With --fp8-param-gather the FP8 layers' weights are all-gathered as E4M3 bytes instead
+(megatron/fp8/te_fsdp_params.py), within 1e-2 of the distributed optimizer's TE FP8 weights, with fp32 and O2's bf16
+shards, each gather of an FP8 layer at most 0.55x bf16's bytes. A torch_dist checkpoint written under FSDP resumes
+under the distributed optimizer."""
 
 import pytest
 import torch
 
 from megatron.config.te_rules import te_import_error
+from megatron.fp8.te_fsdp_params import TeFp8ShardWeight
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import (
     DISTOPT,
@@ -21,6 +25,7 @@ from tests.distributed.test_fsdp import (
     PA,
     PARAMS,
     _close,
+    _counted,
     _gathered_bytes,
     _held_bytes,
     _run,
@@ -61,11 +66,35 @@ def _body(rank, world_size, out_dir):
     _close(got, want, 1e-2, "TE precision-aware states", steps=STEPS)
     held, bound = precision_aware_held(trainer)
     assert _gathered_bytes(trainer.model) == 0 and held <= bound, (held, bound)
+    _fp8_gather(world_size)
     ckpt = f"{BASE} {TE} {FP8} --eval-iters 0 --ckpt-format torch_dist --train-iters 4"
     whole, _ = _run(f"{ckpt} {PARAMS}", world_size)
     _run(f"{ckpt} --exit-interval 2 {PARAMS} --save {out_dir}/fsdp", world_size)
     resumed, _ = _run(f"{ckpt} {DISTOPT} --load {out_dir}/fsdp", world_size)
     _close(resumed, whole[2:], 1e-2, "TE: the distributed optimizer from FSDP's checkpoint", steps=2)
+
+
+def _fp8_gather(world_size):
+    """--fp8-param-gather: the FP8 layers' TE weights all-gathered as E4M3 bytes (at most 0.55x bf16's, the bf16
+    layers' and norms' unchanged) and read as Float8Tensors, against the distributed optimizer's TE FP8 weights;
+    after each step no gathered byte and no transpose buffer is left."""
+    _, bf16_sent, _ = _counted(f"{FLAGS} {FP8} {PARAMS}", world_size)
+    for extra in ("", PA):
+        want, _ = _run(f"{FLAGS} {FP8} {extra} --fp8-param-gather {DISTOPT}", world_size)
+        for name, flags in (("optim_grads_params", PARAMS), ("optim_grads", GRADS)):
+            label = f"TE FP8 all-gather {name} {extra}"
+            got, sent, _ = _counted(f"{FLAGS} {FP8} {extra} --fp8-param-gather {flags}", world_size)
+            _close(got, want, 1e-2, label, steps=STEPS)
+            if flags == PARAMS and not extra:
+                shrunk = [(a, b) for a, b in zip(sent, bf16_sent) if a != b]
+                assert len(sent) == len(bf16_sent) and shrunk, label
+                assert all(a <= 0.55 * b for a, b in shrunk), (label, shrunk[:4])
+            trainer = _run(f"{FLAGS} {FP8} {extra} --fp8-param-gather {flags} --train-iters 2", world_size)[1]
+            shards = [m.weight.to_local() for layer in trainer.model.decoder.layers[1:] for m in layer.te_modules()]
+            assert shards and all(isinstance(t, TeFp8ShardWeight) for t in shards), label
+            buffers = [t._gather.transpose for t in shards if t._gather.transpose is not None]
+            assert all(b.untyped_storage().nbytes() == 0 for b in buffers), label
+            assert _gathered_bytes(trainer.model) == 0, label
 
 
 def test_te_fsdp_matches_distributed_optimizer(tmp_path):

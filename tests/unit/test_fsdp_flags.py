@@ -99,7 +99,7 @@ def test_overlap_flags_are_noted_not_silent():
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ("--fp8-param-gather", "--fp8-param-gather and --transformer-impl transformer_engine: not built yet"),
+        ("--fp8-auto-bf16", "--fp8-param-gather and --fp8-auto-bf16 under --transformer-impl transformer_engine"),
         ("--init-model-with-meta-device", "--init-model-with-meta-device and --transformer-impl transformer_engine"),
     ],
 )
@@ -107,7 +107,7 @@ def test_transformer_engine_layers_under_fsdp_refuse_what_is_not_built(extra, me
     # TE does not run on this CPU machine: the rule is checked on a configuration whose layers resolved to TE's
     cfg = parse(f"{FSDP} --bf16")
     cfg.model.transformer_impl = "transformer_engine"
-    cfg.precision.fp8_param_gather = extra == "--fp8-param-gather"
+    cfg.precision.fp8_param_gather = cfg.precision.fp8_auto_bf16 = extra == "--fp8-auto-bf16"
     cfg.parallel.init_model_with_meta_device = extra == "--init-model-with-meta-device"
     with pytest.raises(ConfigError) as error:
         check_fsdp_layers(cfg)

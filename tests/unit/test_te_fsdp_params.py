@@ -1,0 +1,38 @@
+"""The shard side of TE's FP8 all-gather under FSDP (megatron/fp8/te_fsdp_params.py), which needs no GPU: FSDP2's
+ops on a shard keep the TE wrapper and the per-weight state it shares (scale, transpose buffer), the optimizer's
+arithmetic gives plain tensors, and the cast before the gather is the local layers' (E4M3 bytes at the agreed
+scale, padded to FSDP's rows). The gathered side (a TE Float8Tensor) runs in tests/gpu/test_te_fsdp.py."""
+
+import torch
+
+from megatron.fp8.fsdp_params import Fp8ShardWeight
+from megatron.fp8.te_fsdp_params import TeFp8ShardWeight, wrap_te_fp8_weight
+
+
+class _Mesh:
+    def size(self) -> int:
+        return 2
+
+
+def test_fsdp_ops_keep_the_wrapper_and_its_state():
+    param = wrap_te_fp8_weight(torch.randn(3, 8))
+    shard = param.data
+    assert isinstance(shard, TeFp8ShardWeight)
+    for piece in (shard.view(-1), shard.narrow(0, 0, 2), shard.detach(), torch.chunk(shard, 2)[0]):
+        assert type(piece) is TeFp8ShardWeight
+        assert piece._scale is shard._scale and piece._gather is shard._gather
+    assert type(shard * 2) is torch.Tensor  # arithmetic: plain
+    local = Fp8ShardWeight(torch.randn(2, 2), shard._scale)
+    assert type(local.view(-1)) is Fp8ShardWeight  # the local layers' wrapper stays its own class
+
+
+def test_cast_before_the_gather_is_padded_e4m3_at_the_agreed_scale():
+    weight = torch.randn(3, 8)
+    shard = wrap_te_fp8_weight(weight).data
+    amax = weight.abs().amax()
+    shard._scale.set(amax)  # what Fp8GatherScales.agree does with the max over the ranks
+    (data,), (scale_inv, orig_size) = shard.fsdp_pre_all_gather(_Mesh(), torch.Size([5, 8]), (8, 1), None, None)
+    assert data.dtype == torch.uint8 and data.shape == (3, 8) and orig_size == (5, 8)  # ceil(5 / 2) rows
+    expect = (weight * (448.0 / amax)).to(torch.float8_e4m3fn)
+    assert torch.equal(data, expect.view(torch.uint8))
+    assert torch.allclose(scale_inv, amax / 448.0)
