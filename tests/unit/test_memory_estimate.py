@@ -8,12 +8,16 @@ The output layer's backward adds its weight gradient (128 x 128 x 2 bytes) and i
 2): 65,536 bytes of buffers in bf16, twice that in fp32.
 """
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
 from megatron.config import Config, parse_args
 from megatron.training.memory import estimate_bytes, in_flight_layers, memory_estimate_lines
 
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 SHAPE = "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2"
 VOCAB = 128
 N = 1_000_000  # parameters on this rank
@@ -347,3 +351,20 @@ def test_llama3_8b_bf16_gradient_shards_peak_in_the_optimizer_step():
     assert est["total"] / 2**30 == pytest.approx(69.55, rel=0.05)
     (line,) = memory_estimate_lines(cfg, est, n, torch.bfloat16)
     assert "optimizer step +14.96 GiB (the peak) (fp32 copies of the bf16 gradients)" in line, line
+
+
+def test_memory_estimate_script_builds_the_benchmark_rows():
+    """scripts/memory_estimate.py parses a benchmark row as pretrain_gpt.py would and counts its parameters from the
+    shapes: llama-1b te-delayed fsdp2 is the configuration and parameter count above; under a pipeline the busiest
+    rank's estimate (the first: it holds pp micro-batches in flight)."""
+    spec = importlib.util.spec_from_file_location("memory_estimate", SCRIPTS / "memory_estimate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    cfg, est, (line,) = script.estimate("llama-1b", "te-delayed", "fsdp2")
+    expected = llama("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer")
+    assert est == estimate_bytes(expected, L1B_N, L1B_V, torch.bfloat16)
+    assert cfg.model.transformer_impl == "transformer_engine" and "(total ~17.24 GiB;" in line, line
+    _, est, _ = script.estimate("llama-1b", "te-delayed", "pp2")
+    per_stage = 8 * L1B_LAYER + L1B_V * L1B_H  # the embedding and 8 layers
+    first = estimate_bytes(llama("--pipeline-model-parallel-size 2"), round(per_stage), L1B_V, torch.bfloat16)
+    assert est["total"] == first["total"]
