@@ -1,10 +1,9 @@
-"""A start-of-run memory estimate, per GPU (Megatron-LM's accounting, before fragmentation and workspaces).
+"""A start-of-run memory estimate, per GPU: what torch.cuda.max_memory_allocated should read at the peak.
 
-Weights and optimizer, in bytes per parameter of this rank:
+Held for the whole run, in bytes per parameter of this rank:
 
 * weights: 2 in bf16, 4 in fp32; 1 for each FP8 parameter (--fp8-param-gather: the transformer linears' weights,
-  stored only in FP8). Transformer Engine on Hopper also keeps an FP8 transpose of each FP8 weight for the
-  backward pass; like the weight casts TE caches for bf16 weights, that is not counted.
+  stored only in FP8).
 * gradients: 4, the fp32 accumulation buffer (`main_grad`), whatever the weights' type; 2 in bf16
   (--grad-reduce-in-bf16, --main-grads-dtype bf16).
 * main (master) parameters: 4 (fp32) when the weights are not fp32 (bf16, or any FP8 parameter: the optimizer then
@@ -12,18 +11,29 @@ Weights and optimizer, in bytes per parameter of this rank:
   parameters of the precision-aware optimizer: 3.03 (data, remainder and block scales; `state_bytes`).
 * Adam states: two fp32 moments, 8; with the precision-aware optimizer 4, 2 or 2.03, 1.03 each (fp32, bf16 or
   fp16, fp8).
+* Transformer Engine's FP8 weight casts: without FSDP, TE keeps each FP8 linear's weight cast for the step's later
+  micro-batches, with its transpose on Hopper (2 bytes per element; an FP8 parameter's transpose: 1). Under FSDP2
+  TE (2.16 and later) keeps none: it casts the gathered weight for each GEMM and frees the cast, so none is held
+  at the peak, under either strategy. The local layers' casts are not counted.
 
 The distributed optimizer keeps 1/dp of the main copy and the moments (the gradient buffer stays whole: it is
 reduce-scattered in place). FSDP keeps 1/dp of the weights, gradients and moments: fp32 weight shards that are the
 main weights, or with --use-precision-aware-optimizer shards in the training dtype beside 1/dp of its main weights.
 
-Activations of one micro-batch without recomputation, Korthikanti et al. (2022), for
-16-bit activations: per layer s * b * h * (34 + 5 * a * s / h) bytes; SDPA's fused kernels do not keep the
-a * s * s attention matrix, so we drop that term. With tensor parallelism t that is s * b * h * (10 + 24 / t), and
-34 * s * b * h / t with sequence parallelism; only this pipeline stage's layers count, as often as its schedule
-holds micro-batches in flight (`in_flight_layers`: pp of them on the first stage under 1F1B). Activation recomputation
-removes what it recomputes (`recomputed_activation_units`). Plus the fp32 logits and their gradient
-(8 * s * b * V / t).
+The peak comes at the start of the backward pass, or in the optimizer step, whichever holds more:
+
+* activations (`activation_memory.py`): what this stage's layers keep for backward at their own widths (Korthikanti
+  et al.'s 34 bytes per token and hidden unit for a GPT-3 layer), as often as the schedule holds micro-batches in
+  flight (`in_flight_layers`: pp of them on the first stage under 1F1B), less what recomputation drops; on the
+  stage that computes the loss, the final norm's and the output layer's inputs and the logits: Transformer Engine's
+  cross-entropy keeps them in the training dtype and writes their gradient into them; the other losses 8 bytes per
+  logit (fp32 logits and their gradient).
+* backward buffers: the output layer's weight gradient in the training dtype (added into `main_grad` or
+  reduce-scattered after the layer's backward) and its input gradient; under FSDP what is gathered (the output unit
+  being computed and the last layer's unit prefetched, or the whole model under optim_grads) and the reduce-scatter
+  staging where it outgrows what it replaces.
+* the optimizer step: torch's AdamW upcasts bf16 gradients to fp32 copies of this rank's whole shard at once; the
+  precision-aware optimizer writes FP8 weights' new main values into fp32 pieces before casting them.
 
 `estimate_bytes` gives the numbers; `memory_estimate_lines` writes them as the start-of-run log line, and
 `print_peak_memory` the total again beside the measured peak at the end of the run.
@@ -31,13 +41,16 @@ removes what it recomputes (`recomputed_activation_units`). Plus the fp32 logits
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 from megatron.config import Config
-from megatron.config.sharding import main_grads_bf16, shards_hold_main_weights
+from megatron.config.sharding import grad_comm_bf16, main_grads_bf16, shards_hold_main_weights
 from megatron.optim.states import state_bytes
 
+from .activation_memory import recomputed_activation_units
 from .logger import print_rank_0
 
 
@@ -66,24 +79,87 @@ def _optimizer_shards(cfg: Config) -> int:
     return shards if cfg.optimizer.use_distributed_optimizer or cfg.parallel.fsdp else 1
 
 
-def _fsdp_weights_and_grads(cfg: Config, num_params: int, vocab_size: int, itemsize: int) -> tuple[float, float]:
-    """FSDP's weights and gradients per rank: fp32 shards of both (bf16 gradients with
-    --megatron-fsdp-main-grads-dtype bf16; the weight shards are the main weights, or hold the training dtype with
-    --use-precision-aware-optimizer, whose main weights `estimate_bytes` counts as the optimizer's), plus at the
-    peak what is gathered in the training dtype, the whole model under optim_grads (kept through the step) or two
-    units (the one computing and the one prefetched; a unit is a layer or the vocabulary matrix, whichever is
-    larger), and one unit's unsharded gradient before its reduce-scatter. Under tensor parallelism `num_params` is
-    this rank's tensor-parallel piece, which FSDP shards over the data (x context) parallel ranks, and a rank holds
-    1/t of the vocabulary matrix (vocabulary-parallel embedding and output layer)."""
-    m = cfg.model
+def _te(cfg: Config) -> bool:
+    return cfg.model.transformer_impl == "transformer_engine"
+
+
+def _stage_layers(cfg: Config, pp_rank: int) -> list[int]:
+    """Global (1-based) numbers of pipeline rank `pp_rank`'s transformer layers."""
+    return [n for chunk in cfg.stage_chunks(pp_rank) for n in chunk]
+
+
+def _layer_params(cfg: Config, num_params: int, vocab: float, pp_rank: int) -> float:
+    """One transformer layer's parameters on this rank: the stage's `num_params` less its vocabulary matrices
+    (`vocab` elements each: the embedding on the first stage, the output layer, or tied a copy of the embedding, on
+    the last), over its layers."""
+    pp = cfg.parallel.pipeline_model_parallel_size
+    untied = cfg.model.untie_embeddings_and_output_weights
+    matrices = int(pp_rank == 0) + int(pp_rank == pp - 1 and (untied or pp > 1))
+    return (num_params - matrices * vocab) / max(len(_stage_layers(cfg, pp_rank)), 1)
+
+
+def _fsdp_weights_and_grads(cfg: Config, num_params: int, itemsize: int) -> tuple[float, float]:
+    """FSDP's weight and gradient shards per rank: fp32 (bf16 gradients with --megatron-fsdp-main-grads-dtype bf16;
+    the weight shards are the main weights, or hold the training dtype with --use-precision-aware-optimizer, whose
+    main weights `estimate_bytes` counts as the optimizer's). Under tensor parallelism `num_params` is this rank's
+    tensor-parallel piece, which FSDP shards over the data (x context) parallel ranks."""
     dp = _optimizer_shards(cfg)
-    vocab = vocab_size * m.hidden_size / cfg.parallel.tensor_model_parallel_size
-    layer = (num_params - vocab * (2 if m.untie_embeddings_and_output_weights else 1)) / max(m.num_layers, 1)
-    unit = max(layer, vocab, cfg.parallel.suggested_communication_unit_size or 0)
-    gathered = num_params if cfg.parallel.data_parallel_sharding_strategy == "optim_grads" else 2 * unit
-    grad_bytes = 2 if main_grads_bf16(cfg) else 4
     shard_bytes = 4 if shards_hold_main_weights(cfg) else itemsize
-    return num_params * shard_bytes / dp + gathered * itemsize, num_params * grad_bytes / dp + unit * itemsize
+    return num_params * shard_bytes / dp, num_params * (2 if main_grads_bf16(cfg) else 4) / dp
+
+
+def _fsdp_buffers(
+    cfg: Config, num_params: int, vocab: float, layer: float, itemsize: int, loss_side: float
+) -> tuple[float, float]:
+    """(gathered, staging): FSDP's buffers at the peak, the start of the backward pass, in bytes.
+
+    gathered: the units FSDP holds gathered in the training dtype: under optim_grads_params the output unit (the
+    final norm and untied output layer, kept from its forward to its backward; tied, the root with the embedding)
+    and the last layer unit, which its backward prefetches (one or more layers: --suggested-communication-unit-size);
+    under optim_grads every unit, kept for the whole step. With --fp8-param-gather the FP8 layers' linears are
+    gathered as E4M3, 1 byte per element; Transformer Engine's layers also get a 1-byte transpose of each, allocated
+    with the gathered unit and freed with it: 2 bytes, as in bf16 (then without TE's own cast of the bf16 weight,
+    which is not held at the peak either: see the module docstring). Norm weights are counted as the linears.
+
+    staging: after the output unit's backward, each unit's backward holds its unsharded gradient (training dtype)
+    while the previous unit's reduce-scatter input and output (the reduce dtype: bf16 with bf16 gradient shards or
+    --megatron-fsdp-grad-comm-dtype bf16, else fp32) are still in flight (FSDP2 frees them at the next unit's
+    reduce-scatter). By then the logits and the output layer's tensors (`loss_side` bytes) are freed, so only what
+    the staging of the largest unit exceeds them by raises the peak."""
+    par, prec, m = cfg.parallel, cfg.precision, cfg.model
+    fp8 = prec.fp8_layer_numbers(m.num_layers)
+    fp8_bytes = (2 if _te(cfg) else 1) if prec.fp8_param_gather else itemsize
+    unit_size = par.suggested_communication_unit_size
+    per_unit = min(max(math.ceil(unit_size / layer), 1), m.num_layers) if unit_size and layer > 0 else 1
+    if par.data_parallel_sharding_strategy == "optim_grads":
+        gathered = (num_params - len(fp8) * layer) * itemsize + len(fp8) * layer * fp8_bytes
+    else:
+        last_fp8 = m.num_layers in fp8
+        gathered = vocab * itemsize + per_unit * layer * (fp8_bytes if last_fp8 else itemsize)
+    unit = max(vocab, per_unit * layer)
+    rs = 2 if grad_comm_bf16(cfg) else 4
+    staging = unit * (itemsize + rs + rs / _optimizer_shards(cfg))
+    return gathered, max(staging - loss_side, 0.0)
+
+
+def _step_bytes(cfg: Config, num_params: int, fp8_params: int) -> float:
+    """What the optimizer step allocates beside the states (`MixedPrecisionAdamW.step`): torch's AdamW steps fp32
+    main parameters, so bf16 gradients (FSDP's bf16 gradient shards, --grad-reduce-in-bf16) are upcast to fp32
+    copies of this rank's whole shard at once; the precision-aware optimizer's fused kernel reads them as they are,
+    but writes the new main values of FP8 weights into fp32 tensors of this rank's pieces, all allocated before the
+    step and cast into the weights after it (`_model_copies`)."""
+    shards = _optimizer_shards(cfg)
+    if cfg.optimizer.use_precision_aware_optimizer:
+        return 4 * fp8_params / shards
+    bf16 = main_grads_bf16(cfg) if cfg.parallel.fsdp else cfg.parallel.grad_reduce_in_bf16
+    return 4 * num_params / shards if bf16 else 0.0
+
+
+def _te_cross_entropy(cfg: Config) -> bool:
+    """Whether the loss is Transformer Engine's fused cross-entropy (as `GPTModel.forward` chooses it)."""
+    m = cfg.model
+    fused = m.cross_entropy_fusion_impl if m.cross_entropy_loss_fusion else None
+    return fused == "te" or (fused is None and _te(cfg) and not cfg.precision.fp16)
 
 
 def in_flight_layers(cfg: Config, pp_rank: int = 0) -> int:
@@ -119,78 +195,65 @@ def estimate_bytes(
     pp_rank: int = 0,
     fp8_params: int = 0,
 ) -> dict[str, float]:
-    """Bytes per GPU by category: `weights`, `grads`, `main_params`, `adam`, `activations` (those of the micro-batches
-    the schedule holds at once, `in_flight` of them, plus one micro-batch's logits), `static` (all but activations)
-    and `total`. `num_params`: the parameters of pipeline rank `pp_rank`, of which `fp8_params` are stored in
-    FP8."""
+    """Bytes per GPU by category: held for the run `weights`, `grads`, `main_params`, `adam`, `weight_casts` (TE's
+    FP8 weight casts), together `static`; at the start of the backward `activations` (those of the micro-batches the
+    schedule holds at once, `in_flight` of them, plus the loss's) and `buffers` (see the module docstring); `step`,
+    what the optimizer step adds; `total`, static plus the larger of activations + buffers and step. `num_params`:
+    the parameters of pipeline rank `pp_rank`, of which `fp8_params` are stored in FP8."""
     if not 0 <= fp8_params <= num_params:
         raise ValueError(f"fp8_params ({fp8_params}) must lie in [0, num_params ({num_params})]")
-    high_precision = dtype.itemsize
-    weights = fp8_params * 1 + (num_params - fp8_params) * high_precision
-    opt = cfg.optimizer
+    itemsize = dtype.itemsize
+    weights = fp8_params * 1 + (num_params - fp8_params) * itemsize
+    opt, par, m = cfg.optimizer, cfg.parallel, cfg.model
     shards = _optimizer_shards(cfg)
     # The optimizer keeps a main copy of every parameter as soon as one of them is not fp32 (FP8 ones included).
     has_main_copy = dtype != torch.float32 or fp8_params > 0
     main_params = num_params * state_bytes(opt.main_params_dtype, master=True) / shards if has_main_copy else 0
-    grads = num_params * (2 if cfg.parallel.grad_reduce_in_bf16 else 4)
+    grads = num_params * (2 if par.grad_reduce_in_bf16 else 4)
     adam = num_params * (state_bytes(opt.exp_avg_dtype) + state_bytes(opt.exp_avg_sq_dtype)) / shards
-    if cfg.parallel.fsdp:
-        weights, grads = _fsdp_weights_and_grads(cfg, num_params, vocab_size, high_precision)
+    t = par.tensor_model_parallel_size
+    vocab = vocab_size * m.hidden_size / t  # this rank's vocabulary matrix (vocabulary-parallel under TP)
+    layers = _stage_layers(cfg, pp_rank)
+    layer = _layer_params(cfg, num_params, vocab, pp_rank)
+    fp8_layers = len(set(layers) & set(cfg.precision.fp8_layer_numbers(m.num_layers)))
+    weight_casts = 0.0
+    if _te(cfg) and cfg.precision.fp8 and not par.fsdp:  # kept for the step: data and transpose, 1 byte each
+        weight_casts = fp8_params if fp8_params else 2.0 * fp8_layers * layer  # an FP8 parameter: its transpose
+    if par.fsdp:
+        weights, grads = _fsdp_weights_and_grads(cfg, num_params, itemsize)
         main_params = 0 if shards_hold_main_weights(cfg) else main_params
-    m = cfg.model
     # this rank's part of the sequence under context parallelism
-    s, b, h = m.seq_length // cfg.parallel.context_parallel_size, cfg.training.micro_batch_size, m.hidden_size
-    act_scale = dtype.itemsize / 2
-    layers = sum(len(chunk) for chunk in cfg.stage_chunks(pp_rank))
+    s, b, h = m.seq_length // par.context_parallel_size, cfg.training.micro_batch_size, m.hidden_size
+    act_scale = itemsize / 2  # the activation terms count 16-bit tensors
     held = in_flight_layers(cfg, pp_rank)
-    units = recomputed_activation_units(cfg, layers, held)
-    activations = units * s * b * h * act_scale + 8 * s * b * vocab_size / cfg.parallel.tensor_model_parallel_size
-    static = weights + grads + main_params + adam
+    activations = recomputed_activation_units(cfg, layers, held) * s * b * h * act_scale
+    buffers = loss_side = 0.0
+    if pp_rank == par.pipeline_model_parallel_size - 1:  # the stage that computes the loss
+        logits = (itemsize if _te_cross_entropy(cfg) else 8) * s * b * vocab_size / t
+        # the final norm's input (a sequence-parallel shard) and the output layer's (gathered) input
+        inputs = (2 / t if par.sequence_parallel else 2) * s * b * h * act_scale + 2 * s * b * h * act_scale
+        activations += logits + inputs
+        # the output layer's backward: its weight gradient in the training dtype and its input gradient
+        buffers = vocab * itemsize + s * b * h * itemsize
+        loss_side = logits + inputs + buffers
+    if par.fsdp:
+        gathered, staging = _fsdp_buffers(cfg, num_params, vocab, layer, itemsize, loss_side)
+        buffers += gathered + staging
+    step = _step_bytes(cfg, num_params, fp8_params)
+    static = weights + grads + main_params + adam + weight_casts
     return {
         "weights": weights,
         "grads": grads,
         "main_params": main_params,
         "adam": adam,
+        "weight_casts": weight_casts,
         "activations": activations,
-        "in_flight": held / layers if layers else 0.0,
+        "buffers": buffers,
+        "step": step,
+        "in_flight": held / len(layers) if layers else 0.0,
         "static": static,
-        "total": static + activations,
+        "total": static + max(activations + buffers, step),
     }
-
-
-def recomputed_activation_units(cfg: Config, layers: int, held: float | None = None) -> float:
-    """Activations of `layers` transformer layers in bytes per s*b*h (16-bit activations), with the --recompute-*
-    flags applied: one micro-batch of each, or `held` layers' worth of micro-batches in flight (`in_flight_layers`),
-    plus, under full recomputation, the one group being recomputed.
-
-    Korthikanti et al.'s terms per layer (t: tensor-parallel size; /t on all of them with sequence parallelism):
-    10 unsplit (the two norm inputs 4, the QKV and fc1 GEMM inputs 2 + 2, the two dropout masks 2) and 24/t split
-    (q, k, v 6, the proj input 2, the fc1 output and the fc2 input 8 + 8). Recomputing
-      full       keeps a recomputed layer's input only (2), plus, during its backward, one recomputed group whole
-      mlp        drops the fc1 GEMM input (2) and the MLP's 16/t inside (its input is kept: the residual stream)
-      layernorm  drops the QKV and fc1 GEMM inputs (the norm outputs, 2 + 2)
-      core_attn  nothing here: SDPA's kernels keep no s x s matrix, which is what it drops in Megatron-LM"""
-    from megatron.model.recompute import RecomputePlan  # late: the model package imports the config as well
-
-    tp = cfg.parallel.tensor_model_parallel_size
-    sp = cfg.parallel.sequence_parallel
-    unsplit, split = (10 / tp, 24 / tp) if sp else (10.0, 24 / tp)
-    per_layer = unsplit + split
-    held = layers if held is None else held
-    plan = RecomputePlan.from_config(cfg.model)
-    if plan.granularity == "full":
-        recomputed = plan.recomputed_layers(layers)
-        group = max((end - start for start, end, r in plan.chunks(layers) if r), default=0)
-        kept_input = 2 / tp if sp else 2.0
-        kept = (layers - recomputed) * per_layer + recomputed * kept_input  # of one micro-batch
-        return (kept * held / layers if layers else 0.0) + group * per_layer  # one group recomputed at a time
-    dropped = 0.0
-    gemm_input = 2 / tp if sp else 2.0  # one norm output, the input of linear_qkv or linear_fc1
-    if plan.selective("mlp"):
-        dropped += gemm_input + 16 / tp
-    if plan.selective("layernorm"):
-        dropped += gemm_input * (1 if plan.selective("mlp") else 2)
-    return held * (per_layer - dropped)
 
 
 def memory_estimate_lines(
@@ -200,32 +263,43 @@ def memory_estimate_lines(
     bytes per parameter, then the totals."""
     n = max(num_params, 1)  # bytes per parameter of an empty stage: 0, not a ZeroDivisionError
     high = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-    if fp8_params:
+    par, opt = cfg.parallel, cfg.optimizer
+    shards = _optimizer_shards(cfg)
+    over = f" over {shards} data-parallel ranks" if shards > 1 else ""
+    if par.fsdp:  # the shards; what is gathered counts as a buffer
+        weights = f"{_per(est['weights'] / n)} B/param, {'fp32' if shards_hold_main_weights(cfg) else high} shards"
+        weights += f"{over}{', gathered in FP8' if cfg.precision.fp8_param_gather else ''}"
+    elif fp8_params:
         weights = f"{_per(est['weights'] / n)} B/param: {_count(fp8_params)} FP8 + {_count(num_params - fp8_params)}"
         weights += f" {high}"
     else:
         weights = f"{_per(est['weights'] / n)} B/param, {high}"
-    shards = _optimizer_shards(cfg)
-    over = f" over {shards} data-parallel ranks" if shards > 1 else ""
-    opt = cfg.optimizer
-    grads_dtype = ", bf16" if cfg.parallel.grad_reduce_in_bf16 else ""
+    bf16_grads = main_grads_bf16(cfg) if par.fsdp else par.grad_reduce_in_bf16
+    grads_dtype = ", bf16" if bf16_grads else ""
     moments = (
         "" if opt.exp_avg_dtype == opt.exp_avg_sq_dtype == "fp32" else f", {opt.exp_avg_dtype}/{opt.exp_avg_sq_dtype}"
     )
     in_flight = "per micro-batch"
-    if cfg.parallel.pipeline_model_parallel_size > 1:  # the pipeline schedule holds several
+    if par.pipeline_model_parallel_size > 1:  # the pipeline schedule holds several
         in_flight = f"({est['in_flight']:.3g} micro-batches in flight on this pipeline stage)"
     if est["main_params"]:
         main = f"{opt.main_params_dtype} main params {_size(est['main_params'])}"
         main += f" ({_per(est['main_params'] / n)} B/param{over})"
     else:
         main = "no fp32 main params (the fp32 weights are the master copy)"
+    casts = f", TE's FP8 weight casts {_size(est['weight_casts'])}" if est["weight_casts"] else ""
+    buffers = "gathered units, gradients in flight" if par.fsdp else "the output layer's gradients"
+    step = ""
+    if est["step"]:
+        peak = " (the peak)" if est["step"] > est["activations"] + est["buffers"] else ""
+        copies = "FP8 weights' main values" if cfg.optimizer.use_precision_aware_optimizer else "bf16 gradients"
+        step = f", optimizer step +{_size(est['step'])}{peak} (fp32 copies of the {copies})"
     return [
         f"memory estimate per GPU: weights {_size(est['weights'])} ({weights}),"
         f" grads {_size(est['grads'])} ({_per(est['grads'] / n)} B/param{grads_dtype}),"
-        f" {main}, Adam states {_size(est['adam'])} ({_per(est['adam'] / n)} B/param{over}{moments}),"
-        f" activations ~{_size(est['activations'])} {in_flight}"
-        f" (total ~{_size(est['total'])}; {_per(est['static'] / n)} B/param before activations)"
+        f" {main}, Adam states {_size(est['adam'])} ({_per(est['adam'] / n)} B/param{over}{moments}){casts},"
+        f" activations ~{_size(est['activations'])} {in_flight}, backward buffers ~{_size(est['buffers'])}"
+        f" ({buffers}){step} (total ~{_size(est['total'])}; {_per(est['static'] / n)} B/param before activations)"
     ]
 
 

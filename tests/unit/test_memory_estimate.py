@@ -1,9 +1,15 @@
 """The start-of-run memory estimate: bytes per parameter by category, against numbers worked out by hand.
 
-The model shape is the same throughout: 2 layers, hidden 128, sequence 64, micro-batch 2, vocabulary 128, so one
-micro-batch's activations in bf16 are 2 layers x (10 + 24) x 64 x 2 x 128 = 1,114,112 bytes plus the fp32 logits
-and their gradient, 8 x 64 x 2 x 128 = 131,072 bytes: 1,245,184 in all (fp32 activations: twice the first part).
+The model shape is the same throughout (but for the Llama-shaped tests at the end): 2 layers, hidden 128, sequence
+64, micro-batch 2, vocabulary 128, so one micro-batch's activations in bf16 are 2 layers x (10 + 24) x 64 x 2 x 128
+= 1,114,112 bytes, the final norm's and output layer's inputs 4 x 64 x 2 x 128 = 65,536, and the fp32 logits and
+their gradient, 8 x 64 x 2 x 128 = 131,072 bytes: 1,310,720 in all (fp32 activations: twice the first two parts).
+The output layer's backward adds its weight gradient (128 x 128 x 2 bytes) and its input gradient (64 x 2 x 128 x
+2): 65,536 bytes of buffers in bf16, twice that in fp32.
 """
+
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,11 +17,14 @@ import torch
 from megatron.config import Config, parse_args
 from megatron.training.memory import estimate_bytes, in_flight_layers, memory_estimate_lines
 
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 SHAPE = "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2"
 VOCAB = 128
 N = 1_000_000  # parameters on this rank
-BF16_ACTIVATIONS = 2 * 34 * 64 * 2 * 128 + 8 * 64 * 2 * VOCAB
-FP32_ACTIVATIONS = 2 * 2 * 34 * 64 * 2 * 128 + 8 * 64 * 2 * VOCAB
+SBH = 64 * 2 * 128
+BF16_ACTIVATIONS = (2 * 34 + 4) * SBH + 8 * 64 * 2 * VOCAB
+FP32_ACTIVATIONS = 2 * (2 * 34 + 4) * SBH + 8 * 64 * 2 * VOCAB
+BF16_BUFFERS = 2 * VOCAB * 128 + 2 * SBH
 
 
 def parse(extra: str = "", **kwargs) -> Config:
@@ -30,10 +39,13 @@ def test_bf16_plain():
         "grads": 4 * N,
         "main_params": 4 * N,
         "adam": 8 * N,
+        "weight_casts": 0,
         "activations": BF16_ACTIVATIONS,
+        "buffers": BF16_BUFFERS,
+        "step": 0,
         "in_flight": 1.0,
         "static": 18 * N,
-        "total": 18 * N + BF16_ACTIVATIONS,
+        "total": 18 * N + BF16_ACTIVATIONS + BF16_BUFFERS,
     }
     (line,) = memory_estimate_lines(parse("--bf16"), est, N, torch.bfloat16)
     assert "weights 1.9 MiB (2 B/param, bf16)" in line
@@ -47,12 +59,13 @@ def test_bf16_distributed_optimizer_over_two_data_parallel_ranks():
     cfg = parse("--bf16 --use-distributed-optimizer", world_size=2)
     est = estimate_bytes(cfg, N, VOCAB, torch.bfloat16)
     assert (est["weights"], est["grads"], est["main_params"], est["adam"]) == (2 * N, 4 * N, 2 * N, 4 * N)
-    assert est["static"] == 12 * N and est["total"] == 12 * N + BF16_ACTIVATIONS
+    assert est["static"] == 12 * N and est["total"] == 12 * N + BF16_ACTIVATIONS + BF16_BUFFERS
     assert memory_estimate_lines(cfg, est, N, torch.bfloat16) == [
         "memory estimate per GPU: weights 1.9 MiB (2 B/param, bf16), grads 3.8 MiB (4 B/param),"
         " fp32 main params 1.9 MiB (2 B/param over 2 data-parallel ranks),"
         " Adam states 3.8 MiB (4 B/param over 2 data-parallel ranks),"
-        " activations ~1.2 MiB per micro-batch (total ~12.6 MiB; 12 B/param before activations)"
+        " activations ~1.2 MiB per micro-batch, backward buffers ~0.1 MiB (the output layer's gradients)"
+        " (total ~12.8 MiB; 12 B/param before activations)"
     ]
     # Two ranks without the distributed optimizer: each keeps everything.
     assert estimate_bytes(parse("--bf16", world_size=2), N, VOCAB, torch.bfloat16)["static"] == 18 * N
@@ -79,7 +92,8 @@ def test_fp32_on_cpu_has_no_main_copy():
     cfg = parse()
     est = estimate_bytes(cfg, N, VOCAB, torch.float32)
     assert (est["weights"], est["grads"], est["main_params"], est["adam"]) == (4 * N, 4 * N, 0, 8 * N)
-    assert est["activations"] == FP32_ACTIVATIONS and est["total"] == 16 * N + FP32_ACTIVATIONS
+    assert est["activations"] == FP32_ACTIVATIONS and est["buffers"] == 2 * BF16_BUFFERS
+    assert est["total"] == 16 * N + FP32_ACTIVATIONS + 2 * BF16_BUFFERS
     (line,) = memory_estimate_lines(cfg, est, N, torch.float32)
     assert "weights 3.8 MiB (4 B/param, fp32)" in line
     assert "no fp32 main params (the fp32 weights are the master copy)" in line
@@ -91,15 +105,17 @@ def test_pipeline_stages_count_their_layers_as_often_as_their_schedule_holds_the
     micro-batches. 1F1B: rank 0 runs 1 warm-up forward, so 2 micro-batches are in flight (4 layers' worth), rank 1
     one (2). Interleaved (2 chunks of 1 layer): rank 0 runs (2 - 1) x 2 + (2 - 1) x 2 = 4 warm-up forwards, then
     holds a 5th before its first backward: 5 layers' worth, Megatron-LM's pp x (1 + (pp - 1) / (pp x vpp)) = 2.5
-    stages; rank 1 runs 2 warm-up forwards: 3."""
-    layer, logits = 34 * 64 * 2 * 128, 8 * 64 * 2 * VOCAB
+    stages; rank 1 runs 2 warm-up forwards: 3. Only the last stage computes the loss: its logits, the final norm's
+    and output layer's inputs, and the output layer's gradients."""
+    layer, loss = 34 * SBH, 4 * SBH + 8 * 64 * 2 * VOCAB
     four = "--bf16 --num-layers 4 --global-batch-size 8 --pipeline-model-parallel-size 2"
     for flags, held in (("", (4, 2)), ("--num-layers-per-virtual-pipeline-stage 1", (5, 3))):
         cfg = parse(f"{four} {flags}", world_size=2)
         for rank, layers in enumerate(held):
             assert in_flight_layers(cfg, rank) == layers
             est = estimate_bytes(cfg, N, VOCAB, torch.bfloat16, pp_rank=rank)
-            assert est["activations"] == layers * layer + logits and est["in_flight"] == layers / 2
+            assert est["activations"] == layers * layer + (loss if rank == 1 else 0)
+            assert est["buffers"] == (BF16_BUFFERS if rank == 1 else 0) and est["in_flight"] == layers / 2
     (line,) = memory_estimate_lines(cfg, estimate_bytes(cfg, N, VOCAB, torch.bfloat16), N, torch.bfloat16)
     assert "activations ~" in line and "(2.5 micro-batches in flight on this pipeline stage)" in line, line
     # a single micro-batch per step: nothing runs ahead
@@ -108,7 +124,18 @@ def test_pipeline_stages_count_their_layers_as_often_as_their_schedule_holds_the
     full = parse(
         f"{four} --recompute-granularity full --recompute-method uniform --recompute-num-layers 1", world_size=2
     )
-    assert estimate_bytes(full, N, VOCAB, torch.bfloat16)["activations"] == (4 * 2 + 34) * 64 * 2 * 128 + logits
+    assert estimate_bytes(full, N, VOCAB, torch.bfloat16)["activations"] == (4 * 2 + 34) * SBH
+
+
+def test_block_recomputation_adds_no_group_once_later_layers_are_freed():
+    """--recompute-method block: the first N layers keep their inputs (2 each), the rest everything (34 each). When
+    the backward reaches a recomputed layer it has freed the kept layers after it, which hold more than the one
+    layer recomputed: nothing is added. Under uniform nothing is freed first: one group (here 2 layers) is added."""
+    flags = "--bf16 --num-layers 4 --recompute-granularity full --recompute-method"
+    est = estimate_bytes(parse(f"{flags} block --recompute-num-layers 3"), N, VOCAB, torch.bfloat16)
+    assert est["activations"] == (3 * 2 + 34) * SBH + 4 * SBH + 8 * 64 * 2 * VOCAB
+    est = estimate_bytes(parse(f"{flags} uniform --recompute-num-layers 2"), N, VOCAB, torch.bfloat16)
+    assert est["activations"] == (4 * 2 + 2 * 34) * SBH + 4 * SBH + 8 * 64 * 2 * VOCAB
 
 
 def test_more_fp8_params_than_params_is_an_error():
@@ -141,54 +168,203 @@ def test_o2_states_with_fp8_weights_over_two_data_parallel_ranks():
     assert o2["static"] == pytest.approx(8.046875 * N)
 
 
+LOSS_SIDE = 4 * SBH + 8 * 64 * 2 * VOCAB + BF16_BUFFERS  # freed before FSDP's reduce-scatter staging is allocated
+
+
 def test_fsdp_over_two_data_parallel_ranks():
-    """FSDP at DP=2: fp32 weight and gradient shards (2 + 2 bytes per parameter), Adam's 8 halved, no main copy; plus
-    two gathered bf16 units (a layer: (N - 128 x 128) / 2 parameters, larger than the vocabulary matrix) and one
-    unit's bf16 gradient. optim_grads keeps the whole model gathered instead of two units."""
-    layer = (N - VOCAB * 128) / 2
+    """FSDP at DP=2: fp32 weight and gradient shards (2 + 2 bytes per parameter), Adam's 8 halved, no main copy. At
+    the start of the backward FSDP holds the output unit (the 128 x 128 vocabulary matrix) and the last layer
+    ((N - 128 x 128) / 2 parameters) gathered in bf16; once the logits are freed, a layer unit's bf16 gradient (2 B)
+    beside the previous unit's fp32 reduce-scatter input and output (4 + 4/2 B) exceeds what was freed by the rest.
+    optim_grads keeps the whole model gathered instead of two units. No step transient with fp32 gradients."""
+    layer, vocab = (N - VOCAB * 128) / 2, VOCAB * 128
     est = estimate_bytes(parse("--bf16 --use-megatron-fsdp", world_size=2), N, VOCAB, torch.bfloat16)
-    assert est["weights"] == 2 * N + 2 * 2 * layer
-    assert est["grads"] == 2 * N + 2 * layer
-    assert (est["main_params"], est["adam"]) == (0, 4 * N)
+    assert (est["weights"], est["grads"], est["main_params"], est["adam"], est["step"]) == (2 * N, 2 * N, 0, 4 * N, 0)
+    staging = layer * (2 + 4 + 2) - LOSS_SIDE
+    assert est["buffers"] == BF16_BUFFERS + 2 * (vocab + layer) + staging
+    assert est["total"] == 8 * N + BF16_ACTIVATIONS + est["buffers"]
     flags = "--bf16 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
-    assert estimate_bytes(parse(flags, world_size=2), N, VOCAB, torch.bfloat16)["weights"] == 2 * N + 2 * N
-    flags = "--bf16 --use-megatron-fsdp --megatron-fsdp-main-grads-dtype bf16"  # bf16 gradient shards: 1 B/param
-    assert estimate_bytes(parse(flags, world_size=2), N, VOCAB, torch.bfloat16)["grads"] == N + 2 * layer
+    assert estimate_bytes(parse(flags, world_size=2), N, VOCAB, torch.bfloat16)["buffers"] == (
+        BF16_BUFFERS + 2 * N + staging
+    )
+    # bf16 gradient shards: 1 B/param, reduce-scattered in bf16 (2 + 2 + 2/2 B of staging); torch's AdamW steps on
+    # fp32 copies of them (4 B per parameter of the shard), less than the activations here
+    flags = "--bf16 --use-megatron-fsdp --megatron-fsdp-main-grads-dtype bf16"
+    bf16 = estimate_bytes(parse(flags, world_size=2), N, VOCAB, torch.bfloat16)
+    assert (bf16["grads"], bf16["step"]) == (N, 2 * N)
+    assert bf16["buffers"] == BF16_BUFFERS + 2 * (vocab + layer) + layer * (2 + 2 + 1) - LOSS_SIDE
     line = memory_estimate_lines(parse("--bf16 --use-megatron-fsdp", world_size=2), est, N, torch.bfloat16)[0]
-    assert "no fp32 main params" in line and "over 2 data-parallel ranks" in line, line
+    assert "weights 1.9 MiB (2 B/param, fp32 shards over 2 data-parallel ranks)" in line, line
+    assert "no fp32 main params" in line and "(gathered units, gradients in flight)" in line, line
 
 
 def test_fsdp_with_precision_aware_states():
     """FSDP at DP=2 with O2's precision-aware states: bf16 weight shards (1 B/param), fp32 gradient shards (2), the
     optimizer's fp16 main weights with their remainder and block scales (3.03 / 2) and FP8 / fp16 moments
     (1.03 / 2 + 2.03 / 2); the gathered units as without them."""
-    layer = (N - VOCAB * 128) / 2
+    layer, vocab = (N - VOCAB * 128) / 2, VOCAB * 128
     states = "--use-precision-aware-optimizer --main-params-dtype fp16 --exp-avg-dtype fp8 --exp-avg-sq-dtype fp16"
     cfg = parse(f"--bf16 --use-megatron-fsdp {states}", world_size=2)
     est = estimate_bytes(cfg, N, VOCAB, torch.bfloat16)
-    assert est["weights"] == N + 2 * 2 * layer
-    assert est["grads"] == 2 * N + 2 * layer
+    assert (est["weights"], est["grads"]) == (N, 2 * N)
+    assert est["buffers"] == BF16_BUFFERS + 2 * (vocab + layer) + layer * (2 + 4 + 2) - LOSS_SIDE
     assert est["main_params"] == pytest.approx((3 + 4 / 128) * N / 2)
     assert est["adam"] == pytest.approx((3 + 8 / 128) * N / 2)
     line = memory_estimate_lines(cfg, est, N, torch.bfloat16)[0]
     assert "fp16 main params" in line and "over 2 data-parallel ranks, fp8/fp16" in line, line
+    # bf16 gradient shards with the precision-aware optimizer: its fused kernel reads them, no fp32 copies
+    cfg = parse(f"--bf16 --use-megatron-fsdp {states} --megatron-fsdp-main-grads-dtype bf16", world_size=2)
+    assert estimate_bytes(cfg, N, VOCAB, torch.bfloat16)["step"] == 0
 
 
 def test_fsdp_with_tensor_and_context_parallelism():
     """TP=2 x FSDP=2: N is this rank's tensor-parallel piece, sharded over the two data-parallel ranks (fp32 weights
     and gradients 2 + 2 bytes per parameter, Adam's 8 halved), and the rank's vocabulary matrix is half of it
-    (128 x 128 / 2), so a layer is (N - 64 x 128) / 2. Under CP=2 x DP=2 FSDP shards over all four data x context
-    parallel ranks."""
-    layer = (N - VOCAB * 128 / 2) / 2
+    (128 x 128 / 2), so a layer is (N - 64 x 128) / 2; the logits are half too. Under CP=2 x DP=2 FSDP shards over
+    all four data x context parallel ranks, and a rank holds half the sequence's activations."""
+    layer, vocab = (N - VOCAB * 128 / 2) / 2, VOCAB * 128 / 2
     cfg = parse("--bf16 --use-megatron-fsdp --tensor-model-parallel-size 2 --sequence-parallel", world_size=4)
     est = estimate_bytes(cfg, N, VOCAB, torch.bfloat16)
-    assert est["weights"] == 2 * N + 2 * 2 * layer
-    assert est["grads"] == 2 * N + 2 * layer
-    assert (est["main_params"], est["adam"]) == (0, 4 * N)
-    layer = (N - VOCAB * 128) / 2
+    assert (est["weights"], est["grads"], est["main_params"], est["adam"]) == (2 * N, 2 * N, 0, 4 * N)
+    # sequence parallel: every activation term halved, the output layer's input gathered (2 of the 4)
+    loss_side = (1 + 2) * SBH + 4 * 64 * 2 * VOCAB + 2 * vocab + 2 * SBH
+    assert est["activations"] == 2 * 17 * SBH + (1 + 2) * SBH + 4 * 64 * 2 * VOCAB
+    assert est["buffers"] == 2 * vocab + 2 * SBH + 2 * (vocab + layer) + layer * (2 + 4 + 2) - loss_side
+    layer, vocab = (N - VOCAB * 128) / 2, VOCAB * 128
     est = estimate_bytes(
         parse("--bf16 --use-megatron-fsdp --context-parallel-size 2", world_size=4), N, VOCAB, torch.bfloat16
     )
-    assert est["weights"] == N + 2 * 2 * layer
-    assert est["grads"] == N + 2 * layer
-    assert (est["main_params"], est["adam"]) == (0, 2 * N)
+    assert (est["weights"], est["grads"], est["main_params"], est["adam"]) == (N, N, 0, 2 * N)
+    out = 2 * vocab + SBH  # the output layer's weight gradient (whole) and input gradient (half the sequence)
+    loss_side = (4 * SBH + 8 * 64 * 2 * VOCAB) / 2 + out
+    assert est["buffers"] == out + 2 * (vocab + layer) + layer * (2 + 4 + 4 / 4) - loss_side
+
+
+# llama-1b as scripts/benchmark.py runs it (16 layers, h 2048, ffn 8192, GQA 32/8, sequence 4096, micro-batch 2,
+# vocabulary 32000 untied, no dropout), on two data-parallel ranks
+LLAMA = (
+    "--mock-data --tokenizer-type NullTokenizer --position-embedding-type rope --normalization RMSNorm --swiglu"
+    " --disable-bias-linear --untie-embeddings-and-output-weights --group-query-attention --hidden-dropout 0"
+    " --attention-dropout 0 --bf16 --fp8-format hybrid --fp8-recipe delayed --num-attention-heads 32"
+    " --num-query-groups 8 --transformer-impl local"
+)
+LLAMA_1B = (
+    f"{LLAMA} --num-layers 16 --hidden-size 2048 --ffn-hidden-size 8192 --seq-length 4096"
+    " --max-position-embeddings 4096 --micro-batch-size 2 --global-batch-size 16 --vocab-size 31999"
+)
+LLAMA3_8B = (
+    f"{LLAMA} --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --seq-length 8192"
+    " --max-position-embeddings 8192 --micro-batch-size 1 --global-batch-size 8 --vocab-size 128255"
+)
+L1B_V, L1B_H, L1B_SBH = 32000, 2048, 4096 * 2 * 2048
+L1B_LAYER = 2048 * (2048 + 2 * 512) + 2048 * 2048 + 2048 * 2 * 8192 + 8192 * 2048 + 2 * 2048  # linears, 2 norms
+L1B_N = 2 * L1B_V * L1B_H + 16 * L1B_LAYER + L1B_H  # embedding, output layer, layers, final norm
+L1B_UNIT = (L1B_N - 2 * L1B_V * L1B_H) / 16  # a layer as the estimate takes it: the final norm spread over them
+
+
+def llama(flags: str, impl: str = "transformer_engine", model: str = LLAMA_1B) -> Config:
+    """The configuration pretrain_gpt.py builds for llama-1b (TE's layers need a GPU to parse: parsed local, then
+    marked as TE's, which is all the estimate reads)."""
+    cfg = parse_args(f"{model} {flags}".split(), world_size=2)
+    cfg.model.transformer_impl = impl
+    return cfg
+
+
+def test_llama_1b_te_fsdp2_from_its_terms():
+    """llama-1b, TE layers, FP8 delayed, optim_grads_params (the benchmark's fsdp2 layout), per GPU:
+
+    shards: fp32 weights and gradients 2 + 2 B/param, Adam 8/2; activations per layer in bytes per s*b*h: norm
+    inputs 4, q, k, v 2 x 1.5, attention output 2, fc1 output 2 x 8, then in the 15 FP8 layers (the first stays
+    bf16) FP8 copies of the QKV and fc1 inputs 1 + 1, of the proj input 1 and of the fc2 input 4 (32 in all), in the
+    bf16 one 2 + 2 and 8 (37); the loss: the bf16 logits (2 x s x b x V) with the final norm's and output layer's
+    inputs (2 + 2); buffers: the output layer's bf16 weight and input gradients, and gathered the output unit (V x h)
+    and the last layer in bf16; the reduce-scatter staging of a unit (65.5M x (2 + 4 + 2) B) is less than the logits
+    and output layer's tensors it replaces. TE keeps no FP8 weight casts under FSDP2; no step transient."""
+    cfg = llama("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer")
+    est = estimate_bytes(cfg, L1B_N, L1B_V, torch.bfloat16)
+    static = (2 + 2 + 4) * L1B_N
+    activations = (15 * 32 + 37 + 4) * L1B_SBH + 2 * 4096 * 2 * L1B_V
+    buffers = 2 * L1B_V * L1B_H + 2 * L1B_SBH + 2 * (L1B_V * L1B_H + L1B_UNIT)
+    assert (est["static"], est["weight_casts"], est["step"]) == (static, 0, 0)
+    assert est["activations"] == pytest.approx(activations) and est["buffers"] == pytest.approx(buffers)
+    assert est["total"] == pytest.approx(static + activations + buffers)
+    # within 1% of what two H100s measured (docs/benchmarks.md, "Third wave, second session": 17.27 GiB)
+    assert est["total"] / 2**30 == pytest.approx(17.27, rel=0.01)
+    # optim_grads keeps the whole model gathered (19.2 GiB measured on two H200s): 2 bytes per parameter
+    cfg = llama("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer")
+    gathered = estimate_bytes(cfg, L1B_N, L1B_V, torch.bfloat16)["buffers"] - buffers + 2 * (L1B_V * L1B_H + L1B_UNIT)
+    assert gathered == pytest.approx(2 * L1B_N)
+
+
+def test_llama_1b_te_distributed_optimizer_counts_the_cached_weight_casts():
+    """The same model under the distributed optimizer: bf16 weights 2, fp32 gradient buffer 4, main copy and Adam
+    (4 + 8) / 2; TE keeps each FP8 layer's weight cast and its transpose for the step (2 B per element of the 15
+    FP8 layers); no gathered units (23.05 GiB measured)."""
+    cfg = llama("--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather")
+    est = estimate_bytes(cfg, L1B_N, L1B_V, torch.bfloat16)
+    assert est["weight_casts"] == 2 * 15 * L1B_UNIT
+    assert est["static"] == 12 * L1B_N + 2 * 15 * L1B_UNIT
+    assert est["buffers"] == pytest.approx(2 * L1B_V * L1B_H + 2 * L1B_SBH)
+    assert est["total"] / 2**30 == pytest.approx(23.05, rel=0.02)
+    # the local layers keep 16-bit GEMM inputs and no counted casts, and the plain loss 8 bytes per logit
+    local = estimate_bytes(llama("--use-distributed-optimizer", "local"), L1B_N, L1B_V, torch.bfloat16)
+    assert local["weight_casts"] == 0
+    assert local["activations"] == pytest.approx((15 * 37 + 37 + 4) * L1B_SBH + 8 * 4096 * 2 * L1B_V)
+
+
+@pytest.mark.parametrize("impl,fp8_bytes", [("transformer_engine", 2), ("local", 1)])
+def test_fsdp_fp8_param_gather(impl, fp8_bytes):
+    """--fp8-param-gather under FSDP: the shards stay fp32 (bf16 with the precision-aware optimizer) and the FP8
+    layers' linears are gathered as E4M3, 1 byte per element; TE's layers also get a 1-byte transpose of each with
+    the gathered unit (2 bytes, as bf16; TE's own cast of a bf16 weight is not held at the peak either). The last
+    layer is an FP8 one, the output unit stays bf16; under optim_grads the 15 FP8 layers of 16 count so."""
+    fsdp = "--use-megatron-fsdp --fsdp-double-buffer --fp8-param-gather --data-parallel-sharding-strategy"
+    est = estimate_bytes(llama(f"{fsdp} optim_grads_params", impl), L1B_N, L1B_V, torch.bfloat16)
+    bf16 = estimate_bytes(
+        llama(fsdp.replace(" --fp8-param-gather", "") + " optim_grads_params", impl), L1B_N, L1B_V, torch.bfloat16
+    )
+    assert est["static"] == bf16["static"] == 8 * L1B_N
+    assert est["buffers"] - bf16["buffers"] == (fp8_bytes - 2) * L1B_UNIT
+    whole = estimate_bytes(llama(f"{fsdp} optim_grads", impl), L1B_N, L1B_V, torch.bfloat16)
+    no_units = est["buffers"] - 2 * (L1B_V * L1B_H) - fp8_bytes * L1B_UNIT
+    assert whole["buffers"] - no_units == 2 * (L1B_N - 15 * L1B_UNIT) + fp8_bytes * 15 * L1B_UNIT
+    (line,) = memory_estimate_lines(llama(f"{fsdp} optim_grads", impl), whole, L1B_N, torch.bfloat16)
+    assert "(2 B/param, fp32 shards over 2 data-parallel ranks, gathered in FP8)" in line, line
+
+
+def test_llama3_8b_bf16_gradient_shards_peak_in_the_optimizer_step():
+    """Llama-3-8B (sequence 8192, micro-batch 1, vocabulary 128256), TE layers, every layer recomputed, FSDP with
+    bf16 gradient shards (the benchmark's fsdp2_bf16grads): fp32 weight shards 2, bf16 gradient shards 1, Adam 4
+    B/param. torch's AdamW then steps on fp32 copies of the bf16 gradient shards, 4 B per parameter over the two
+    ranks, all at once: more than the recomputed activations and the logits, so the step is the peak (69.55 GiB
+    measured on two H100s, docs/benchmarks.md; the activations are freed by then)."""
+    v, h = 128256, 4096
+    layer = h * (h + 2 * 1024) + h * h + h * 2 * 14336 + 14336 * h + 2 * h
+    n = 2 * v * h + 32 * layer + h
+    recompute = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+    cfg = llama(f"{recompute} --use-megatron-fsdp --megatron-fsdp-main-grads-dtype bf16", model=LLAMA3_8B)
+    assert (cfg.model.hidden_size, cfg.model.seq_length, cfg.model.num_layers) == (h, 8192, 32)
+    est = estimate_bytes(cfg, n, v, torch.bfloat16)
+    assert est["static"] == (2 + 1 + 4) * n and est["step"] == 2 * n
+    assert est["step"] > est["activations"] + est["buffers"]
+    assert est["total"] == 9 * n
+    assert est["total"] / 2**30 == pytest.approx(69.55, rel=0.05)
+    (line,) = memory_estimate_lines(cfg, est, n, torch.bfloat16)
+    assert "optimizer step +14.96 GiB (the peak) (fp32 copies of the bf16 gradients)" in line, line
+
+
+def test_memory_estimate_script_builds_the_benchmark_rows():
+    """scripts/memory_estimate.py parses a benchmark row as pretrain_gpt.py would and counts its parameters from the
+    shapes: llama-1b te-delayed fsdp2 is the configuration and parameter count above; under a pipeline the busiest
+    rank's estimate (the first: it holds pp micro-batches in flight)."""
+    spec = importlib.util.spec_from_file_location("memory_estimate", SCRIPTS / "memory_estimate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    cfg, est, (line,) = script.estimate("llama-1b", "te-delayed", "fsdp2")
+    expected = llama("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer")
+    assert est == estimate_bytes(expected, L1B_N, L1B_V, torch.bfloat16)
+    assert cfg.model.transformer_impl == "transformer_engine" and "(total ~17.24 GiB;" in line, line
+    _, est, _ = script.estimate("llama-1b", "te-delayed", "pp2")
+    per_stage = 8 * L1B_LAYER + L1B_V * L1B_H  # the embedding and 8 layers
+    first = estimate_bytes(llama("--pipeline-model-parallel-size 2"), round(per_stage), L1B_V, torch.bfloat16)
+    assert est["total"] == first["total"]
