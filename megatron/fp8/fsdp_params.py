@@ -60,6 +60,11 @@ class GatherScale:
 
     def __init__(self, device: torch.device, state: Any | None):
         self.scale = torch.ones((), device=device)
+        # The gathered weight's scale_inv and amax come from these tensors, which live as long as the weight: FSDP2
+        # runs `fsdp_pre_all_gather` on its copy-in stream, and a tensor made there and freed once the gathered
+        # weight has copied it (on the compute stream) could be handed to the next unit's pre-all-gather before the
+        # copy ran, giving a layer another one's scale.
+        self.scale_inv = torch.ones((), device=device)
         self.amax = torch.zeros((), device=device)
         self.state = state
 
@@ -72,6 +77,7 @@ class GatherScale:
             self.scale.copy_(self.state.amax.scale[self.state.index, Role.WEIGHT.value])
         else:
             self.scale.copy_(scale_from_amax(amax, E4M3))
+        torch.reciprocal(self.scale, out=self.scale_inv)
 
 
 class Fp8ShardWeight(torch.Tensor):
@@ -123,7 +129,7 @@ class Fp8ShardWeight(torch.Tensor):
         if self._tensor.numel():
             flat, _ = scaled_cast(self._tensor.reshape(1, -1), self._scale.scale.reshape(1, 1), TENSOR, E4M3)
             data[: self.shape[0]].copy_(flat.view(torch.uint8).reshape(self.shape))
-        return (data,), (self._scale.scale.reciprocal(), self._scale.amax.clone())
+        return (data,), (self._scale.scale_inv, self._scale.amax)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         """The gathered weight (first gather), or `out` refilled: its bytes are the re-allocated outputs already,
@@ -131,7 +137,7 @@ class Fp8ShardWeight(torch.Tensor):
         (data,) = outputs
         scale_inv, amax = metadata
         if out is not None:
-            with torch.no_grad():
+            with torch.no_grad():  # (a copy onto itself: the version bump marks the refill for the linear's cache)
                 out.scale_inv.copy_(scale_inv)
                 out.amax.copy_(amax)
             return None

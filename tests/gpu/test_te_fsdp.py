@@ -9,8 +9,8 @@ rounding: losses within 2e-3 relative in bf16, 1e-2 with FP8 (tests/gpu/test_te_
 Between steps each rank holds at most half of the weight, gradient and state bytes plus one layer; with O2's
 precision-aware states (bf16 weight shards) within 1e-2 of the distributed optimizer's, at most half the bytes their
 dtypes imply plus one layer. With --fp8-param-gather the FP8 layers' weights are all-gathered as E4M3 bytes instead
-(megatron/fp8/te_fsdp_params.py), within 1e-2 of the distributed optimizer's TE FP8 weights, with fp32 and O2's bf16
-shards, each gather of an FP8 layer at most 0.55x bf16's bytes. A torch_dist checkpoint written under FSDP resumes
+(megatron/fp8/te_fsdp_params.py), over 30 steps within 2e-3 of the distributed optimizer's TE FP8 weights with fp32
+shards (1e-2 with O2's bf16 ones), each gather of an FP8 layer at most 0.55x bf16's bytes. A torch_dist checkpoint written under FSDP resumes
 under the distributed optimizer."""
 
 import pytest
@@ -76,15 +76,18 @@ def _body(rank, world_size, out_dir):
 
 def _fp8_gather(world_size):
     """--fp8-param-gather: the FP8 layers' TE weights all-gathered as E4M3 bytes (at most 0.55x bf16's, the bf16
-    layers' and norms' unchanged) and read as Float8Tensors, against the distributed optimizer's TE FP8 weights;
-    after each step no gathered byte and no transpose buffer is left."""
-    _, bf16_sent, _ = _counted(f"{FLAGS} {FP8} {PARAMS}", world_size)
+    layers' and norms' unchanged) and read as Float8Tensors, against the distributed optimizer's TE FP8 weights over
+    30 steps within 2e-3 (measured apart by 2e-4 on two H200s; a gathered weight given another layer's scale, the
+    race fsdp_params.GatherScale now avoids, drifted 2% away by step 19); after each step no gathered byte and no
+    transpose buffer is left."""
+    flags30 = f"{FLAGS} {FP8} --train-iters 30"
+    _, bf16_sent, _ = _counted(f"{flags30} {PARAMS}", world_size)
     for extra in ("", PA):
-        want, _ = _run(f"{FLAGS} {FP8} {extra} --fp8-param-gather {DISTOPT}", world_size)
+        want, _ = _run(f"{flags30} {extra} --fp8-param-gather {DISTOPT}", world_size)
         for name, flags in (("optim_grads_params", PARAMS), ("optim_grads", GRADS)):
             label = f"TE FP8 all-gather {name} {extra}"
-            got, sent, _ = _counted(f"{FLAGS} {FP8} {extra} --fp8-param-gather {flags}", world_size)
-            _close(got, want, 1e-2, label, steps=STEPS)
+            got, sent, _ = _counted(f"{flags30} {extra} --fp8-param-gather {flags}", world_size)
+            _close(got, want, 1e-2 if extra else 2e-3, label, steps=30)  # O2: as its 6-step comparison above
             if flags == PARAMS and not extra:
                 shrunk = [(a, b) for a, b in zip(sent, bf16_sent) if a != b]
                 assert len(sent) == len(bf16_sent) and shrunk, label

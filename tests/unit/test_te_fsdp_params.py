@@ -36,3 +36,16 @@ def test_cast_before_the_gather_is_padded_e4m3_at_the_agreed_scale():
     expect = (weight * (448.0 / amax)).to(torch.float8_e4m3fn)
     assert torch.equal(data, expect.view(torch.uint8))
     assert torch.allclose(scale_inv, amax / 448.0)
+
+
+def test_gathered_scales_come_from_tensors_that_outlive_the_gather():
+    # FSDP2 runs fsdp_pre_all_gather on its copy-in stream: metadata made there and freed after the compute stream's
+    # copy was queued could be reused by the next unit's gather first (another layer's scale)
+    shard = wrap_te_fp8_weight(torch.randn(4, 8)).data
+    shard._scale.set(torch.tensor(2.0))
+    first = shard.fsdp_pre_all_gather(_Mesh(), torch.Size([8, 8]), (8, 1), None, None)[1]
+    again = shard.fsdp_pre_all_gather(_Mesh(), torch.Size([8, 8]), (8, 1), None, None)[1]
+    assert first[0] is again[0] is shard._scale.scale_inv
+    local = Fp8ShardWeight(torch.randn(4, 8), shard._scale)
+    scale_inv, amax = local.fsdp_pre_all_gather(_Mesh(), torch.Size([8, 8]), (8, 1), None, None)[1]
+    assert scale_inv is shard._scale.scale_inv and amax is shard._scale.amax
