@@ -10,8 +10,8 @@ Between steps each rank holds at most half of the weight, gradient and state byt
 precision-aware states (bf16 weight shards) within 1e-2 of the distributed optimizer's, at most half the bytes their
 dtypes imply plus one layer. With --fp8-param-gather the FP8 layers' weights are all-gathered as E4M3 bytes instead
 (megatron/fp8/te_fsdp_params.py), over 30 steps within 2e-3 of the distributed optimizer's TE FP8 weights with fp32
-shards (1e-2 with O2's bf16 ones), each gather of an FP8 layer at most 0.55x bf16's bytes. A torch_dist checkpoint written under FSDP resumes
-under the distributed optimizer."""
+shards (1e-2 with O2's bf16 ones), each gather of an FP8 layer at most 0.55x bf16's bytes. A torch_dist checkpoint
+written under FSDP resumes under the distributed optimizer."""
 
 import pytest
 import torch
