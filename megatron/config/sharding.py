@@ -127,11 +127,6 @@ def _check_fsdp(cfg: Config) -> None:
         par.megatron_fsdp_grad_comm_dtype != "fp16",
         "--megatron-fsdp-grad-comm-dtype fp16: reduce in fp32 or bf16",
     )
-    require(
-        not (par.init_model_with_meta_device and prec.fp8),
-        "--init-model-with-meta-device with --fp8-format: not built yet (the FP8 state is allocated where the weights"
-        " are); drop one",
-    )
     ckpt = cfg.checkpoint
     require(
         not (ckpt.save or ckpt.load) or ckpt.ckpt_format == "torch_dist",
