@@ -141,9 +141,8 @@ def _check_fsdp(cfg: Config) -> None:
 
 
 def check_fsdp_layers(cfg: Config) -> None:
-    """What FSDP does not run yet with Transformer Engine's layers (once --transformer-impl is resolved), each a
-    one-line error: meta-device initialization, and FP8 all-gathers of the layers --fp8-auto-bf16 may move to bf16
-    (their gathered weights stay FP8)."""
+    """What FSDP does not run yet with Transformer Engine's layers (once --transformer-impl is resolved), a one-line
+    error: FP8 all-gathers of the layers --fp8-auto-bf16 may move to bf16 (their gathered weights stay FP8)."""
     par, prec = cfg.parallel, cfg.precision
     if not par.fsdp or cfg.model.transformer_impl != "transformer_engine":
         return
@@ -152,11 +151,6 @@ def check_fsdp_layers(cfg: Config) -> None:
         not (prec.fp8_param_gather and prec.fp8_auto_bf16),
         f"{strategy} with --fp8-param-gather and --fp8-auto-bf16 under --transformer-impl transformer_engine: not"
         " built yet (a layer moved to bf16 would still gather FP8 weights); drop one of the two",
-    )
-    require(
-        not par.init_model_with_meta_device,
-        f"{strategy} with --init-model-with-meta-device and --transformer-impl transformer_engine: not built yet;"
-        " drop --init-model-with-meta-device or use --transformer-impl local",
     )
 
 
