@@ -192,10 +192,12 @@ def shard_data(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._tensor if isinstance(tensor, Fp8ShardWeight) else tensor
 
 
-def wrap_fp8_weight(weight: torch.Tensor, state: Any) -> torch.nn.Parameter:
+def wrap_fp8_weight(weight: torch.Tensor, state: Any, device: torch.device | None = None) -> torch.nn.Parameter:
     """An FP8 linear's (fp32 or bf16) weight as a parameter whose FSDP2 all-gather moves E4M3 bytes (`state`: the
-    linear's `Fp8LinearState`)."""
-    return torch.nn.Parameter(Fp8ShardWeight(weight.detach(), GatherScale(weight.device, state)))
+    linear's `Fp8LinearState`). Its scale lives on `device` (default: the weight's; a weight on the meta device,
+    given storage later by FSDP, names the run's device, as the scale is never reallocated)."""
+    scale = GatherScale(weight.device if device is None else device, state)
+    return torch.nn.Parameter(Fp8ShardWeight(weight.detach(), scale))
 
 
 class Fp8GatherScales:

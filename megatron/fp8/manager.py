@@ -54,12 +54,19 @@ def is_fp8_capable(module: nn.Module) -> bool:
 
 
 def attach_fp8(
-    model: nn.Module, cfg: Config, amax_group: dist.ProcessGroup | None = None, *, compile_kernels: bool | None = None
+    model: nn.Module,
+    cfg: Config,
+    amax_group: dist.ProcessGroup | None = None,
+    *,
+    compile_kernels: bool | None = None,
+    device: torch.device | None = None,
 ) -> Fp8Manager | None:
     """Give each covered linear an `Fp8LinearState` (as `linear.fp8`) and return the manager; None when FP8 is off
     or the layers are Transformer Engine's.
 
-    Call it once the model is on its device (the amax state is allocated where the weights are).
+    The amax state is allocated on `device`, by default where the weights are: call it once the model is on its
+    device, or name the device of a model built on the meta device (--init-model-with-meta-device: the FP8 state is
+    real from the start while FSDP gives the weights storage shard by shard later).
     compile_kernels: run the quantization passes through `quantize.compiled_kernels()` (Triton kernels for per-tensor
     scaling, torch.compile for the rest); default on CUDA. Eager PyTorch on CPU, where compiling costs more than
     it saves.
@@ -79,7 +86,7 @@ def attach_fp8(
                 targets.append((f"{name}.{sub_name}", sub, number))
     if not targets:
         raise ConfigError("FP8 is on but no transformer layer is left in FP8; lower --num-layers-at-*-in-bf16")
-    device = targets[0][1].weight.device
+    device = targets[0][1].weight.device if device is None else device
     if compile_kernels is None:
         compile_kernels = device.type == "cuda"
     kernels = compiled_kernels() if compile_kernels else EAGER

@@ -101,7 +101,9 @@ def _needs_transpose() -> bool:
     return not is_non_tn_fp8_gemm_supported()
 
 
-def wrap_te_fp8_weight(weight: torch.Tensor) -> torch.nn.Parameter:
+def wrap_te_fp8_weight(weight: torch.Tensor, device: torch.device | None = None) -> torch.nn.Parameter:
     """A TE linear's (fp32 or bf16) weight as a parameter whose FSDP2 all-gather moves E4M3 bytes and yields a TE
-    Float8Tensor; its scale is fp8_max / amax of the whole weight, agreed each step (`Fp8GatherScales`)."""
-    return torch.nn.Parameter(TeFp8ShardWeight(weight.detach(), GatherScale(weight.device, None)))
+    Float8Tensor; its scale is fp8_max / amax of the whole weight, agreed each step (`Fp8GatherScales`), and lives
+    on `device` (default: the weight's; see `wrap_fp8_weight`)."""
+    scale = GatherScale(weight.device if device is None else device, None)
+    return torch.nn.Parameter(TeFp8ShardWeight(weight.detach(), scale))

@@ -4,8 +4,14 @@ values an ordinary build gives, one part at a time, so that no rank ever holds t
 An ordinary build draws one base seed from the global RNG and initializes every part from its own seed (the embedding,
 each layer, the output layer: megatron/model/gpt.py), so a part's values do not depend on which other parts are built.
 A *twin* of one part is therefore the model built for a stage holding that part alone, from the same global RNG state:
-its values are the part's values in the whole model. Each twin is built on the CPU, cast as the ordinary build casts
+its values are the part's values in the whole model. Each twin is built where an ordinary build puts it (the CPU;
+Transformer Engine's layers on the GPU, initialized by TE as in an ordinary build), cast as the ordinary build casts
 (the training dtype; fp32 FSDP shards keep those values in fp32), copied into this rank's shards and dropped.
+
+Transformer Engine's modules are built with device="meta" inside the meta-device context (te_layers.py), which makes
+TE defer its own initialization. The FP8 state is real from the start: the local engine's amax state and the FP8
+all-gather scales are made on the run's device (training/build.py, parallel/fsdp.py); TE makes its own at the first
+forward, on the GPU.
 """
 
 from __future__ import annotations

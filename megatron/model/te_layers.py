@@ -70,7 +70,10 @@ class TETransformerLayer(nn.Module):
     ):
         super().__init__()
         params_dtype = params_dtype or torch.float32
-        device = torch.device("cuda", torch.cuda.current_device())
+        # Built inside DeferredInit's meta-device context (--init-model-with-meta-device): TE allocates nothing, and
+        # FSDP gives the weights storage and values shard by shard (model/meta_init.py)
+        meta = torch.get_default_device().type == "meta"
+        device = torch.device("meta") if meta else torch.device("cuda", torch.cuda.current_device())
         self.layer_number = layer_number  # 1-based, global across pipeline stages
         self.self_attention = TESelfAttention(cfg, layer_number, params_dtype, device, tp)
         self.mlp = TEMLP(cfg, params_dtype, device, tp)

@@ -17,7 +17,7 @@ from torch import nn
 from megatron.config import ModelConfig
 from megatron.parallel.tensor_parallel import TensorParallel
 
-from .layers import mark_replicated, normalize
+from .layers import mark_replicated, mark_tensor_parallel, normalize
 
 
 def sharded_normal_init(std: float, tp: TensorParallel, dim: int, parts: int = 1) -> Callable[[torch.Tensor], None]:
@@ -74,7 +74,9 @@ def te_linear(
         bias=cfg.add_bias,
         init_method=sharded_normal_init(std, tp, 0 if column else 1, parts),
         params_dtype=params_dtype,
-        device=device,
+        # TE defers its initialization (and allocates nothing) only when given the string: it tests `device == "meta"`,
+        # which no torch.device equals
+        device="meta" if device.type == "meta" else device,
         parallel_mode=parallel_mode,
         tp_group=tp.group,
         tp_size=tp.size,
@@ -100,6 +102,12 @@ def mark_te_params(module: nn.Module, tp: TensorParallel, parts: int = 1) -> Non
     """TE marks its sharded parameters (`tensor_model_parallel`, `partition_dim`) and its sequence-parallel ones;
     add what the local layers record: `partition_parts` on column-parallel shards and the replicated marking on the
     rest (norm weights, row-parallel biases), so the gradient norm counts those once (megatron.parallel.grads)."""
+    if module.weight.is_meta:
+        # TE marks the sharded parameters when it initializes them (`reset_parameters`), which it defers on the meta
+        # device: mark them as it would, the weight along its split dim and a column-parallel bias along dim 0
+        dim = 1 if module.parallel_mode == "row" else 0
+        for param in [module.weight] + ([module.bias] if module.use_bias and dim == 0 else []):
+            mark_tensor_parallel(param, dim, parts if dim == 0 else 1)
     for param in module.parameters():
         if getattr(param, "tensor_model_parallel", False):
             param.partition_parts = parts if param.partition_dim == 0 else 1

@@ -82,10 +82,11 @@ def fsdp_units(layers: list[nn.Module], unit_size: int | None) -> list[list[nn.M
     return units
 
 
-def _wrap_fp8_weights(modules: list[nn.Module]) -> None:
+def _wrap_fp8_weights(modules: list[nn.Module], device: torch.device) -> None:
     """--fp8-param-gather: the FP8 linears' (fp32) weights become shards whose all-gather moves E4M3 bytes: the local
     linears (their `fp8` state) and the Transformer Engine linears of the layers in FP8 (`te_modules()` of a layer
-    whose autocast has it among its FP8 layers; layers kept in bf16 gather bf16)."""
+    whose autocast has it among its FP8 layers; layers kept in bf16 gather bf16). Their scales are made on `device`
+    (the weights may still be on the meta device)."""
     for module in modules:
         for sub in module.modules():
             if hasattr(sub, "te_modules"):
@@ -93,9 +94,9 @@ def _wrap_fp8_weights(modules: list[nn.Module]) -> None:
                 if autocast is not None and sub.layer_number in autocast.fp8_layers:
                     for linear in sub.te_modules():
                         if not isinstance(linear.weight, DTensor):
-                            linear.weight = wrap_te_fp8_weight(linear.weight)
+                            linear.weight = wrap_te_fp8_weight(linear.weight, device)
             elif isinstance(getattr(sub, "fp8", None), Fp8LinearState) and not isinstance(sub.weight, DTensor):
-                sub.weight = wrap_fp8_weight(sub.weight, sub.fp8)
+                sub.weight = wrap_fp8_weight(sub.weight, sub.fp8, device)
 
 
 def _cast_unsharded(modules: list[nn.Module], dtype: torch.dtype) -> None:
@@ -148,7 +149,7 @@ def apply_fsdp(
     def shard(modules: list[nn.Module], reshard: bool) -> nn.Module:
         _cast_unsharded(modules, shard_dtype)
         if fp8_gather:
-            _wrap_fp8_weights(modules)
+            _wrap_fp8_weights(modules, device)
         fully_shard(
             modules if len(modules) > 1 else modules[0], mesh=mesh, mp_policy=policy, reshard_after_forward=reshard
         )

@@ -66,7 +66,7 @@ def build_fp8(
     if cfg.precision.fp8 and cfg.model.transformer_impl == "local":
         from megatron.fp8 import attach_fp8
 
-        fp8 = attach_fp8(model, cfg, dims.amax_group)
+        fp8 = attach_fp8(model, cfg, dims.amax_group, device=device)  # the model may be on the meta device
     return fp8, build_fp8_monitor(cfg, model, fp8, dims, device)
 
 

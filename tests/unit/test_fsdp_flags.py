@@ -48,7 +48,6 @@ FSDP = "--use-megatron-fsdp"
         (f"{FSDP} --tensor-model-parallel-size 2", 2, "run at least two"),  # no data-parallel ranks left
         (f"{FSDP} --bf16 --fp8-format e4m3 --fp8-recipe rowwise --fp8-param-gather", 2, "rowwise: not built yet"),
         (f"{FSDP} --fp16", 2, "--fp16: not built yet"),
-        (f"{FSDP} --init-model-with-meta-device --fp8-format hybrid", 2, "--init-model-with-meta-device with --fp8"),
         (f"{FSDP} --bf16 --fp8-grad-reduce", 2, "--fp8-grad-reduce"),
         (f"{FSDP} --bf16 --fp8-optimizer-level O2", 2, "use --use-precision-aware-optimizer --main-params-dtype fp16"),
         (
@@ -79,6 +78,13 @@ def test_precision_aware_states_are_built(main_params):
     assert cfg.parallel.fsdp and cfg.optimizer.use_precision_aware_optimizer
 
 
+@pytest.mark.parametrize("gather", ["", "--fp8-param-gather"])
+def test_meta_device_init_with_the_local_fp8_engine_is_built(gather):
+    """The FP8 state is made on the run's device, the weights shard by shard (tests/distributed/test_fsdp_meta.py)."""
+    cfg = parse(f"{FSDP} --bf16 --init-model-with-meta-device --fp8-format hybrid {gather}")
+    assert cfg.parallel.init_model_with_meta_device and cfg.precision.fp8
+
+
 def test_fp8_param_gather_with_the_tensorwise_recipe_is_built():
     cfg = parse(f"{FSDP} --bf16 --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather")
     assert cfg.precision.fp8_param_gather and cfg.parallel.fsdp
@@ -104,7 +110,8 @@ def test_overlap_flags_are_noted_not_silent():
     ],
 )
 def test_transformer_engine_layers_under_fsdp_refuse_what_is_not_built(extra, message):
-    # TE does not run on this CPU machine: the rule is checked on a configuration whose layers resolved to TE's
+    # TE does not run on this CPU machine: the rule is checked on a configuration whose layers resolved to TE's.
+    # Meta-device initialization is built for TE's layers but refused until tests/gpu/test_te_fsdp_meta.py has run.
     cfg = parse(f"{FSDP} --bf16")
     cfg.model.transformer_impl = "transformer_engine"
     cfg.precision.fp8_param_gather = cfg.precision.fp8_auto_bf16 = extra == "--fp8-auto-bf16"

@@ -373,3 +373,38 @@ def test_tp_only_amax_reduction_is_a_transformer_engine_flag(te_present):
         parse("--tp-only-amax-red --transformer-impl local --fp8-format hybrid", device_type="cuda", world_size=2)
     cfg = parse("--tp-only-amax-red --transformer-impl transformer_engine --fp8-format hybrid", device_type="cuda")
     assert cfg.precision.tp_only_amax_red
+
+
+def _te_linear_stand_in(parallel_mode: str, device: str) -> torch.nn.Module:
+    """A TE linear as `te_linear` builds it (weight, bias, fused norm weight), marked as TE marks its parameters when
+    it initializes them on a real device (TE 2.x `reset_parameters`), unmarked on the meta device (initialization
+    deferred)."""
+    module = torch.nn.Module()
+    module.parallel_mode, module.use_bias = parallel_mode, True
+    module.weight = torch.nn.Parameter(torch.empty(8, 4, device=device))
+    module.bias = torch.nn.Parameter(torch.empty(8, device=device))
+    module.layer_norm_weight = torch.nn.Parameter(torch.empty(4, device=device))
+    if device != "meta":
+        dim = 1 if parallel_mode == "row" else 0
+        for param in [module.weight] + ([module.bias] if dim == 0 else []):
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
+        for param in [module.layer_norm_weight] + ([module.bias] if dim == 1 else []):
+            param.sequence_parallel = True
+    return module
+
+
+@pytest.mark.parametrize("parallel_mode", ["column", "row"])
+def test_te_params_built_on_the_meta_device_are_marked_as_when_built_eagerly(parallel_mode):
+    """--init-model-with-meta-device: TE defers the marks it sets when initializing; `mark_te_params` sets them."""
+    from megatron.model.te_linear import mark_te_params
+    from megatron.parallel.tensor_parallel import TensorParallel
+
+    tp = TensorParallel(size=2, rank=1, sequence_parallel=True)
+    eager, meta = _te_linear_stand_in(parallel_mode, "cpu"), _te_linear_stand_in(parallel_mode, "meta")
+    for module in (eager, meta):
+        mark_te_params(module, tp, parts=2)
+    for (name, a), b in zip(eager.named_parameters(), meta.parameters(), strict=True):
+        assert vars(a) == vars(b), (name, vars(a), vars(b))
+    assert meta.weight.tensor_model_parallel and meta.weight.partition_dim == (0 if parallel_mode == "column" else 1)
+    assert meta.weight.partition_parts == (2 if parallel_mode == "column" else 1)
+    assert meta.layer_norm_weight.grad_norm_duplicate and not hasattr(meta.layer_norm_weight, "partition_dim")

@@ -1,0 +1,48 @@
+"""--init-model-with-meta-device with Transformer Engine's layers under FSDP (optim_grads_params) on 2 GPUs (NCCL):
+the comparison of tests/distributed/test_fsdp_meta.py with --transformer-impl transformer_engine, in bf16, FP8
+delayed, and FP8 delayed with --fp8-param-gather (TE weights all-gathered as E4M3 bytes).
+
+The TE modules are built with device="meta" (TE then defers its initialization and allocates nothing; the parallel
+attributes TE would set when initializing are set by `te_linear.mark_te_params`), FSDP gives each rank its shards,
+and each part's values come from a twin built on the GPU one part at a time with TE's own init (the CPU draws of
+`te_linear.sharded_normal_init`). Checked against the eager build of the same run: every weight shard and parameter
+attribute bit for bit, the model's parameters without storage until FSDP allocated the shards, no part larger than a
+layer built at once, and the losses of 4 steps (the first identical, the rest within 1e-5 relative: TE's attention
+is kept to its deterministic backends)."""
+
+import os
+
+import pytest
+import torch
+
+from megatron.config import sharding
+from megatron.config.te_rules import te_import_error
+from tests.dist_utils import run_distributed
+from tests.distributed.test_fsdp_meta import PARAMS, compare_meta_to_eager, record_deferred_builds
+from tests.distributed.test_parallel_layouts import BASE, FP8
+
+STEPS = 4
+FLAGS = f"{BASE} --transformer-impl transformer_engine --bf16 --train-iters {STEPS} --eval-iters 0 {PARAMS}"
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(te_import_error() is not None, reason=f"needs Transformer Engine ({te_import_error()})"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (nvidia-h100-x2)"
+    ),
+]
+
+
+def _body(rank, world_size):
+    os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"  # read when TE builds its attention modules
+    sharding.TE_META_INIT_CHECKED = True  # what this test checks is refused to users until it has passed on a GPU
+    builds = record_deferred_builds()
+    for extra in ("", FP8, f"{FP8} --fp8-param-gather"):
+        flags = f"{FLAGS} {extra}"
+        got, want = compare_meta_to_eager(flags, world_size, builds)
+        assert len(got) == STEPS and got[0] == want[0], (extra, got, want)
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (extra, got, want)
+
+
+def test_te_meta_device_init_gives_the_eager_weights_and_losses():
+    run_distributed(_body, world_size=2, backend="nccl")
