@@ -47,7 +47,7 @@ class Fp8ReduceScatter(ReduceScatter):
         # FSDP2 averages fp32 and bf16 gradients inside the collective (AVG), or sums them and divides after (SUM)
         if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
             raise ValueError(
-                f"the FP8 reduce-scatter sums or averages, got {op}; drop set_reduce_scatter_divide_factor"
+                f"the FP8 reduce-scatter sums or averages, got {op}; set no gradient divide factor on the FSDP units"
             )
         if async_op:  # FSDP2 calls it on its reduce-scatter stream and waits there, never asynchronously
             raise ValueError(
