@@ -155,6 +155,13 @@ LAYOUTS = {  # name: (GPUs, flags)
         "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer"
         " --megatron-fsdp-grad-comm-dtype bf16",
     ),
+    # fp32 gradient shards, each unit's reduce-scatter sent as FP8 (e4m3 + a scale per 128 values) and summed in fp32:
+    # a quarter of the fp32 reduce-scatter's bytes (O1 under FSDP, megatron/parallel/fsdp_fp8_reduce.py)
+    "fsdp2_fp8comm": (
+        2,
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer"
+        " --fp8-grad-reduce",
+    ),
     "fsdp2_optim_grads_bf16comm": (
         2,
         "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"

@@ -47,8 +47,9 @@ class ParallelConfig:
     lets the precision-aware optimizer read the bf16 gradients directly."""
     fp8_grad_reduce: bool = False
     """Send the data-parallel gradient reduction as FP8 (e4m3, a power-of-two scale per 128 values) and sum in
-    fp32 on arrival: a quarter of fp32's bytes, half of bf16's (megatron/parallel/fp8_reduce.py). The log reports
-    the fraction of values flushed to zero. --fp8-optimizer-level O1 and O2 turn it on."""
+    fp32 on arrival: a quarter of fp32's bytes, half of bf16's (megatron/parallel/fp8_reduce.py); under FSDP each
+    unit's reduce-scatter (megatron/parallel/fsdp_fp8_reduce.py). The log reports the fraction of values flushed to
+    zero. --fp8-optimizer-level O1 and O2 turn it on."""
     ddp_bucket_size: int = 40_000_000
     """Gradient elements per data-parallel all-reduce bucket."""
     distributed_backend: str | None = option(None, choices=["nccl", "gloo"])

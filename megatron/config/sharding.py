@@ -95,12 +95,8 @@ def _check_fsdp(cfg: Config) -> None:
         " weights with per-tensor recipes only); use --fp8-recipe delayed|tensorwise or drop --fp8-param-gather",
     )
     require(not prec.fp16, f"{strategy} with --fp16: not built yet; use --bf16")
-    require(
-        opt.fp8_optimizer_level is None and not par.fp8_grad_reduce,
-        f"{strategy} with --fp8-grad-reduce / --fp8-optimizer-level: not built yet (FSDP reduces in fp32 or bf16);"
-        " for O2's states use --use-precision-aware-optimizer --main-params-dtype fp16 --exp-avg-dtype fp8"
-        " --exp-avg-sq-dtype fp16",
-    )
+    # --fp8-grad-reduce (and O1, O2): each unit's reduce-scatter sends FP8 (megatron/parallel/fsdp_fp8_reduce.py);
+    # O2's precision-aware states and bf16 gradients are FSDP's --use-precision-aware-optimizer and bf16 shards
     require(
         cfg.training.cuda_graph_impl == "none",
         f"{strategy} with --cuda-graph-impl {cfg.training.cuda_graph_impl}: not built yet",

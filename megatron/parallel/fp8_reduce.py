@@ -224,10 +224,12 @@ class Fp8ReduceHandle:
         average: bool,
         stats: Fp8ReduceStats | None,
         all_reduce: bool,
+        out: torch.Tensor | None = None,
     ):
         self._flat, self._group, self._dp, self._rank = flat, group, dp, rank
         self._average, self._stats, self._all_reduce = average, stats, all_reduce
         self._cols = flat.numel() // dp
+        self._out = flat.view(dp, -1)[rank] if out is None else out
         self._send = _encode(flat.view(dp, -1), stats)
         self._recv = self._send if dp == 1 else torch.empty_like(self._send)
         self._work = None if dp == 1 else dist.all_to_all_single(self._recv, self._send, group=group, async_op=True)
@@ -238,9 +240,8 @@ class Fp8ReduceHandle:
             return
         if self._work is not None:
             self._work.wait()
-        shards = self._flat.view(self._dp, -1)
         if not self._all_reduce:
-            _decode_sum(self._recv, self._cols, shards[self._rank], self._average)
+            _decode_sum(self._recv, self._cols, self._out, self._average)
         else:
             acc = torch.empty(self._cols, dtype=torch.float32, device=self._flat.device)
             _decode_sum(self._recv, self._cols, acc, self._average)
@@ -267,21 +268,57 @@ def _check(flat: torch.Tensor, dp: int, what: str) -> None:
 
 
 def _start(
-    flat: torch.Tensor, group: dist.ProcessGroup | None, average: bool, stats: Fp8ReduceStats | None, all_reduce: bool
+    flat: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    average: bool,
+    stats: Fp8ReduceStats | None,
+    all_reduce: bool,
+    out: torch.Tensor | None = None,
 ) -> Fp8ReduceHandle:
     what = "FP8 all-reduce" if all_reduce else "FP8 reduce-scatter"
     dp = dist.get_world_size(group)
     _check(flat, dp, what)
-    return Fp8ReduceHandle(flat, group, dp, dist.get_rank(group), average, stats, all_reduce)
+    if out is not None and (out.numel() != flat.numel() // dp or not out.is_contiguous()):
+        raise ValueError(f"{what}: out has {out.numel()} elements, the shard {flat.numel() // dp}; pass one shard")
+    return Fp8ReduceHandle(flat, group, dp, dist.get_rank(group), average, stats, all_reduce, out)
 
 
 def start_fp8_reduce_scatter(
-    flat: torch.Tensor, group: dist.ProcessGroup | None, *, average: bool, stats: Fp8ReduceStats | None = None
+    flat: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    average: bool,
+    stats: Fp8ReduceStats | None = None,
+    out: torch.Tensor | None = None,
 ) -> Fp8ReduceHandle:
     """Start reducing `flat` over `group` in FP8 (module docstring). After `wait()`, this rank's shard
-    `flat.view(dp, -1)[rank]` holds the sum (average if `average`) of every rank's shard, accumulated in fp32 and
-    written in flat's dtype; the rest of `flat` is stale. numel must be a multiple of dp * FP8_REDUCE_ALIGN."""
-    return _start(flat, group, average, stats, all_reduce=False)
+    `flat.view(dp, -1)[rank]` (or `out`, contiguous, numel / dp elements of fp32 or bf16, where given) holds the sum
+    (average if `average`) of every rank's shard, accumulated in fp32 and written in its dtype; the rest of `flat` is
+    stale. numel must be a multiple of dp * FP8_REDUCE_ALIGN."""
+    return _start(flat, group, average, stats, all_reduce=False, out=out)
+
+
+def fp8_reduce_scatter_chunks(
+    chunks: torch.Tensor,
+    out: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    average: bool,
+    stats: Fp8ReduceStats | None = None,
+) -> None:
+    """The FP8 reduce-scatter for a caller that lays its input out itself (FSDP2's, megatron/parallel/
+    fsdp_fp8_reduce.py), run to completion: `chunks` [dp, cols] (contiguous, fp32 or bf16), row j destined for
+    rank j; `out` (cols elements, fp32 or bf16) receives this rank's sum, as `start_fp8_reduce_scatter`'s shard.
+    Any cols: rows that do not end on a whole block are zero-padded into a copy first (the padding quantizes to
+    zeros, adds nothing, and counts among the stats' quantized values)."""
+    dp, cols = chunks.shape
+    padded = -(-cols // FP8_REDUCE_ALIGN) * FP8_REDUCE_ALIGN
+    if padded == cols:
+        start_fp8_reduce_scatter(chunks.view(-1), group, average=average, stats=stats, out=out.view(-1)).wait()
+        return
+    chunks = torch.nn.functional.pad(chunks, (0, padded - cols))
+    start_fp8_reduce_scatter(chunks.view(-1), group, average=average, stats=stats).wait()
+    out.view(-1).copy_(chunks[dist.get_rank(group), :cols])
 
 
 def start_fp8_all_reduce(

@@ -19,7 +19,8 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
     its local tensor): FSDP2 reduce-scatters each micro-batch's gradients and adds them into it, so no rank ever
     holds a whole-model gradient buffer, and the shard's address never changes (the optimizer lists it once).
     FSDP2 hands a gradient over in its shard's dtype: fp32 gradient shards of bf16 weight shards receive each
-    micro-batch's reduce-scattered sum rounded to bf16 (reduced in fp32 or bf16 as the flags say);
+    micro-batch's reduce-scattered sum rounded to bf16 (reduced in fp32 or bf16 as the flags say; with
+    --fp8-grad-reduce sent as FP8 bytes and summed in fp32, megatron/parallel/fsdp_fp8_reduce.py);
   * the strategy decides when gathered weights are freed: optim_grads_params after each unit's forward and
     backward; optim_grads keeps them from the first forward to the last micro-batch's backward (one all-gather per
     step, as the distributed optimizer's);
@@ -48,6 +49,9 @@ from megatron.config.sharding import grad_comm_bf16, main_grads_bf16, shards_hol
 from megatron.fp8.fsdp_params import Fp8GatherScales, Fp8ShardWeight, wrap_fp8_weight
 from megatron.fp8.linear import Fp8LinearState
 from megatron.fp8.te_fsdp_params import wrap_te_fp8_weight
+
+from .fp8_reduce import Fp8ReduceStats
+from .fsdp_fp8_reduce import use_fp8_reduce_scatter
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:
@@ -182,7 +186,7 @@ class ShardedGrads:
 
     sharded = True
     overlap_param_gather = False
-    fp8_stats = None
+    fp8_stats: Fp8ReduceStats | None = None  # --fp8-grad-reduce: what the FP8 reduce-scatters lost (the log's)
     fp8_scales: Fp8GatherScales | None = None
     cached_casts: list[nn.Module] = []  # layers whose FP8 weight casts last a step (TE's, under optim_grads)
 
@@ -294,6 +298,8 @@ def build_fsdp(
         initialize(model)
     grads = ShardedGrads(model, keep, torch.bfloat16 if main_grads_bf16(cfg) else torch.float32)
     grads.cached_casts = te_layers if keep else []
+    if par.fp8_grad_reduce:
+        grads.fp8_stats = use_fp8_reduce_scatter(model)
     if fp8_gather:
         shards = [p for p in model.parameters() if isinstance(local_shard(p), Fp8ShardWeight)]
         grads.fp8_scales = scales = Fp8GatherScales(shards, group if scale_group is None else scale_group)

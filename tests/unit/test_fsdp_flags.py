@@ -48,8 +48,6 @@ FSDP = "--use-megatron-fsdp"
         (f"{FSDP} --tensor-model-parallel-size 2", 2, "run at least two"),  # no data-parallel ranks left
         (f"{FSDP} --bf16 --fp8-format e4m3 --fp8-recipe rowwise --fp8-param-gather", 2, "rowwise: not built yet"),
         (f"{FSDP} --fp16", 2, "--fp16: not built yet"),
-        (f"{FSDP} --bf16 --fp8-grad-reduce", 2, "--fp8-grad-reduce"),
-        (f"{FSDP} --bf16 --fp8-optimizer-level O2", 2, "use --use-precision-aware-optimizer --main-params-dtype fp16"),
         (
             f"{FSDP} --bf16 --use-precision-aware-optimizer --megatron-fsdp-main-params-dtype bf16",
             2,
@@ -121,3 +119,13 @@ def test_transformer_engine_layers_under_fsdp_refuse_what_is_not_built(extra, me
     assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
     cfg.model.transformer_impl = "local"
     check_fsdp_layers(cfg)  # the local layers run both
+
+
+@pytest.mark.parametrize("level", ["", "--fp8-optimizer-level O1", "--fp8-optimizer-level O2"])
+def test_fp8_grad_reduce_is_built(level):
+    """FSDP's reduce-scatters in FP8 (tests/distributed/test_fsdp_fp8_reduce.py); O2 adds the precision-aware states
+    and bf16 gradient shards (FSDP's own reading of --grad-reduce-in-bf16)."""
+    cfg = parse(f"{FSDP} --bf16 {level or '--fp8-grad-reduce'}")
+    assert cfg.parallel.fsdp and cfg.parallel.fp8_grad_reduce
+    o2 = level.endswith("O2")
+    assert cfg.optimizer.use_precision_aware_optimizer == o2 and cfg.parallel.grad_reduce_in_bf16 == o2
