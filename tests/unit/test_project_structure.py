@@ -14,6 +14,7 @@ TE_MODULES = {
     "megatron/config/te_rules.py",
     "megatron/fp8/te_recipe.py",
     "megatron/fp8/params.py",
+    "megatron/fp8/te_fsdp_params.py",  # the gathered weight under FSDP is a TE Float8Tensor
     "megatron/model/te_attention.py",
     "megatron/model/te_fp8.py",
     "megatron/model/te_layers.py",
