@@ -375,12 +375,12 @@ class Config:
     def _check_fp8_params(self) -> None:
         """Recipes whose weights can live in FP8 (and be all-gathered as FP8 bytes): see megatron/fp8/params.py."""
         recipe, te = self.precision.fp8_recipe, self.model.transformer_impl == "transformer_engine"
-        if not te:
+        if not te and not self.parallel.fsdp:  # FSDP keeps no FP8 weights; its rules: sharding.py
             require(
                 recipe in LOCAL_FP8_PARAM_RECIPES,
                 f"--fp8-param-gather with --fp8-recipe {recipe}: the local engine keeps FP8 weights with one scale"
                 f" per tensor ({', '.join(LOCAL_FP8_PARAM_RECIPES)}); use one of those, --transformer-impl"
-                " transformer_engine for blockwise, or drop --fp8-param-gather",
+                " transformer_engine or FSDP (--use-megatron-fsdp) for blockwise, or drop --fp8-param-gather",
             )
         elif self.optimizer.use_distributed_optimizer:
             require(

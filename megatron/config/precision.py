@@ -10,6 +10,11 @@ from .base import option, require
 #: `Fp8Parameter` has one scale per tensor; Transformer Engine's own quantized tensors (megatron/fp8/params.py).
 LOCAL_FP8_PARAM_RECIPES = ("delayed", "tensorwise")
 TE_FP8_PARAM_RECIPES = ("delayed", "tensorwise", "blockwise")
+#: Under FSDP the local layers' weights stay high-precision shards cast at each all-gather, one scale per tensor or
+#: per 128x128 block (megatron/fp8/fsdp_params.py); Transformer Engine's are gathered with one scale per tensor.
+#: Rowwise and mxfp8 cast the weight along both axes for its two GEMMs: gathered FP8 bytes serve only one.
+FSDP_LOCAL_FP8_GATHER_RECIPES = ("delayed", "tensorwise", "blockwise")
+FSDP_TE_FP8_GATHER_RECIPES = ("delayed", "tensorwise")
 
 
 @dataclass
@@ -77,7 +82,8 @@ class PrecisionConfig:
     copy, quantized straight into the weights after each step. Saves 2 bytes per weight (plus the FP8 copies that
     would otherwise be cached). With --use-distributed-optimizer each data-parallel rank casts its shard and the
     all-gather moves FP8 bytes (Megatron-LM's FP8 recipe). Recipes: delayed, tensorwise; blockwise on Transformer
-    Engine. Checkpoints hold the weights dequantized (so they load anywhere) and the fp32 main parameters."""
+    Engine, or under FSDP with the local layers (which gathers FP8 weights, keeping fp32 shards). Checkpoints hold
+    the weights dequantized (so they load anywhere) and the fp32 main parameters."""
     fp8_dot_product_attention: bool = False
     """Run attention's batched GEMMs (QK^T and softmax x V, forward and backward) in FP8 as well: Transformer
     Engine's `fp8_dpa` (cuDNN's FP8 fused attention; a beta feature of TE). Attention is about a quarter of an FP8

@@ -9,7 +9,7 @@ from .base import require
 from .model import ModelConfig
 from .optimizer import OptimizerConfig
 from .parallel import ParallelConfig
-from .precision import PrecisionConfig
+from .precision import FSDP_LOCAL_FP8_GATHER_RECIPES, FSDP_TE_FP8_GATHER_RECIPES, PrecisionConfig
 from .training import CheckpointConfig, TrainingConfig
 
 
@@ -90,9 +90,10 @@ def _check_fsdp(cfg: Config) -> None:
         " parallelism only)",
     )
     require(
-        not prec.fp8_param_gather or prec.fp8_recipe in ("delayed", "tensorwise"),
-        f"{strategy} with --fp8-param-gather and --fp8-recipe {prec.fp8_recipe}: not built yet (FSDP all-gathers FP8"
-        " weights with per-tensor recipes only); use --fp8-recipe delayed|tensorwise or drop --fp8-param-gather",
+        not prec.fp8_param_gather or prec.fp8_recipe in FSDP_LOCAL_FP8_GATHER_RECIPES,
+        f"{strategy} with --fp8-param-gather and --fp8-recipe {prec.fp8_recipe}: its weight is cast along both axes"
+        " (the dgrad operand is a second cast, not the transpose), so FP8 all-gathered bytes cannot serve both GEMMs;"
+        f" use --fp8-recipe {'|'.join(FSDP_LOCAL_FP8_GATHER_RECIPES)} or drop --fp8-param-gather",
     )
     require(not prec.fp16, f"{strategy} with --fp16: not built yet; use --bf16")
     # --fp8-grad-reduce (and O1, O2): each unit's reduce-scatter sends FP8 (megatron/parallel/fsdp_fp8_reduce.py);
@@ -143,7 +144,8 @@ TE_META_INIT_CHECKED = False
 def check_fsdp_layers(cfg: Config) -> None:
     """What FSDP does not run yet with Transformer Engine's layers (once --transformer-impl is resolved), each a
     one-line error: FP8 all-gathers of the layers --fp8-auto-bf16 may move to bf16 (their gathered weights stay FP8),
-    and meta-device initialization, built (megatron/model/meta_init.py, te_linear.py) but refused until its GPU test
+    FP8 all-gathers of TE's weights in 128x128 blocks (blockwise: the local layers' only), and meta-device
+    initialization, built (megatron/model/meta_init.py, te_linear.py) but refused until its GPU test
     (tests/gpu/test_te_fsdp_meta.py, which lifts the refusal for itself) has run on a GPU."""
     par, prec = cfg.parallel, cfg.precision
     if not par.fsdp or cfg.model.transformer_impl != "transformer_engine":
@@ -153,6 +155,12 @@ def check_fsdp_layers(cfg: Config) -> None:
         not (prec.fp8_param_gather and prec.fp8_auto_bf16),
         f"{strategy} with --fp8-param-gather and --fp8-auto-bf16 under --transformer-impl transformer_engine: not"
         " built yet (a layer moved to bf16 would still gather FP8 weights); drop one of the two",
+    )
+    require(
+        not prec.fp8_param_gather or prec.fp8_recipe in FSDP_TE_FP8_GATHER_RECIPES,
+        f"{strategy} with --fp8-param-gather, --fp8-recipe {prec.fp8_recipe} and --transformer-impl"
+        " transformer_engine: not built yet (TE's weights are gathered with one scale per tensor); use --fp8-recipe"
+        f" {'|'.join(FSDP_TE_FP8_GATHER_RECIPES)} or --transformer-impl local",
     )
     require(
         not par.init_model_with_meta_device or TE_META_INIT_CHECKED,

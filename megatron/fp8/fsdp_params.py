@@ -1,4 +1,5 @@
-"""FP8 all-gather under FSDP2 (--fp8-param-gather with --use-megatron-fsdp / --use-torch-fsdp2): per-tensor recipes.
+"""FP8 all-gather under FSDP2 (--fp8-param-gather with --use-megatron-fsdp / --use-torch-fsdp2): the delayed and
+tensorwise recipes (one scale per tensor) and, for the local layers, blockwise (one scale per 128x128 block).
 
 FSDP2 calls two hooks on a parameter's sharded local tensor when it defines them (torch's all-gather extension):
 `fsdp_pre_all_gather` gives the tensors to gather for this rank's shard, `fsdp_post_all_gather` builds the
@@ -18,6 +19,16 @@ unsharded weight from the gathered ones. Here:
   fp8_max / amax, delayed with delayed scaling's weight scale (reduced by the FP8 manager already; the agreed amax
   is what the linear records in the history). Each rank casts its own shard with the scale of the whole tensor: the
   bytes the distributed optimizer's FP8 weights hold.
+
+Blockwise (the weight in 128x128 blocks): FSDP shards rows, ceil(rows / ranks) per rank, so a block straddles two
+shards wherever a shard's rows are not a multiple of 128. `agree` max-reduces every weight's grid of block amaxes
+(each rank fills the blocks its rows touch, zeros elsewhere) in the same one all-reduce, over the ranks sharding
+the weight (the tensor-parallel pieces are cast block by block on their own, as the linear casts them): every rank
+then holds the whole grid of scales, casts its rows with their blocks' scales, and the grid travels as metadata
+like the per-tensor scale. The gathered bytes and scales are those the linear casts from the whole weight, and, as
+the blocks are square, the transpose of q(W) is the dgrad operand q(W^T). Rowwise and mxfp8 are not gathered in
+FP8: their dgrad operand is a second cast of the weight along its other axis (recipes.py), which gathered q(W)
+bytes cannot give; gathering both casts would move two bytes per element, as bf16 does.
 """
 
 from __future__ import annotations
@@ -26,10 +37,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
 from .formats import E4M3, Role
-from .quantize import TENSOR, Fp8Tensor, scale_from_amax, scaled_cast
+from .quantize import TENSOR, BLOCK_128x128, Fp8Tensor, block_amax, scale_from_amax, scaled_cast
 
 aten = torch.ops.aten
 
@@ -56,21 +68,54 @@ _GATHERED_VIEWS = {aten.detach.default, aten.alias.default, aten.as_strided.defa
 class GatherScale:
     """The scale one weight is cast with before its all-gather, and the amax it came from (shared by all wrappers
     of the weight's shard). `state`: the local linear's `Fp8LinearState` (its recipe; delayed scaling's scale), None
-    for a Transformer Engine weight (te_fsdp_params.py: fp8_max / amax, whatever the recipe)."""
+    for a Transformer Engine weight (te_fsdp_params.py: fp8_max / amax, whatever the recipe). `shape`: the whole
+    weight's [out, in], which sizes the grid of block scales under the blockwise recipe (else one scale)."""
 
-    def __init__(self, device: torch.device, state: Any | None):
-        self.scale = torch.ones((), device=device)
+    def __init__(self, device: torch.device, state: Any | None, shape: tuple[int, ...] | None = None):
+        blockwise = state is not None and state.recipe.block(Role.WEIGHT) == BLOCK_128x128
+        self.block: tuple[int, int] | None = (128, 128) if blockwise else None
+        grid = tuple(-(-n // 128) for n in shape) if blockwise and shape is not None else ()
+        self.scale = torch.ones(grid, device=device)
         # The gathered weight's scale_inv and amax come from these tensors, which live as long as the weight: FSDP2
         # runs `fsdp_pre_all_gather` on its copy-in stream, and a tensor made there and freed once the gathered
         # weight has copied it (on the compute stream) could be handed to the next unit's pre-all-gather before the
         # copy ran, giving a layer another one's scale.
-        self.scale_inv = torch.ones((), device=device)
+        self.scale_inv = torch.ones(grid, device=device)
         self.amax = torch.zeros((), device=device)
         self.state = state
 
+    def local_amax(self, shard: torch.Tensor, first_row: int) -> torch.Tensor:
+        """What this rank contributes to the agreed amax: |shard|'s max (one scale), or the grid of block amaxes
+        over its rows [first_row, first_row + rows) of the whole weight, zeros in the blocks it holds no row of."""
+        if self.block is None:
+            return shard.abs().amax().float() if shard.numel() else torch.zeros((), device=self.amax.device)
+        grid = torch.zeros_like(self.scale)
+        if shard.numel():
+            rows = self.block[0]
+            aligned = F.pad(shard, (0, 0, first_row % rows, 0))  # zero rows up to the block's start change no amax
+            amax = block_amax(aligned, self.block)
+            grid[first_row // rows : first_row // rows + amax.shape[0]] = amax
+        return grid
+
+    def cast(self, shard: torch.Tensor, first_row: int) -> torch.Tensor:
+        """E4M3 bytes of the shard (rows [first_row, ...) of the weight), cast with the agreed scale(s)."""
+        if self.block is None:
+            flat, _ = scaled_cast(shard.reshape(1, -1), self.scale.reshape(1, 1), TENSOR, E4M3)
+            return flat.reshape(shard.shape)
+        rows, cols = self.block
+        row_blocks = torch.arange(first_row, first_row + shard.shape[0], device=self.scale.device) // rows
+        data, _ = scaled_cast(shard, self.scale[row_blocks], (1, cols), E4M3)  # each row with its blocks' scales
+        return data
+
     def set(self, amax: torch.Tensor) -> None:
-        """The weight's agreed amax, and its scale: delayed scaling's current weight scale once it has one (the
-        scale the distributed optimizer casts its FP8 weights with), else fp8_max / amax."""
+        """The weight's agreed amax (blockwise: the grid of block amaxes), and its scale: delayed scaling's current
+        weight scale once it has one (the scale the distributed optimizer casts its FP8 weights with), else
+        fp8_max / amax (blockwise: per block, powers of two unless --fp8-blockwise-fp32-scales, as the linear's)."""
+        if self.block is not None:
+            self.amax.copy_(amax.amax())
+            self.scale.copy_(scale_from_amax(amax, E4M3, self.state.recipe.power_of_two(Role.WEIGHT)))
+            torch.reciprocal(self.scale, out=self.scale_inv)
+            return
         self.amax.copy_(amax)
         delayed = self.state is not None and self.state.recipe.delayed
         if delayed and self.state.amax.generation > 0:
@@ -123,12 +168,14 @@ class Fp8ShardWeight(torch.Tensor):
         return self._tensor.__reduce_ex__(protocol)
 
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
-        """(E4M3 bytes of this shard padded to FSDP's shard rows,), metadata: the scale and amax used."""
+        """(E4M3 bytes of this shard padded to FSDP's shard rows,), metadata: the scale (or grid of block scales)
+        and amax used, tensors that live as long as the weight (docs/fsdp.md: the scale must outlive the gather)."""
         rows = -(-orig_size[0] // mesh.size())  # FSDP pads every shard to ceil(rows / ranks)
         data = torch.zeros((rows, *self.shape[1:]), dtype=torch.uint8, device=self.device)
         if self._tensor.numel():
-            flat, _ = scaled_cast(self._tensor.reshape(1, -1), self._scale.scale.reshape(1, 1), TENSOR, E4M3)
-            data[: self.shape[0]].copy_(flat.view(torch.uint8).reshape(self.shape))
+            first_row = 0 if self._scale.block is None else mesh.get_local_rank() * rows  # where the blocks start
+            fp8 = self._scale.cast(self._tensor, first_row)
+            data[: self.shape[0]].copy_(fp8.view(torch.uint8))
         return (data,), (self._scale.scale_inv, self._scale.amax)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
@@ -141,22 +188,29 @@ class Fp8ShardWeight(torch.Tensor):
                 out.scale_inv.copy_(scale_inv)
                 out.amax.copy_(amax)
             return None
-        return Fp8GatheredWeight(data.view(E4M3), scale_inv, amax, param_dtype), (data,)
+        return Fp8GatheredWeight(data.view(E4M3), scale_inv, amax, param_dtype, self._scale.block), (data,)
 
 
 class Fp8GatheredWeight(torch.Tensor):
-    """An unsharded FP8 weight [out, in] under FSDP: E4M3 data and one scale, with the nominal dtype FSDP gathers
-    the other weights in (its gradient's: FSDP reduce-scatters a unit's gradients of one dtype together). The FP8
-    linear reads it as `fp8_tensor()`; anything else sees `dequantize()`."""
+    """An unsharded FP8 weight [out, in] under FSDP: E4M3 data and one scale (or, `block` given, a grid of block
+    scales), with the nominal dtype FSDP gathers the other weights in (its gradient's: FSDP reduce-scatters a unit's
+    gradients of one dtype together). The FP8 linear reads it as `fp8_tensor()`; anything else sees `dequantize()`."""
 
     grad_to_autograd = True  # params.accumulate_weight_grad: FSDP reduce-scatters the autograd gradient
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
+    def __new__(cls, data, scale_inv, amax, dtype, block=None):
         return torch.Tensor._make_wrapper_subclass(cls, data.size(), dtype=dtype, device=data.device)
 
-    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
-        self._data, self.scale_inv, self.amax = data, scale_inv, amax
+    def __init__(
+        self,
+        data: torch.Tensor,
+        scale_inv: torch.Tensor,
+        amax: torch.Tensor,
+        dtype: torch.dtype,
+        block: tuple[int, int] | None = None,
+    ):
+        self._data, self.scale_inv, self.amax, self.block = data, scale_inv, amax, block
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -166,7 +220,7 @@ class Fp8GatheredWeight(torch.Tensor):
             weight = args[0]
             rest = tree_map_only(Fp8GatheredWeight, lambda t: t._data, (args[1:], kwargs or {}))
             data = func(weight._data, *rest[0], **rest[1])
-            return Fp8GatheredWeight(data, weight.scale_inv, weight.amax, weight.dtype)
+            return Fp8GatheredWeight(data, weight.scale_inv, weight.amax, weight.dtype, weight.block)
         args, kwargs = tree_map_only(Fp8GatheredWeight, lambda t: t.dequantize(), (args, kwargs or {}))
         return func(*args, **kwargs)
 
@@ -179,11 +233,13 @@ class Fp8GatheredWeight(torch.Tensor):
         return self.scale_inv._version
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return (self._data.float() * self.scale_inv).to(dtype or self.dtype)
+        return self.fp8_tensor().dequantize(dtype or self.dtype)
 
     def fp8_tensor(self) -> Fp8Tensor:
-        """The weight as the GEMM operand q(W) [out, in] (one block: the whole tensor)."""
-        return Fp8Tensor(self._data, self.scale_inv.reshape(1, 1), tuple(self.shape), self.amax)
+        """The weight as the GEMM operand q(W) [out, in] (one block, the whole tensor, unless blockwise)."""
+        if self.block is None:
+            return Fp8Tensor(self._data, self.scale_inv.reshape(1, 1), tuple(self.shape), self.amax)
+        return Fp8Tensor(self._data, self.scale_inv, self.block, self.amax)
 
 
 def shard_data(tensor: torch.Tensor) -> torch.Tensor:
@@ -196,32 +252,45 @@ def wrap_fp8_weight(weight: torch.Tensor, state: Any, device: torch.device | Non
     """An FP8 linear's (fp32 or bf16) weight as a parameter whose FSDP2 all-gather moves E4M3 bytes (`state`: the
     linear's `Fp8LinearState`). Its scale lives on `device` (default: the weight's; a weight on the meta device,
     given storage later by FSDP, names the run's device, as the scale is never reallocated)."""
-    scale = GatherScale(weight.device if device is None else device, state)
+    scale = GatherScale(weight.device if device is None else device, state, tuple(weight.shape))
     return torch.nn.Parameter(Fp8ShardWeight(weight.detach(), scale))
 
 
 class Fp8GatherScales:
-    """The per-tensor scales of the FP8 all-gathers, agreed once per optimizer step by the ranks holding pieces of
-    the weights."""
+    """The scales of the FP8 all-gathers (per tensor, or per block), agreed once per optimizer step by the ranks
+    holding pieces of the weights."""
 
     def __init__(self, shards: list[torch.Tensor], group: dist.ProcessGroup | None):
         """`shards`: the wrapped weights' sharded parameters (DTensors whose local tensors are `Fp8ShardWeight`);
         `group`: the data-parallel ranks FSDP shards them over, and under tensor parallelism the ranks holding the
         other tensor-parallel pieces too (every rank lists its shards in the same order), so that each piece is
-        cast with the whole weight's scale, as the tensorwise recipe casts a tensor-parallel weight."""
+        cast with the whole weight's scale, as the tensorwise recipe casts a tensor-parallel weight. Blockwise
+        weights agree over the data-parallel ranks sharding them (their FSDP mesh) only: a tensor-parallel piece's
+        blocks are its own, as the linear casts them."""
         self.shards, self.group = shards, group
         self.stale = True
 
     def agree(self) -> None:
-        """If the weights changed since the last call: max-reduce all shards' amaxes in one all-reduce and set each
-        weight's scale (`GatherScale.set`)."""
+        """If the weights changed since the last call: max-reduce all shards' amaxes (block amaxes) in one
+        all-reduce per group and set each weight's scale (`GatherScale.set`)."""
         if not self.stale or not self.shards:
             return
         with torch.no_grad():
-            locals_ = [s.to_local() for s in self.shards]
-            zero = torch.zeros((), device=locals_[0].device)
-            amax = torch.stack([t.abs().amax().float() if t.numel() else zero for t in locals_])
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-            for local, tensor_amax in zip(locals_, amax):
-                local._scale.set(tensor_amax)
+            blockwise = [s.to_local()._scale.block is not None for s in self.shards]
+            per_tensor = [s for s, blocks in zip(self.shards, blockwise) if not blocks]
+            if per_tensor:
+                self._agree(per_tensor, self.group)
+            if any(blockwise):  # one FSDP mesh shards them all
+                blocked = [s for s, blocks in zip(self.shards, blockwise) if blocks]
+                self._agree(blocked, blocked[0].device_mesh.get_group())
         self.stale = False
+
+    @staticmethod
+    def _agree(shards: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+        locals_ = [s.to_local() for s in shards]
+        first_rows = [s.device_mesh.get_local_rank() * -(-s.shape[0] // s.device_mesh.size()) for s in shards]
+        amaxes = [t._scale.local_amax(t._tensor, row) for t, row in zip(locals_, first_rows)]
+        flat = torch.cat([a.reshape(-1) for a in amaxes])
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        for local, agreed in zip(locals_, flat.split([a.numel() for a in amaxes])):
+            local._scale.set(agreed.reshape(local._scale.scale.shape))

@@ -132,7 +132,8 @@ class Fp8LinearState:
             w_t = w_q.t()
             self.amax.record(self.index, Role.WEIGHT, w_q.amax)
             if self.stats is not None:
-                scale = weight.scale_inv.reciprocal()
+                # one given scale (per tensor); block scales (FSDP's blockwise gathers) are recomputed from the value
+                scale = weight.scale_inv.reciprocal() if weight.scale_inv.numel() == 1 else None
                 self.stats.record(self.index, Role.WEIGHT, weight.dequantize(), self.recipe, scale)
         else:
             w_q, w_t = self.quantize(weight.detach(), Role.WEIGHT, rows=True, cols=True)

@@ -46,7 +46,8 @@ FSDP = "--use-megatron-fsdp"
         (FSDP, 1, "run at least two"),
         (f"{FSDP} --pipeline-model-parallel-size 2", 4, "--pipeline-model-parallel-size 2: not built yet"),
         (f"{FSDP} --tensor-model-parallel-size 2", 2, "run at least two"),  # no data-parallel ranks left
-        (f"{FSDP} --bf16 --fp8-format e4m3 --fp8-recipe rowwise --fp8-param-gather", 2, "rowwise: not built yet"),
+        (f"{FSDP} --bf16 --fp8-format e4m3 --fp8-recipe rowwise --fp8-param-gather", 2, "rowwise: its weight is cast"),
+        (f"{FSDP} --bf16 --fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather", 2, "mxfp8: its weight is cast"),
         (f"{FSDP} --fp16", 2, "--fp16: not built yet"),
         (
             f"{FSDP} --bf16 --use-precision-aware-optimizer --megatron-fsdp-main-params-dtype bf16",
@@ -83,9 +84,19 @@ def test_meta_device_init_with_the_local_fp8_engine_is_built(gather):
     assert cfg.parallel.init_model_with_meta_device and cfg.precision.fp8
 
 
-def test_fp8_param_gather_with_the_tensorwise_recipe_is_built():
-    cfg = parse(f"{FSDP} --bf16 --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather")
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_param_gather_with_per_tensor_and_block_recipes_is_built(recipe):
+    """Blockwise: the local layers only (tests/distributed/test_fsdp.py), not without FSDP (no blockwise
+    `Fp8Parameter`), nor with Transformer Engine's layers under FSDP."""
+    cfg = parse(f"{FSDP} --bf16 --fp8-format hybrid --fp8-recipe {recipe} --fp8-param-gather")
     assert cfg.precision.fp8_param_gather and cfg.parallel.fsdp
+    if recipe == "blockwise":
+        with pytest.raises(ConfigError, match="the local engine keeps FP8 weights with one scale per tensor"):
+            parse(f"--bf16 --fp8-format hybrid --fp8-recipe {recipe} --fp8-param-gather")
+        cfg.model.transformer_impl = "transformer_engine"
+        with pytest.raises(ConfigError) as error:
+            check_fsdp_layers(cfg)
+        assert "--fp8-recipe blockwise and --transformer-impl transformer_engine: not built yet" in str(error.value)
 
 
 @pytest.mark.parametrize("layout", ["--tensor-model-parallel-size 2 --sequence-parallel", "--context-parallel-size 2"])
