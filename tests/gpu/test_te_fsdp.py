@@ -13,10 +13,6 @@ dtypes imply plus one layer. With --fp8-param-gather the FP8 layers' weights are
 shards (1e-2 with O2's bf16 ones), each gather of an FP8 layer at most 0.55x bf16's bytes. A torch_dist checkpoint
 written under FSDP resumes under the distributed optimizer."""
 
-import pytest
-import torch
-
-from megatron.config.te_rules import te_import_error
 from megatron.fp8.te_fsdp_params import TeFp8ShardWeight
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import (
@@ -32,19 +28,14 @@ from tests.distributed.test_fsdp import (
     precision_aware_held,
 )
 from tests.distributed.test_parallel_layouts import BASE, FP8
+from tests.gpu.marks import TE_ON_TWO_GPUS
 
 STEPS = 6
 TE = "--transformer-impl transformer_engine --bf16"
 FLAGS = f"{BASE} {TE} --train-iters {STEPS} --eval-iters 0"
 RECOMPUTE = " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(te_import_error() is not None, reason=f"needs Transformer Engine ({te_import_error()})"),
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (nvidia-h100-x2)"
-    ),
-]
+pytestmark = TE_ON_TWO_GPUS
 
 
 def _body(rank, world_size, out_dir):

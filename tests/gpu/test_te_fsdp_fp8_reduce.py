@@ -7,24 +7,15 @@ FSDP2's bf16 reduce-scatter of the same unit, nothing saturates, and O2 (with th
 gradient shards) stays within 1e-2 of the distributed optimizer's O2. The CPU version:
 tests/distributed/test_fsdp_fp8_reduce.py."""
 
-import pytest
-import torch
-
-from megatron.config.te_rules import te_import_error
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp_fp8_reduce import check_against_distributed_optimizer
 from tests.distributed.test_parallel_layouts import BASE, FP8
+from tests.gpu.marks import TE_ON_TWO_GPUS
 
 STEPS = 20
 FLAGS = f"{BASE} --transformer-impl transformer_engine --bf16 --train-iters {STEPS} --eval-iters 0 --lr 1e-3"
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(te_import_error() is not None, reason=f"needs Transformer Engine ({te_import_error()})"),
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (nvidia-h100-x2)"
-    ),
-]
+pytestmark = TE_ON_TWO_GPUS
 
 
 def _body(rank, world_size):

@@ -12,25 +12,16 @@ is kept to its deterministic backends)."""
 
 import os
 
-import pytest
-import torch
-
 from megatron.config import sharding
-from megatron.config.te_rules import te_import_error
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp_meta import PARAMS, compare_meta_to_eager, record_deferred_builds
 from tests.distributed.test_parallel_layouts import BASE, FP8
+from tests.gpu.marks import TE_ON_TWO_GPUS
 
 STEPS = 4
 FLAGS = f"{BASE} --transformer-impl transformer_engine --bf16 --train-iters {STEPS} --eval-iters 0 {PARAMS}"
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(te_import_error() is not None, reason=f"needs Transformer Engine ({te_import_error()})"),
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (nvidia-h100-x2)"
-    ),
-]
+pytestmark = TE_ON_TWO_GPUS
 
 
 def _body(rank, world_size):
