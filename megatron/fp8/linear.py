@@ -18,6 +18,7 @@ multiple of 16 for `torch._scaled_mm` (zero rows change no amax and no product) 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,6 +58,11 @@ class Fp8LinearState:
         (calibration.py)."""
         self.stats: Fp8StatsCollector | None = None
         """Set by the FP8 monitor on the steps it watches: every cast is then counted (monitor.py)."""
+        self.weight_piece: Callable[[], tuple[torch.Tensor, int]] | None = None
+        """With an FP8 weight (--fp8-param-gather), which the linear reads cast already: the high-precision piece
+        this rank cast into it and the weight's row it starts at (the distributed optimizer's main piece, flat, at
+        0; FSDP's shard [rows, in]; training/build.py sets it). The monitor counts that cast; the pieces of all
+        ranks make up the weight once."""
         self._weight_cache: tuple[Any, Fp8Tensor, Fp8Tensor] | None = None
         self.cache_weight = True
         """Keep the weight's casts for the step's later micro-batches. Off under FSDP (megatron/parallel/fsdp.py),
@@ -132,15 +138,25 @@ class Fp8LinearState:
             w_t = w_q.t()
             self.amax.record(self.index, Role.WEIGHT, w_q.amax)
             if self.stats is not None:
-                # one given scale (per tensor); block scales (FSDP's blockwise gathers) are recomputed from the value
-                scale = weight.scale_inv.reciprocal() if weight.scale_inv.numel() == 1 else None
-                self.stats.record(self.index, Role.WEIGHT, weight.dequantize(), self.recipe, scale)
+                self._record_fp8_weight(weight)
         else:
             w_q, w_t = self.quantize(weight.detach(), Role.WEIGHT, rows=True, cols=True)
         assert w_q is not None and w_t is not None
         if self.cache_weight:
             self._weight_cache = (key, w_q, w_t)
         return w_q, w_t
+
+    def _record_fp8_weight(self, weight: torch.Tensor) -> None:
+        """Count the cast that made an FP8 weight: of this rank's piece, with the weight's scales (read back, the
+        weight would show neither saturation nor underflow). Without a piece known (a model outside training),
+        the weight read back, its block scales recomputed."""
+        assert self.stats is not None
+        if self.weight_piece is None:
+            scale = weight.scale_inv.reciprocal() if weight.scale_inv.numel() == 1 else None
+            self.stats.record(self.index, Role.WEIGHT, weight.dequantize(), self.recipe, scale)
+            return
+        piece, first_row = self.weight_piece()
+        self.stats.record_cast(self.index, Role.WEIGHT, piece, first_row, weight.scale_inv.reciprocal(), self.recipe)
 
     def drop_weight_cache(self) -> None:
         self._weight_cache = None

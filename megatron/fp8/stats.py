@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .formats import E4M3, E5M2, Role
-from .quantize import BlockSpec, _blocked, block_amax, block_scales
+from .quantize import TENSOR, BlockSpec, _blocked, block_amax, block_scales
 from .recipes import Recipe
 
 FIELDS = ("amax", "scale", "saturated", "underflow")
@@ -64,6 +65,32 @@ class Fp8StatsCollector:
         amax_blocks = block_amax(x, spec)
         scales, _ = block_scales(amax_blocks, dtype, scale=scale, power_of_two=recipe.power_of_two(role), mx=recipe.mx)
         self.record_counts(index, role, scaled_counts(x, scales, spec, dtype), amax_blocks.amax(), scales.min())
+
+    def record_cast(
+        self, index: int, role: Role, piece: torch.Tensor, first_row: int, scale: torch.Tensor, recipe: Recipe
+    ) -> None:
+        """Count a cast made elsewhere (an FP8 weight's, --fp8-param-gather) of this rank's `piece` of the tensor:
+        with one `scale` [1] a piece of any shape; with a grid of block scales [row blocks, column blocks] the rows
+        [first_row, first_row + rows) of the tensor, whose blocks start at multiples of the block height."""
+        if (index, role) in self.counted:
+            return
+        self.counted.add((index, role))
+        if not piece.numel():  # a rank holding no piece of the tensor: nothing cast here (neutral in the reductions)
+            none = torch.zeros(3, dtype=torch.float64)
+            self.record_counts(index, role, none, torch.zeros(()), torch.tensor(math.inf))
+            return
+        spec, dtype = recipe.block(role), recipe.dtype(role)
+        if scale.numel() == 1:
+            x, spec, scale = piece.reshape(1, -1), TENSOR, scale.reshape(1, 1)
+        else:  # zero rows up to the first block's start count as neither (and not as elements)
+            height = spec[0]
+            assert height is not None
+            x = F.pad(piece, (0, 0, first_row % height, 0))
+            scale = scale[first_row // height :][: -(-x.shape[0] // height)]
+        counts = scaled_counts(x, scale, spec, dtype)
+        counts[2] = piece.numel()
+        amax = piece.detach().abs().amax() if piece.numel() else torch.zeros((), device=piece.device)
+        self.record_counts(index, role, counts, amax, scale.min())
 
     def record_counts(
         self, index: int, role: Role, counts: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor

@@ -257,6 +257,13 @@ class MixedPrecisionAdamW:
             with torch.no_grad():
                 quantize_masters(list(params), mains, list(starts), self._fp8_group)
 
+    def fp8_cast_pieces(self) -> list[tuple[torch.Tensor, Callable[[], tuple[torch.Tensor, int]]]]:
+        """Each FP8 weight with (a getter of) the main piece this rank casts into it, flat (empty where it owns
+        none), and 0 (one scale per tensor: where the piece starts does not matter): between two steps, the values
+        the FP8 weight was cast from, whose cast the FP8 monitor counts."""
+        empty = torch.empty(0, device=self.params[0].device) if self.params else None
+        return [(p, (lambda: (empty, 0)) if i is None else lambda i=i: (self._main(i), 0)) for p, i, _ in self._fp8]
+
     def recast_fp8_params(self) -> None:
         """Cast the main copies into the FP8 weights again (and gather them): after delayed scaling's calibration
         replaced the weight scales they were first cast with (Transformer Engine's: scale 1)."""

@@ -46,7 +46,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from megatron.config import Config
 from megatron.config.sharding import grad_comm_bf16, main_grads_bf16, shards_hold_main_weights
-from megatron.fp8.fsdp_params import Fp8GatherScales, Fp8ShardWeight, wrap_fp8_weight
+from megatron.fp8.fsdp_params import Fp8GatherScales, Fp8ShardWeight, shard_data, wrap_fp8_weight
 from megatron.fp8.linear import Fp8LinearState
 from megatron.fp8.te_fsdp_params import wrap_te_fp8_weight
 
@@ -84,6 +84,20 @@ def fsdp_units(layers: list[nn.Module], unit_size: int | None) -> list[list[nn.M
     if current:
         units.append(current)
     return units
+
+
+def fp8_gather_pieces(model: nn.Module) -> list[tuple[Fp8LinearState, Callable[[], tuple[torch.Tensor, int]]]]:
+    """--fp8-param-gather: each local FP8 linear's state with (a getter of) the shard [rows, in] this rank casts to
+    E4M3 for the all-gather and its first row in the weight, whose cast the FP8 monitor counts (the linear reads the
+    gathered bytes). Called between steps, when a module's weight is its sharded parameter."""
+    pieces = []
+    for module in model.modules():
+        state, weight = getattr(module, "fp8", None), getattr(module, "weight", None)
+        if isinstance(state, Fp8LinearState) and isinstance(weight, DTensor):
+            if isinstance(weight.to_local(), Fp8ShardWeight):
+                first_row = flat_offset(weight) // max(1, math.prod(weight.shape[1:]))
+                pieces.append((state, lambda weight=weight, row=first_row: (shard_data(local_shard(weight)), row)))
+    return pieces
 
 
 def _wrap_fp8_weights(modules: list[nn.Module], device: torch.device) -> None:

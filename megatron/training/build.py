@@ -14,12 +14,13 @@ import torch
 
 from megatron.config import Config
 from megatron.fp8.monitor import Fp8Monitor, build_fp8_monitor
+from megatron.fp8.params import Fp8Parameter
 from megatron.model import GPTModel, Stage
 from megatron.model.meta_init import DeferredInit
 from megatron.optim import MixedPrecisionAdamW
 from megatron.parallel import GradientBuffers, ParallelDims
 from megatron.parallel.context_parallel import ContextParallel, attach_context_parallel
-from megatron.parallel.fsdp import ShardedGrads, build_fsdp
+from megatron.parallel.fsdp import ShardedGrads, build_fsdp, fp8_gather_pieces
 from megatron.parallel.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -105,3 +106,17 @@ def build_optimizer(
     # local engine the whole tensor (as in one process)
     fp8_group = dims.amax_group if cfg.model.transformer_impl == "local" else dims.dp_cp_group
     return MixedPrecisionAdamW(model, cfg.optimizer, device.type == "cuda", grad_buffers, fp8_group)
+
+
+def point_fp8_weights_at_their_casts(cfg: Config, model: GPTModel, optimizer: MixedPrecisionAdamW) -> None:
+    """--fp8-param-gather with the local layers: tell each FP8 linear which high-precision piece this rank casts
+    into its FP8 weight (FSDP: the shard it gathers; the distributed optimizer: its main piece), for the FP8
+    monitor's weight statistics; the pieces of all ranks make up each weight once, under either layout."""
+    if not (cfg.precision.fp8_param_gather and cfg.model.transformer_impl == "local"):
+        return
+    if cfg.parallel.fsdp:
+        pieces = fp8_gather_pieces(model)
+    else:
+        pieces = [(p.state, piece) for p, piece in optimizer.fp8_cast_pieces() if isinstance(p, Fp8Parameter)]
+    for state, piece in pieces:
+        state.weight_piece = piece

@@ -28,7 +28,14 @@ from megatron.optim.loss_scaler import build_loss_scaler
 from megatron.optim.schedule import LearningRates, LRSchedule
 from megatron.parallel import ParallelDims, init_distributed
 
-from .build import build_fp8, build_grad_buffers, build_model, build_optimizer, set_seed
+from .build import (
+    build_fp8,
+    build_grad_buffers,
+    build_model,
+    build_optimizer,
+    point_fp8_weights_at_their_casts,
+    set_seed,
+)
 from .data_loading import build_loader, close_loader
 from .determinism import apply_deterministic_mode
 from .guards import RunGuards, guard_collectives
@@ -75,6 +82,7 @@ class Trainer:
         self.grad_buffers = build_grad_buffers(cfg, dims, self.model, self.device, deferred)
         self.shutdown.add_at_exit("the gradient buffers' hooks", self.grad_buffers.remove_hooks)
         self.optimizer = build_optimizer(cfg, dims, self.model, self.device, self.grad_buffers)
+        point_fp8_weights_at_their_casts(cfg, self.model, self.optimizer)
         self.loss_scaler = build_loss_scaler(cfg.precision)
         self.state = TrainState()
         self.checkpointer = None  # saves in --ckpt-format, loads the format on disk, logs the seconds

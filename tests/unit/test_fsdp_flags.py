@@ -115,6 +115,7 @@ def test_overlap_flags_are_noted_not_silent():
     "extra, message",
     [
         ("--fp8-auto-bf16", "--fp8-param-gather and --fp8-auto-bf16 under --transformer-impl transformer_engine"),
+        ("--fp8-stats-interval", "--fp8-param-gather and --fp8-stats-interval under --transformer-impl"),
         ("--init-model-with-meta-device", "--init-model-with-meta-device and --transformer-impl transformer_engine"),
     ],
 )
@@ -123,7 +124,9 @@ def test_transformer_engine_layers_under_fsdp_refuse_what_is_not_built(extra, me
     # Meta-device initialization is built for TE's layers but refused until tests/gpu/test_te_fsdp_meta.py has run.
     cfg = parse(f"{FSDP} --bf16")
     cfg.model.transformer_impl = "transformer_engine"
-    cfg.precision.fp8_param_gather = cfg.precision.fp8_auto_bf16 = extra == "--fp8-auto-bf16"
+    cfg.precision.fp8_param_gather = extra in ("--fp8-auto-bf16", "--fp8-stats-interval")
+    cfg.precision.fp8_auto_bf16 = extra == "--fp8-auto-bf16"
+    cfg.precision.fp8_stats_interval = 10 if extra == "--fp8-stats-interval" else 0
     cfg.parallel.init_model_with_meta_device = extra == "--init-model-with-meta-device"
     with pytest.raises(ConfigError) as error:
         check_fsdp_layers(cfg)
