@@ -1,7 +1,8 @@
 """The FP8 monitor and guard under FSDP (optim_grads_params) on 2 gloo ranks, against the distributed optimizer with
 the same model, seed and flags: the same statistics and log lines, with and without --fp8-param-gather (where the
-weight's statistics count the cast of each rank's shard / main piece, not the FP8 weight read back), and the guard
-names and moves the same layer to bf16 (--fp8-auto-bf16; its gathered FP8 weights then dequantized)."""
+weight's statistics count the cast of each rank's shard / main piece, not the FP8 weight read back; blockwise, gathered
+as FP8 under FSDP only, against FSDP's high-precision gathers), and the guard names and moves the same layer to bf16
+(--fp8-auto-bf16; its gathered FP8 weights then dequantized)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,14 @@ def _body(rank: int, world_size: int) -> None:
     for key, (amax, scale, *fractions) in gathered.items():
         assert amax == cast[key][0] and fractions == list(cast[key][2:]), (key, gathered[key], cast[key])
         assert math.isclose(scale, cast[key][1], rel_tol=1e-6), (key, scale, cast[key][1])
+
+    # blockwise FP8 gathers (FSDP only): each shard counted with its rows' blocks, a block cut by the shard boundary
+    # (96 rows of linear_qkv: one 128x128 block over the two shards) as the linear's cast of the gathered weight
+    blocks = {}
+    for gather in ("", "--fp8-param-gather"):
+        rows, _, _, _ = _run(f"--fp8-recipe blockwise {gather} {FSDP}", world_size)
+        blocks[gather] = {key: value for key, value in rows.items() if key[2] == "weight"}
+    assert len(blocks[""]) == 8 and blocks["--fp8-param-gather"] == blocks[""]
 
     moved = {}
     for layout in (DISTOPT, FSDP):

@@ -77,6 +77,29 @@ def test_collector_counts_each_tensor_once_per_step_and_reports_fractions():
     assert collector.counted == {(0, Role.INPUT)}
 
 
+@pytest.mark.parametrize("recipe_name", ["tensorwise", "blockwise"])
+def test_a_cast_made_in_pieces_counts_as_the_whole_tensor_cast(recipe_name):
+    # --fp8-param-gather: each rank counts the rows it cast (FSDP's shards: blocks cut by a shard boundary) with the
+    # weight's scales, and the reduction sums the pieces: the whole tensor's counts, amax and smallest scale
+    recipe = Recipe(recipe_name, Fp8Format("hybrid"))
+    spec = recipe.block(Role.WEIGHT)
+    w = torch.randn(200, 160, generator=torch.Generator().manual_seed(0)) * torch.logspace(-9, 0, 160)
+    scale = torch.tensor([[3e3, 5e2], [9e2, 2e4]]) if recipe_name == "blockwise" else torch.full((1, 1), 4e3)
+    whole = scaled_counts(w, scale, spec if recipe_name == "blockwise" else TENSOR, E4M3)
+    assert whole[0] > 0 and whole[1] > 0  # some saturate, some flush: the pieces' counts are no zeros
+    collectors = []
+    for first, last in ((0, 70), (70, 140), (140, 200), (200, 200)):  # the last rank holds no row
+        collector = Fp8StatsCollector(["linear"], [1], torch.device("cpu"))
+        piece = w[first:last] if recipe_name == "blockwise" else w[first:last].reshape(-1)
+        collector.record_cast(0, Role.WEIGHT, piece, first, scale.reciprocal().reciprocal(), recipe)
+        collector.record_cast(0, Role.WEIGHT, w, 0, scale, recipe)  # counted once per step
+        collectors.append(collector)
+    counts = sum(c.counts[0, Role.WEIGHT.value] for c in collectors)
+    assert counts.tolist() == whole.tolist()
+    assert max(float(c.amax[0, Role.WEIGHT.value]) for c in collectors) == float(w.abs().max())
+    assert min(float(c.scale[0, Role.WEIGHT.value]) for c in collectors) == pytest.approx(float(scale.min()))
+
+
 def _row(linear="decoder.layers.1.mlp.linear_fc2", layer=2, role=Role.INPUT, saturated=0.0, underflow=0.0):
     return Fp8TensorStats(linear, layer, role, 10.0, 44.8, saturated, underflow)
 
