@@ -65,6 +65,11 @@ _SHARD_OPS = {
 _GATHERED_VIEWS = {aten.detach.default, aten.alias.default, aten.as_strided.default, aten.view.default}
 
 
+def shard_rows(rows: int, ranks: int) -> int:
+    """The rows of each FSDP shard of a weight of `rows` rows: FSDP pads every shard to ceil(rows / ranks)."""
+    return -(-rows // ranks)
+
+
 class GatherScale:
     """The scale one weight is cast with before its all-gather, and the amax it came from (shared by all wrappers
     of the weight's shard). `state`: the local linear's `Fp8LinearState` (its recipe; delayed scaling's scale), None
@@ -170,7 +175,7 @@ class Fp8ShardWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
         """(E4M3 bytes of this shard padded to FSDP's shard rows,), metadata: the scale (or grid of block scales)
         and amax used, tensors that live as long as the weight (docs/fsdp.md: the scale must outlive the gather)."""
-        rows = -(-orig_size[0] // mesh.size())  # FSDP pads every shard to ceil(rows / ranks)
+        rows = shard_rows(orig_size[0], mesh.size())
         data = torch.zeros((rows, *self.shape[1:]), dtype=torch.uint8, device=self.device)
         if self._tensor.numel():
             first_row = 0 if self._scale.block is None else mesh.get_local_rank() * rows  # where the blocks start
@@ -179,14 +184,11 @@ class Fp8ShardWeight(torch.Tensor):
         return (data,), (self._scale.scale_inv, self._scale.amax)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
-        """The gathered weight (first gather), or `out` refilled: its bytes are the re-allocated outputs already,
-        its scale is copied in."""
+        """The gathered weight (first gather), or nothing to do for `out`: its bytes are the re-allocated outputs
+        already, and its scale and amax are the weight's own `GatherScale` tensors, which `agree` updates."""
         (data,) = outputs
         scale_inv, amax = metadata
         if out is not None:
-            with torch.no_grad():  # (a copy onto itself: the version bump marks the refill for the linear's cache)
-                out.scale_inv.copy_(scale_inv)
-                out.amax.copy_(amax)
             return None
         return Fp8GatheredWeight(data.view(E4M3), scale_inv, amax, param_dtype, self._scale.block), (data,)
 
@@ -229,7 +231,8 @@ class Fp8GatheredWeight(torch.Tensor):
 
     @property
     def version(self) -> int:
-        """Changes with every refill (each all-gather copies the scale in): the linear's weight cache key."""
+        """Changes whenever the ranks agree a new scale (`GatherScale.set`, once per step): the linear's weight cache
+        key (the gathered bytes of one step are the same at every all-gather)."""
         return self.scale_inv._version
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -288,7 +291,7 @@ class Fp8GatherScales:
     @staticmethod
     def _agree(shards: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
         locals_ = [s.to_local() for s in shards]
-        first_rows = [s.device_mesh.get_local_rank() * -(-s.shape[0] // s.device_mesh.size()) for s in shards]
+        first_rows = [s.device_mesh.get_local_rank() * shard_rows(s.shape[0], s.device_mesh.size()) for s in shards]
         amaxes = [t._scale.local_amax(t._tensor, row) for t, row in zip(locals_, first_rows)]
         flat = torch.cat([a.reshape(-1) for a in amaxes])
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)

@@ -53,8 +53,8 @@ class TeFp8ShardWeight(Fp8ShardWeight):
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         """The gathered Float8Tensor (first gather; with the inner tensors FSDP frees at reshard and allocates
-        again before the next gather: the bytes and the transpose buffer), or `out` pointed at this gather's bytes
-        and scale, its transpose to be rebuilt."""
+        again before the next gather: the bytes and the transpose buffer), or `out` pointed at this gather's bytes,
+        its transpose to be rebuilt."""
         (padded,) = outputs
         scale_inv, orig_size = metadata
         data = padded.view(-1)[: orig_size[0] * orig_size[1]].view(orig_size)  # FSDP pads shards to equal rows
@@ -64,11 +64,9 @@ class TeFp8ShardWeight(Fp8ShardWeight):
             if _needs_transpose():
                 gather.transpose = torch.empty(orig_size[::-1], dtype=torch.uint8, device=data.device)
             inner = (padded,) if gather.transpose is None else (padded, gather.transpose)
-        else:
+        else:  # (its scale_inv is the weight's `GatherScale` tensor already, which `agree` updates)
             weight, inner = out, None
             weight._data = data
-            with torch.no_grad():
-                weight._scale_inv.copy_(scale_inv.reshape(weight._scale_inv.shape))
         # TE's backward fills the transpose through `out=`: into FSDP's buffer, not a new tensor
         weight._transpose, weight._transpose_invalid = gather.transpose, True
         return None if out is not None else (weight, inner)
