@@ -89,8 +89,7 @@ class Fp8StatsCollector:
             scale = scale[first_row // height :][: -(-x.shape[0] // height)]
         counts = scaled_counts(x, scale, spec, dtype)
         counts[2] = piece.numel()
-        amax = piece.detach().abs().amax() if piece.numel() else torch.zeros((), device=piece.device)
-        self.record_counts(index, role, counts, amax, scale.min())
+        self.record_counts(index, role, counts, piece.detach().abs().amax(), scale.min())
 
     def record_counts(
         self, index: int, role: Role, counts: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor
