@@ -253,3 +253,12 @@ class ModelConfig:
     @property
     def add_bias(self) -> bool:
         return not self.disable_bias_linear
+
+    def cross_entropy_impl(self, fp16_logits: bool) -> str:
+        """The output layer's loss: `te` (Transformer Engine's fused cross-entropy: asked for, or by default with TE's
+        layers, whose kernel refuses fp16 logits), `native` (this project's fused one) or `vocab_parallel`. The model
+        computes with it and the memory estimate counts its bytes."""
+        fused = self.cross_entropy_fusion_impl if self.cross_entropy_loss_fusion else None
+        if fused == "te" or (fused is None and self.transformer_impl == "transformer_engine" and not fp16_logits):
+            return "te"
+        return "native" if fused == "native" else "vocab_parallel"

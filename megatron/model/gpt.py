@@ -282,13 +282,12 @@ class GPTModel(nn.Module):
         logits = F.linear(x, self.output_weight())  # [s, b, V/tp]
         if labels is None:
             return gather_from_tp(logits, self.tp.group).transpose(0, 1)
-        fused = self.cfg.cross_entropy_fusion_impl if self.cfg.cross_entropy_loss_fusion else None
-        te_takes = logits.dtype != torch.float16  # TE's kernel refuses fp16 logits (--fp16 is refused with `te`)
-        if fused == "te" or (fused is None and self.uses_te and te_takes):
+        impl = self.cfg.cross_entropy_impl(fp16_logits=logits.dtype == torch.float16)  # (--fp16 refused with `te`)
+        if impl == "te":
             from .te_layers import te_cross_entropy
 
             return te_cross_entropy(logits, labels, self.tp.group)
-        if fused == "native":
+        if impl == "native":
             return fused_cross_entropy(logits.transpose(0, 1), labels, self.tp.group)
         return vocab_parallel_cross_entropy(logits.transpose(0, 1), labels, self.tp.group)
 

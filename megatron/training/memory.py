@@ -155,13 +155,6 @@ def _step_bytes(cfg: Config, num_params: int, fp8_params: int) -> float:
     return 4 * num_params / shards if bf16 else 0.0
 
 
-def _te_cross_entropy(cfg: Config) -> bool:
-    """Whether the loss is Transformer Engine's fused cross-entropy (as `GPTModel.forward` chooses it)."""
-    m = cfg.model
-    fused = m.cross_entropy_fusion_impl if m.cross_entropy_loss_fusion else None
-    return fused == "te" or (fused is None and _te(cfg) and not cfg.precision.fp16)
-
-
 def in_flight_layers(cfg: Config, pp_rank: int = 0) -> int:
     """How many layers' worth of one micro-batch's activations pipeline rank `pp_rank` holds at the peak of its
     schedule: the forward passes it has run whose backward passes it has not (Megatron-LM's in-flight
@@ -229,7 +222,8 @@ def estimate_bytes(
     activations = recomputed_activation_units(cfg, layers, held) * s * b * h * act_scale
     buffers = loss_side = 0.0
     if pp_rank == par.pipeline_model_parallel_size - 1:  # the stage that computes the loss
-        logits = (itemsize if _te_cross_entropy(cfg) else 8) * s * b * vocab_size / t
+        te_loss = cfg.model.cross_entropy_impl(fp16_logits=cfg.precision.fp16) == "te"
+        logits = (itemsize if te_loss else 8) * s * b * vocab_size / t
         # the final norm's input (a sequence-parallel shard) and the output layer's (gathered) input
         inputs = (2 / t if par.sequence_parallel else 2) * s * b * h * act_scale + 2 * s * b * h * act_scale
         activations += logits + inputs
