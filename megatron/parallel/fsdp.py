@@ -300,8 +300,9 @@ def build_fsdp(
         if getattr(module, "fp8", None) is not None and hasattr(module.fp8, "cache_weight"):
             module.fp8.cache_weight = False  # a local FP8 linear
     keep = par.data_parallel_sharding_strategy == "optim_grads"
-    # A Transformer Engine layer keeps its FP8 weight casts for a step's later micro-batches only where the gathered
-    # weights stay too (optim_grads); they are cast again after each optimizer step (`ShardedGrads.zero`)
+    # A Transformer Engine layer asks TE to keep its FP8 weight casts for a step's later micro-batches only where the
+    # gathered weights stay too (optim_grads), forgotten after each optimizer step (`ShardedGrads.zero`). TE 2.16 and
+    # later keep none under FSDP2 whatever is asked (docs/fsdp.md), so with them this changes nothing.
     te_layers = [m for m in model.modules() if hasattr(m, "cache_weight_casts")]
     for layer in te_layers:
         layer.cache_weight_casts = keep

@@ -1,11 +1,11 @@
 """Transformer Engine layers under FSDP (PyTorch's FSDP2) on 2 GPUs (NCCL) train as under the distributed optimizer:
 the CPU comparison of tests/distributed/test_fsdp.py with --transformer-impl transformer_engine.
 
-FSDP gathers each TE layer's weights in bf16 and TE casts them to FP8: under optim_grads_params in every forward
-(a cast kept across micro-batches would be an unsharded copy of the model), under optim_grads once per step (the
-gathered weights stay for the step anyway). The distributed optimizer's TE layers accumulate their weight gradients
-into fp32 buffers inside the GEMM; FSDP's get bf16 gradients reduce-scattered in fp32. So the runs differ by
-rounding: losses within 2e-3 relative in bf16, 1e-2 with FP8 (tests/gpu/test_te_parallel.py's FP8 tolerance).
+FSDP gathers each TE layer's weights in bf16 and TE casts them to FP8 for every GEMM (the layers ask TE to keep the
+casts for the step under optim_grads, which TE 2.16 and later do not under FSDP2: docs/fsdp.md). The distributed
+optimizer's TE layers accumulate their weight gradients into fp32 buffers inside the GEMM; FSDP's get bf16 gradients
+reduce-scattered in fp32. So the runs differ by rounding: losses within 2e-3 relative in bf16, 1e-2 with FP8
+(tests/gpu/test_te_parallel.py's FP8 tolerance).
 Between steps each rank holds at most half of the weight, gradient and state bytes plus one layer; with O2's
 precision-aware states (bf16 weight shards) within 1e-2 of the distributed optimizer's, at most half the bytes their
 dtypes imply plus one layer. With --fp8-param-gather the FP8 layers' weights are all-gathered as E4M3 bytes instead
