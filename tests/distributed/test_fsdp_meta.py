@@ -41,7 +41,8 @@ def _fp8_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
     """The local FP8 engine's state tensors (its amax state) and, under --fp8-param-gather, each FP8 weight's
     all-gather scale (local and TE linears)."""
     amax = trainer.fp8.amax if trainer.fp8 is not None else None
-    tensors = {name: t for name, t in vars(amax or object()).items() if isinstance(t, torch.Tensor)}
+    state = vars(amax) if amax is not None else {}  # TE's layers keep their FP8 state themselves
+    tensors = {name: t for name, t in state.items() if isinstance(t, torch.Tensor)}
     for name, param in trainer.model.named_parameters():
         if isinstance(shard := local_shard(param), Fp8ShardWeight):
             tensors |= {f"{name}.{k}": t for k, t in vars(shard._scale).items() if isinstance(t, torch.Tensor)}

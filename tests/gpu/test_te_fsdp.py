@@ -72,12 +72,12 @@ def _fp8_gather(world_size):
     race fsdp_params.GatherScale now avoids, drifted 2% away by step 19); after each step no gathered byte and no
     transpose buffer is left."""
     flags30 = f"{FLAGS} {FP8} --train-iters 30"
-    _, bf16_sent, _ = _counted(f"{flags30} {PARAMS}", world_size)
+    _, bf16_sent, _, _ = _counted(f"{flags30} {PARAMS}", world_size)
     for extra in ("", PA):
         want, _ = _run(f"{flags30} {extra} --fp8-param-gather {DISTOPT}", world_size)
         for name, flags in (("optim_grads_params", PARAMS), ("optim_grads", GRADS)):
             label = f"TE FP8 all-gather {name} {extra}"
-            got, sent, _ = _counted(f"{flags30} {extra} --fp8-param-gather {flags}", world_size)
+            got, sent, _, _ = _counted(f"{flags30} {extra} --fp8-param-gather {flags}", world_size)
             _close(got, want, 1e-2 if extra else 2e-3, label, steps=30)  # O2: as its 6-step comparison above
             if flags == PARAMS and not extra:
                 shrunk = [(a, b) for a, b in zip(sent, bf16_sent) if a != b]
