@@ -137,17 +137,11 @@ def _check_fsdp(cfg: Config) -> None:
         )
 
 
-#: Whether meta-device initialization of Transformer Engine's layers under FSDP is let through (see `check_fsdp_layers`)
-TE_META_INIT_CHECKED = False
-
-
 def check_fsdp_layers(cfg: Config) -> None:
     """What FSDP does not run yet with Transformer Engine's layers (once --transformer-impl is resolved), each a
     one-line error: FP8 all-gathers of the layers --fp8-auto-bf16 may move to bf16 (their gathered weights stay FP8),
     FP8 all-gathers of TE's weights in 128x128 blocks (blockwise: the local layers' only), the FP8 monitor's weight
-    statistics of FP8-gathered TE weights (the local layers count the shards' casts), and meta-device initialization,
-    built (megatron/model/meta_init.py, te_linear.py) but refused until its GPU test
-    (tests/gpu/test_te_fsdp_meta.py, which lifts the refusal for itself) has run on a GPU."""
+    statistics of FP8-gathered TE weights (the local layers count the shards' casts)."""
     par, prec = cfg.parallel, cfg.precision
     if not par.fsdp or cfg.model.transformer_impl != "transformer_engine":
         return
@@ -167,11 +161,6 @@ def check_fsdp_layers(cfg: Config) -> None:
         not (prec.fp8_param_gather and prec.fp8_stats_interval),
         f"{strategy} with --fp8-param-gather and --fp8-stats-interval under --transformer-impl transformer_engine: not"
         " built yet (the monitor would read the gathered FP8 weights back, not count their cast); drop one of the two",
-    )
-    require(
-        not par.init_model_with_meta_device or TE_META_INIT_CHECKED,
-        f"{strategy} with --init-model-with-meta-device and --transformer-impl transformer_engine: not verified on a"
-        " GPU yet; drop --init-model-with-meta-device or use --transformer-impl local",
     )
 
 

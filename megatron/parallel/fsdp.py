@@ -202,7 +202,6 @@ class ShardedGrads:
     overlap_param_gather = False
     fp8_stats: Fp8ReduceStats | None = None  # --fp8-grad-reduce: what the FP8 reduce-scatters lost (the log's)
     fp8_scales: Fp8GatherScales | None = None
-    cached_casts: list[nn.Module] = []  # layers whose FP8 weight casts last a step (TE's, under optim_grads)
 
     def __init__(self, model: nn.Module, keep_gathered_until_last_backward: bool, dtype: torch.dtype = torch.float32):
         """`dtype`: of the gradient shards (fp32, or bf16: FSDP2 adds its fp32 reduce-scatter output into them)."""
@@ -257,8 +256,6 @@ class ShardedGrads:
         torch._foreach_zero_([p.main_grad for p in self.params])
         if self.fp8_scales is not None:
             self.fp8_scales.stale = True
-        for layer in self.cached_casts:
-            layer.forget_weight_casts()
 
     def remove_hooks(self) -> None:
         """Take the gradient hooks off the model at the end of a run (as `GradientBuffers.remove_hooks`)."""
@@ -300,19 +297,17 @@ def build_fsdp(
         if getattr(module, "fp8", None) is not None and hasattr(module.fp8, "cache_weight"):
             module.fp8.cache_weight = False  # a local FP8 linear
     keep = par.data_parallel_sharding_strategy == "optim_grads"
-    # A Transformer Engine layer asks TE to keep its FP8 weight casts for a step's later micro-batches only where the
-    # gathered weights stay too (optim_grads), forgotten after each optimizer step (`ShardedGrads.zero`). TE 2.16 and
-    # later keep none under FSDP2 whatever is asked (docs/fsdp.md), so with them this changes nothing.
-    te_layers = [m for m in model.modules() if hasattr(m, "cache_weight_casts")]
-    for layer in te_layers:
-        layer.cache_weight_casts = keep
+    # Nor do Transformer Engine's layers ask TE to keep theirs (TE 2.16 and later keep none under FSDP2 anyway:
+    # docs/fsdp.md; an older TE would hold a cast of every weight for the step, an unsharded copy of the model)
+    for module in model.modules():
+        if hasattr(module, "cache_weight_casts"):
+            module.cache_weight_casts = False
     if initialize is not None:
         attributes = parallel_attributes(model)
         model.to_empty(device=device)
         set_parallel_attributes(model, attributes)
         initialize(model)
     grads = ShardedGrads(model, keep, torch.bfloat16 if main_grads_bf16(cfg) else torch.float32)
-    grads.cached_casts = te_layers if keep else []
     if par.fp8_grad_reduce:
         grads.fp8_stats = use_fp8_reduce_scatter(model)
     if fp8_gather:
