@@ -7,9 +7,8 @@ unsharded weight from the gathered ones. Here:
 
 * `Fp8ShardWeight` is the local shard (fp32: the optimizer's main weight, stepped in place; or bf16 under
   --use-precision-aware-optimizer, written from the optimizer's main weights) wrapped so that FSDP's own ops on shards
-  (view, narrow, copy_, new_zeros, ...) keep the wrapper. Before the gather it casts the shard to E4M3 bytes (uint8:
-  gloo has no FP8 dtype) with one scale per tensor agreed by all ranks, so the all-gather moves one byte per element
-  instead of bf16's two.
+  (view, narrow, copy_, new_zeros, ...) keep the wrapper. Its all-gather moves the shard's E4M3 bytes (uint8: gloo
+  has no FP8 dtype), cast with one scale per tensor agreed by all ranks: one byte per element instead of bf16's two.
 * `Fp8GatheredWeight` is the unsharded weight the FP8 linear reads: the gathered bytes and the scale. The linear
   takes it as its FP8 operand without re-casting (`fp8_tensor`), as an `Fp8Parameter`; its weight gradient is
   returned to autograd in fp32 (FSDP reduce-scatters `unsharded_param.grad`, not `main_grad`: params.py).
@@ -19,6 +18,15 @@ unsharded weight from the gathered ones. Here:
   fp8_max / amax, delayed with delayed scaling's weight scale (reduced by the FP8 manager already; the agreed amax
   is what the linear records in the history). Each rank casts its own shard with the scale of the whole tensor: the
   bytes the distributed optimizer's FP8 weights hold.
+
+The cast happens once per step, in `agree`, into a persistent buffer per weight (`GatherScale.data`, the shard's rows
+padded to FSDP's), which every all-gather of the step sends as it is: the shard and the scale do not change between
+optimizer steps, while a unit is gathered before its forward and again before its backward, for every micro-batch
+(8 casts of each weight per step with 4 micro-batches, each a handful of kernels launched from Python on the
+host's critical path). It costs 1 byte per FP8-gathered element / dp, held between steps, as Megatron-LM keeps its
+FP8 shard beside the main one. Whatever writes the shards marks the scales stale, and so the bytes: the optimizer
+step (`ShardedGrads.zero`), a checkpoint load or an initialization (`shards_written`); `agree` then recomputes both
+before the next forward's gathers, and a gather that comes first (none in training) casts the shard itself.
 
 Blockwise (the weight in 128x128 blocks): FSDP shards rows, ceil(rows / ranks) per rank, so a block straddles two
 shards wherever a shard's rows are not a multiple of 128. `agree` max-reduces every weight's grid of block amaxes
@@ -38,10 +46,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from .formats import E4M3, Role
-from .quantize import TENSOR, BLOCK_128x128, Fp8Tensor, block_amax, scale_from_amax, scaled_cast
+from .quantize import TENSOR, BLOCK_128x128, Fp8Tensor, block_amax, per_tensor_triton, scale_from_amax, scaled_cast
 
 aten = torch.ops.aten
 
@@ -71,10 +80,11 @@ def shard_rows(rows: int, ranks: int) -> int:
 
 
 class GatherScale:
-    """The scale one weight is cast with before its all-gather, and the amax it came from (shared by all wrappers
-    of the weight's shard). `state`: the local linear's `Fp8LinearState` (its recipe; delayed scaling's scale), None
-    for a Transformer Engine weight (te_fsdp_params.py: fp8_max / amax, whatever the recipe). `shape`: the whole
-    weight's [out, in], which sizes the grid of block scales under the blockwise recipe (else one scale)."""
+    """The scale one weight is cast with for its all-gathers, the amax it came from, and the step's cast of this
+    rank's shard (shared by all wrappers of the weight's shard). `state`: the local linear's `Fp8LinearState` (its
+    recipe; delayed scaling's scale), None for a Transformer Engine weight (te_fsdp_params.py: fp8_max / amax,
+    whatever the recipe). `shape`: the whole weight's [out, in], which sizes the grid of block scales under the
+    blockwise recipe (else one scale)."""
 
     def __init__(self, device: torch.device, state: Any | None, shape: tuple[int, ...] | None = None):
         blockwise = state is not None and state.recipe.block(Role.WEIGHT) == BLOCK_128x128
@@ -88,6 +98,11 @@ class GatherScale:
         self.scale_inv = torch.ones(grid, device=device)
         self.amax = torch.zeros((), device=device)
         self.state = state
+        # The shard's E4M3 bytes for this step's all-gathers ([shard rows, ...] uint8, its pad rows zero), and whether
+        # they are the cast of the shard and scale as they are now; the `Fp8GatherScales` agreeing the scale
+        self.data: torch.Tensor | None = None
+        self.fresh = False
+        self.agreement: Fp8GatherScales | None = None
 
     def local_amax(self, shard: torch.Tensor, first_row: int) -> torch.Tensor:
         """What this rank contributes to the agreed amax: |shard|'s max (one scale), or the grid of block amaxes
@@ -111,6 +126,23 @@ class GatherScale:
         row_blocks = torch.arange(first_row, first_row + shard.shape[0], device=self.scale.device) // rows
         data, _ = scaled_cast(shard, self.scale[row_blocks], (1, cols), E4M3)  # each row with its blocks' scales
         return data
+
+    def fill(self, shard: torch.Tensor, first_row: int, rows: int) -> torch.Tensor:
+        """`data`: the shard's `cast`, padded to `rows` (FSDP's shard rows) with zero rows; allocated once and
+        written in place. One scale on CUDA: one fused kernel writing into it (`triton_kernels.tensor_cast`, the
+        same bytes, checked against the eager cast once per process)."""
+        shape = (rows, *shard.shape[1:])
+        if self.data is None or self.data.shape != shape:
+            self.data = torch.zeros(shape, dtype=torch.uint8, device=shard.device)
+        if shard.numel():
+            out = self.data[: shard.shape[0]]
+            triton = per_tensor_triton() if self.block is None and shard.is_cuda and shard.dim() == 2 else None
+            if triton is not None:
+                triton.tensor_cast(shard, self.scale.reshape(1, 1), E4M3, False, out=out.view(E4M3))
+            else:
+                out.copy_(self.cast(shard, first_row).view(torch.uint8))
+        self.fresh = True
+        return self.data
 
     def set(self, amax: torch.Tensor) -> None:
         """The weight's agreed amax (blockwise: the grid of block amaxes), and its scale: delayed scaling's current
@@ -173,15 +205,15 @@ class Fp8ShardWeight(torch.Tensor):
         return self._tensor.__reduce_ex__(protocol)
 
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
-        """(E4M3 bytes of this shard padded to FSDP's shard rows,), metadata: the scale (or grid of block scales)
-        and amax used, tensors that live as long as the weight (docs/fsdp.md: the scale must outlive the gather)."""
-        rows = shard_rows(orig_size[0], mesh.size())
-        data = torch.zeros((rows, *self.shape[1:]), dtype=torch.uint8, device=self.device)
-        if self._tensor.numel():
-            first_row = 0 if self._scale.block is None else mesh.get_local_rank() * rows  # where the blocks start
-            fp8 = self._scale.cast(self._tensor, first_row)
-            data[: self.shape[0]].copy_(fp8.view(torch.uint8))
-        return (data,), (self._scale.scale_inv, self._scale.amax)
+        """(E4M3 bytes of this shard padded to FSDP's shard rows,): this step's cast, made by `agree` (no kernel
+        here); metadata: the scale (or grid of block scales) and amax used, tensors that live as long as the weight
+        (docs/fsdp.md: the scale must outlive the gather)."""
+        scale = self._scale
+        if not scale.fresh:  # gathered before this step's `agree` (no training step does): cast with today's scale
+            rows = shard_rows(orig_size[0], mesh.size())
+            first_row = 0 if scale.block is None else mesh.get_local_rank() * rows  # where the blocks start
+            scale.fill(self._tensor, first_row, rows)
+        return (scale.data,), (scale.scale_inv, scale.amax)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         """The gathered weight (first gather), or nothing to do for `out`: its bytes are the re-allocated outputs
@@ -271,11 +303,26 @@ class Fp8GatherScales:
         weights agree over the data-parallel ranks sharding them (their FSDP mesh) only: a tensor-parallel piece's
         blocks are its own, as the linear casts them."""
         self.shards, self.group = shards, group
+        for shard in shards:
+            shard.to_local()._scale.agreement = self
         self.stale = True
+
+    @property
+    def stale(self) -> bool:
+        """Whether the shards changed since the scales were agreed (their cast bytes are then stale too)."""
+        return self._stale
+
+    @stale.setter
+    def stale(self, stale: bool) -> None:
+        self._stale = stale
+        if stale:
+            for shard in self.shards:
+                shard.to_local()._scale.fresh = False
 
     def agree(self) -> None:
         """If the weights changed since the last call: max-reduce all shards' amaxes (block amaxes) in one
-        all-reduce per group and set each weight's scale (`GatherScale.set`)."""
+        all-reduce per group, set each weight's scale (`GatherScale.set`) and cast each shard with it, once for all
+        of the step's all-gathers (`GatherScale.fill`)."""
         if not self.stale or not self.shards:
             return
         with torch.no_grad():
@@ -295,5 +342,17 @@ class Fp8GatherScales:
         amaxes = [t._scale.local_amax(t._tensor, row) for t, row in zip(locals_, first_rows)]
         flat = torch.cat([a.reshape(-1) for a in amaxes])
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
-        for local, agreed in zip(locals_, flat.split([a.numel() for a in amaxes])):
+        for shard, local, row, agreed in zip(shards, locals_, first_rows, flat.split([a.numel() for a in amaxes])):
             local._scale.set(agreed.reshape(local._scale.scale.shape))
+            local._scale.fill(local._tensor, row, shard_rows(shard.shape[0], shard.device_mesh.size()))
+
+
+def shards_written(model: torch.nn.Module) -> None:
+    """The FSDP shards of `model` were written other than by the optimizer's step (a checkpoint load, the meta-device
+    initialization): its FP8 all-gathers' scales are agreed, and the shards cast, again before the next forward."""
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if isinstance(local, Fp8ShardWeight):
+            local._scale.fresh = False
+            if local._scale.agreement is not None:
+                local._scale.agreement.stale = True

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -184,7 +185,7 @@ def compiled_kernels() -> Kernels:
         setattr(config, limit_name, max(getattr(config, limit_name), 64))
         amax = torch.compile(block_amax, dynamic=True, fullgraph=True)
         cast = torch.compile(scaled_cast, dynamic=True, fullgraph=True)
-        per_tensor = _checked_triton_kernels()
+        per_tensor = per_tensor_triton()
 
         def fast_amax(x: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
             if per_tensor is not None and spec == TENSOR and x.is_cuda:
@@ -203,6 +204,15 @@ def compiled_kernels() -> Kernels:
 _COMPILED: Kernels | None = None
 KERNEL_NOTES: list[str] = []
 """What `compiled_kernels()` decided (for the startup log)."""
+_PER_TENSOR: list[ModuleType | None] = []  # [the checked Triton module or None], once decided
+
+
+def per_tensor_triton() -> ModuleType | None:
+    """The Triton per-tensor kernels (`triton_kernels`) once they reproduced the eager bytes in this process (checked
+    at the first call), else None (no GPU, no Triton, or different bytes)."""
+    if not _PER_TENSOR:
+        _PER_TENSOR.append(_checked_triton_kernels())
+    return _PER_TENSOR[0]
 
 
 def _same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -2,8 +2,8 @@
 --transformer-impl transformer_engine).
 
 The shard is handled as the local layers' (fsdp_params.py): an fp32 main weight (or bf16 under
---use-precision-aware-optimizer) cast to E4M3 before its all-gather with the scale the ranks agreed for the step,
-fp8_max / amax of the whole weight, so that the all-gather moves one byte per element. What differs is the gathered
+--use-precision-aware-optimizer) cast to E4M3 once per step, when the ranks agree its scale (fp8_max / amax of the
+whole weight), into the bytes every all-gather of the step moves: one byte per element. What differs is the gathered
 weight: a TE `Float8Tensor` over the gathered bytes, which TE's linears take as an already-quantized weight (as the
 weights `quantized_model_init` builds) and feed to the FP8 GEMM without casting anything.
 

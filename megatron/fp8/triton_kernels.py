@@ -93,12 +93,14 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_cast(
-    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """saturate(round_rne(fp32(x) * scale)) as `dtype`, and its transpose when asked; x [R, C], scale fp32 [1, 1]."""
+    """saturate(round_rne(fp32(x) * scale)) as `dtype`, and its transpose when asked; x [R, C], scale fp32 [1, 1].
+    `out`: a contiguous [R, C] tensor of `dtype` to write q into (FSDP's cached FP8 shard), instead of a new one."""
     triton = build()
     rows, cols = x.shape
-    q = torch.empty(rows, cols, device=x.device, dtype=dtype)
+    q = torch.empty(rows, cols, device=x.device, dtype=dtype) if out is None else out
+    assert q.shape == (rows, cols) and q.dtype == dtype and q.is_contiguous(), (q.shape, q.dtype)
     q_t = torch.empty(cols, rows, device=x.device, dtype=dtype) if transpose else q
     grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE))
     _cast_kernel[grid](

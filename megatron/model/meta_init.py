@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from megatron.fp8.fsdp_params import shards_written
 from megatron.parallel.fsdp import flat_offset, local_shard
 
 from .gpt import Stage
@@ -76,4 +77,5 @@ class DeferredInit:
             for name, value in twin.named_buffers():
                 if (target := buffers.get(_model_name(name, layers))) is not None:
                     target.copy_(value)
+        shards_written(model)  # FP8 all-gathers: scales agreed and shards cast from these values (fp8/fsdp_params.py)
         torch.set_rng_state(self._rng_after)

@@ -18,7 +18,9 @@ Held for the whole run, in bytes per parameter of this rank:
 
 The distributed optimizer keeps 1/dp of the main copy and the moments (the gradient buffer stays whole: it is
 reduce-scattered in place). FSDP keeps 1/dp of the weights, gradients and moments: fp32 weight shards that are the
-main weights, or with --use-precision-aware-optimizer shards in the training dtype beside 1/dp of its main weights.
+main weights, or with --use-precision-aware-optimizer shards in the training dtype beside 1/dp of its main weights;
+with --fp8-param-gather also the FP8 layers' shards cast to E4M3 for the step's all-gathers (1 byte per element /
+dp, cast once per step and kept: megatron/fp8/fsdp_params.py).
 
 The peak comes at the start of the backward pass, or in the optimizer step, whichever holds more:
 
@@ -98,14 +100,16 @@ def _layer_params(cfg: Config, num_params: int, vocab: float, pp_rank: int) -> f
     return (num_params - matrices * vocab) / max(len(_stage_layers(cfg, pp_rank)), 1)
 
 
-def _fsdp_weights_and_grads(cfg: Config, num_params: int, itemsize: int) -> tuple[float, float]:
+def _fsdp_weights_and_grads(cfg: Config, num_params: int, itemsize: int, fp8_gathered: float) -> tuple[float, float]:
     """FSDP's weight and gradient shards per rank: fp32 (bf16 gradients with --megatron-fsdp-main-grads-dtype bf16;
     the weight shards are the main weights, or hold the training dtype with --use-precision-aware-optimizer, whose
-    main weights `estimate_bytes` counts as the optimizer's). Under tensor parallelism `num_params` is this rank's
-    tensor-parallel piece, which FSDP shards over the data (x context) parallel ranks."""
+    main weights `estimate_bytes` counts as the optimizer's), and the E4M3 cast of the `fp8_gathered` parameters'
+    shards that their all-gathers send (1 byte each, kept from one step's cast to the next). Under tensor
+    parallelism `num_params` is this rank's tensor-parallel piece, which FSDP shards over the data (x context)
+    parallel ranks."""
     dp = _optimizer_shards(cfg)
     shard_bytes = 4 if shards_hold_main_weights(cfg) else itemsize
-    return num_params * shard_bytes / dp, num_params * (2 if main_grads_bf16(cfg) else 4) / dp
+    return (num_params * shard_bytes + fp8_gathered) / dp, num_params * (2 if main_grads_bf16(cfg) else 4) / dp
 
 
 def _fsdp_buffers(
@@ -212,8 +216,9 @@ def estimate_bytes(
     weight_casts = 0.0
     if _te(cfg) and cfg.precision.fp8 and not par.fsdp:  # kept for the step: data and transpose, 1 byte each
         weight_casts = fp8_params if fp8_params else 2.0 * fp8_layers * layer  # an FP8 parameter: its transpose
-    if par.fsdp:
-        weights, grads = _fsdp_weights_and_grads(cfg, num_params, itemsize)
+    if par.fsdp:  # --fp8-param-gather: the FP8 layers' parameters (norms counted as the linears, as gathered below)
+        fp8_gathered = fp8_layers * layer if cfg.precision.fp8_param_gather else 0.0
+        weights, grads = _fsdp_weights_and_grads(cfg, num_params, itemsize, fp8_gathered)
         main_params = 0 if shards_hold_main_weights(cfg) else main_params
     # this rank's part of the sequence under context parallelism
     s, b, h = m.seq_length // par.context_parallel_size, cfg.training.micro_batch_size, m.hidden_size
@@ -262,7 +267,8 @@ def memory_estimate_lines(
     over = f" over {shards} data-parallel ranks" if shards > 1 else ""
     if par.fsdp:  # the shards; what is gathered counts as a buffer
         weights = f"{_per(est['weights'] / n)} B/param, {'fp32' if shards_hold_main_weights(cfg) else high} shards"
-        weights += f"{over}{', gathered in FP8' if cfg.precision.fp8_param_gather else ''}"
+        cast = " and the FP8 layers' E4M3 casts" if cfg.precision.fp8_param_gather else ""
+        weights += f"{cast}{over}{', gathered in FP8' if cast else ''}"
     elif fp8_params:
         weights = f"{_per(est['weights'] / n)} B/param: {_count(fp8_params)} FP8 + {_count(num_params - fp8_params)}"
         weights += f" {high}"

@@ -54,11 +54,19 @@ def _gathered_bytes(model) -> int:
     return sum(t.untyped_storage().nbytes() for t in outputs)
 
 
+def _fp8_gathered(trainer) -> list[torch.Tensor]:
+    """--fp8-param-gather: the FP8-gathered weights' sharded parameters (none without)."""
+    scales = getattr(trainer.optimizer.buffers, "fp8_scales", None)
+    return scales.shards if scales is not None else []
+
+
 def _held_bytes(trainer) -> int:
     """Weights, gradients, main copies and Adam moments this rank holds between steps (the precision-aware
-    optimizer's: its encoded tensors, their remainders and block scales)."""
+    optimizer's: its encoded tensors, their remainders and block scales); with --fp8-param-gather also the FP8
+    weights' shards cast to E4M3, kept from one step's cast to the next (fp8/fsdp_params.py)."""
     opt = trainer.optimizer
     weights = _storage_bytes(shard_data(local_shard(p)) for p in trainer.model.parameters())
+    weights += _storage_bytes(p.to_local()._scale.data for p in _fp8_gathered(trainer))
     grads = _storage_bytes(shard_data(p.main_grad) for p in opt.params)
     if opt.precision_aware:
         encoded = [s for states in opt.encoded_states().values() for s in states]
@@ -154,11 +162,13 @@ PA = "--use-precision-aware-optimizer --main-params-dtype fp16 --exp-avg-dtype f
 def precision_aware_held(trainer) -> tuple[int, float]:
     """The bytes a rank holds between steps under FSDP with `PA`'s states, and what their dtypes imply over two ranks
     plus one layer: bf16 weights, fp32 gradients, fp16 main weights (+ int8 remainder), fp8 and fp16 moments (+ block
-    scales)."""
+    scales); with --fp8-param-gather 1 byte more per FP8-gathered element over two ranks, its shard's E4M3 cast kept
+    for the step's all-gathers."""
     per_param = 2 + 4 + state_bytes("fp16", master=True) + state_bytes("fp8") + state_bytes("fp16")
     numel = sum(p.numel() for p in trainer.model.parameters())
     layer = sum(p.numel() for p in trainer.model.decoder.layers[0].parameters())
-    return _held_bytes(trainer), per_param * (numel / 2 + layer)
+    fp8_casts = sum(p.numel() for p in _fp8_gathered(trainer)) / 2
+    return _held_bytes(trainer), per_param * (numel / 2 + layer) + fp8_casts
 
 
 def _precision_aware_body(world_size, out_dir):

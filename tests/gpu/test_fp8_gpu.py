@@ -126,3 +126,21 @@ def test_tiny_gpt_trains_on_gpu(recipe):
         losses.append(loss.item())
     assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.5 * losses[0], losses
     assert len(manager.states) == 8 and all(state.kernels is not EAGER for state in manager.states.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fsdp_shard_cast_into_its_buffer_equals_the_eager_cast(dtype):
+    """FSDP's FP8 all-gather casts each shard once per step into its padded buffer (`GatherScale.fill`): on CUDA the
+    checked Triton kernel writing into the buffer, the eager cast's bytes (fp32 main-weight shards, bf16 ones under
+    the precision-aware optimizer), the pad rows zero."""
+    from megatron.fp8.fsdp_params import GatherScale
+    from megatron.fp8.quantize import per_tensor_triton
+
+    assert per_tensor_triton() is not None, KERNEL_NOTES
+    shard = cuda_randn(301, 520, dtype=torch.float32) * torch.exp2(torch.linspace(-24, 12, 520, device="cuda"))
+    shard = shard.to(dtype)
+    scale = GatherScale(torch.device("cuda"), None)
+    scale.set(shard.abs().amax().float() / 4)  # fp8_max / (amax / 4): some elements saturate, some underflow
+    data = scale.fill(shard, 0, 320)
+    assert data.shape == (320, 520) and not data[301:].any()
+    assert torch.equal(data[:301], scale.cast(shard, 0).view(torch.uint8))

@@ -317,19 +317,23 @@ def test_fsdp_fp8_param_gather(impl, fp8_bytes):
     """--fp8-param-gather under FSDP: the shards stay fp32 (bf16 with the precision-aware optimizer) and the FP8
     layers' linears are gathered as E4M3, 1 byte per element; TE's layers also get a 1-byte transpose of each with
     the gathered unit (2 bytes, as bf16; TE's own cast of a bf16 weight is not held at the peak either). The last
-    layer is an FP8 one, the output unit stays bf16; under optim_grads the 15 FP8 layers of 16 count so."""
+    layer is an FP8 one, the output unit stays bf16; under optim_grads the 15 FP8 layers of 16 count so. Each rank
+    also keeps its shards of the 15 FP8 layers cast to E4M3 from one step's cast to the next: 1 byte per element,
+    halved."""
     fsdp = "--use-megatron-fsdp --fsdp-double-buffer --fp8-param-gather --data-parallel-sharding-strategy"
     est = estimate_bytes(llama(f"{fsdp} optim_grads_params", impl), L1B_N, L1B_V, torch.bfloat16)
     bf16 = estimate_bytes(
         llama(fsdp.replace(" --fp8-param-gather", "") + " optim_grads_params", impl), L1B_N, L1B_V, torch.bfloat16
     )
-    assert est["static"] == bf16["static"] == 8 * L1B_N
+    assert bf16["static"] == 8 * L1B_N
+    assert est["weights"] - bf16["weights"] == est["static"] - bf16["static"] == 15 * L1B_UNIT / 2
     assert est["buffers"] - bf16["buffers"] == (fp8_bytes - 2) * L1B_UNIT
     whole = estimate_bytes(llama(f"{fsdp} optim_grads", impl), L1B_N, L1B_V, torch.bfloat16)
     no_units = est["buffers"] - 2 * (L1B_V * L1B_H) - fp8_bytes * L1B_UNIT
     assert whole["buffers"] - no_units == 2 * (L1B_N - 15 * L1B_UNIT) + fp8_bytes * 15 * L1B_UNIT
     (line,) = memory_estimate_lines(llama(f"{fsdp} optim_grads", impl), whole, L1B_N, torch.bfloat16)
-    assert "(2 B/param, fp32 shards over 2 data-parallel ranks, gathered in FP8)" in line, line
+    weights = "(2.41 B/param, fp32 shards and the FP8 layers' E4M3 casts over 2 data-parallel ranks, gathered in FP8)"
+    assert weights in line, line
 
 
 def test_llama3_8b_bf16_gradient_shards_peak_in_the_optimizer_step():
