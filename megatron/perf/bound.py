@@ -4,7 +4,7 @@ traffic.py).
     bound = sum over GEMMs        FLOPs / TFLOP/s measured for that (m, n, k, dtype; FP8 forward GEMMs with fast
                                   accumulation, as Transformer Engine runs them)
           + sum over attentions   time of the fused kernel measured for that shape (forward + backward)
-          + sum over memory passes bytes / measured HBM copy bandwidth
+          + sum over memory passes bytes / measured HBM copy bandwidth (FSDP's copies: category `fsdp`, fsdp.py)
           + sum over collectives  bytes x (2(n-1)/n all-reduce, (n-1)/n all-gather / reduce-scatter) / bus bandwidth
 
 Each term assumes its kernels run alone at the speed they reach in isolation, one after the other, with no gap
@@ -33,6 +33,7 @@ CATEGORIES = (
     "elementwise",
     "loss",
     "optimizer",
+    "fsdp",
     "communication",
 )
 

@@ -15,6 +15,7 @@ KERNEL_CATEGORIES = [
     ("communication", COMMUNICATION),
     ("attention", r"flash|fmha|sdpa|attn|attention"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|sm90_|wgmma|cublas"),
+    ("fsdp", r"chunk_cat|split_with_sizes_copy"),  # FSDP2's reduce-scatter packing and all-gather unpacking
     ("norm", r"norm"),
     ("rope", r"rope|rotary"),
     ("activation", r"swiglu|silu|gelu|glu|gated_act"),

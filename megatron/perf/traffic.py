@@ -33,6 +33,9 @@ the optimizer with --use-distributed-optimizer):
     FP8 weight casts            4*P8 (read bf16, write FP8 and its transpose); 2*P8 with --fp8-param-gather
                                 (the optimizer writes FP8, the transpose is read 1, write 1)
 
+Under FSDP (--data-parallel-sharding-strategy optim_grads / optim_grads_params) fsdp.py's terms replace the
+optimizer, the FP8 weight casts and the data-parallel communication here.
+
 Not counted (a lower bound): the wgrad GEMMs' fp32 accumulation into `main_grad` (in the GEMM epilogue, hidden
 behind its math at k = T), amax reductions, norm and bias weight gradients, dropout (benchmarks run without it),
 the CUDA graphs' input copies, and host time.
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 from megatron.config import Config
 
+from .fsdp import fsdp_communication, fsdp_memory
 from .work import DTYPE_BYTES, CommWork, MemoryWork, param_count, recomputed_layers
 
 
@@ -164,6 +168,10 @@ def memory_traffic(cfg: Config, vocab: int) -> list[MemoryWork]:
         ],
         micro,
     )
+    if cfg.parallel.fsdp:  # its own optimizer, weight casts, gathers and reduce-scatters (fsdp.py)
+        for category, name, nbytes, formula, count in fsdp_memory(cfg, vocab):
+            add([(category, name, nbytes, formula)], count)
+        return [MemoryWork(c, name, nbytes, count, formula) for (c, name, nbytes, formula), count in merged.items()]
     params, fp8_weights = param_count(cfg, vocab)
     dp = cfg.data_parallel_size
     shard = params / dp if opt.use_distributed_optimizer else params
@@ -214,7 +222,9 @@ def communication(cfg: Config, vocab: int) -> list[CommWork]:
             out = [CommWork(c.name, c.op, c.nbytes, c.ranks, c.count * micro) for c in out]
         else:
             out.append(CommWork("TP all-reduce", "all_reduce", full, t, (4 * m.num_layers + 2) * micro))
-    if dp > 1:
+    if dp > 1 and par.fsdp:
+        out += fsdp_communication(cfg, vocab)
+    elif dp > 1:
         params, fp8_weights = param_count(cfg, vocab)
         per_elem = 1 if par.fp8_grad_reduce else grad_bytes(cfg)
         reduced = min(par.ddp_bucket_size, params) if par.overlap_grad_reduce else params

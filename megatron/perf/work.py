@@ -215,19 +215,31 @@ def attention(cfg: Config) -> list[AttentionWork]:
     return out
 
 
-def param_count(cfg: Config, vocab: int) -> tuple[int, int]:
-    """(all parameters on this rank, the FP8 layers' linear weights among them): embedding and output layer
-    (V/t x h each, untied), per layer the four linears' shards, two norm weights (and biases with LayerNorm or
-    linear biases, counted whole), the final norm."""
+def param_parts(cfg: Config, vocab: int) -> dict[str, int]:
+    """Parameters on this rank by where the model holds them: `embedding` (word and learned position embeddings),
+    `layer` (one transformer layer: the four linears' shards, two norm weights, and biases with LayerNorm or linear
+    biases, counted whole), `linears` (of them, the four linears' weights: what an FP8 layer runs in FP8),
+    `final_norm`, and `output_layer` (V/t x h; 0 when tied to the embedding)."""
     m = cfg.model
     shapes = linear_shapes(cfg, vocab)
-    per_layer = sum(i * o for name, (i, o) in shapes.items() if name != "output_layer")
+    linears = sum(i * o for name, (i, o) in shapes.items() if name != "output_layer")
     norm = m.hidden_size * (2 if m.normalization == "LayerNorm" else 1)
     biases = 0 if m.disable_bias_linear else sum(o for name, (i, o) in shapes.items() if name != "output_layer")
-    embedding = shapes["output_layer"][0] * shapes["output_layer"][1]
-    tied = not m.untie_embeddings_and_output_weights
-    total = embedding * (1 if tied else 2) + m.num_layers * (per_layer + 2 * norm + biases) + norm
-    if m.position_embedding_type == "learned_absolute":
-        total += m.max_position_embeddings * m.hidden_size
-    fp8_weights = len(cfg.precision.fp8_layer_numbers(m.num_layers)) * per_layer
+    word = shapes["output_layer"][0] * shapes["output_layer"][1]
+    position = m.max_position_embeddings * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0
+    return {
+        "embedding": word + position,
+        "layer": linears + 2 * norm + biases,
+        "linears": linears,
+        "final_norm": norm,
+        "output_layer": word if m.untie_embeddings_and_output_weights else 0,
+    }
+
+
+def param_count(cfg: Config, vocab: int) -> tuple[int, int]:
+    """(all parameters on this rank, the FP8 layers' linear weights among them): `param_parts` summed (untied
+    embedding and output layer, V/t x h each)."""
+    parts, layers = param_parts(cfg, vocab), cfg.model.num_layers
+    total = parts["embedding"] + layers * parts["layer"] + parts["final_norm"] + parts["output_layer"]
+    fp8_weights = len(cfg.precision.fp8_layer_numbers(layers)) * parts["linears"]
     return total, fp8_weights

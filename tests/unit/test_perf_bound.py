@@ -6,7 +6,7 @@ import pytest
 
 from megatron import perf
 from megatron.config import parse_args
-from megatron.perf import traffic, work
+from megatron.perf import fsdp, traffic, work
 from megatron.training.flops import num_floating_point_operations
 
 # 2 layers, h 64, 4 heads of 16 in 2 groups, SwiGLU width 128, sequence 32, micro-batch 2, global batch 4 (2
@@ -209,6 +209,9 @@ def test_kernel_names_fall_in_the_bounds_categories():
         "Memcpy DtoD (Device -> Device)": "copy",
         "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float>>": "optimizer",
         "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": "elementwise",
+        # FSDP2's reduce-scatter packing and all-gather unpacking
+        "void at::native::(anonymous namespace)::chunk_cat_cuda_kernel<float, float>": "fsdp",
+        "void at::native::split_with_sizes_copy_out_contiguous_no_cast_kernel<c10::BFloat16>": "fsdp",
     }
     assert {name: perf.kernel_category(name) for name in names} == names
 
@@ -253,3 +256,178 @@ def test_attention_probes_fall_back_from_fp8_to_bf16_and_from_te_to_sdpa():
     ]
     assert {kind for kind, _ in device.calls if kind.startswith("attention")} == {"attention_te", "attention_sdpa"}
     assert bound.by_category()["attention"] == pytest.approx(4 * ATTENTION[1])
+
+
+# FSDP on 2 ranks, 2 micro-batches each (global batch 8). The tiny model's units: embedding 128 x 64 = 8192, two
+# layers of 36864 linear weights + 2 norm weights = 36992, the output unit: final norm + output layer = 64 + 8192.
+FSDP = " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --global-batch-size 8"
+OPTIM_GRADS = FSDP.replace("optim_grads_params", "optim_grads")
+EMB, LAYER, LINEARS, OUT = 8192, 36992, 36864, 8256
+P = EMB + 2 * LAYER + OUT
+OUT_NAME = "output (final norm, output layer)"
+
+
+def fsdp_config(extra: str = "", tied: bool = False):
+    base = TINY.replace(" --untie-embeddings-and-output-weights", "") if tied else TINY
+    return parse_args((base + extra).split(), world_size=2)
+
+
+def memory_by_name(cfg) -> dict[str, float]:
+    """name -> bytes per iteration."""
+    return {w.name: w.total_bytes for w in traffic.memory_traffic(cfg, 128)}
+
+
+def test_fsdp_units_follow_the_trainers_grouping():
+    torch = pytest.importorskip("torch")
+    from megatron.parallel.fsdp import fsdp_units as module_units
+
+    layers = [torch.nn.Linear(3, 2) for _ in range(5)]  # 8 parameters each
+    for unit_size in (None, 1, 8, 9, 16, 17, 40, 100):
+        expected = [len(unit) for unit in module_units(layers, unit_size)]
+        assert fsdp.layer_units(5, 8, unit_size) == expected, unit_size
+    units = fsdp.fsdp_units(fsdp_config(FSDP + " --suggested-communication-unit-size 40000"), 128)
+    assert [(u.name, u.elements, u.fp8_elements, u.gathers) for u in units] == [
+        ("embedding", EMB, 0, 4),  # gathered before each forward and each backward, 2 micro-batches
+        ("layers 1-2", 2 * LAYER, 0, 4),  # 36992 < 40000 elements: both layers in one unit
+        (OUT_NAME, OUT, 0, 2),  # kept gathered from its forward to its backward
+    ]
+    assert sum(u.elements for u in units) == P == work.param_count(fsdp_config(FSDP), 128)[0]
+    grads = fsdp.fsdp_units(fsdp_config(OPTIM_GRADS), 128)
+    assert [(u.name, u.gathers) for u in grads] == [("embedding", 1), ("layer 1", 1), ("layer 2", 1), (OUT_NAME, 1)]
+    tied = fsdp.fsdp_units(fsdp_config(FSDP, tied=True), 128)
+    assert [(u.name, u.elements, u.gathers) for u in tied] == [
+        ("root (embedding, final norm)", EMB + 64, 2),
+        ("layer 1", LAYER, 4),
+        ("layer 2", LAYER, 4),
+    ]
+
+
+def test_fsdp_memory_of_a_tiny_model_by_hand():
+    cfg = fsdp_config(FSDP)
+    plain = memory_by_name(config(" --global-batch-size 8", world_size=2))  # the same model under plain DP
+    items = memory_by_name(cfg)
+    # b = 2 (bf16 gathers), s = 4 (fp32 shards), g = 4 (fp32 gradient shards), r = 4 (fp32 reduce-scatters)
+    layer = "[2 units like layer 1]"
+    assert items[f"FSDP all-gather copy-in {layer}"] == 4 * 2 * (4 + 2) * LAYER / 2  # 4 gathers, over 2 ranks
+    assert items["FSDP all-gather copy-in [embedding]"] == 4 * (4 + 2) * EMB / 2
+    assert items[f"FSDP all-gather copy-in [{OUT_NAME}]"] == 2 * (4 + 2) * OUT / 2
+    assert items[f"FSDP all-gather copy-out {layer}"] == 4 * 2 * 2 * 2 * LAYER  # read + write the bf16 unit
+    assert items[f"FSDP reduce-scatter staging {layer}"] == 2 * 2 * (2 + 4) * LAYER  # per micro-batch: bf16 -> fp32
+    assert items[f"FSDP gradient shard add {layer}"] == 2 * 2 * (4 + 2 * 4) * LAYER / 2
+    assert items["Adam step + grad zero + grad norm (FSDP shards)"] == (8 + 8 + 8 + 12) * P / 2
+    fsdp_names = {n for n in items if n.startswith("FSDP") or "FSDP" in n}
+    assert len(fsdp_names) == 4 * 3 + 1  # four passes of three kinds of unit, and the optimizer
+    # everything else is the plain data-parallel row's, less its optimizer (38 bytes per parameter, unsharded)
+    rest = {n: v for n, v in items.items() if n not in fsdp_names}
+    assert rest == {n: v for n, v in plain.items() if not n.startswith("Adam")}
+    gathers = 4 * EMB + 4 * 2 * LAYER + 2 * OUT
+    total = 3 * gathers + 4 * gathers + (12 + 12) * P + 18 * P  # copy-in, copy-out, reduce-scatter + add, Adam
+    assert sum(items.values()) - sum(rest.values()) == total
+    # optim_grads: one gather per step, the same reduce-scatters
+    once = memory_by_name(fsdp_config(OPTIM_GRADS))
+    assert once["FSDP all-gather copy-in [2 units like layer 1]"] == 2 * (4 + 2) * LAYER / 2
+    assert once["FSDP all-gather copy-out [embedding]"] == 2 * 2 * EMB
+    assert once[f"FSDP reduce-scatter staging {layer}"] == items[f"FSDP reduce-scatter staging {layer}"]
+
+
+def test_fsdp_gradient_and_state_dtypes():
+    bf16comm = memory_by_name(fsdp_config(FSDP + " --megatron-fsdp-grad-comm-dtype bf16"))
+    assert bf16comm["FSDP reduce-scatter staging [2 units like layer 1]"] == 2 * 2 * (2 + 2) * LAYER
+    assert bf16comm["FSDP gradient shard add [2 units like layer 1]"] == 2 * 2 * (2 + 8) * LAYER / 2
+    o2 = " --megatron-fsdp-main-grads-dtype bf16 --use-precision-aware-optimizer --main-params-dtype fp16"
+    o2 += " --exp-avg-dtype fp8 --exp-avg-sq-dtype fp16"
+    states = memory_by_name(fsdp_config(FSDP + o2))
+    # bf16 shards: copy-in reads 2 bytes; Adam: fp16 main weights, FP8 / fp16 moments, bf16 gradient shards, and
+    # the bf16 shard written from the main weights
+    assert states["FSDP all-gather copy-in [embedding]"] == 4 * (2 + 2) * EMB / 2
+    assert states["Adam step + grad zero + grad norm (FSDP shards)"] == (4 + 2 + 4 + 6 + 2) * P / 2
+    fp8comm = memory_by_name(fsdp_config(FP8 + FSDP + " --fp8-grad-reduce"))
+    assert fp8comm["FSDP reduce-scatter staging + FP8 cast [embedding]"] == 2 * (2 + 1) * EMB
+    assert fp8comm["FSDP FP8 reduce-scatter dequantize-sum [embedding]"] == 2 * (EMB + 4 * EMB / 2)
+    assert "FSDP reduce-scatter staging [embedding]" not in fp8comm
+
+
+def test_fsdp_fp8_gathers_halve_the_linear_weights_bytes():
+    bf16 = memory_by_name(fsdp_config(FP8 + FSDP))
+    fp8 = memory_by_name(fsdp_config(FP8 + FSDP + " --fp8-param-gather"))
+    # the second layer is FP8 (the first stays bf16): its 36864 linear weights are gathered as 1 byte, not 2
+    assert fp8["FSDP all-gather copy-out [layer 2]"] == 4 * 2 * (2 * (LAYER - LINEARS) + LINEARS)
+    assert fp8["FSDP all-gather copy-out [layer 1]"] == 4 * 2 * 2 * LAYER
+    assert fp8["FSDP all-gather copy-out [layer 2]"] / fp8["FSDP all-gather copy-out [layer 1]"] < 0.51
+    assert fp8["FSDP all-gather copy-in [layer 2]"] == 4 * (4 * (LAYER - LINEARS) + LINEARS + 2 * 128 + LINEARS) / 2
+    # the cached shard: amax and cast once per step; the dgrad's transposed weight at each backward gather
+    assert fp8["FP8 shard amax + cast (FSDP)"] == (2 * 4 + 1) * LINEARS / 2
+    assert fp8["FP8 weight transpose (FSDP, dgrad)"] == 2 * 2 * LINEARS
+    assert "FP8 weight casts (FSDP, per micro-batch)" not in fp8
+    # bf16 gathers: the local linears cast the gathered weight every micro-batch (rows + transpose); TE in the forward
+    # and again in the backward
+    assert bf16["FP8 weight casts (FSDP, per micro-batch)"] == 2 * (2 + 2) * LINEARS
+    te = fsdp_config(FP8 + FSDP)
+    te.model.transformer_impl = "transformer_engine"  # (a GPU setting: set after parsing on this CPU)
+    assert memory_by_name(te)["FP8 weight casts (FSDP, per micro-batch)"] == 2 * 2 * (2 + 1) * LINEARS
+    once = memory_by_name(fsdp_config(FP8 + OPTIM_GRADS + " --fp8-param-gather"))
+    assert once["FP8 weight transpose (FSDP, dgrad)"] == 2 * LINEARS  # the gathered weight kept for the step
+
+
+def test_fsdp_communication_that_cannot_overlap():
+    cfg = fsdp_config(FSDP)
+    assert [(c.name, c.op, c.nbytes, c.ranks, c.count) for c in traffic.communication(cfg, 128)] == [
+        ("FSDP all-gather of the first unit (embedding)", "all_gather", 2 * EMB, 2, 2),  # each micro-batch
+        ("FSDP reduce-scatter of the last unit (embedding)", "reduce_scatter", 4 * EMB, 2, 2),
+    ]
+    bound = perf.lower_bound(cfg, probes(), log=lambda line: None)
+    assert bound.by_category()["communication"] == pytest.approx((2 * 2 * EMB + 2 * 4 * EMB) / 2 / (BUS * 1e9) * 1e3)
+    assert bound.by_category()["fsdp"] > 0
+    [gather, reduce] = traffic.communication(fsdp_config(OPTIM_GRADS), 128)
+    assert (gather.count, reduce.count) == (1, 2)  # one gather per step, a reduce-scatter per micro-batch
+    [_, fp8] = traffic.communication(fsdp_config(FP8 + FSDP + " --fp8-grad-reduce"), 128)
+    assert (fp8.op, fp8.nbytes) == ("reduce_scatter", 8256)  # e4m3 bytes and a scale per 128 values
+    [gather, reduce] = traffic.communication(fsdp_config(FSDP + " --megatron-fsdp-grad-comm-dtype bf16", True), 128)
+    assert (gather.nbytes, reduce.nbytes, gather.count) == (2 * (EMB + 64), 2 * (EMB + 64), 2)  # the root
+
+
+# The bound of rows without FSDP, computed on main (9eb4f12) before FSDP's terms: (flags, ranks, memory bytes, ms)
+UNCHANGED = {
+    "bf16": ("", 1, 5173120.0, 8.005802265599996),
+    "fp8": (FP8, 1, 5386112.0, 8.005873699839999),
+    "fp8params_distopt_dp2": (
+        FP8 + " --fp8-param-gather --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
+        " --global-batch-size 8",
+        2,
+        3756608.0,
+        8.00930147584,
+    ),
+    "dp2_o2": (
+        FP8 + " --fp8-param-gather --fp8-optimizer-level O2 --use-distributed-optimizer --global-batch-size 8",
+        2,
+        2761856.0,
+        8.005593763839999,
+    ),
+    "tp2_sp": (
+        FP8 + " --tensor-model-parallel-size 2 --sequence-parallel --recompute-activations",
+        2,
+        2756480.0,
+        10.006341299200006,
+    ),
+    "no_shard_dp2": (
+        " --use-megatron-fsdp --data-parallel-sharding-strategy no_shard --global-batch-size 8",
+        2,
+        5173120.0,
+        8.013036825599997,
+    ),
+    "optim_dp2": (
+        " --use-megatron-fsdp --data-parallel-sharding-strategy optim --global-batch-size 8",
+        2,
+        3635776.0,
+        8.009690841599998,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", UNCHANGED)
+def test_rows_without_fsdp_keep_their_bound_bit_for_bit(name):
+    extra, ranks, memory, ms = UNCHANGED[name]
+    cfg = config(extra, world_size=ranks)
+    assert sum(w.total_bytes for w in traffic.memory_traffic(cfg, 128)) == memory
+    bound = perf.lower_bound(cfg, probes(), log=lambda line: None)
+    assert bound.total_ms == ms and bound.by_category()["fsdp"] == 0
