@@ -2,8 +2,8 @@
 "Lower bound"). Top of the package order: it reads the configuration and nothing imports it but scripts and tests.
 
 work.py counts the GEMMs and attentions of an iteration, traffic.py the bytes of its memory-bound kernels and
-un-overlapped collectives, probes.py measures this device's rates (cached per shape), bound.py combines them and
-report.py prints bound against measurement.
+un-overlapped collectives (fsdp.py those FSDP adds), probes.py measures this device's rates (cached per shape),
+bound.py combines them and report.py prints bound against measurement.
 """
 
 from .bound import CATEGORIES, Bound, Term, lower_bound, padded_vocab

@@ -18,7 +18,8 @@ by a GEMM or attention kernel (bf16 out of cuBLAS / cuDNN) needs a separate cast
 Per micro-batch, outside the layers (T*h elements; the output layer and loss over V/t columns):
 
     embedding fwd               read 2Th (rows), write 2Th
-    embedding bwd               read 2Th, read + write 8Th (scatter-add into the fp32 gradient rows)
+    embedding bwd               read 2Th, read + write 8Th (scatter-add into the fp32 gradient rows; under FSDP
+                                into the unsharded gradient in the training dtype, 4Th: 6Th in all)
     final norm                  fwd read 2E, write 2E; bwd read 4E, write 2E
     loss (fused cross entropy)  fwd read 2TV/t; bwd read 2TV/t (logits), write 2TV/t (their gradient)
 
@@ -162,7 +163,7 @@ def memory_traffic(cfg: Config, vocab: int) -> list[MemoryWork]:
     add(
         [
             ("elementwise", "embedding fwd", 4 * Th, "4Th"),
-            ("elementwise", "embedding bwd", 10 * Th, "10Th"),
+            ("elementwise", "embedding bwd", *((6 * Th, "6Th") if cfg.parallel.fsdp else (10 * Th, "10Th"))),
             ("norm", "final norm fwd+bwd", 10 * E, "10E"),
             ("loss", "cross entropy fwd+bwd", 6 * TV, "6TV/t"),
         ],
