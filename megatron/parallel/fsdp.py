@@ -5,7 +5,8 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
 
   * units: each transformer layer (or, with --suggested-communication-unit-size, a run of consecutive layers) is
     one FSDP unit; an untied embedding is a unit of its own; the final norm and an untied output layer form the last
-    unit, not resharded after the forward (its backward comes at once); the root unit holds the rest (the tied word
+    unit, not resharded after the forward (its backward comes at once), nor is the last layer unit (its backward
+    comes next); the root unit holds the rest (the tied word
     embeddings, which the output layer reads at the end of the forward, and the final norm with them);
   * every parameter becomes a DTensor sharded on dim 0 over the data-parallel group: its local shard is the fp32 main
     weight the optimizer steps on (in place), and FSDP2 all-gathers each unit in the training dtype (bf16 under --bf16)
@@ -177,7 +178,11 @@ def apply_fsdp(
     untied = model.output_layer is not None
     if model.embedding is not None and untied:
         units.append(shard([model.embedding], shard_params))
-    units += [shard(unit, shard_params) for unit in fsdp_units(list(model.decoder.layers), unit_size)]
+    layer_units = fsdp_units(list(model.decoder.layers), unit_size)
+    # The last layer unit stays gathered from its forward to its backward, which comes next (after the output
+    # layer's): resharding it would only gather it again at once (torchtitan does the same); the memory peak, the
+    # start of the backward, holds it either way
+    units += [shard(unit, shard_params and i < len(layer_units) - 1) for i, unit in enumerate(layer_units)]
     if untied:
         units.append(shard([model.decoder.final_layernorm, model.output_layer], False))
     root = shard([model], False)

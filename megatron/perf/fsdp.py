@@ -12,7 +12,8 @@ piece, whole; U8 = those of them gathered as FP8: the FP8 layers' linear weights
     output               untied: final norm + output layer
 
 Gathers per iteration: optim_grads_params gathers the embedding and layer units before their forward and again
-before their backward, 2 per micro-batch (the root and the output unit stay gathered from forward to backward: 1);
+before their backward, 2 per micro-batch (the root, the output unit and the last layer unit stay gathered from
+forward to backward: 1);
 optim_grads keeps every unit from the first forward to the last micro-batch's backward: 1 per step.
 
 Bytes per element: b = the training dtype's (2 under --bf16), s = a weight shard's (4: the fp32 main weights; b with
@@ -110,11 +111,12 @@ def fsdp_units(cfg: Config, vocab: int) -> list[Unit]:
     else:
         units.append(Unit("embedding", parts["embedding"], 0, sharded))
     first = 1
-    for n in layer_units(m.num_layers, parts["layer"], cfg.parallel.suggested_communication_unit_size):
+    sizes = layer_units(m.num_layers, parts["layer"], cfg.parallel.suggested_communication_unit_size)
+    for i, n in enumerate(sizes):
         numbers = range(first, first + n)
         fp8 = sum(parts["linears"] for k in numbers if k in fp8_numbers)
         name = f"layer {first}" if n == 1 else f"layers {first}-{first + n - 1}"
-        units.append(Unit(name, n * parts["layer"], fp8, sharded))
+        units.append(Unit(name, n * parts["layer"], fp8, sharded if i < len(sizes) - 1 else kept))
         first += n
     if parts["output_layer"]:
         units.append(Unit("output (final norm, output layer)", parts["final_norm"] + parts["output_layer"], 0, kept))
