@@ -3,8 +3,8 @@
 #   bash scripts/fsdp_rows.sh tests OUTDIR   the FSDP GPU tests: TE's FP8 all-gather over 30 steps, TE meta-device
 #                                            init, the FP8 gradient reduce-scatter, the cached FP8 shard cast (about 4
 #                                            minutes)
-#   bash scripts/fsdp_rows.sh 1b OUTDIR      llama-1b: dp2_distopt beside FSDP with bf16 and FP8 all-gathers, one- and
-#                                            four-layer units (about 5 minutes)
+#   bash scripts/fsdp_rows.sh 1b OUTDIR      llama-1b: FSDP with FP8 and bf16 all-gathers, one- and four-layer units,
+#                                            beside dp2_distopt, each row with its lower bound (about 9 minutes)
 #   bash scripts/fsdp_rows.sh 8b OUTDIR      llama3-8b under FSDP with O2's states: FP8 all-gathers with 8 layers
 #                                            recomputed (what fits an 80 GB card with the cached FP8 shards), bf16
 #                                            gathers with 4, bf16 with 12; then Megatron-LM's FSDP on the same model
@@ -32,9 +32,10 @@ case $PART in
     done;;
   1b)
     # 30 iterations: the FSDP rows settled late in the third session's calls
-    common=(--presets llama-1b --iters 30 --log-interval 5 --timeout 100)
-    bench "${common[@]}" --configs te-delayed --layouts dp2_distopt fsdp2 fsdp2_units200m
-    bench "${common[@]}" --configs te-delayed-fp8params --layouts fsdp2 fsdp2_units200m;;
+    # with each row's lower bound (megatron/perf/fsdp.py for the FSDP rows) and its profile pass
+    common=(--presets llama-1b --iters 30 --log-interval 5 --timeout 100 --bound --probe-cache "$OUT/probes.json")
+    bench "${common[@]}" --configs te-delayed-fp8params --layouts fsdp2 fsdp2_units200m
+    bench "${common[@]}" --configs te-delayed --layouts dp2_distopt fsdp2 fsdp2_units200m;;
   8b)
     common=(--presets llama3-8b --iters 6 --log-interval 2 --timeout 160 --layouts fsdp2_o2states)
     bench "${common[@]}" --configs te-delayed-fp8params-recompute-block8 te-delayed-recompute-block4 \
