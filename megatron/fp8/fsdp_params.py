@@ -350,9 +350,12 @@ class Fp8GatherScales:
 def shards_written(model: torch.nn.Module) -> None:
     """The FSDP shards of `model` were written other than by the optimizer's step (a checkpoint load, the meta-device
     initialization): its FP8 all-gathers' scales are agreed, and the shards cast, again before the next forward."""
+    agreements = set()
     for param in model.parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
         if isinstance(local, Fp8ShardWeight):
             local._scale.fresh = False
             if local._scale.agreement is not None:
-                local._scale.agreement.stale = True
+                agreements.add(local._scale.agreement)
+    for agreement in agreements:  # once each: marking it stale marks all its shards' bytes stale
+        agreement.stale = True

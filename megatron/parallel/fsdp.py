@@ -298,15 +298,15 @@ def build_fsdp(
         shard_dtype=torch.float32 if shards_hold_main_weights(cfg) else params_dtype,
     )
     assert isinstance(model, FSDPModule)
-    for module in model.modules():  # FP8 casts of a freed weight are not kept for the next micro-batch either
+    # FP8 casts of a freed weight are not kept for the next micro-batch either: not by a local FP8 linear, nor
+    # asked of TE by its layers (TE 2.16 and later keep none under FSDP2 anyway: docs/fsdp.md; an older TE would hold
+    # a cast of every weight for the step, an unsharded copy of the model)
+    for module in model.modules():
         if getattr(module, "fp8", None) is not None and hasattr(module.fp8, "cache_weight"):
             module.fp8.cache_weight = False  # a local FP8 linear
-    keep = par.data_parallel_sharding_strategy == "optim_grads"
-    # Nor do Transformer Engine's layers ask TE to keep theirs (TE 2.16 and later keep none under FSDP2 anyway:
-    # docs/fsdp.md; an older TE would hold a cast of every weight for the step, an unsharded copy of the model)
-    for module in model.modules():
         if hasattr(module, "cache_weight_casts"):
-            module.cache_weight_casts = False
+            module.cache_weight_casts = False  # a Transformer Engine layer
+    keep = par.data_parallel_sharding_strategy == "optim_grads"
     if initialize is not None:
         attributes = parallel_attributes(model)
         model.to_empty(device=device)
