@@ -3,6 +3,7 @@ flags into a strategy and rejects what is not built. The engine is PyTorch's FSD
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 from .base import require
@@ -182,3 +183,14 @@ def grad_comm_bf16(cfg: Config) -> bool:
     """Whether FSDP reduce-scatters gradients in bf16 (else fp32; auto: as the gradient shards are kept)."""
     comm = cfg.parallel.megatron_fsdp_grad_comm_dtype
     return comm == "bf16" or (comm == "auto" and main_grads_bf16(cfg))
+
+
+def fsdp_layer_units(num_layers: int, layer_elements: float, unit_size: int | None) -> list[int]:
+    """Layers per FSDP unit, in order: consecutive layers until a unit holds at least `unit_size` parameter elements
+    (--suggested-communication-unit-size; None: one layer each), the rest in a last unit
+    (`megatron.parallel.fsdp.fsdp_units` groups the modules so, on layers of `layer_elements` parameters)."""
+    if unit_size is None:
+        return [1] * num_layers
+    per_unit = max(1, math.ceil(unit_size / layer_elements))
+    whole, rest = divmod(num_layers, per_unit)
+    return [per_unit] * whole + ([rest] if rest else [])

@@ -8,7 +8,7 @@ piece, whole; U8 = those of them gathered as FP8: the FP8 layers' linear weights
     root                 the tied word embedding and the final norm (nothing with untied embeddings)
     embedding            untied: word (and learned position) embeddings
     layers               one transformer layer each, or consecutive layers until a unit holds
-                         --suggested-communication-unit-size elements (`layer_units`; fsdp_units' rule)
+                         --suggested-communication-unit-size elements (config.sharding.fsdp_layer_units)
     output               untied: final norm + output layer
 
 Gathers per iteration: optim_grads_params gathers the embedding and layer units before their forward and again
@@ -58,7 +58,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config import Config
-from megatron.config.sharding import grad_comm_bf16, main_grads_bf16, shards_hold_main_weights
+from megatron.config.sharding import fsdp_layer_units, grad_comm_bf16, main_grads_bf16, shards_hold_main_weights
 
 from .work import DTYPE_BYTES, CommWork, param_parts
 
@@ -75,16 +75,6 @@ class Unit:
     elements: int
     fp8_elements: int
     gathers: int
-
-
-def layer_units(num_layers: int, layer_elements: int, unit_size: int | None) -> list[int]:
-    """Layers per unit: consecutive layers until a unit holds at least `unit_size` elements (None: one each), the
-    rest in a last unit (`megatron.parallel.fsdp.fsdp_units` on layers of `layer_elements` parameters)."""
-    if unit_size is None:
-        return [1] * num_layers
-    per_unit = max(1, -(-unit_size // layer_elements))
-    whole, rest = divmod(num_layers, per_unit)
-    return [per_unit] * whole + ([rest] if rest else [])
 
 
 def _bytes(cfg: Config) -> dict[str, int]:
@@ -111,7 +101,7 @@ def fsdp_units(cfg: Config, vocab: int) -> list[Unit]:
     else:
         units.append(Unit("embedding", parts["embedding"], 0, sharded))
     first = 1
-    sizes = layer_units(m.num_layers, parts["layer"], cfg.parallel.suggested_communication_unit_size)
+    sizes = fsdp_layer_units(m.num_layers, parts["layer"], cfg.parallel.suggested_communication_unit_size)
     for i, n in enumerate(sizes):
         numbers = range(first, first + n)
         fp8 = sum(parts["linears"] for k in numbers if k in fp8_numbers)

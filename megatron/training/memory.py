@@ -43,13 +43,11 @@ The peak comes at the start of the backward pass, or in the optimizer step, whic
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
 from megatron.config import Config
-from megatron.config.sharding import grad_comm_bf16, main_grads_bf16, shards_hold_main_weights
+from megatron.config.sharding import fsdp_layer_units, grad_comm_bf16, main_grads_bf16, shards_hold_main_weights
 from megatron.optim.states import state_bytes
 
 from .activation_memory import recomputed_activation_units
@@ -134,7 +132,7 @@ def _fsdp_buffers(
     fp8 = prec.fp8_layer_numbers(m.num_layers)
     fp8_bytes = (2 if _te(cfg) else 1) if prec.fp8_param_gather else itemsize
     unit_size = par.suggested_communication_unit_size
-    per_unit = min(max(math.ceil(unit_size / layer), 1), m.num_layers) if unit_size and layer > 0 else 1
+    per_unit = fsdp_layer_units(m.num_layers, layer, unit_size)[0] if layer > 0 else 1  # the largest unit
     if par.data_parallel_sharding_strategy == "optim_grads":
         gathered = (num_params - len(fp8) * layer) * itemsize + len(fp8) * layer * fp8_bytes
     else:

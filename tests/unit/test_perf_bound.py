@@ -6,6 +6,7 @@ import pytest
 
 from megatron import perf
 from megatron.config import parse_args
+from megatron.config.sharding import fsdp_layer_units
 from megatron.perf import fsdp, traffic, work
 from megatron.training.flops import num_floating_point_operations
 
@@ -284,7 +285,7 @@ def test_fsdp_units_follow_the_trainers_grouping():
     layers = [torch.nn.Linear(3, 2) for _ in range(5)]  # 8 parameters each
     for unit_size in (None, 1, 8, 9, 16, 17, 40, 100):
         expected = [len(unit) for unit in module_units(layers, unit_size)]
-        assert fsdp.layer_units(5, 8, unit_size) == expected, unit_size
+        assert fsdp_layer_units(5, 8, unit_size) == expected, unit_size
     units = fsdp.fsdp_units(fsdp_config(FSDP + " --suggested-communication-unit-size 40000"), 128)
     assert [(u.name, u.elements, u.fp8_elements, u.gathers) for u in units] == [
         ("embedding", EMB, 0, 4),  # gathered before each forward and each backward, 2 micro-batches
