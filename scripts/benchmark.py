@@ -122,6 +122,8 @@ CONFIGS = {
     " --fp8-dot-product-attention",
     "te-tensorwise": f"{TE} --fp8-format hybrid --fp8-recipe tensorwise",
     "te-blockwise": f"{TE} --fp8-format e4m3 --fp8-recipe blockwise",
+    # FP8 weights in 128x128 blocks (under FSDP: all-gathered as E4M3 bytes, megatron/fp8/te_blockwise_gather.py)
+    "te-blockwise-fp8params": f"{TE} --fp8-format e4m3 --fp8-recipe blockwise --fp8-param-gather",
     "local-bf16": LOCAL,
     "local-delayed": f"{LOCAL} --fp8-format hybrid --fp8-recipe delayed",
     "local-delayed-fp8params": f"{LOCAL} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather",

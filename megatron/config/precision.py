@@ -10,11 +10,10 @@ from .base import option, require
 #: `Fp8Parameter` has one scale per tensor; Transformer Engine's own quantized tensors (megatron/fp8/params.py).
 LOCAL_FP8_PARAM_RECIPES = ("delayed", "tensorwise")
 TE_FP8_PARAM_RECIPES = ("delayed", "tensorwise", "blockwise")
-#: Under FSDP the local layers' weights stay high-precision shards cast at each all-gather, one scale per tensor or
-#: per 128x128 block (megatron/fp8/fsdp_params.py); Transformer Engine's are gathered with one scale per tensor.
+#: Under FSDP the weights (local and Transformer Engine's) stay high-precision shards cast for the all-gathers, one
+#: scale per tensor or per 128x128 block (megatron/fp8/fsdp_params.py, te_fsdp_params.py, te_blockwise_gather.py).
 #: Rowwise and mxfp8 cast the weight along both axes for its two GEMMs: gathered FP8 bytes serve only one.
-FSDP_LOCAL_FP8_GATHER_RECIPES = ("delayed", "tensorwise", "blockwise")
-FSDP_TE_FP8_GATHER_RECIPES = ("delayed", "tensorwise")
+FSDP_FP8_GATHER_RECIPES = ("delayed", "tensorwise", "blockwise")
 
 
 @dataclass

@@ -10,7 +10,7 @@ from .base import require
 from .model import ModelConfig
 from .optimizer import OptimizerConfig
 from .parallel import ParallelConfig
-from .precision import FSDP_LOCAL_FP8_GATHER_RECIPES, FSDP_TE_FP8_GATHER_RECIPES, PrecisionConfig
+from .precision import FSDP_FP8_GATHER_RECIPES, PrecisionConfig
 from .training import CheckpointConfig, TrainingConfig
 
 
@@ -91,10 +91,10 @@ def _check_fsdp(cfg: Config) -> None:
         " parallelism only)",
     )
     require(
-        not prec.fp8_param_gather or prec.fp8_recipe in FSDP_LOCAL_FP8_GATHER_RECIPES,
+        not prec.fp8_param_gather or prec.fp8_recipe in FSDP_FP8_GATHER_RECIPES,
         f"{strategy} with --fp8-param-gather and --fp8-recipe {prec.fp8_recipe}: its weight is cast along both axes"
         " (the dgrad operand is a second cast, not the transpose), so FP8 all-gathered bytes cannot serve both GEMMs;"
-        f" use --fp8-recipe {'|'.join(FSDP_LOCAL_FP8_GATHER_RECIPES)} or drop --fp8-param-gather",
+        f" use --fp8-recipe {'|'.join(FSDP_FP8_GATHER_RECIPES)} or drop --fp8-param-gather",
     )
     require(not prec.fp16, f"{strategy} with --fp16: not built yet; use --bf16")
     # --fp8-grad-reduce (and O1, O2): each unit's reduce-scatter sends FP8 (megatron/parallel/fsdp_fp8_reduce.py);
@@ -141,8 +141,7 @@ def _check_fsdp(cfg: Config) -> None:
 def check_fsdp_layers(cfg: Config) -> None:
     """What FSDP does not run yet with Transformer Engine's layers (once --transformer-impl is resolved), each a
     one-line error: FP8 all-gathers of the layers --fp8-auto-bf16 may move to bf16 (their gathered weights stay FP8),
-    FP8 all-gathers of TE's weights in 128x128 blocks (blockwise: the local layers' only), the FP8 monitor's weight
-    statistics of FP8-gathered TE weights (the local layers count the shards' casts)."""
+    the FP8 monitor's weight statistics of FP8-gathered TE weights (the local layers count the shards' casts)."""
     par, prec = cfg.parallel, cfg.precision
     if not par.fsdp or cfg.model.transformer_impl != "transformer_engine":
         return
@@ -151,12 +150,6 @@ def check_fsdp_layers(cfg: Config) -> None:
         not (prec.fp8_param_gather and prec.fp8_auto_bf16),
         f"{strategy} with --fp8-param-gather and --fp8-auto-bf16 under --transformer-impl transformer_engine: not"
         " built yet (a layer moved to bf16 would still gather FP8 weights); drop one of the two",
-    )
-    require(
-        not prec.fp8_param_gather or prec.fp8_recipe in FSDP_TE_FP8_GATHER_RECIPES,
-        f"{strategy} with --fp8-param-gather, --fp8-recipe {prec.fp8_recipe} and --transformer-impl"
-        " transformer_engine: not built yet (TE's weights are gathered with one scale per tensor); use --fp8-recipe"
-        f" {'|'.join(FSDP_TE_FP8_GATHER_RECIPES)} or --transformer-impl local",
     )
     require(
         not (prec.fp8_param_gather and prec.fp8_stats_interval),

@@ -82,13 +82,14 @@ def shard_rows(rows: int, ranks: int) -> int:
 class GatherScale:
     """The scale one weight is cast with for its all-gathers, the amax it came from, and the step's cast of this
     rank's shard (shared by all wrappers of the weight's shard). `state`: the local linear's `Fp8LinearState` (its
-    recipe; delayed scaling's scale), None for a Transformer Engine weight (te_fsdp_params.py: fp8_max / amax,
-    whatever the recipe). `shape`: the whole weight's [out, in], which sizes the grid of block scales under the
-    blockwise recipe (else one scale)."""
+    recipe; delayed scaling's scale), None for a Transformer Engine weight (te_fsdp_params.py: fp8_max / amax;
+    under the blockwise recipe te_blockwise_gather.py's `TeBlockScale`). `shape`: the whole weight's [out, in],
+    which sizes the grid of block scales under the blockwise recipe (else one scale)."""
 
     def __init__(self, device: torch.device, state: Any | None, shape: tuple[int, ...] | None = None):
         blockwise = state is not None and state.recipe.block(Role.WEIGHT) == BLOCK_128x128
         self.block: tuple[int, int] | None = (128, 128) if blockwise else None
+        self.power_of_two = blockwise and state.recipe.power_of_two(Role.WEIGHT)  # the block scales' rule
         grid = tuple(-(-n // 128) for n in shape) if blockwise and shape is not None else ()
         self.scale = torch.ones(grid, device=device)
         # The gathered weight's scale_inv and amax come from these tensors, which live as long as the weight: FSDP2
@@ -150,7 +151,7 @@ class GatherScale:
         fp8_max / amax (blockwise: per block, powers of two unless --fp8-blockwise-fp32-scales, as the linear's)."""
         if self.block is not None:
             self.amax.copy_(amax.amax())
-            self.scale.copy_(scale_from_amax(amax, E4M3, self.state.recipe.power_of_two(Role.WEIGHT)))
+            self.scale.copy_(scale_from_amax(amax, E4M3, self.power_of_two))
             torch.reciprocal(self.scale, out=self.scale_inv)
             return
         self.amax.copy_(amax)

@@ -25,10 +25,11 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
   * the strategy decides when gathered weights are freed: optim_grads_params after each unit's forward and
     backward; optim_grads keeps them from the first forward to the last micro-batch's backward (one all-gather per
     step, as the distributed optimizer's);
-  * with --fp8-param-gather (delayed, tensorwise), the FP8 linears' weights are all-gathered as E4M3 bytes with
-    one scale per tensor agreed by the ranks once per step (megatron/fp8/fsdp_params.py), and the linears read
-    them as their FP8 operands: the local linears as their own FP8 weights, Transformer Engine's as TE Float8Tensors
-    (megatron/fp8/te_fsdp_params.py), which TE casts no more.
+  * with --fp8-param-gather, the FP8 linears' weights are all-gathered as E4M3 bytes with one scale per tensor
+    (delayed, tensorwise) or per 128x128 block (blockwise) agreed by the ranks once per step
+    (megatron/fp8/fsdp_params.py), and the linears read them as their FP8 operands: the local linears as their own
+    FP8 weights, Transformer Engine's as TE Float8Tensors (megatron/fp8/te_fsdp_params.py) or, blockwise,
+    Float8BlockwiseQTensors (megatron/fp8/te_blockwise_gather.py), which TE casts no more.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from megatron.config import Config
 from megatron.config.sharding import grad_comm_bf16, main_grads_bf16, shards_hold_main_weights
 from megatron.fp8.fsdp_params import Fp8GatherScales, Fp8ShardWeight, shard_data, wrap_fp8_weight
 from megatron.fp8.linear import Fp8LinearState
-from megatron.fp8.te_fsdp_params import wrap_te_fp8_weight
+from megatron.fp8.te_blockwise_gather import wrap_te_weight
 
 from .fp8_reduce import Fp8ReduceStats
 from .fsdp_fp8_reduce import use_fp8_reduce_scatter
@@ -113,7 +114,7 @@ def _wrap_fp8_weights(modules: list[nn.Module], device: torch.device) -> None:
                 if autocast is not None and sub.layer_number in autocast.fp8_layers:
                     for linear in sub.te_modules():
                         if not isinstance(linear.weight, DTensor):
-                            linear.weight = wrap_te_fp8_weight(linear.weight, device)
+                            linear.weight = wrap_te_weight(linear.weight, autocast.recipe, device)
             elif isinstance(getattr(sub, "fp8", None), Fp8LinearState) and not isinstance(sub.weight, DTensor):
                 sub.weight = wrap_fp8_weight(sub.weight, sub.fp8, device)
 

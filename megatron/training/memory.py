@@ -121,7 +121,10 @@ def _fsdp_buffers(
     under optim_grads every unit, kept for the whole step. With --fp8-param-gather the FP8 layers' linears are
     gathered as E4M3, 1 byte per element; Transformer Engine's layers also get a 1-byte transpose of each, allocated
     with the gathered unit and freed with it: 2 bytes, as in bf16 (then without TE's own cast of the bf16 weight,
-    which is not held at the peak either: see the module docstring). Norm weights are counted as the linears.
+    which is not held at the peak either: see the module docstring). Not blockwise: TE derives that layer's
+    column-wise copy in its backward, one linear at a time, and drops it after the dgrad (te_blockwise_gather.py),
+    so 1 byte (its grid of block scales, 4 bytes per 16384 elements, is not counted). Norm weights are counted as
+    the linears.
 
     staging: after the output unit's backward, each unit's backward holds its unsharded gradient (training dtype)
     while the previous unit's reduce-scatter input and output (the reduce dtype: bf16 with bf16 gradient shards or
@@ -130,7 +133,7 @@ def _fsdp_buffers(
     the staging of the largest unit exceeds them by raises the peak."""
     par, prec, m = cfg.parallel, cfg.precision, cfg.model
     fp8 = prec.fp8_layer_numbers(m.num_layers)
-    fp8_bytes = (2 if _te(cfg) else 1) if prec.fp8_param_gather else itemsize
+    fp8_bytes = (2 if _te(cfg) and prec.fp8_recipe != "blockwise" else 1) if prec.fp8_param_gather else itemsize
     unit_size = par.suggested_communication_unit_size
     per_unit = fsdp_layer_units(m.num_layers, layer, unit_size)[0] if layer > 0 else 1  # the largest unit
     if par.data_parallel_sharding_strategy == "optim_grads":

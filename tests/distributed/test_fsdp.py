@@ -290,7 +290,7 @@ BLOCKWISE = " --fp8-format hybrid --fp8-recipe blockwise --lr 1e-3 --no-fp8-firs
 
 def _gather_rows(shard: torch.Tensor, rows: int, world_size: int) -> torch.Tensor:
     """The whole tensor of `rows` rows from each rank's row shard (FSDP's: ceil(rows / ranks) rows, the last short)."""
-    padded = torch.zeros((-(-rows // world_size), *shard.shape[1:]), dtype=shard.dtype)
+    padded = torch.zeros((-(-rows // world_size), *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
     padded[: shard.shape[0]] = shard
     pieces = [torch.empty_like(padded) for _ in range(world_size)]
     dist.all_gather(pieces, padded)

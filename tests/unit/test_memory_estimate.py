@@ -312,15 +312,20 @@ def test_llama_1b_te_distributed_optimizer_counts_the_cached_weight_casts():
     assert local["activations"] == pytest.approx((15 * 37 + 37 + 4) * L1B_SBH + 8 * 4096 * 2 * L1B_V)
 
 
-@pytest.mark.parametrize("impl,fp8_bytes", [("transformer_engine", 2), ("local", 1)])
-def test_fsdp_fp8_param_gather(impl, fp8_bytes):
+@pytest.mark.parametrize(
+    "impl,fp8_bytes,recipe", [("transformer_engine", 2, ""), ("local", 1, ""), ("transformer_engine", 1, "blockwise")]
+)
+def test_fsdp_fp8_param_gather(impl, fp8_bytes, recipe):
     """--fp8-param-gather under FSDP: the shards stay fp32 (bf16 with the precision-aware optimizer) and the FP8
     layers' linears are gathered as E4M3, 1 byte per element; TE's layers also get a 1-byte transpose of each with
-    the gathered unit (2 bytes, as bf16; TE's own cast of a bf16 weight is not held at the peak either). The last
+    the gathered unit (2 bytes, as bf16; TE's own cast of a bf16 weight is not held at the peak either), but not
+    blockwise, where TE makes a linear's transposed copy in its backward and drops it after the dgrad. The last
     layer is an FP8 one, the output unit stays bf16; under optim_grads the 15 FP8 layers of 16 count so. Each rank
     also keeps its shards of the 15 FP8 layers cast to E4M3 from one step's cast to the next: 1 byte per element,
     halved."""
     fsdp = "--use-megatron-fsdp --fsdp-double-buffer --fp8-param-gather --data-parallel-sharding-strategy"
+    if recipe:
+        fsdp = f"--fp8-recipe {recipe} --fp8-format e4m3 {fsdp}"
     est = estimate_bytes(llama(f"{fsdp} optim_grads_params", impl), L1B_N, L1B_V, torch.bfloat16)
     bf16 = estimate_bytes(
         llama(fsdp.replace(" --fp8-param-gather", "") + " optim_grads_params", impl), L1B_N, L1B_V, torch.bfloat16
