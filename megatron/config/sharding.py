@@ -139,29 +139,19 @@ def _check_fsdp(cfg: Config) -> None:
 
 
 def check_fsdp_layers(cfg: Config) -> None:
-    """What FSDP does not run yet with Transformer Engine's layers (once --transformer-impl is resolved), each a
-    one-line error: FP8 all-gathers of the layers --fp8-auto-bf16 may move to bf16 (their gathered weights stay FP8),
-    FP8 all-gathers of TE's weights in 128x128 blocks (blockwise: the local layers' only), the FP8 monitor's weight
-    statistics of FP8-gathered TE weights (the local layers count the shards' casts)."""
+    """What FSDP does not run yet with Transformer Engine's layers (once --transformer-impl is resolved), a one-line
+    error: FP8 all-gathers of TE's weights in 128x128 blocks (blockwise: the local layers' only). Built: the layers
+    --fp8-auto-bf16 moves to bf16 gather bf16 from the next step on (parallel/fsdp.py, `Fp8GatherDtypes`), and the
+    FP8 monitor counts FP8-gathered TE weights from their shards' casts (fp8/te_monitor.py, `count_weight_casts`)."""
     par, prec = cfg.parallel, cfg.precision
     if not par.fsdp or cfg.model.transformer_impl != "transformer_engine":
         return
     strategy = f"--data-parallel-sharding-strategy {par.data_parallel_sharding_strategy}"
     require(
-        not (prec.fp8_param_gather and prec.fp8_auto_bf16),
-        f"{strategy} with --fp8-param-gather and --fp8-auto-bf16 under --transformer-impl transformer_engine: not"
-        " built yet (a layer moved to bf16 would still gather FP8 weights); drop one of the two",
-    )
-    require(
         not prec.fp8_param_gather or prec.fp8_recipe in FSDP_TE_FP8_GATHER_RECIPES,
         f"{strategy} with --fp8-param-gather, --fp8-recipe {prec.fp8_recipe} and --transformer-impl"
         " transformer_engine: not built yet (TE's weights are gathered with one scale per tensor); use --fp8-recipe"
         f" {'|'.join(FSDP_TE_FP8_GATHER_RECIPES)} or --transformer-impl local",
-    )
-    require(
-        not (prec.fp8_param_gather and prec.fp8_stats_interval),
-        f"{strategy} with --fp8-param-gather and --fp8-stats-interval under --transformer-impl transformer_engine: not"
-        " built yet (the monitor would read the gathered FP8 weights back, not count their cast); drop one of the two",
     )
 
 
