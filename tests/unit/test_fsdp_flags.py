@@ -111,25 +111,19 @@ def test_overlap_flags_are_noted_not_silent():
     assert any("FSDP2 overlaps" in note for note in cfg.notes)
 
 
-@pytest.mark.parametrize(
-    "extra, message",
-    [
-        ("--fp8-auto-bf16", "--fp8-param-gather and --fp8-auto-bf16 under --transformer-impl transformer_engine"),
-        ("--fp8-stats-interval", "--fp8-param-gather and --fp8-stats-interval under --transformer-impl"),
-    ],
-)
-def test_transformer_engine_layers_under_fsdp_refuse_what_is_not_built(extra, message):
-    # TE does not run on this CPU machine: the rule is checked on a configuration whose layers resolved to TE's.
-    cfg = parse(f"{FSDP} --bf16")
-    cfg.model.transformer_impl = "transformer_engine"
-    cfg.precision.fp8_param_gather = extra in ("--fp8-auto-bf16", "--fp8-stats-interval")
+@pytest.mark.parametrize("extra", ["--fp8-auto-bf16", "--fp8-stats-interval"])
+def test_transformer_engine_fp8_gathers_compose_with_the_fp8_monitor_and_guard(extra):
+    """Built: the layers the guard moves to bf16 gather bf16 (tests/distributed/test_fsdp_fp8_gather_dtypes.py on
+    the local layers, tests/gpu/test_te_fsdp_guard.py with TE), the monitor counts the shards' casts
+    (tests/unit/test_fp8_monitor.py). TE does not run on this CPU machine: the rule is checked on a configuration
+    whose layers resolved to TE's; the recipe rule still holds with them."""
+    cfg = parse(f"{FSDP} --bf16 --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather --fp8-stats-interval 10")
     cfg.precision.fp8_auto_bf16 = extra == "--fp8-auto-bf16"
-    cfg.precision.fp8_stats_interval = 10 if extra == "--fp8-stats-interval" else 0
-    with pytest.raises(ConfigError) as error:
+    cfg.model.transformer_impl = "transformer_engine"
+    check_fsdp_layers(cfg)
+    cfg.precision.fp8_recipe = "blockwise"
+    with pytest.raises(ConfigError, match="--fp8-recipe blockwise and --transformer-impl transformer_engine"):
         check_fsdp_layers(cfg)
-    assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
-    cfg.model.transformer_impl = "local"
-    check_fsdp_layers(cfg)  # the local layers run both
 
 
 def test_transformer_engine_layers_initialize_on_the_meta_device_under_fsdp():

@@ -49,3 +49,24 @@ def test_gathered_scales_come_from_tensors_that_outlive_the_gather():
     local = Fp8ShardWeight(torch.randn(4, 8), shard._scale)
     scale_inv, amax = local.fsdp_pre_all_gather(_Mesh(), torch.Size([8, 8]), (8, 1), None, None)[1]
     assert scale_inv is shard._scale.scale_inv and amax is shard._scale.amax
+
+
+class _Policy:
+    param_dtype = torch.bfloat16
+
+
+def test_a_weight_moved_to_bf16_gathers_its_shard_in_the_gather_dtype():
+    """--fp8-auto-bf16 under FSDP (parallel/fsdp.py, `Fp8GatherDtypes`, sets `high_precision`): the shard's rows in
+    bf16, padded to FSDP's rows, and no metadata; the gathered weight is the plain tensor (FSDP views its rows), and
+    nothing to rebuild at later gathers. The FP8 bytes of the step, no longer gathered, are not kept."""
+    weight = torch.randn(2, 8)
+    shard = wrap_te_fp8_weight(weight).data
+    shard._scale.high_precision = True
+    (data,), metadata = shard.fsdp_pre_all_gather(_Mesh(), torch.Size([5, 8]), (8, 1), None, _Policy())
+    assert metadata is None and data.dtype == torch.bfloat16 and data.shape == (3, 8)
+    assert torch.equal(data[:2], weight.to(torch.bfloat16)) and not data[2].any()
+    gathered = torch.cat([data, data])
+    weight_out, inner = shard.fsdp_post_all_gather((gathered,), None, torch.bfloat16)
+    assert type(weight_out) is torch.Tensor and weight_out is gathered and inner == (gathered,)
+    assert shard.fsdp_post_all_gather((gathered,), None, torch.bfloat16, out=weight_out) is None
+    assert shard._scale.data is None
