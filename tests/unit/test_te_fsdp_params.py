@@ -70,3 +70,28 @@ def test_a_weight_moved_to_bf16_gathers_its_shard_in_the_gather_dtype():
     assert type(weight_out) is torch.Tensor and weight_out is gathered and inner == (gathered,)
     assert shard.fsdp_post_all_gather((gathered,), None, torch.bfloat16, out=weight_out) is None
     assert shard._scale.data is None
+
+
+def test_te_linears_gather_fp8_while_their_layer_is_in_the_autocasts_fp8_layers():
+    """`Fp8GatherDtypes`' rule in production: a TE layer's linears follow the live `fp8_layers` the FP8 guard edits;
+    any other linear (the local layers', which compute a moved layer on dequantized FP8 weights) keeps FP8."""
+    from types import SimpleNamespace
+
+    from megatron.parallel.fsdp import te_gathers_fp8
+
+    class Layer(torch.nn.Module):
+        def __init__(self, number, fp8):
+            super().__init__()
+            self.layer_number, self.fp8, self.linear = number, fp8, torch.nn.Linear(2, 2)
+
+        def te_modules(self):
+            return [self.linear]
+
+    autocast = SimpleNamespace(fp8_layers={1, 2})
+    model = torch.nn.ModuleList([Layer(1, autocast), Layer(2, autocast), torch.nn.Linear(2, 2)])
+    gathers_fp8 = te_gathers_fp8(model)
+    assert [gathers_fp8(m) for m in (model[0].linear, model[1].linear, model[2])] == [True, True, True]
+    autocast.fp8_layers.discard(2)  # TETaps.move_to_bf16
+    assert [gathers_fp8(m) for m in (model[0].linear, model[1].linear, model[2])] == [True, False, True]
+    autocast.fp8_layers.add(2)
+    assert gathers_fp8(model[1].linear)
