@@ -3,12 +3,13 @@ monitor on 2 GPUs (NCCL), against the distributed optimizer.
 
 * --fp8-auto-bf16: a layer the guard moves to bf16 (here through its API, `Fp8Guard.move`, the call its trigger
   makes) gathers bf16 from the next step on, and TE's linears read plain bf16 weights (parallel/fsdp.py,
-  `Fp8GatherDtypes`). Moved before the first step, the run matches the distributed optimizer's TE FP8 weights with
-  that layer built in bf16 (--fp8-first-layer-bf16) over 10 steps within 2e-3 (tests/gpu/test_te_fsdp.py's bound
-  for the FP8 gathers); the moved layer's all-gather outputs are bf16, the others' E4M3 bytes. Moved after step 3
-  (delayed scaling) and back after step 6 (the move back a resumed run's guard state could make), the run matches
-  the distributed optimizer without FP8 weights making the same moves within 1e-2 (test_te_fsdp.py's FP8 bound),
-  its linears reading Float8Tensors before, plain bf16 weights between and Float8Tensors again after.
+  `Fp8GatherDtypes`). Moved before the first step (delayed scaling), the run matches the distributed optimizer's TE
+  FP8 weights with that layer built in bf16 (--fp8-first-layer-bf16) over 10 steps within 2e-3
+  (tests/gpu/test_te_fsdp.py's bound for the FP8 gathers); the moved layer's all-gather outputs are bf16, the others'
+  E4M3 bytes. Moved after step 3 (tensorwise) and back after step 6 (the guard never moves a layer back: the test
+  puts it back in the autocast's `fp8_layers`), the run matches the distributed optimizer without FP8 weights making
+  the same moves within 1e-2 (test_te_fsdp.py's FP8 bound), its linears reading Float8Tensors before, plain bf16
+  weights between and Float8Tensors again after.
 * --fp8-stats-interval: the monitor counts each FP8-gathered weight from the cast of each rank's shard, summed over
   the data-parallel ranks: its weight rows equal the distributed optimizer's (which count the cast of each rank's
   main piece) at step 1 within float rounding, and every weight is counted once (the elements counted are the
@@ -83,10 +84,10 @@ def _body(rank, world_size):
     flags = f"{BASE} {TE} --train-iters 10"
     # moved before the first step, against the layer built in bf16 under the distributed optimizer
     want, _, _, _ = _train(
-        f"{flags} {TENSORWISE.replace(' --no-fp8-first-layer-bf16', '')} {GUARD} --fp8-param-gather {DISTOPT}",
+        f"{flags} {FP8.replace(' --no-fp8-first-layer-bf16', '')} {GUARD} --fp8-param-gather {DISTOPT}",
         world_size,
     )
-    got, seen, _, t = _train(f"{flags} {TENSORWISE} {GUARD} --fp8-param-gather {PARAMS}", world_size, before=1)
+    got, seen, _, t = _train(f"{flags} {FP8} {GUARD} --fp8-param-gather {PARAMS}", world_size, before=1)
     _close(got, want, 2e-3, "TE FSDP, layer 1 moved to bf16 before step 1", steps=10)
     for step, weights in seen.items():
         assert all(
@@ -96,10 +97,10 @@ def _body(rank, world_size):
     dtypes = _gather_dtypes(t)
     assert dtypes[1] == {torch.bfloat16} and all(d == {torch.uint8} for n, d in dtypes.items() if n != 1), dtypes
 
-    # moved after step 3 and back after step 6 (delayed scaling), against bf16 weights making the same moves
+    # moved after step 3 and back after step 6, against bf16 weights making the same moves
     moves = {3: ("bf16", 2), 6: ("fp8", 2)}
-    want, _, _, _ = _train(f"{flags} {FP8} {GUARD} {DISTOPT}", world_size, moves)
-    got, seen, _, t = _train(f"{flags} {FP8} {GUARD} --fp8-param-gather {PARAMS}", world_size, moves)
+    want, _, _, _ = _train(f"{flags} {TENSORWISE} {GUARD} {DISTOPT}", world_size, moves)
+    got, seen, _, t = _train(f"{flags} {TENSORWISE} {GUARD} --fp8-param-gather {PARAMS}", world_size, moves)
     _close(got, want, 1e-2, "TE FSDP, layer 2 moved to bf16 after step 3 and back after step 6", steps=10)
     for step, weights in seen.items():
         moved = 4 <= step <= 6
