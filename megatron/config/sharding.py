@@ -138,26 +138,6 @@ def _check_fsdp(cfg: Config) -> None:
         )
 
 
-def check_fsdp_layers(cfg: Config) -> None:
-    """What FSDP does not run yet with Transformer Engine's layers (once --transformer-impl is resolved), each a
-    one-line error: FP8 all-gathers of the layers --fp8-auto-bf16 may move to bf16 (their gathered weights stay FP8),
-    the FP8 monitor's weight statistics of FP8-gathered TE weights (the local layers count the shards' casts)."""
-    par, prec = cfg.parallel, cfg.precision
-    if not par.fsdp or cfg.model.transformer_impl != "transformer_engine":
-        return
-    strategy = f"--data-parallel-sharding-strategy {par.data_parallel_sharding_strategy}"
-    require(
-        not (prec.fp8_param_gather and prec.fp8_auto_bf16),
-        f"{strategy} with --fp8-param-gather and --fp8-auto-bf16 under --transformer-impl transformer_engine: not"
-        " built yet (a layer moved to bf16 would still gather FP8 weights); drop one of the two",
-    )
-    require(
-        not (prec.fp8_param_gather and prec.fp8_stats_interval),
-        f"{strategy} with --fp8-param-gather and --fp8-stats-interval under --transformer-impl transformer_engine: not"
-        " built yet (the monitor would read the gathered FP8 weights back, not count their cast); drop one of the two",
-    )
-
-
 def shards_hold_main_weights(cfg: Config) -> bool:
     """Whether FSDP's weight shards are the fp32 main weights the optimizer steps on in place (else, with
     --use-precision-aware-optimizer, they hold the training dtype, bf16 under --bf16, and the optimizer holds the

@@ -104,6 +104,9 @@ class GatherScale:
         self.data: torch.Tensor | None = None
         self.fresh = False
         self.agreement: Fp8GatherScales | None = None
+        # Gathered in the training dtype instead, as a plain tensor (its layer moved out of FP8 by the FP8 guard:
+        # parallel/fsdp.py, `Fp8GatherDtypes`): no scale agreed, no cast made
+        self.high_precision = False
 
     def local_amax(self, shard: torch.Tensor, first_row: int) -> torch.Tensor:
         """What this rank contributes to the agreed amax: |shard|'s max (one scale), or the grid of block amaxes
@@ -210,6 +213,8 @@ class Fp8ShardWeight(torch.Tensor):
         here); metadata: the scale (or grid of block scales) and amax used, tensors that live as long as the weight
         (docs/fsdp.md: the scale must outlive the gather)."""
         scale = self._scale
+        if scale.high_precision:
+            return (_high_precision_input(self._tensor, orig_size, mesh, mp_policy.param_dtype),), None
         if not scale.fresh:  # gathered before this step's `agree` (no training step does): cast with today's scale
             rows = shard_rows(orig_size[0], mesh.size())
             first_row = 0 if scale.block is None else mesh.get_local_rank() * rows  # where the blocks start
@@ -220,10 +225,18 @@ class Fp8ShardWeight(torch.Tensor):
         """The gathered weight (first gather), or nothing to do for `out`: its bytes are the re-allocated outputs
         already, and its scale and amax are the weight's own `GatherScale` tensors, which `agree` updates."""
         (data,) = outputs
-        scale_inv, amax = metadata
         if out is not None:
             return None
+        if metadata is None:  # gathered in the training dtype: the plain weight (FSDP views its unpadded rows)
+            return data, (data,)
+        scale_inv, amax = metadata
         return Fp8GatheredWeight(data.view(E4M3), scale_inv, amax, param_dtype, self._scale.block), (data,)
+
+
+def _high_precision_input(shard: torch.Tensor, orig_size: Any, mesh: Any, dtype: torch.dtype | None) -> torch.Tensor:
+    """The shard in the gather dtype (`dtype`; None: its own), padded with zero rows to FSDP's shard rows."""
+    pad = shard_rows(orig_size[0], mesh.size()) - shard.shape[0]
+    return F.pad(shard, (0, 0, 0, pad)).to(dtype or shard.dtype)
 
 
 class Fp8GatheredWeight(torch.Tensor):
@@ -326,13 +339,15 @@ class Fp8GatherScales:
         of the step's all-gathers (`GatherScale.fill`)."""
         if not self.stale or not self.shards:
             return
+        # (every rank leaves out the same weights: the FP8 guard's decisions are the same on all ranks)
+        shards = [s for s in self.shards if not s.to_local()._scale.high_precision]
         with torch.no_grad():
-            blockwise = [s.to_local()._scale.block is not None for s in self.shards]
-            per_tensor = [s for s, blocks in zip(self.shards, blockwise) if not blocks]
+            blockwise = [s.to_local()._scale.block is not None for s in shards]
+            per_tensor = [s for s, blocks in zip(shards, blockwise) if not blocks]
             if per_tensor:
                 self._agree(per_tensor, self.group)
             if any(blockwise):  # one FSDP mesh shards them all
-                blocked = [s for s, blocks in zip(self.shards, blockwise) if blocks]
+                blocked = [s for s, blocks in zip(shards, blockwise) if blocks]
                 self._agree(blocked, blocked[0].device_mesh.get_group())
         self.stale = False
 

@@ -90,13 +90,18 @@ class TeBlockShardWeight(Fp8ShardWeight):
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
         """(the step's E4M3 bytes of this shard, padded to FSDP's rows,); metadata: the weight's shape. The grid of
         scales is every rank's already (agreed), so only the bytes travel."""
-        inputs, _ = super().fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
+        inputs, metadata = super().fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
+        if metadata is None:  # gathered in the training dtype (its layer moved to bf16 by the FP8 guard)
+            return inputs, None
         return inputs, (tuple(orig_size),)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         """The gathered Float8BlockwiseQTensor with the inner tensor FSDP frees at reshard and allocates again before
         the next gather (the bytes), or, on later gathers, `out` pointed at this gather's bytes, without a column-wise
-        copy (TE makes it from these bytes when the backward needs it)."""
+        copy (TE makes it from these bytes when the backward needs it). Gathered in the training dtype: the plain
+        weight TE's bf16 GEMM reads."""
+        if metadata is None:
+            return super().fsdp_post_all_gather(outputs, metadata, param_dtype, out=out)
         (padded,) = outputs
         (shape,) = metadata
         data, scale_inv = gathered_rows(padded, shape), self._scale.padded_scale_inv

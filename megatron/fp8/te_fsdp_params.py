@@ -48,13 +48,17 @@ class TeFp8ShardWeight(Fp8ShardWeight):
         return TeFp8ShardWeight(tensor, self._scale, self._gather)
 
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
-        inputs, (scale_inv, _) = super().fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
-        return inputs, (scale_inv, tuple(orig_size))
+        inputs, metadata = super().fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
+        if metadata is None:  # gathered in the training dtype (its layer moved to bf16 by the FP8 guard)
+            return inputs, None
+        return inputs, (metadata[0], tuple(orig_size))
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         """The gathered Float8Tensor (first gather; with the inner tensors FSDP frees at reshard and allocates
         again before the next gather: the bytes and the transpose buffer), or `out` pointed at this gather's bytes,
-        its transpose to be rebuilt."""
+        its transpose to be rebuilt. Gathered in the training dtype: the plain weight TE's bf16 GEMM reads."""
+        if metadata is None:
+            return super().fsdp_post_all_gather(outputs, metadata, param_dtype, out=out)
         (padded,) = outputs
         scale_inv, orig_size = metadata
         data = padded.view(-1)[: orig_size[0] * orig_size[1]].view(orig_size)  # FSDP pads shards to equal rows

@@ -8,7 +8,11 @@ of quantize.py, which implements every recipe bit for bit) and, under delayed sc
     input x    forward pre-hook; what the module's GEMM casts, which the layer says (`fp8_gemm_input`): for
                te.LayerNormLinear the normalized input (the norm is fused into its GEMM, so the layer recomputes
                RMSNorm/LayerNorm with the module's own weight and epsilon, in fp32)
-    weight W   the same hook (TE casts it once per step and reuses the cast for later micro-batches)
+    weight W   the same hook (TE casts it once per step and reuses the cast for later micro-batches); an FP8
+               weight (--fp8-param-gather: FSDP's gathered one, or the distributed optimizer's) is counted from
+               the cast that made it, of this rank's high-precision piece with the weight's scale, as the local
+               linears count theirs (read back, it would show neither saturation nor underflow); the monitor's
+               sums over the data-parallel ranks then cover the weight once (`count_weight_casts`)
     grad dY    a hook on the module's output tensor, registered in the forward hook
 
 While attached, the MLPs' fused SwiGLU stops writing FP8 (te_mlp.TEMLP.fp8_swiglu), so that TE casts the bf16
@@ -49,6 +53,9 @@ class TETaps:
         self.layer_numbers: list[int] = []
         self.mlps: list[nn.Module] = []
         self.gemm_inputs: list[Callable[[nn.Module, torch.Tensor], torch.Tensor]] = []
+        self.weight_pieces: dict[int, Callable[[], tuple[torch.Tensor, int]]] = {}
+        """By linear (index): the high-precision piece this rank casts into its FP8 weight and the weight's row it
+        starts at (`count_weight_casts`)."""
         for name, layer in model.named_modules():
             number = getattr(layer, "layer_number", None)
             if number is None or number not in fp8_layers or not hasattr(layer, "te_modules"):
@@ -84,6 +91,24 @@ class TETaps:
     def move_to_bf16(self, layer_number: int) -> None:
         self.fp8_layers.discard(layer_number)
 
+    def count_weight_casts(self, pieces: dict[int, Callable[[], tuple[torch.Tensor, int]]]) -> None:
+        """--fp8-param-gather: `pieces` by the id of an FP8 weight's parameter as the linear holds it between steps
+        (FSDP's sharded one), (a getter of) the piece this rank casts into it and its first row: the cast counted."""
+        for index, module in enumerate(self.modules):
+            piece = pieces.get(id(module.weight))
+            if piece is not None:
+                self.weight_pieces[index] = piece
+
+    def _record_weight(self, collector: Fp8StatsCollector, index: int, weight: torch.Tensor, amax_only: bool) -> None:
+        """The weight's statistics: of the cast of this rank's piece with the FP8 weight's scale (one per tensor: TE's
+        Float8Tensor `_scale_inv`), or of the weight as the linear holds it (TE casts a high-precision one itself)."""
+        piece, scale_inv = self.weight_pieces.get(index), getattr(weight, "_scale_inv", None)
+        if amax_only or piece is None or scale_inv is None or scale_inv.numel() != 1:
+            self._record(collector, index, Role.WEIGHT, weight, amax_only)
+            return
+        shard, first_row = piece()
+        collector.record_cast(index, Role.WEIGHT, shard, first_row, scale_inv.reciprocal(), self.recipe)
+
     def _record(self, collector: Fp8StatsCollector, index: int, role: Role, t: torch.Tensor, amax_only: bool) -> None:
         t = _high_precision(t).detach()
         t = t.reshape(-1, t.shape[-1])
@@ -108,7 +133,7 @@ class TETaps:
                 return  # a later micro-batch: spare the norm's recomputation
             x = self.gemm_inputs[index](module, _high_precision(args[0]))
             self._record(collector, index, Role.INPUT, x, amax_only)
-            self._record(collector, index, Role.WEIGHT, module.weight, amax_only)
+            self._record_weight(collector, index, module.weight, amax_only)
 
         return hook
 

@@ -88,18 +88,68 @@ def fsdp_units(layers: list[nn.Module], unit_size: int | None) -> list[list[nn.M
     return units
 
 
-def fp8_gather_pieces(model: nn.Module) -> list[tuple[Fp8LinearState, Callable[[], tuple[torch.Tensor, int]]]]:
-    """--fp8-param-gather: each local FP8 linear's state with (a getter of) the shard [rows, in] this rank casts to
-    E4M3 for the all-gather and its first row in the weight, whose cast the FP8 monitor counts (the linear reads the
-    gathered bytes). Called between steps, when a module's weight is its sharded parameter."""
+def fp8_gather_pieces(model: nn.Module) -> list[tuple[torch.Tensor, Callable[[], tuple[torch.Tensor, int]]]]:
+    """--fp8-param-gather: each FP8-gathered weight (its sharded parameter: a local FP8 linear's or a Transformer
+    Engine linear's) with (a getter of) the shard [rows, in] this rank casts to E4M3 for the all-gather and its first
+    row in the weight, whose cast the FP8 monitor counts (the linear reads the gathered bytes). Called between steps,
+    when a module's weight is its sharded parameter."""
     pieces = []
     for module in model.modules():
-        state, weight = getattr(module, "fp8", None), getattr(module, "weight", None)
-        if isinstance(state, Fp8LinearState) and isinstance(weight, DTensor):
-            if isinstance(weight.to_local(), Fp8ShardWeight):
-                first_row = flat_offset(weight) // max(1, math.prod(weight.shape[1:]))
-                pieces.append((state, lambda weight=weight, row=first_row: (shard_data(local_shard(weight)), row)))
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, DTensor) and isinstance(weight.to_local(), Fp8ShardWeight):
+            first_row = flat_offset(weight) // max(1, math.prod(weight.shape[1:]))
+            pieces.append((weight, lambda weight=weight, row=first_row: (shard_data(local_shard(weight)), row)))
     return pieces
+
+
+class Fp8GatherDtypes:
+    """Which FP8-gathered weights (`Fp8ShardWeight`s) gather E4M3 bytes and which the training dtype, as
+    `gathers_fp8(linear)` says now: a Transformer Engine layer the FP8 guard moved to bf16 (--fp8-auto-bf16) gathers
+    bf16, its shard cast to the gather dtype, and TE's linear reads a plain bf16 weight; moved back, FP8 again.
+
+    FSDP2 builds a gathered weight with `fsdp_post_all_gather` at a parameter's first all-gather and, at later ones,
+    refills it through `out=` (into all-gather outputs it allocated once, in the first gather's dtypes): a weight that
+    changes between an FP8 tensor and a plain one must be built afresh. `update` (between steps, before the scales'
+    agreement) reshards the weight's unit and forgets both, so the next all-gather allocates and builds anew."""
+
+    def __init__(self, model: nn.Module, gathers_fp8: Callable[[nn.Module], bool]):
+        self.gathers_fp8 = gathers_fp8
+        self.params = []  # (the FSDP unit, FSDP's record of the parameter) of each FP8-gathered weight
+        for unit in model.modules():
+            if isinstance(unit, FSDPModule):
+                for group in unit._get_fsdp_state()._fsdp_param_groups:
+                    for param in group.fsdp_params:
+                        if isinstance(param._sharded_local_tensor, Fp8ShardWeight):
+                            self.params.append((unit, param))
+
+    def update(self) -> list[nn.Module]:
+        """Switch the weights whose gather dtype changed; returns their linears."""
+        switched = []
+        for unit, param in self.params:
+            linear, scale = param._module_info.module, param._sharded_local_tensor._scale
+            if scale.high_precision != self.gathers_fp8(linear):
+                continue
+            unit.reshard()  # (between steps every unit is resharded already: a no-op)
+            scale.high_precision, scale.data, scale.fresh = not scale.high_precision, None, False
+            param.all_gather_outputs, param._unsharded_inner_tensors = [], []
+            if hasattr(param, "_unsharded_param"):
+                del param._unsharded_param
+            switched.append(linear)
+        return switched
+
+
+def te_gathers_fp8(model: nn.Module) -> Callable[[nn.Module], bool]:
+    """Whether a linear's weight gathers FP8 now: not a Transformer Engine linear of a layer out of its autocast's
+    live `fp8_layers` (the FP8 guard removes the layers it moves to bf16). The local linears keep their FP8 gathers
+    and compute a moved layer on the dequantized weights, as the distributed optimizer's FP8 weights are."""
+    te_layers = [layer for layer in model.modules() if hasattr(layer, "te_modules")]
+    layers = {id(linear): layer for layer in te_layers for linear in layer.te_modules()}
+
+    def gathers_fp8(linear: nn.Module) -> bool:
+        layer = layers.get(id(linear))
+        return layer is None or layer.fp8 is None or layer.layer_number in layer.fp8.fp8_layers
+
+    return gathers_fp8
 
 
 def _wrap_fp8_weights(modules: list[nn.Module], device: torch.device) -> None:
@@ -208,6 +258,7 @@ class ShardedGrads:
     overlap_param_gather = False
     fp8_stats: Fp8ReduceStats | None = None  # --fp8-grad-reduce: what the FP8 reduce-scatters lost (the log's)
     fp8_scales: Fp8GatherScales | None = None
+    fp8_dtypes: Fp8GatherDtypes | None = None
 
     def __init__(self, model: nn.Module, keep_gathered_until_last_backward: bool, dtype: torch.dtype = torch.float32):
         """`dtype`: of the gradient shards (fp32, or bf16: FSDP2 adds its fp32 reduce-scatter output into them)."""
@@ -319,6 +370,13 @@ def build_fsdp(
     if fp8_gather:
         shards = [p for p in model.parameters() if isinstance(local_shard(p), Fp8ShardWeight)]
         grads.fp8_scales = scales = Fp8GatherScales(shards, group if scale_group is None else scale_group)
+        grads.fp8_dtypes = dtypes = Fp8GatherDtypes(model, te_gathers_fp8(model))
+
+        def before_gathers(module: nn.Module, args: object) -> None:
+            if scales.stale:  # a new step (the FP8 guard moves layers between steps): gather dtypes, then scales
+                dtypes.update()
+            scales.agree()
+
         # before the root's own pre-forward hook, which starts the first all-gather
-        model.register_forward_pre_hook(lambda module, args: scales.agree(), prepend=True)
+        model.register_forward_pre_hook(before_gathers, prepend=True)
     return grads

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from megatron.config import Config
+from megatron.fp8.linear import Fp8LinearState
 from megatron.fp8.monitor import Fp8Monitor, build_fp8_monitor
-from megatron.fp8.params import Fp8Parameter
 from megatron.model import GPTModel, Stage
 from megatron.model.meta_init import DeferredInit
 from megatron.optim import MixedPrecisionAdamW
@@ -108,15 +108,20 @@ def build_optimizer(
     return MixedPrecisionAdamW(model, cfg.optimizer, device.type == "cuda", grad_buffers, fp8_group)
 
 
-def point_fp8_weights_at_their_casts(cfg: Config, model: GPTModel, optimizer: MixedPrecisionAdamW) -> None:
-    """--fp8-param-gather with the local layers: tell each FP8 linear which high-precision piece this rank casts
-    into its FP8 weight (FSDP: the shard it gathers; the distributed optimizer: its main piece), for the FP8
-    monitor's weight statistics; the pieces of all ranks make up each weight once, under either layout."""
-    if not (cfg.precision.fp8_param_gather and cfg.model.transformer_impl == "local"):
+def point_fp8_weights_at_their_casts(
+    cfg: Config, model: GPTModel, optimizer: MixedPrecisionAdamW, monitor: Fp8Monitor | None = None
+) -> None:
+    """--fp8-param-gather: tell the FP8 monitor which high-precision piece this rank casts into each FP8 weight
+    (FSDP: the shard it gathers; the distributed optimizer: its main piece), for the weight statistics: the local
+    linears' states and Transformer Engine's taps (`TETaps.count_weight_casts`). The pieces of all ranks make up
+    each weight once, under either layout: the monitor's sums over the data-parallel ranks count it once."""
+    if not cfg.precision.fp8_param_gather:
         return
-    if cfg.parallel.fsdp:
-        pieces = fp8_gather_pieces(model)
-    else:
-        pieces = [(p.state, piece) for p, piece in optimizer.fp8_cast_pieces() if isinstance(p, Fp8Parameter)]
-    for state, piece in pieces:
-        state.weight_piece = piece
+    pieces = fp8_gather_pieces(model) if cfg.parallel.fsdp else optimizer.fp8_cast_pieces()
+    by_weight = {id(weight): piece for weight, piece in pieces}
+    for module in model.modules():
+        state, weight = getattr(module, "fp8", None), getattr(module, "weight", None)
+        if isinstance(state, Fp8LinearState) and id(weight) in by_weight:
+            state.weight_piece = by_weight[id(weight)]
+    if monitor is not None and cfg.model.transformer_impl == "transformer_engine":
+        monitor.taps.count_weight_casts(by_weight)

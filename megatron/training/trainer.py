@@ -82,7 +82,7 @@ class Trainer:
         self.grad_buffers = build_grad_buffers(cfg, dims, self.model, self.device, deferred)
         self.shutdown.add_at_exit("the gradient buffers' hooks", self.grad_buffers.remove_hooks)
         self.optimizer = build_optimizer(cfg, dims, self.model, self.device, self.grad_buffers)
-        point_fp8_weights_at_their_casts(cfg, self.model, self.optimizer)
+        point_fp8_weights_at_their_casts(cfg, self.model, self.optimizer, self.fp8_monitor)
         self.loss_scaler = build_loss_scaler(cfg.precision)
         self.state = TrainState()
         self.checkpointer = None  # saves in --ckpt-format, loads the format on disk, logs the seconds

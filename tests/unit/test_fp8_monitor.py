@@ -135,3 +135,55 @@ def test_guard_without_auto_bf16_only_names_the_tensor():
     guard = Fp8Guard(saturation=0.01, underflow=0.1, intervals=1, auto_bf16=False, move_to_bf16=moved.append)
     (message,) = guard.check([_row(role=Role.GRAD, underflow=0.4)])
     assert "grad: underflow 40% > 10%" in message and "--fp8-auto-bf16 would move" in message and moved == []
+
+
+class _TeLayer(torch.nn.Module):
+    """What TETaps knows of a Transformer Engine layer (megatron/model/te_layers.py), without TE."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.layer_number, self.linear = 1, torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        self.linear.weight = torch.nn.Parameter(weight)
+        self.mlp = torch.nn.Module()
+
+    def te_modules(self):
+        return [self.linear]
+
+    def fp8_gemm_input(self, module, x):
+        return x
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def test_te_taps_count_an_fp8_weight_from_its_pieces_casts():
+    """--fp8-param-gather with TE's layers (FSDP's shards or the distributed optimizer's main pieces): each rank's
+    taps count the cast of its piece with the FP8 weight's scale (TE's `_scale_inv`), so the sum over the ranks is
+    the whole weight's cast, saturation and underflow included; without a piece, the weight as the linear holds it."""
+    from megatron.fp8.te_monitor import TETaps
+
+    recipe = Recipe("tensorwise", Fp8Format("hybrid"))
+    w = torch.randn(64, 160, generator=torch.Generator().manual_seed(0)) * torch.logspace(-9, 0, 160)
+    scale = torch.tensor(4e3)
+    whole = scaled_counts(w.reshape(1, -1), scale.reshape(1, 1), TENSOR, E4M3)
+    assert whole[0] > 0 and whole[1] > 0
+    collectors = []
+    for first, last in ((0, 40), (40, 64)):  # two ranks' shards
+        layer = _TeLayer(w.clone())
+        layer.linear.weight._scale_inv = scale.reciprocal().reshape(1)  # as TE's Float8Tensor keeps it
+        taps = TETaps(layer, recipe, {1})
+        taps.count_weight_casts({id(layer.linear.weight): lambda first=first, last=last: (w[first:last], first)})
+        collector = Fp8StatsCollector(taps.names, taps.layer_numbers, torch.device("cpu"))
+        with taps.attached(collector):
+            layer(torch.randn(4, 160))
+        collectors.append(collector)
+    counts = sum(c.counts[0, Role.WEIGHT.value] for c in collectors)
+    assert counts.tolist() == whole.tolist()
+    assert max(float(c.amax[0, Role.WEIGHT.value]) for c in collectors) == float(w.abs().max())
+    assert all(float(c.scale[0, Role.WEIGHT.value]) == pytest.approx(4e3) for c in collectors)
+    read_back = Fp8StatsCollector(taps.names, taps.layer_numbers, torch.device("cpu"))
+    taps.weight_pieces.clear()
+    with taps.attached(read_back):
+        layer(torch.randn(4, 160))
+    assert read_back.counts[0, Role.WEIGHT.value, 2] == w.numel()  # the whole weight, its scale from its amax
+    assert read_back.counts[0, Role.WEIGHT.value, 0] == 0

@@ -3,7 +3,6 @@
 import pytest
 
 from megatron.config import ConfigError, parse_args
-from megatron.config.sharding import check_fsdp_layers
 
 BASE = "--mock-data --vocab-size 128 --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16"
 
@@ -87,12 +86,10 @@ def test_meta_device_init_with_the_local_fp8_engine_is_built(gather):
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])
 def test_fp8_param_gather_with_per_tensor_and_block_recipes_is_built(recipe):
     """Under FSDP with the local layers (tests/distributed/test_fsdp.py) and with Transformer Engine's (blockwise:
-    megatron/fp8/te_blockwise_gather.py, tests/gpu/test_te_fsdp_blockwise.py); blockwise not without FSDP with the
-    local layers (no blockwise `Fp8Parameter`)."""
+    megatron/fp8/te_blockwise_gather.py, tests/gpu/test_te_fsdp_blockwise.py): no rule of the configuration depends
+    on the layers any more; blockwise not without FSDP with the local layers (no blockwise `Fp8Parameter`)."""
     cfg = parse(f"{FSDP} --bf16 --fp8-format hybrid --fp8-recipe {recipe} --fp8-param-gather")
     assert cfg.precision.fp8_param_gather and cfg.parallel.fsdp
-    cfg.model.transformer_impl = "transformer_engine"  # TE does not run on this CPU machine: the rule alone
-    check_fsdp_layers(cfg)
     if recipe == "blockwise":
         with pytest.raises(ConfigError, match="the local engine keeps FP8 weights with one scale per tensor"):
             parse(f"--bf16 --fp8-format hybrid --fp8-recipe {recipe} --fp8-param-gather")
@@ -110,33 +107,16 @@ def test_overlap_flags_are_noted_not_silent():
     assert any("FSDP2 overlaps" in note for note in cfg.notes)
 
 
-@pytest.mark.parametrize(
-    "extra, message",
-    [
-        ("--fp8-auto-bf16", "--fp8-param-gather and --fp8-auto-bf16 under --transformer-impl transformer_engine"),
-        ("--fp8-stats-interval", "--fp8-param-gather and --fp8-stats-interval under --transformer-impl"),
-    ],
-)
-def test_transformer_engine_layers_under_fsdp_refuse_what_is_not_built(extra, message):
-    # TE does not run on this CPU machine: the rule is checked on a configuration whose layers resolved to TE's.
-    cfg = parse(f"{FSDP} --bf16")
-    cfg.model.transformer_impl = "transformer_engine"
-    cfg.precision.fp8_param_gather = extra in ("--fp8-auto-bf16", "--fp8-stats-interval")
-    cfg.precision.fp8_auto_bf16 = extra == "--fp8-auto-bf16"
-    cfg.precision.fp8_stats_interval = 10 if extra == "--fp8-stats-interval" else 0
-    with pytest.raises(ConfigError) as error:
-        check_fsdp_layers(cfg)
-    assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
-    cfg.model.transformer_impl = "local"
-    check_fsdp_layers(cfg)  # the local layers run both
-
-
-def test_transformer_engine_layers_initialize_on_the_meta_device_under_fsdp():
-    """Meta-device initialization of TE's layers under FSDP is let through: tests/gpu/test_te_fsdp_meta.py compares
-    it with the eager build on two GPUs (passed on two H100s, 2026-11-26)."""
-    cfg = parse(f"{FSDP} --bf16 --init-model-with-meta-device")
-    cfg.model.transformer_impl = "transformer_engine"
-    check_fsdp_layers(cfg)
+@pytest.mark.parametrize("extra", ["--fp8-stats-interval 10 --fp8-auto-bf16", "--fp8-stats-interval 10"])
+def test_fp8_gathers_compose_with_the_fp8_monitor_and_guard(extra):
+    """Built: the layers the guard moves to bf16 gather bf16 (tests/distributed/test_fsdp_fp8_gather_dtypes.py on
+    the local layers, tests/gpu/test_te_fsdp_guard.py with TE), the monitor counts the shards' casts
+    (tests/unit/test_fp8_monitor.py); meta-device initialization (tests/gpu/test_te_fsdp_meta.py with TE)."""
+    fp8 = f"{FSDP} --bf16 --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather {extra}"
+    cfg = parse(fp8)
+    assert cfg.parallel.fsdp and cfg.precision.fp8_param_gather
+    assert cfg.precision.fp8_auto_bf16 == ("--fp8-auto-bf16" in extra)
+    assert parse(f"{fp8} --init-model-with-meta-device").parallel.init_model_with_meta_device
 
 
 @pytest.mark.parametrize("level", ["", "--fp8-optimizer-level O1", "--fp8-optimizer-level O2"])

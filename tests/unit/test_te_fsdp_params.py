@@ -49,3 +49,49 @@ def test_gathered_scales_come_from_tensors_that_outlive_the_gather():
     local = Fp8ShardWeight(torch.randn(4, 8), shard._scale)
     scale_inv, amax = local.fsdp_pre_all_gather(_Mesh(), torch.Size([8, 8]), (8, 1), None, None)[1]
     assert scale_inv is shard._scale.scale_inv and amax is shard._scale.amax
+
+
+class _Policy:
+    param_dtype = torch.bfloat16
+
+
+def test_a_weight_moved_to_bf16_gathers_its_shard_in_the_gather_dtype():
+    """--fp8-auto-bf16 under FSDP (parallel/fsdp.py, `Fp8GatherDtypes`, sets `high_precision`): the shard's rows in
+    bf16, padded to FSDP's rows, and no metadata; the gathered weight is the plain tensor (FSDP views its rows), and
+    nothing to rebuild at later gathers. The FP8 bytes of the step, no longer gathered, are not kept."""
+    weight = torch.randn(2, 8)
+    shard = wrap_te_fp8_weight(weight).data
+    shard._scale.high_precision = True
+    (data,), metadata = shard.fsdp_pre_all_gather(_Mesh(), torch.Size([5, 8]), (8, 1), None, _Policy())
+    assert metadata is None and data.dtype == torch.bfloat16 and data.shape == (3, 8)
+    assert torch.equal(data[:2], weight.to(torch.bfloat16)) and not data[2].any()
+    gathered = torch.cat([data, data])
+    weight_out, inner = shard.fsdp_post_all_gather((gathered,), None, torch.bfloat16)
+    assert type(weight_out) is torch.Tensor and weight_out is gathered and inner == (gathered,)
+    assert shard.fsdp_post_all_gather((gathered,), None, torch.bfloat16, out=weight_out) is None
+    assert shard._scale.data is None
+
+
+def test_te_linears_gather_fp8_while_their_layer_is_in_the_autocasts_fp8_layers():
+    """`Fp8GatherDtypes`' rule in production: a TE layer's linears follow the live `fp8_layers` the FP8 guard edits;
+    any other linear (the local layers', which compute a moved layer on dequantized FP8 weights) keeps FP8."""
+    from types import SimpleNamespace
+
+    from megatron.parallel.fsdp import te_gathers_fp8
+
+    class Layer(torch.nn.Module):
+        def __init__(self, number, fp8):
+            super().__init__()
+            self.layer_number, self.fp8, self.linear = number, fp8, torch.nn.Linear(2, 2)
+
+        def te_modules(self):
+            return [self.linear]
+
+    autocast = SimpleNamespace(fp8_layers={1, 2})
+    model = torch.nn.ModuleList([Layer(1, autocast), Layer(2, autocast), torch.nn.Linear(2, 2)])
+    gathers_fp8 = te_gathers_fp8(model)
+    assert [gathers_fp8(m) for m in (model[0].linear, model[1].linear, model[2])] == [True, True, True]
+    autocast.fp8_layers.discard(2)  # TETaps.move_to_bf16
+    assert [gathers_fp8(m) for m in (model[0].linear, model[1].linear, model[2])] == [True, False, True]
+    autocast.fp8_layers.add(2)
+    assert gathers_fp8(model[1].linear)
