@@ -28,7 +28,8 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
   * with --fp8-param-gather (delayed, tensorwise), the FP8 linears' weights are all-gathered as E4M3 bytes with
     one scale per tensor agreed by the ranks once per step (megatron/fp8/fsdp_params.py), and the linears read
     them as their FP8 operands: the local linears as their own FP8 weights, Transformer Engine's as TE Float8Tensors
-    (megatron/fp8/te_fsdp_params.py), which TE casts no more.
+    (megatron/fp8/te_fsdp_params.py), which TE casts no more. With --use-precision-aware-optimizer those weights'
+    bf16 shards are freed once cast, from the training forward to the optimizer step (`reclaim_shards`).
 """
 
 from __future__ import annotations
@@ -250,11 +251,19 @@ class ShardedGrads:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Gradients computed inside are thrown away (zeroed on exit)."""
+        """Gradients computed inside are thrown away (zeroed on exit); no optimizer step follows, so the FP8
+        all-gathers' shards stay (`Fp8GatherScales.kept`)."""
         try:
-            yield
+            with self.fp8_scales.kept() if self.fp8_scales is not None else contextlib.nullcontext():
+                yield
         finally:
             self.zero()
+
+    def reclaim_shards(self) -> None:
+        """Before the optimizer writes the weight shards: storage back for those a training forward freed once cast
+        for its FP8 all-gathers (with --use-precision-aware-optimizer: `Fp8GatherScales.release`)."""
+        if self.fp8_scales is not None:
+            self.fp8_scales.reclaim()
 
     def zero(self) -> None:
         """After each optimizer step: the gradients start again, and the FP8 all-gather scales are out of date."""
@@ -317,7 +326,9 @@ def build_fsdp(
         grads.fp8_stats = use_fp8_reduce_scatter(model)
     if fp8_gather:
         shards = [p for p in model.parameters() if isinstance(local_shard(p), Fp8ShardWeight)]
-        grads.fp8_scales = scales = Fp8GatherScales(shards, group if scale_group is None else scale_group)
+        # Shards that are not the main weights only feed the step's cast: freed from it to the optimizer step
+        release = not shards_hold_main_weights(cfg)
+        grads.fp8_scales = scales = Fp8GatherScales(shards, group if scale_group is None else scale_group, release)
         # before the root's own pre-forward hook, which starts the first all-gather
         model.register_forward_pre_hook(lambda module, args: scales.agree(), prepend=True)
     return grads
