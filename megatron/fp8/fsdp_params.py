@@ -33,8 +33,8 @@ fp16 main weights after each step), a shard is only the source of that cast: `ag
 training forward has it cast (`release`), and the optimizer step gives it back (`reclaim`) just before writing the
 new weights into every element of it. The peak, the forward and backward, then holds 2 bytes per FP8-gathered
 element / dp less; eval forwards and everything between steps (checkpoints, the parameter norm) see whole shards.
-FSDP's pad rows (the storage beyond the weight's rows) are given back unwritten: nothing reads them, the gathers send
-the cast, whose pad rows are zero.
+A shard with pad rows (FSDP pads the last ranks' shards when the ranks do not divide the rows) is kept: FSDP2 copies
+such a shard into new padded storage at its lazy initialization (the first forward) and after a load.
 
 Blockwise (the weight in 128x128 blocks): FSDP shards rows, ceil(rows / ranks) per rank, so a block straddles two
 shards wherever a shard's rows are not a multiple of 128. `agree` max-reduces every weight's grid of block amaxes
@@ -361,10 +361,12 @@ class Fp8GatherScales:
 
     def _free(self) -> None:
         """Free every shard's storage (FSDP's padded shard, which the DTensor's local tensor and the optimizer's
-        views of it share: they keep their shapes and get the storage back with `reclaim`)."""
+        views of it share: they keep their shapes and get the storage back with `reclaim`), but a shard's with pad
+        rows (see the module docstring)."""
         for shard in self.shards:
-            storage = shard.to_local()._tensor.untyped_storage()
-            if storage.nbytes():
+            tensor = shard.to_local()._tensor
+            storage = tensor.untyped_storage()
+            if storage.nbytes() and storage.nbytes() == tensor.numel() * tensor.element_size():
                 self._freed.append((storage, storage.nbytes()))
                 storage.resize_(0)
 

@@ -11,7 +11,9 @@ that an element the optimizer step did not write shows in the losses. Then:
   storages this rank holds are 2 bytes per FP8-gathered element / 2 ranks fewer than between steps (measured);
 * a skipped step (an infinite gradient) leaves each shard equal to its decoded main weight, and the run goes on
   bit for bit as the one with nothing freed;
-* torch_dist checkpoints saved after a step and after an evaluation resume exactly."""
+* torch_dist checkpoints saved after a step and after an evaluation resume exactly;
+* over 3 ranks, whose last rank's shards have FSDP's pad rows (which FSDP2 copies at its lazy initialization and
+  after a load: those are kept), the losses are still those of the run with nothing freed."""
 
 from pathlib import Path
 
@@ -47,13 +49,15 @@ def _weight_bytes(trainer: Trainer) -> int:
     return _storage_bytes(shard_data(local_shard(p)) for p in trainer.model.parameters())
 
 
-def _run(flags: str, release: bool = True, poison_step: int | None = None) -> tuple[list[float], Trainer, list]:
+def _run(
+    flags: str, release: bool = True, poison_step: int | None = None, world_size: int = 2
+) -> tuple[list[float], Trainer, list]:
     """Losses, trainer and, for each optimizer step, what the rank held just before it: (shards freed, each FP8
     shard's storage bytes, the weight storages' bytes, on a GPU the bytes allocated). `release`: whether the FP8
     shards are freed (the setting build_fsdp derives from the flags; off: the run without freeing). `poison_step`:
     the step whose first gradient is made infinite (skipped), after which each shard is checked against its decoded
     main weight."""
-    trainer = Trainer(_parse(flags, 2))
+    trainer = Trainer(_parse(flags, world_size))
     opt = trainer.optimizer
     scales = opt.buffers.fp8_scales
     scales.release = release
@@ -130,3 +134,16 @@ def _checkpoint_body(rank, world_size, out_dir):
 
 def test_fsdp_freed_shards_checkpoints_resume_exactly(tmp_path):
     run_distributed(_checkpoint_body, world_size=2, args=(str(tmp_path),))
+
+
+def _uneven_body(rank, world_size):
+    _poison_reclaimed_storage()
+    flags = f"{FLAGS} {TENSORWISE} {PARAMS} --global-batch-size 6"
+    want, _, _ = _run(flags, release=False, world_size=world_size)
+    got, _, seen = _run(flags, world_size=world_size)
+    assert got == want, (got, want)
+    assert all(released == (rank < 2) for released, _, _, _ in seen), (rank, seen)  # rank 2: 10 of 11 rows, say
+
+
+def test_fsdp_keeps_shards_with_pad_rows():
+    run_distributed(_uneven_body, world_size=3)
