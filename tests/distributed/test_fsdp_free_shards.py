@@ -53,10 +53,9 @@ def _run(
     flags: str, release: bool = True, poison_step: int | None = None, world_size: int = 2
 ) -> tuple[list[float], Trainer, list]:
     """Losses, trainer and, for each optimizer step, what the rank held just before it: (shards freed, each FP8
-    shard's storage bytes, the weight storages' bytes, on a GPU the bytes allocated). `release`: whether the FP8
-    shards are freed (the setting build_fsdp derives from the flags; off: the run without freeing). `poison_step`:
-    the step whose first gradient is made infinite (skipped), after which each shard is checked against its decoded
-    main weight."""
+    shard's storage bytes, the weight storages' bytes). `release`: whether the FP8 shards are freed (the setting
+    build_fsdp derives from the flags; off: the run without freeing). `poison_step`: the step whose first gradient
+    is made infinite (skipped), after which each shard is checked against its decoded main weight."""
     trainer = Trainer(_parse(flags, world_size))
     opt = trainer.optimizer
     scales = opt.buffers.fp8_scales
@@ -65,8 +64,7 @@ def _run(
 
     def observed(lr, grad_norm_fn):
         held = [s.to_local()._tensor.untyped_storage().nbytes() for s in scales.shards]
-        allocated = torch.cuda.memory_allocated(trainer.device) if trainer.device.type == "cuda" else None
-        seen.append((scales.released, held, _weight_bytes(trainer), allocated))
+        seen.append((scales.released, held, _weight_bytes(trainer)))
         if len(seen) == poison_step:
             opt.grads()[0].view(-1)[0] = float("inf")
         norm, stepped = step(lr, grad_norm_fn)
@@ -94,9 +92,9 @@ def _body(rank, world_size):
         between = _weight_bytes(trainer)
         fp8_numel = sum(s.to_local().numel() for s in trainer.optimizer.buffers.fp8_scales.shards)
         freed = [s.to_local()._tensor.untyped_storage().nbytes() for s in trainer.optimizer.buffers.fp8_scales.shards]
-        assert _weight_bytes(kept) == between and all(w == between for _, _, w, _ in kept_seen)
+        assert _weight_bytes(kept) == between and all(w == between for _, _, w in kept_seen)
         assert len(seen) == STEPS and fp8_numel > 0, (len(seen), fp8_numel)
-        for step, (released, held, weights, _) in enumerate(seen, 1):
+        for step, (released, held, weights) in enumerate(seen, 1):
             if "stats" in extra and step % 2 == 0:  # a watched step: the monitor read the shards in its forward
                 assert not released and weights == between, step
                 continue
@@ -142,7 +140,7 @@ def _uneven_body(rank, world_size):
     want, _, _ = _run(flags, release=False, world_size=world_size)
     got, _, seen = _run(flags, world_size=world_size)
     assert got == want, (got, want)
-    assert all(released == (rank < 2) for released, _, _, _ in seen), (rank, seen)  # rank 2: 10 of 11 rows, say
+    assert all(released == (rank < 2) for released, _, _ in seen), (rank, seen)  # rank 2: 10 of 11 rows, say
 
 
 def test_fsdp_keeps_shards_with_pad_rows():
