@@ -9,6 +9,10 @@
 #                                            recomputed (what fits an 80 GB card with the cached FP8 shards), bf16
 #                                            gathers with 4, bf16 with 12; then Megatron-LM's FSDP on the same model
 #                                            (about 9 minutes)
+#   bash scripts/fsdp_rows.sh free OUTDIR    the freed bf16 shards of FP8-gathered weights under O2's states: their GPU
+#                                            tests (TE layers, the fused AdamW's skipped step), then llama3-8b
+#                                            fsdp2_o2states with FP8 all-gathers and nothing recomputed, which should
+#                                            now fit an 80 GB card (estimate 68.7 GiB; about 8 minutes)
 #   bash scripts/fsdp_rows.sh parity OUTDIR  loss parity on real text at DP=2 of FSDP's FP8 reduce-scatter (O1) against
 #                                            the bf16 run in docs/loss_parity/llama-150m-fsdp-dp2.json (same data and
 #                                            seed), llama-150m, 1000 iterations (about 4 minutes; needs
@@ -16,8 +20,8 @@
 # OUTDIR gets a summary (summary.txt: the tables and each test's last lines) and every run's log (logs/). Megatron-LM's
 # sources must be where .devkit/anchors/megatron_run.sh looks (../shared/anchors/README.md).
 set -o pipefail
-PART=${1:?usage: bash scripts/fsdp_rows.sh tests|1b|8b|parity OUTDIR}
-OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|1b|8b|parity OUTDIR}
+PART=${1:?usage: bash scripts/fsdp_rows.sh tests|1b|8b|free|parity OUTDIR}
+OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|1b|8b|free|parity OUTDIR}
 mkdir -p "$OUT/logs"
 source .devkit/setup-te.sh || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -44,6 +48,14 @@ case $PART in
 optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fsdp_dtensor --recompute-granularity \
 full --recompute-method uniform --recompute-num-layers 1" bash .devkit/anchors/megatron_run.sh l3_8b delayed_pg \
       | tee -a "$OUT/summary.txt";;
+  free)
+    timeout 200 python3 -m pytest -q -x tests/gpu/test_te_fsdp_free_shards.py > "$OUT/logs/free_shards.txt" 2>&1
+    echo "test_te_fsdp_free_shards: rc=$? $(tail -1 "$OUT/logs/free_shards.txt")" | tee -a "$OUT/summary.txt"
+    timeout 120 python3 -m pytest -q -x tests/gpu/test_adam_kernel.py -k "model_copies or found_inf" \
+      > "$OUT/logs/adam_kernel.txt" 2>&1
+    echo "test_adam_kernel (copies, found_inf): rc=$? $(tail -1 "$OUT/logs/adam_kernel.txt")" | tee -a "$OUT/summary.txt"
+    bench --presets llama3-8b --iters 6 --log-interval 2 --timeout 200 --layouts fsdp2_o2states \
+      --configs te-delayed-fp8params;;
   parity)
     mkdir -p data && tar -xJf .interop/parity.tar.xz -C data || exit 1
     D="--data-path data/parity/parity_text_document --split 98,1,1 --tokenizer-type GPT2BPETokenizer \
@@ -53,5 +65,5 @@ full --recompute-method uniform --recompute-num-layers 1" bash .devkit/anchors/m
     timeout 560 python3 scripts/loss_parity.py --preset llama-150m --eval-iters 5 --nproc-per-node 2 --deadline 540 $D \
       --results "$OUT/parity.json" --log-dir "$OUT/logs" --out "$OUT/parity.md" \
       --configs te-delayed+fsdpo1 --config-flags "te-delayed+fsdpo1=$F --fp8-grad-reduce" 2>&1 | tail -12 | tee -a "$OUT/summary.txt";;
-  *) echo "unknown part $PART: tests, 1b, 8b or parity"; exit 2;;
+  *) echo "unknown part $PART: tests, 1b, 8b, free or parity"; exit 2;;
 esac

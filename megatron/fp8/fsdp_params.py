@@ -28,6 +28,14 @@ FP8 shard beside the main one. Whatever writes the shards marks the scales stale
 step (`ShardedGrads.zero`), a checkpoint load or an initialization (`shards_written`); `agree` then recomputes both
 before the next forward's gathers, and a gather that comes first (none in training) casts the shard itself.
 
+Where the shards are not the main weights (--use-precision-aware-optimizer: bf16 shards written from the optimizer's
+fp16 main weights after each step), a shard is only the source of that cast: `agree` frees its storage once a
+training forward has it cast (`release`), and the optimizer step gives it back (`reclaim`) just before writing the
+new weights into every element of it. The peak, the forward and backward, then holds 2 bytes per FP8-gathered
+element / dp less; eval forwards and everything between steps (checkpoints, the parameter norm) see whole shards.
+A shard with pad rows (FSDP pads the last ranks' shards when the ranks do not divide the rows) is kept: FSDP2 copies
+such a shard into new padded storage at its lazy initialization (the first forward) and after a load.
+
 Blockwise (the weight in 128x128 blocks): FSDP shards rows, ceil(rows / ranks) per rank, so a block straddles two
 shards wherever a shard's rows are not a multiple of 128. `agree` max-reduces every weight's grid of block amaxes
 (each rank fills the blocks its rows touch, zeros elsewhere) in the same one all-reduce, over the ranks sharding
@@ -41,6 +49,8 @@ bytes cannot give; gathering both casts would move two bytes per element, as bf1
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -309,14 +319,17 @@ class Fp8GatherScales:
     """The scales of the FP8 all-gathers (per tensor, or per block), agreed once per optimizer step by the ranks
     holding pieces of the weights."""
 
-    def __init__(self, shards: list[torch.Tensor], group: dist.ProcessGroup | None):
+    def __init__(self, shards: list[torch.Tensor], group: dist.ProcessGroup | None, release: bool = False):
         """`shards`: the wrapped weights' sharded parameters (DTensors whose local tensors are `Fp8ShardWeight`);
         `group`: the data-parallel ranks FSDP shards them over, and under tensor parallelism the ranks holding the
         other tensor-parallel pieces too (every rank lists its shards in the same order), so that each piece is
         cast with the whole weight's scale, as the tensorwise recipe casts a tensor-parallel weight. Blockwise
         weights agree over the data-parallel ranks sharding them (their FSDP mesh) only: a tensor-parallel piece's
-        blocks are its own, as the linear casts them."""
-        self.shards, self.group = shards, group
+        blocks are its own, as the linear casts them. `release`: free the shards' storage from a training
+        forward's cast until `reclaim` (only where the shards are not the main weights: see the module docstring)."""
+        self.shards, self.group, self.release = shards, group, release
+        self._freed: list[tuple[torch.UntypedStorage, int]] = []  # (storage, its bytes) of each freed shard
+        self._kept = 0
         for shard in shards:
             shard.to_local()._scale.agreement = self
         self.stale = True
@@ -328,6 +341,11 @@ class Fp8GatherScales:
 
     @stale.setter
     def stale(self, stale: bool) -> None:
+        if stale and self._freed:  # whatever wrote the shards wrote (or read) no storage: a step must reclaim first
+            raise RuntimeError(
+                "FP8-gathered weight shards freed by a training forward were marked written without an optimizer"
+                " step giving them back: call reclaim() before writing them (MixedPrecisionAdamW.step does)"
+            )
         self._stale = stale
         if stale:
             for shard in self.shards:
@@ -336,20 +354,63 @@ class Fp8GatherScales:
     def agree(self) -> None:
         """If the weights changed since the last call: max-reduce all shards' amaxes (block amaxes) in one
         all-reduce per group, set each weight's scale (`GatherScale.set`) and cast each shard with it, once for all
-        of the step's all-gathers (`GatherScale.fill`)."""
-        if not self.stale or not self.shards:
-            return
+        of the step's all-gathers (`GatherScale.fill`). Then, in a training forward, `release` the shards."""
         # (every rank leaves out the same weights: the FP8 guard's decisions are the same on all ranks)
-        shards = [s for s in self.shards if not s.to_local()._scale.high_precision]
-        with torch.no_grad():
-            blockwise = [s.to_local()._scale.block is not None for s in shards]
-            per_tensor = [s for s, blocks in zip(shards, blockwise) if not blocks]
-            if per_tensor:
-                self._agree(per_tensor, self.group)
-            if any(blockwise):  # one FSDP mesh shards them all
-                blocked = [s for s, blocks in zip(shards, blockwise) if blocks]
-                self._agree(blocked, blocked[0].device_mesh.get_group())
+        shards = self._fp8_gathered()
+        if self.stale and shards:
+            with torch.no_grad():
+                blockwise = [s.to_local()._scale.block is not None for s in shards]
+                per_tensor = [s for s, blocks in zip(shards, blockwise) if not blocks]
+                if per_tensor:
+                    self._agree(per_tensor, self.group)
+                if any(blockwise):  # one FSDP mesh shards them all
+                    blocked = [s for s, blocks in zip(shards, blockwise) if blocks]
+                    self._agree(blocked, blocked[0].device_mesh.get_group())
         self.stale = False
+        if self.release and not self._freed and not self._kept and torch.is_grad_enabled() and not self._monitored():
+            self._free()
+
+    def _fp8_gathered(self) -> list[torch.Tensor]:
+        """The shards gathered as FP8 this step: all but those of the layers the FP8 guard moved to bf16."""
+        return [s for s in self.shards if not s.to_local()._scale.high_precision]
+
+    def _monitored(self) -> bool:
+        """Whether the FP8 monitor watches this step: a local linear then counts its weight's cast from the shard in
+        its forward (`Fp8LinearState.weight_piece`), which must stay."""
+        return any(getattr(s.to_local()._scale.state, "stats", None) is not None for s in self.shards)
+
+    def _free(self) -> None:
+        """Free every shard's storage (FSDP's padded shard, which the DTensor's local tensor and the optimizer's
+        views of it share: they keep their shapes and get the storage back with `reclaim`), but a shard's with pad
+        rows (see the module docstring) or one gathered in the training dtype (read by every gather)."""
+        for shard in self._fp8_gathered():
+            tensor = shard.to_local()._tensor
+            storage = tensor.untyped_storage()
+            if storage.nbytes() and storage.nbytes() == tensor.numel() * tensor.element_size():
+                self._freed.append((storage, storage.nbytes()))
+                storage.resize_(0)
+
+    @property
+    def released(self) -> bool:
+        """Whether the shards' storage is freed (from a training forward's cast to the optimizer step)."""
+        return bool(self._freed)
+
+    def reclaim(self) -> None:
+        """Give freed shards their storage back, uninitialized: for a writer of every element of the shards (the
+        optimizer step: its main weights' new values, or on a skipped step their unchanged values)."""
+        for storage, nbytes in self._freed:
+            storage.resize_(nbytes)
+        self._freed = []
+
+    @contextlib.contextmanager
+    def kept(self) -> Iterator[None]:
+        """Training forwards inside free no shard: passes whose gradients are thrown away (`ShardedGrads.paused`),
+        after which no optimizer step writes the shards again."""
+        self._kept += 1
+        try:
+            yield
+        finally:
+            self._kept -= 1
 
     @staticmethod
     def _agree(shards: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:

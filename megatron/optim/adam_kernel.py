@@ -248,7 +248,7 @@ def adamw_step_(
     is copied to the device). `grad_scale`, `found_inf`: 0-dim tensors, best on the device (a CPU one is copied
     there, and a CPU grad_scale then divides where CUDA's eager step multiplies by its reciprocal: 1 ulp apart).
     `model_copies[i]`: a contiguous fp32, bf16 or fp16 tensor of master i's size (or None) that receives the new
-    master as `copy_(master.decode())` would, written by the same pass (left alone on a skipped step)."""
+    master as `copy_(master.decode())` would, written by the same pass (on a skipped step: the unchanged master)."""
     count = len(masters)
     if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(weight_decays) == count):
         raise ValueError(

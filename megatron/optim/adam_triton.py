@@ -31,8 +31,10 @@ result bit for bit (checked by tests/gpu/test_adam_kernel.py on every format):
       is cast on its bits: the same results as the hardware casts, and right under Triton's CPU interpreter too,
       whose fp8 and bf16 casts round wrongly (and garble bf16 subnormals).
 
-found_inf: every program reads it first and, when nonzero, returns before touching memory: all encodings stay bit for
-bit, decided on the device without a host sync.
+found_inf: every program reads it first and, when nonzero, writes no state: all encodings stay bit for bit, decided on
+the device without a host sync. The model copies are still written, from the unchanged masters (as the eager step
+copies them whatever found_inf says): a copy may be storage given back unwritten (FSDP's freed weight shards) or an
+fp32 piece that is cast into an FP8 weight after the step.
 
 Stochastic rounding (moments only, as the eager step): the same construction as `states.round_stochastically_`
 (add a uniform integer below 2^d to the fp32 bit pattern, clear the d dropped bits; subnormals of the format
@@ -212,16 +214,15 @@ def _adamw_kernel(
         run = tl.load(found_inf_ptr) == 0
     else:
         run = True
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, COLS)
+    offs = rows[:, None] * BLOCK + cols[None, :]
+    if COLS == BLOCK:
+        mask = offs < n  # no padding columns: keeps the mask's alignment visible (vectorized accesses)
+    else:
+        mask = (cols[None, :] < BLOCK) & (offs < n)
+    row_mask = rows * BLOCK < n
     if run:
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, COLS)
-        offs = rows[:, None] * BLOCK + cols[None, :]
-        if COLS == BLOCK:
-            mask = offs < n  # no padding columns: keeps the mask's alignment visible (vectorized accesses)
-        else:
-            mask = (cols[None, :] < BLOCK) & (offs < n)
-        row_mask = rows * BLOCK < n
-
         g = _to_fp32(tl.load(grad_ptr + offs, mask=mask, other=0.0))
         if HAS_GRAD_SCALE:
             g = tl.math.div_rn(g, tl.load(grad_scale_ptr).to(tl.float32))
@@ -271,6 +272,11 @@ def _adamw_kernel(
         _store_state(m, rnd_m, m_ptr, m_scale_ptr, m_ptr, offs, mask, rows, row_mask, M_KIND, M_ROOT, False, STOCHASTIC)
         _store_state(v, rnd_v, v_ptr, v_scale_ptr, v_ptr, offs, mask, rows, row_mask, V_KIND, V_ROOT, False, STOCHASTIC)
         p = _store_state(p, 0, p_ptr, p_scale_ptr, p_rem_ptr, offs, mask, rows, row_mask, P_KIND, P_ROOT, P_REM, False)
+        _store_model_copy(p, out_ptr, offs, mask, OUT_KIND)
+    elif OUT_KIND != 0:
+        # Skipped: no state changes, but the model copy still gets the master (unchanged), as the eager step's copy
+        # does: it may be storage given back unwritten (FSDP's freed weight shards) or an fp32 piece cast to FP8 next
+        p = _load_state(p_ptr, p_scale_ptr, p_rem_ptr, offs, mask, rows, row_mask, P_KIND, P_ROOT, P_REM)
         _store_model_copy(p, out_ptr, offs, mask, OUT_KIND)
 
 

@@ -13,7 +13,9 @@ FP8 weights (--fp8-param-gather) are written from their fp32 main copies (or pie
 FP8 bytes (`megatron.fp8.params.quantize_masters`), so with the distributed optimizer the all-gather moves FP8.
 
 Under FSDP (megatron/parallel/fsdp.py) the pieces are each rank's whole local shards: fp32 ones are the main
-weights themselves; bf16 ones (--use-precision-aware-optimizer) get main copies like the distributed optimizer's.
+weights themselves; bf16 ones (--use-precision-aware-optimizer) get main copies like the distributed optimizer's, and
+those of FP8-gathered weights are freed during the forward and backward and given back here, before the step writes
+them (megatron/fp8/fsdp_params.py).
 
 With --use-precision-aware-optimizer the main copies and Adam's moments are held in lower precisions by
 `megatron.optim.precision_aware.PrecisionAwareAdamW` (fp16 masters, fp8/fp16/bf16 moments), which updates one
@@ -183,6 +185,7 @@ class MixedPrecisionAdamW:
         `found_inf`, the hooks torch's GradScaler uses). Reading the norm on the host instead would stall the
         launch queue behind the whole backward pass and leave the GPU idle while the update is being launched."""
         rates = lr if isinstance(lr, LearningRates) else LearningRates(lr, lr)
+        self._reclaim_shards()
         grads = self.grads()
         norm = grad_norm_fn()
         finite = torch.isfinite(norm)
@@ -222,6 +225,7 @@ class MixedPrecisionAdamW:
         main value straight into their FP8 data (and, on Hopper, its transpose) with their recipe's scale. Sharded,
         every rank then gathers the others' updated pieces."""
         if self.mixed:
+            self._reclaim_shards()
             with torch.no_grad():
                 if self.precision_aware:
                     for target, i in self._plain:
@@ -231,6 +235,13 @@ class MixedPrecisionAdamW:
                 self._cast_fp8_params()
         if self.buffers is not None:
             self.buffers.gather_params()
+
+    def _reclaim_shards(self) -> None:
+        """Under FSDP the weight shards its FP8 all-gathers were cast from may be freed since the training forward
+        (fp8/fsdp_params.py: not being the main weights, they are written from them, in every element, skipped step
+        or not: `PrecisionAwareAdamW.step`); their storage comes back before any write."""
+        if isinstance(self.buffers, ShardedGrads):
+            self.buffers.reclaim_shards()
 
     def _model_copies(self) -> tuple[list[torch.Tensor | None] | None, list[torch.Tensor | None]]:
         """Where the precision-aware step writes each main copy's new value (by main index): a plain parameter's

@@ -92,8 +92,8 @@ class PrecisionAwareAdamW:
         """One AdamW step over every tensor at `lr` (None: the constructor's; a sequence: one per tensor, e.g.
         --decoupled-lr's). `grad_scale` divides the gradients; a nonzero `found_inf` (0-dim) skips the step: states
         and step count unchanged, no host synchronisation. `model_copies[i]` (or None) receives master i's new value
-        in its own dtype (the model's weights, or fp32 for a cast to FP8): on CUDA written by the fused step itself,
-        saving a pass that decodes the master."""
+        in its own dtype (the model's weights, or fp32 for a cast to FP8), skipped step or not: on CUDA written by the
+        fused step itself, saving a pass that decodes the master."""
         if len(grads) != len(self.masters):
             raise ValueError(f"{len(grads)} gradients for {len(self.masters)} tensors; pass one per master")
         lr = self.lr if lr is None else lr

@@ -29,7 +29,9 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
     (delayed, tensorwise) or per 128x128 block (blockwise) agreed by the ranks once per step
     (megatron/fp8/fsdp_params.py), and the linears read them as their FP8 operands: the local linears as their own
     FP8 weights, Transformer Engine's as TE Float8Tensors (megatron/fp8/te_fsdp_params.py) or, blockwise,
-    Float8BlockwiseQTensors (megatron/fp8/te_blockwise_gather.py), which TE casts no more.
+    Float8BlockwiseQTensors (megatron/fp8/te_blockwise_gather.py), which TE casts no more. With
+    --use-precision-aware-optimizer those weights' bf16 shards are freed once cast, from the training forward to the
+    optimizer step (`reclaim_shards`).
 """
 
 from __future__ import annotations
@@ -302,11 +304,19 @@ class ShardedGrads:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Gradients computed inside are thrown away (zeroed on exit)."""
+        """Gradients computed inside are thrown away (zeroed on exit); no optimizer step follows, so the FP8
+        all-gathers' shards stay (`Fp8GatherScales.kept`)."""
         try:
-            yield
+            with self.fp8_scales.kept() if self.fp8_scales is not None else contextlib.nullcontext():
+                yield
         finally:
             self.zero()
+
+    def reclaim_shards(self) -> None:
+        """Before the optimizer writes the weight shards: storage back for those a training forward freed once cast
+        for its FP8 all-gathers (with --use-precision-aware-optimizer: `Fp8GatherScales.release`)."""
+        if self.fp8_scales is not None:
+            self.fp8_scales.reclaim()
 
     def zero(self) -> None:
         """After each optimizer step: the gradients start again, and the FP8 all-gather scales are out of date."""
@@ -369,7 +379,9 @@ def build_fsdp(
         grads.fp8_stats = use_fp8_reduce_scatter(model)
     if fp8_gather:
         shards = [p for p in model.parameters() if isinstance(local_shard(p), Fp8ShardWeight)]
-        grads.fp8_scales = scales = Fp8GatherScales(shards, group if scale_group is None else scale_group)
+        # Shards that are not the main weights only feed the step's cast: freed from it to the optimizer step
+        release = not shards_hold_main_weights(cfg)
+        grads.fp8_scales = scales = Fp8GatherScales(shards, group if scale_group is None else scale_group, release)
         grads.fp8_dtypes = dtypes = Fp8GatherDtypes(model, te_gathers_fp8(model))
 
         def before_gathers(module: nn.Module, args: object) -> None:

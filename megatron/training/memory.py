@@ -20,7 +20,10 @@ The distributed optimizer keeps 1/dp of the main copy and the moments (the gradi
 reduce-scattered in place). FSDP keeps 1/dp of the weights, gradients and moments: fp32 weight shards that are the
 main weights, or with --use-precision-aware-optimizer shards in the training dtype beside 1/dp of its main weights;
 with --fp8-param-gather also the FP8 layers' shards cast to E4M3 for the step's all-gathers (1 byte per element /
-dp, cast once per step and kept: megatron/fp8/fsdp_params.py).
+dp, cast once per step and kept: megatron/fp8/fsdp_params.py). Those casts are all a step needs of the FP8 layers'
+training-dtype shards (--use-precision-aware-optimizer): these are freed from the forward to the optimizer step, so
+they count in the step (`freed_shards`), not before the activations (unless --fp8-stats-interval: a watched step
+keeps them).
 
 The peak comes at the start of the backward pass, or in the optimizer step, whichever holds more:
 
@@ -35,7 +38,8 @@ The peak comes at the start of the backward pass, or in the optimizer step, whic
   being computed and the last layer's unit prefetched, or the whole model under optim_grads) and the reduce-scatter
   staging where it outgrows what it replaces.
 * the optimizer step: torch's AdamW upcasts bf16 gradients to fp32 copies of this rank's whole shard at once; the
-  precision-aware optimizer writes FP8 weights' new main values into fp32 pieces before casting them.
+  precision-aware optimizer writes FP8 weights' new main values into fp32 pieces before casting them, and under FSDP
+  the FP8 layers' freed shards get their storage back.
 
 `estimate_bytes` gives the numbers; `memory_estimate_lines` writes them as the start-of-run log line, and
 `print_peak_memory` the total again beside the measured peak at the end of the run.
@@ -108,6 +112,16 @@ def _fsdp_weights_and_grads(cfg: Config, num_params: int, itemsize: int, fp8_gat
     dp = _optimizer_shards(cfg)
     shard_bytes = 4 if shards_hold_main_weights(cfg) else itemsize
     return (num_params * shard_bytes + fp8_gathered) / dp, num_params * (2 if main_grads_bf16(cfg) else 4) / dp
+
+
+def _fsdp_freed_shards(cfg: Config, fp8_gathered: float, itemsize: int) -> float:
+    """Bytes of the `fp8_gathered` parameters' shards FSDP frees from the training forward's cast to the optimizer
+    step (megatron/fp8/fsdp_params.py): shards in the training dtype beside the optimizer's main weights
+    (--use-precision-aware-optimizer), unless the FP8 monitor watches steps (a watched step keeps them: the local
+    linears count their cast from them)."""
+    if shards_hold_main_weights(cfg) or cfg.precision.fp8_stats_interval:
+        return 0.0
+    return fp8_gathered * itemsize / _optimizer_shards(cfg)
 
 
 def _fsdp_buffers(
@@ -196,7 +210,8 @@ def estimate_bytes(
     """Bytes per GPU by category: held for the run `weights`, `grads`, `main_params`, `adam`, `weight_casts` (TE's
     FP8 weight casts), together `static`; at the start of the backward `activations` (those of the micro-batches the
     schedule holds at once, `in_flight` of them, plus the loss's) and `buffers` (see the module docstring); `step`,
-    what the optimizer step adds; `total`, static plus the larger of activations + buffers and step. `num_params`:
+    what the optimizer step adds (`freed_shards` of it: FSDP's shards freed before, not counted in `weights`);
+    `total`, static plus the larger of activations + buffers and step. `num_params`:
     the parameters of pipeline rank `pp_rank`, of which `fp8_params` are stored in FP8."""
     if not 0 <= fp8_params <= num_params:
         raise ValueError(f"fp8_params ({fp8_params}) must lie in [0, num_params ({num_params})]")
@@ -214,13 +229,15 @@ def estimate_bytes(
     layers = _stage_layers(cfg, pp_rank)
     layer = _layer_params(cfg, num_params, vocab, pp_rank)
     fp8_layers = len(set(layers) & set(cfg.precision.fp8_layer_numbers(m.num_layers)))
-    weight_casts = 0.0
+    weight_casts = freed = 0.0
     if _te(cfg) and cfg.precision.fp8 and not par.fsdp:  # kept for the step: data and transpose, 1 byte each
         weight_casts = fp8_params if fp8_params else 2.0 * fp8_layers * layer  # an FP8 parameter: its transpose
     if par.fsdp:  # --fp8-param-gather: the FP8 layers' parameters (norms counted as the linears, as gathered below)
         fp8_gathered = fp8_layers * layer if cfg.precision.fp8_param_gather else 0.0
         weights, grads = _fsdp_weights_and_grads(cfg, num_params, itemsize, fp8_gathered)
         main_params = 0 if shards_hold_main_weights(cfg) else main_params
+        freed = _fsdp_freed_shards(cfg, fp8_gathered, itemsize)  # held in the optimizer step only
+        weights -= freed
     # this rank's part of the sequence under context parallelism
     s, b, h = m.seq_length // par.context_parallel_size, cfg.training.micro_batch_size, m.hidden_size
     act_scale = itemsize / 2  # the activation terms count 16-bit tensors
@@ -239,7 +256,7 @@ def estimate_bytes(
     if par.fsdp:
         gathered, staging = _fsdp_buffers(cfg, num_params, vocab, layer, itemsize, loss_side)
         buffers += gathered + staging
-    step = _step_bytes(cfg, num_params, fp8_params)
+    step = _step_bytes(cfg, num_params, fp8_params) + freed
     static = weights + grads + main_params + adam + weight_casts
     return {
         "weights": weights,
@@ -250,6 +267,7 @@ def estimate_bytes(
         "activations": activations,
         "buffers": buffers,
         "step": step,
+        "freed_shards": freed,
         "in_flight": held / len(layers) if layers else 0.0,
         "static": static,
         "total": static + max(activations + buffers, step),
@@ -268,6 +286,7 @@ def memory_estimate_lines(
     over = f" over {shards} data-parallel ranks" if shards > 1 else ""
     if par.fsdp:  # the shards; what is gathered counts as a buffer
         weights = f"{_per(est['weights'] / n)} B/param, {'fp32' if shards_hold_main_weights(cfg) else high} shards"
+        weights += " except the FP8 layers', freed until the optimizer step," if est["freed_shards"] else ""
         cast = " and the FP8 layers' E4M3 casts" if cfg.precision.fp8_param_gather else ""
         weights += f"{cast}{over}{', gathered in FP8' if cast else ''}"
     elif fp8_params:
@@ -294,7 +313,9 @@ def memory_estimate_lines(
     if est["step"]:
         peak = " (the peak)" if est["step"] > est["activations"] + est["buffers"] else ""
         copies = "FP8 weights' main values" if cfg.optimizer.use_precision_aware_optimizer else "bf16 gradients"
-        step = f", optimizer step +{_size(est['step'])}{peak} (fp32 copies of the {copies})"
+        parts = [f"fp32 copies of the {copies}"] if est["step"] > est["freed_shards"] else []
+        parts += [f"the FP8 layers' {high} shards back"] if est["freed_shards"] else []
+        step = f", optimizer step +{_size(est['step'])}{peak} ({' and '.join(parts)})"
     return [
         f"memory estimate per GPU: weights {_size(est['weights'])} ({weights}),"
         f" grads {_size(est['grads'])} ({_per(est['grads'] / n)} B/param{grads_dtype}),"

@@ -43,6 +43,7 @@ def test_bf16_plain():
         "activations": BF16_ACTIVATIONS,
         "buffers": BF16_BUFFERS,
         "step": 0,
+        "freed_shards": 0,
         "in_flight": 1.0,
         "static": 18 * N,
         "total": 18 * N + BF16_ACTIVATIONS + BF16_BUFFERS,
@@ -339,6 +340,28 @@ def test_fsdp_fp8_param_gather(impl, fp8_bytes, recipe):
     (line,) = memory_estimate_lines(llama(f"{fsdp} optim_grads", impl), whole, L1B_N, torch.bfloat16)
     weights = "(2.41 B/param, fp32 shards and the FP8 layers' E4M3 casts over 2 data-parallel ranks, gathered in FP8)"
     assert weights in line, line
+
+
+@pytest.mark.parametrize("impl", ["transformer_engine", "local"])
+def test_fsdp_fp8_param_gather_frees_the_bf16_shards_until_the_step(impl):
+    """--fp8-param-gather with the precision-aware optimizer under FSDP: the 15 FP8 layers' bf16 shards (2 bytes per
+    element, halved) are freed from the forward's cast to the optimizer step (fp8/fsdp_params.py): out of the
+    weights held before the activations, into the step, where they come back. Not with fp32 shards (the main
+    weights), nor when the FP8 monitor watches steps (a watched step keeps them)."""
+    o2 = "--use-precision-aware-optimizer --main-params-dtype fp16 --exp-avg-dtype fp8 --exp-avg-sq-dtype fp16"
+    fsdp = f"--use-megatron-fsdp --fsdp-double-buffer --fp8-param-gather {o2}"
+    est = estimate_bytes(llama(fsdp, impl), L1B_N, L1B_V, torch.bfloat16)
+    kept = estimate_bytes(llama(f"{fsdp} --fp8-stats-interval 10", impl), L1B_N, L1B_V, torch.bfloat16)
+    freed = 2 * 15 * L1B_UNIT / 2
+    assert (kept["freed_shards"], kept["step"]) == (0, 0)
+    assert est["freed_shards"] == est["step"] == pytest.approx(freed)
+    assert kept["weights"] - est["weights"] == kept["static"] - est["static"] == pytest.approx(freed)
+    assert kept["total"] - est["total"] == pytest.approx(freed)  # the step is not the peak
+    (line,) = memory_estimate_lines(llama(fsdp, impl), est, L1B_N, torch.bfloat16)
+    assert "bf16 shards except the FP8 layers', freed until the optimizer step," in line, line
+    assert f"optimizer step +{freed / 2**20:.1f} MiB (the FP8 layers' bf16 shards back)" in line, line
+    fp32 = estimate_bytes(llama(fsdp.replace(o2, ""), impl), L1B_N, L1B_V, torch.bfloat16)
+    assert (fp32["freed_shards"], fp32["step"]) == (0, 0)
 
 
 def test_llama3_8b_bf16_gradient_shards_peak_in_the_optimizer_step():
