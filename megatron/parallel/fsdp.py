@@ -119,10 +119,10 @@ class Fp8GatherDtypes:
         self.params = []  # (the FSDP unit, FSDP's record of the parameter) of each FP8-gathered weight
         for unit in model.modules():
             if isinstance(unit, FSDPModule):
-                for group in unit._get_fsdp_state()._fsdp_param_groups:
-                    for param in group.fsdp_params:
-                        if isinstance(param._sharded_local_tensor, Fp8ShardWeight):
-                            self.params.append((unit, param))
+                group = unit._get_fsdp_state()._fsdp_param_group  # one per unit (torch 2.11 has no list of them)
+                for param in group.fsdp_params if group is not None else ():
+                    if isinstance(param._sharded_local_tensor, Fp8ShardWeight):
+                        self.params.append((unit, param))
 
     def update(self) -> list[nn.Module]:
         """Switch the weights whose gather dtype changed; returns their linears."""
