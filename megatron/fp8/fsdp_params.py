@@ -49,8 +49,6 @@ bytes cannot give; gathering both casts would move two bytes per element, as bf1
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -329,7 +327,6 @@ class Fp8GatherScales:
         forward's cast until `reclaim` (only where the shards are not the main weights: see the module docstring)."""
         self.shards, self.group, self.release = shards, group, release
         self._freed: list[tuple[torch.UntypedStorage, int]] = []  # (storage, its bytes) of each freed shard
-        self._kept = 0
         for shard in shards:
             shard.to_local()._scale.agreement = self
         self.stale = True
@@ -367,7 +364,7 @@ class Fp8GatherScales:
                     blocked = [s for s, blocks in zip(shards, blockwise) if blocks]
                     self._agree(blocked, blocked[0].device_mesh.get_group())
         self.stale = False
-        if self.release and not self._freed and not self._kept and torch.is_grad_enabled() and not self._monitored():
+        if self.release and not self._freed and torch.is_grad_enabled() and not self._monitored():
             self._free()
 
     def _fp8_gathered(self) -> list[torch.Tensor]:
@@ -397,20 +394,11 @@ class Fp8GatherScales:
 
     def reclaim(self) -> None:
         """Give freed shards their storage back, uninitialized: for a writer of every element of the shards (the
-        optimizer step: its main weights' new values, or on a skipped step their unchanged values)."""
+        optimizer step: its main weights' new values, or on a skipped step their unchanged values; after a pass no
+        step follows, such as delayed scaling's calibration, `MixedPrecisionAdamW.restore_freed_shards`)."""
         for storage, nbytes in self._freed:
             storage.resize_(nbytes)
         self._freed = []
-
-    @contextlib.contextmanager
-    def kept(self) -> Iterator[None]:
-        """Training forwards inside free no shard: passes whose gradients are thrown away (`ShardedGrads.paused`),
-        after which no optimizer step writes the shards again."""
-        self._kept += 1
-        try:
-            yield
-        finally:
-            self._kept -= 1
 
     @staticmethod
     def _agree(shards: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:

@@ -236,6 +236,13 @@ class MixedPrecisionAdamW:
         if self.buffers is not None:
             self.buffers.gather_params()
 
+    def restore_freed_shards(self) -> None:
+        """After a training pass no step follows (delayed scaling's calibration): FSDP weight shards freed once cast
+        for the FP8 all-gathers (fp8/fsdp_params.py) are written again from the main weights they were made from."""
+        scales = getattr(self.buffers, "fp8_scales", None)
+        if scales is not None and scales.released:
+            self._copy_main_to_model()
+
     def _reclaim_shards(self) -> None:
         """Under FSDP the weight shards its FP8 all-gathers were cast from may be freed since the training forward
         (fp8/fsdp_params.py: not being the main weights, they are written from them, in every element, skipped step

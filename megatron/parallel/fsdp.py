@@ -304,11 +304,10 @@ class ShardedGrads:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Gradients computed inside are thrown away (zeroed on exit); no optimizer step follows, so the FP8
-        all-gathers' shards stay (`Fp8GatherScales.kept`)."""
+        """Gradients computed inside are thrown away (zeroed on exit). No optimizer step follows: FP8 all-gather
+        shards a training forward freed inside are written back first (`MixedPrecisionAdamW.restore_freed_shards`)."""
         try:
-            with self.fp8_scales.kept() if self.fp8_scales is not None else contextlib.nullcontext():
-                yield
+            yield
         finally:
             self.zero()
 

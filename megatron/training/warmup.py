@@ -36,6 +36,7 @@ def calibrate_fp8(steps: Steps, batches: Batches, monitor: Fp8Monitor | None) ->
     with steps.grad_buffers.paused(), torch.random.fork_rng(devices=devices):
         overlap = cfg.parallel.tp_comm_overlap
         line = calibrate_delayed_scaling(steps.model, steps.fp8, monitor.taps, cfg.precision, run, dims, overlap)
+        steps.optimizer.restore_freed_shards()  # before the gradients' reset marks the shards written
     steps.optimizer.recast_fp8_params()  # FP8 weights were cast before the calibrated weight scales existed
     print_rank_0(f"> fp8: {line}")
 

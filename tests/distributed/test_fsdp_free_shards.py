@@ -5,8 +5,9 @@ and given back when the optimizer step writes the new weights (megatron/fp8/fsdp
 Storage given back holds whatever the allocator had there: here every reclaimed byte is set to 0xFF (bf16 NaN), so
 that an element the optimizer step did not write shows in the losses. Then:
 * the losses are those of the same run with nothing freed, bit for bit (tensorwise under optim_grads_params; delayed
-  under optim_grads, with its calibration pass, which frees nothing as no step follows it; with the FP8 monitor,
-  which reads the shards in a watched step's forward, so that step frees nothing);
+  under optim_grads, whose calibration pass frees the shards too, with no step after it to write them: they are
+  written back from the main weights; with the FP8 monitor, which reads the shards in a watched step's forward, so
+  that step frees nothing);
 * between the training forward and the optimizer step every FP8-gathered shard's storage is empty, and the weight
   storages this rank holds are 2 bytes per FP8-gathered element / 2 ranks fewer than between steps (measured);
 * a skipped step (an infinite gradient) leaves each shard equal to its decoded main weight, and the run goes on
@@ -32,12 +33,16 @@ GRADS = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
 FLAGS = f"{BASE} --train-iters {STEPS} --eval-iters 0 --bf16 {PA} --fp8-param-gather"
 
 
+RECLAIMED: list[int] = []  # shards given back by each reclaim, in this process
+
+
 def _poison_reclaimed_storage() -> None:
     """Every byte a reclaim gives back set to 0xFF (bf16 NaN), in this process."""
     reclaim = Fp8GatherScales.reclaim
 
     def poisoned(self: Fp8GatherScales) -> None:
         storages = [storage for storage, _ in self._freed]
+        RECLAIMED.append(len(storages))
         reclaim(self)
         for storage in storages:
             torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).fill_(255)
@@ -56,7 +61,18 @@ def _run(
     shard's storage bytes, the weight storages' bytes). `release`: whether the FP8 shards are freed (the setting
     build_fsdp derives from the flags; off: the run without freeing). `poison_step`: the step whose first gradient
     is made infinite (skipped), after which each shard is checked against its decoded main weight."""
-    trainer = Trainer(_parse(flags, world_size))
+    init, before = Fp8GatherScales.__init__, len(RECLAIMED)
+    if not release:  # from the start: delayed scaling's calibration pass, in the trainer's build, frees nothing
+
+        def init_kept(self, shards, group, release=False):
+            init(self, shards, group, False)
+
+        Fp8GatherScales.__init__ = init_kept
+    try:
+        trainer = Trainer(_parse(flags, world_size))
+    finally:
+        Fp8GatherScales.__init__ = init
+    trainer.reclaimed_in_build = sum(RECLAIMED[before:])  # the calibration's freed shards, written back
     opt = trainer.optimizer
     scales = opt.buffers.fp8_scales
     scales.release = release
@@ -82,13 +98,15 @@ def _body(rank, world_size):
     _poison_reclaimed_storage()
     for recipe, layout, extra in (
         (TENSORWISE, PARAMS, ""),
-        (FP8, GRADS, ""),  # delayed: calibrated in a pass whose gradients are thrown away
+        (FP8, GRADS, ""),  # delayed: calibrated in a pass whose gradients are thrown away (shards written back)
         (TENSORWISE, PARAMS, "--fp8-stats-interval 2"),
     ):
         flags = f"{FLAGS} {recipe} {layout} {extra}"
         want, kept, kept_seen = _run(flags, release=False)
         got, trainer, seen = _run(flags)
         assert got == want, (recipe, layout, extra, got, want)
+        calibrated = recipe == FP8
+        assert (trainer.reclaimed_in_build > 0) == calibrated and kept.reclaimed_in_build == 0, recipe
         between = _weight_bytes(trainer)
         fp8_numel = sum(s.to_local().numel() for s in trainer.optimizer.buffers.fp8_scales.shards)
         freed = [s.to_local()._tensor.untyped_storage().nbytes() for s in trainer.optimizer.buffers.fp8_scales.shards]
