@@ -123,10 +123,10 @@ def _body(rank, world_size):
             continue
         w_amax, w_scale, w_saturated, w_underflow, w_elements = want[key]
         assert elements == w_elements == numel[linear], (key, elements, w_elements)  # once, not once per rank
-        # Later steps: Adam (lr 1e-3) moves each weight by up to lr per step, in a direction the runs' differently
-        # rounded gradients can flip for small ones, so the amax (0.07 here) may differ by a few percent (measured on
-        # two H100s: 1e-3 was too tight at step 2); the counts, not the weights, are what this test checks.
-        rel = 1e-6 if iteration == 1 else 5e-2
+        # Later steps: weights apart by the runs' rounding. On two H100s (2026-11-26) FSDP's step-2 row of layer 0's
+        # linear_qkv still showed its step-1 amax (0.068359375) where the distributed optimizer's had moved by lr
+        # (Adam's first step) to 0.067359: an open discrepancy (docs/fsdp.md), which this tolerance keeps visible.
+        rel = 1e-6 if iteration == 1 else 1e-3
         if linear.endswith("layers.0.self_attention.linear_qkv") and torch.distributed.get_rank() == 0:
             print(f"monitor {key}: FSDP {got[key]}, distributed optimizer {want[key]}", flush=True)  # pytest -s
         close = math.isclose(amax, w_amax, rel_tol=rel) and math.isclose(scale, w_scale, rel_tol=rel)
