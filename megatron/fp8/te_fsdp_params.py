@@ -13,7 +13,9 @@ alone). Left to TE, that would be a new allocation per weight, kept by the gathe
 its bytes, until the next all-gather: every layer's transpose alive at the end of the backward. Here the transpose
 goes into a buffer returned to FSDP beside the gathered bytes, which FSDP allocates before each all-gather of the
 unit and frees when it reshards the unit, so a transpose lives as long as its gathered weight. Under optim_grads
-(gathered once per step) it is made at the first backward and reused by the step's later micro-batches.
+(gathered once per step) it is made at the first backward and reused by the step's later micro-batches. The one
+exception is a weight's first all-gather, whose tensor FSDP copies into its parameter (see `fsdp_post_all_gather`):
+there TE allocates the transpose, until the unit's next all-gather.
 
 transformer_engine is imported inside functions only: importing this module on a CPU machine is harmless.
 """
@@ -71,8 +73,15 @@ class TeFp8ShardWeight(Fp8ShardWeight):
         else:  # (its scale_inv is the weight's `GatherScale` tensor already, which `agree` updates)
             weight, inner = out, None
             weight._data = data
-        # TE's backward fills the transpose through `out=`: into FSDP's buffer, not a new tensor
-        weight._transpose, weight._transpose_invalid = gather.transpose, True
+        # TE's backward fills the transpose through `out=`: into FSDP's buffer, not a new tensor. Not at the first
+        # gather: FSDP makes its parameter from this tensor through TE's as_strided and detach, whose copies (TE's
+        # `make_like`, 2.20) keep a buffer but not its invalid mark, and a unit kept gathered into its backward (the
+        # last layer unit under optim_grads_params, all under optim_grads) would run its dgrad on the buffer as
+        # allocated (on two H100s FSDP's first step then left the weights as they were). A valid buffer would not
+        # do either: TE's as_strided views it with the data's strides. So that backward has TE allocate the
+        # transpose, kept until the unit's next gather.
+        if out is not None:
+            weight._transpose, weight._transpose_invalid = gather.transpose, True
         return None if out is not None else (weight, inner)
 
 
