@@ -2,14 +2,14 @@
 weights' rows (the fused QKV's 64, the MLP's 128 and 32): the last rank's shards have FSDP's pad rows. FSDP2 pads
 them into storage of its own at sharding, and its lazy initialization (the first forward) and a checkpoint load
 check that the local shard still lives there; the wrapped FP8 shards must pass that check
-(megatron/parallel/fsdp.py, `_share_padded_storage`), else FSDP2 copies them into new storage that the optimizer,
+(megatron/parallel/fsdp.py, `share_padded_storage`), else FSDP2 copies them into new storage that the optimizer,
 built before, never writes. Then:
 * every rank's FP8-gathered shards change at every step and keep the storage they were built with, which the
   optimizer steps (tensorwise under optim_grads_params; delayed under optim_grads; tensorwise with
   --use-precision-aware-optimizer, whose bf16 shards a training forward frees, pad rows included);
 * the losses are within 1e-4 of the distributed optimizer's at DP=3 with the same flags (measured: 2.3e-5 at most;
-  with the last rank's shards left unchanged, 2.9e-4 to 3.5e-4 at step 2: the usual 1e-3 would not tell, as that rank holds
-  only a third of the rows);
+  with the last rank's shards left unchanged, 2.9e-4 to 3.5e-4 at step 2: the usual 1e-3 would not tell, as that
+  rank holds only a third of the rows);
 * built on the meta device (`to_empty` pads the shards anew), the losses are the eager build's, bit for bit;
 * a torch_dist checkpoint saved after 2 steps resumes exactly, and the loaded shards keep their storage."""
 
