@@ -69,11 +69,17 @@ def _body(rank, world_size, out_dir):
     eager, _ = _run_watched(flags, world_size)
     meta, _ = _run_watched(f"{flags} --init-model-with-meta-device", world_size)
     assert meta == eager, (meta, eager)
-    flags = f"{FLAGS} {TENSORWISE} {PARAMS} --ckpt-format torch_dist --train-iters 4"
+    whole, resumed = resume(f"{FLAGS} {TENSORWISE} {PARAMS}", world_size, out_dir)
+    assert resumed == whole[2:], (resumed, whole)
+
+
+def resume(flags: str, world_size: int, out_dir: str) -> tuple[list[float], list[float]]:
+    """The losses of 4 steps, and of steps 3 and 4 resumed from a torch_dist checkpoint saved after step 2 (every run
+    watched: `_run_watched`)."""
+    flags = f"{flags} --ckpt-format torch_dist --train-iters 4"
     whole, _ = _run_watched(flags, world_size)
     _run_watched(f"{flags} --exit-interval 2 --save {out_dir}", world_size)
-    resumed, _ = _run_watched(f"{flags} --load {out_dir}", world_size)
-    assert resumed == whole[2:], (resumed, whole)
+    return whole, _run_watched(f"{flags} --load {out_dir}", world_size)[0]
 
 
 def test_fsdp_fp8_gather_updates_every_rank_when_ranks_do_not_divide_rows(tmp_path):

@@ -16,7 +16,7 @@ from megatron.config.te_rules import te_import_error
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import PA, _close
-from tests.distributed.test_fsdp_pad_rows import DISTOPT, FLAGS, GRADS, PARAMS, STEPS, _run_watched
+from tests.distributed.test_fsdp_pad_rows import DISTOPT, FLAGS, GRADS, PARAMS, STEPS, _run_watched, resume
 from tests.distributed.test_parallel_layouts import FP8, _parse
 from tests.gpu.test_te_fsdp_blockwise import BLOCKWISE
 
@@ -44,10 +44,7 @@ def _body(rank, world_size, out_dir):
     want = _losses(blockwise.replace("--fp8-param-gather", ""), world_size)
     got, _ = _run_watched(blockwise, world_size)
     _close(got, want, 1e-3, "TE FSDP blockwise FP8 gather at DP=3", STEPS)
-    flags = f"{TE} {FP8} {PARAMS} --ckpt-format torch_dist --train-iters 4"
-    whole, _ = _run_watched(flags, world_size)
-    _run_watched(f"{flags} --exit-interval 2 --save {out_dir}", world_size)
-    resumed, _ = _run_watched(f"{flags} --load {out_dir}", world_size)
+    whole, resumed = resume(f"{TE} {FP8} {PARAMS}", world_size, out_dir)
     _close(resumed, whole[2:], 1e-5, "TE FSDP FP8 gather at DP=3, resumed", 2)
 
 
