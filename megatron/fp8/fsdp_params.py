@@ -33,8 +33,9 @@ fp16 main weights after each step), a shard is only the source of that cast: `ag
 training forward has it cast (`release`), and the optimizer step gives it back (`reclaim`) just before writing the
 new weights into every element of it. The peak, the forward and backward, then holds 2 bytes per FP8-gathered
 element / dp less; eval forwards and everything between steps (checkpoints, the parameter norm) see whole shards.
-A shard with pad rows (FSDP pads the last ranks' shards when the ranks do not divide the rows) is kept: FSDP2 copies
-such a shard into new padded storage at its lazy initialization (the first forward) and after a load.
+A shard with pad rows (FSDP pads the last ranks' shards when the ranks do not divide the rows) is freed whole, its
+pad rows included: nothing reads them (the all-gather sends `GatherScale.data`, whose pad rows are zero), and FSDP2
+keeps the storage it padded (parallel/fsdp.py, `share_padded_storage`), which the optimizer steps.
 
 Blockwise (the weight in 128x128 blocks): FSDP shards rows, ceil(rows / ranks) per rank, so a block straddles two
 shards wherever a shard's rows are not a multiple of 128. `agree` max-reduces every weight's grid of block amaxes
@@ -49,6 +50,7 @@ bytes cannot give; gathering both casts would move two bytes per element, as bf1
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -208,6 +210,11 @@ class Fp8ShardWeight(torch.Tensor):
     def rewrap(self, tensor: torch.Tensor) -> Fp8ShardWeight:
         """`tensor` (a result of FSDP's ops on this shard) wrapped as this shard is, sharing its scale."""
         return Fp8ShardWeight(tensor, self._scale)
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """The storage of the shard it holds (a wrapper has none of its own): FSDP2 compares it with its padded
+        shard's to tell whether the shard still lives there (parallel/fsdp.py, `share_padded_storage`)."""
+        return self._tensor.untyped_storage()
 
     def __repr__(self) -> str:
         return f"Fp8ShardWeight({self._tensor})"
@@ -377,13 +384,15 @@ class Fp8GatherScales:
         return any(getattr(s.to_local()._scale.state, "stats", None) is not None for s in self.shards)
 
     def _free(self) -> None:
-        """Free every shard's storage (FSDP's padded shard, which the DTensor's local tensor and the optimizer's
-        views of it share: they keep their shapes and get the storage back with `reclaim`), but a shard's with pad
-        rows (see the module docstring) or one gathered in the training dtype (read by every gather)."""
+        """Free every FP8-gathered shard's storage (FSDP's padded shard, which the DTensor's local tensor and the
+        optimizer's views of it share: they keep their shapes and get the storage back with `reclaim`); a shard gathered
+        in the training dtype is read by every gather and stays, as would one in storage of another size than FSDP's
+        padded shard (not the one the optimizer steps)."""
         for shard in self._fp8_gathered():
             tensor = shard.to_local()._tensor
             storage = tensor.untyped_storage()
-            if storage.nbytes() and storage.nbytes() == tensor.numel() * tensor.element_size():
+            rows = shard_rows(shard.shape[0], shard.device_mesh.size())
+            if storage.nbytes() and storage.nbytes() == rows * math.prod(shard.shape[1:]) * tensor.element_size():
                 self._freed.append((storage, storage.nbytes()))
                 storage.resize_(0)
 

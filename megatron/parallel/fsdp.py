@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -116,13 +117,7 @@ class Fp8GatherDtypes:
 
     def __init__(self, model: nn.Module, gathers_fp8: Callable[[nn.Module], bool]):
         self.gathers_fp8 = gathers_fp8
-        self.params = []  # (the FSDP unit, FSDP's record of the parameter) of each FP8-gathered weight
-        for unit in model.modules():
-            if isinstance(unit, FSDPModule):
-                group = unit._get_fsdp_state()._fsdp_param_group  # one per unit (torch 2.11 has no list of them)
-                for param in group.fsdp_params if group is not None else ():
-                    if isinstance(param._sharded_local_tensor, Fp8ShardWeight):
-                        self.params.append((unit, param))
+        self.params = list(_fp8_fsdp_params(model))
 
     def update(self) -> list[nn.Module]:
         """Switch the weights whose gather dtype changed; returns their linears."""
@@ -138,6 +133,34 @@ class Fp8GatherDtypes:
                 del param._unsharded_param
             switched.append(linear)
         return switched
+
+
+def _fp8_fsdp_params(model: nn.Module) -> Iterator[tuple[nn.Module, Any]]:
+    """(the FSDP unit, FSDP2's record of the parameter: its `FSDPParam`) of each FP8-gathered weight of `model`."""
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            group = unit._get_fsdp_state()._fsdp_param_group  # one per unit (torch 2.11 has no list of them)
+            for param in group.fsdp_params if group is not None else ():
+                if isinstance(param._sharded_local_tensor, Fp8ShardWeight):
+                    yield unit, param
+
+
+def share_padded_storage(model: nn.Module) -> None:
+    """Let FSDP2 see that each FP8-gathered shard lives in the padded storage it made for it. FSDP2 keeps every
+    shard padded to ceil(rows / ranks) rows (`_sharded_param_data`) and, at its lazy initialization (the first
+    forward) and after a load, re-pads a local shard shorter than that into new storage unless that storage is
+    the shard's, which it checks for a plain tensor only (`FSDPParam.reset_sharded_param`, torch 2.11 to 2.13:
+    "TODO: need to support tensor subclass"). An `Fp8ShardWeight` on a rank with pad rows (the ranks do not divide
+    the rows) would be copied, and the optimizer, built before, would step the old storage: that rank's weights
+    would never change. Recorded as the plain padded tensor it holds (the same storage, which the wrapper reports
+    as its own), the check passes. Called after sharding and `to_empty` (which re-pads into new storage); then runs
+    the root's lazy initialization at once: at the first forward it would come after `Fp8GatherScales.agree` (the
+    hook before the root's) may have freed the shards, whose empty storage fails the check."""
+    params = [param for _, param in _fp8_fsdp_params(model)]
+    for param in params:
+        param._sharded_param_data = shard_data(param._sharded_param_data)
+    if params:
+        model._get_fsdp_state()._lazy_init()  # idempotent: the first forward's is then a no-op
 
 
 def te_gathers_fp8(model: nn.Module) -> Callable[[nn.Module], bool]:
@@ -373,6 +396,7 @@ def build_fsdp(
         model.to_empty(device=device)
         set_parallel_attributes(model, attributes)
         initialize(model)
+    share_padded_storage(model)
     grads = ShardedGrads(model, keep, torch.bfloat16 if main_grads_bf16(cfg) else torch.float32)
     if par.fp8_grad_reduce:
         grads.fp8_stats = use_fp8_reduce_scatter(model)
