@@ -331,6 +331,9 @@ class ShardedGrads:
         shards a training forward freed inside are written back first (`MixedPrecisionAdamW.restore_freed_shards`)."""
         try:
             yield
+        except BaseException:
+            self.reclaim_shards()  # the pass failed mid-way: its freed shards must not turn the reset into a new error
+            raise
         finally:
             self.zero()
 

@@ -13,6 +13,12 @@ from megatron.fp8.monitor import Fp8Monitor
 from .logger import print_rank_0
 from .steps import Batches, Steps
 
+CALIBRATION_OOM = (
+    "delayed scaling's calibration pass (the first micro-batch's forward and backward in high precision) ran out of"
+    " GPU memory before the first step: start without it (--no-fp8-calibration), recompute more layers"
+    " (--recompute-num-layers) or use --fp8-recipe tensorwise"
+)
+
 
 def needs_calibration(cfg: Config, iteration: int) -> bool:
     """Delayed scaling with --fp8-calibration on a fresh run (a checkpoint holds the scales)."""
@@ -35,7 +41,10 @@ def calibrate_fp8(steps: Steps, batches: Batches, monitor: Fp8Monitor | None) ->
     devices = [steps.device] if steps.device.type == "cuda" else []
     with steps.grad_buffers.paused(), torch.random.fork_rng(devices=devices):
         overlap = cfg.parallel.tp_comm_overlap
-        line = calibrate_delayed_scaling(steps.model, steps.fp8, monitor.taps, cfg.precision, run, dims, overlap)
+        try:
+            line = calibrate_delayed_scaling(steps.model, steps.fp8, monitor.taps, cfg.precision, run, dims, overlap)
+        except torch.OutOfMemoryError as error:  # a bf16 pass can need more than the FP8 steps (the 8B under FSDP)
+            raise RuntimeError(CALIBRATION_OOM) from error
         steps.optimizer.restore_freed_shards()  # before the gradients' reset marks the shards written
     steps.optimizer.recast_fp8_params()  # FP8 weights were cast before the calibrated weight scales existed
     print_rank_0(f"> fp8: {line}")

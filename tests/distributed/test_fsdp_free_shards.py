@@ -164,3 +164,27 @@ def _uneven_body(rank, world_size):
 
 def test_fsdp_frees_shards_with_pad_rows():
     run_distributed(_uneven_body, world_size=3)
+
+
+def _calibration_oom_body(rank, world_size):
+    import megatron.training.warmup as warmup
+
+    calibrate = warmup.calibrate_delayed_scaling
+
+    def out_of_memory(model, manager, taps, precision, run, *args):
+        calibrate(model, manager, taps, precision, run, *args)  # the pass ran: its forward freed the shards
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    warmup.calibrate_delayed_scaling = out_of_memory
+    try:
+        Trainer(_parse(f"{FLAGS} {FP8} {GRADS}", world_size))
+    except RuntimeError as error:  # the cause and the fixes, not the freed shards' bookkeeping
+        assert str(error) == warmup.CALIBRATION_OOM and isinstance(error.__cause__, torch.OutOfMemoryError), error
+    else:
+        raise AssertionError("the calibration pass's out-of-memory error was swallowed")
+    finally:
+        warmup.calibrate_delayed_scaling = calibrate
+
+
+def test_calibration_out_of_memory_is_one_line_with_its_fixes():
+    run_distributed(_calibration_oom_body, world_size=2)
