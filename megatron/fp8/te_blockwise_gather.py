@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from .fsdp_params import Fp8ShardWeight, GatherScale
-from .te_fsdp_params import wrap_te_fp8_weight
+from .te_fsdp_params import gathered_rows, wrap_te_fp8_weight
 
 BLOCK = 128
 """The side of TE's weight blocks (`Float8BlockQuantizer.block_len`)."""
@@ -58,11 +58,6 @@ def te_scale_shape(shape: tuple[int, ...], columnwise: bool = False) -> tuple[in
     if columnwise:
         rows, cols = cols, rows
     return rows, -(-cols // 4) * 4
-
-
-def gathered_rows(padded: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """The weight [out, in] in FSDP's gathered output, whose shards are padded to equal rows: a view of it."""
-    return padded.view(-1)[: shape[0] * shape[1]].view(shape)
 
 
 class TeBlockScale(GatherScale):

@@ -63,7 +63,7 @@ class TeFp8ShardWeight(Fp8ShardWeight):
             return super().fsdp_post_all_gather(outputs, metadata, param_dtype, out=out)
         (padded,) = outputs
         scale_inv, orig_size = metadata
-        data = padded.view(-1)[: orig_size[0] * orig_size[1]].view(orig_size)  # FSDP pads shards to equal rows
+        data = gathered_rows(padded, orig_size)
         gather = self._gather
         if out is None:
             weight = _float8_tensor(data, scale_inv.reshape(1), param_dtype)
@@ -83,6 +83,11 @@ class TeFp8ShardWeight(Fp8ShardWeight):
         if out is not None:
             weight._transpose, weight._transpose_invalid = gather.transpose, True
         return None if out is not None else (weight, inner)
+
+
+def gathered_rows(padded: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The weight [out, in] in FSDP's gathered output, whose shards are padded to equal rows: a view of it."""
+    return padded.view(-1)[: shape[0] * shape[1]].view(shape)
 
 
 def _float8_tensor(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> Any:
