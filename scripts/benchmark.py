@@ -121,9 +121,9 @@ CONFIGS = {
     # the FP8 steps on an 80 GB card)
     "te-delayed-fp8params-nocalib": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather"
     " --no-fp8-calibration",
-    # and FP8 weights (under FSDP: FP8 all-gathers): the Llama-3-8B's heads of 128 let cuDNN run FP8 attention
-    "te-delayed-fp8params-fp8attn": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather"
-    " --fp8-dot-product-attention",
+    # and FP8 attention: the Llama-3-8B's heads of 128 let cuDNN run it on Hopper
+    "te-delayed-fp8params-nocalib-fp8attn": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather"
+    " --no-fp8-calibration --fp8-dot-product-attention",
     "te-tensorwise": f"{TE} --fp8-format hybrid --fp8-recipe tensorwise",
     "te-blockwise": f"{TE} --fp8-format e4m3 --fp8-recipe blockwise",
     # FP8 weights in 128x128 blocks (under FSDP: all-gathered as E4M3 bytes, megatron/fp8/te_blockwise_gather.py)
