@@ -279,7 +279,9 @@ class GPTModel(nn.Module):
             return x
         x = self.decoder.final_layernorm(x)
         x = gather_from_sp(x, self.tp.group) if self.tp.sequence_parallel else copy_to_tp(x, self.tp.group)
-        logits = F.linear(x, self.output_weight())  # [s, b, V/tp]
+        # [s, b, V/tp]. The untied output layer runs as a module: under FSDP it shares a unit with the final norm,
+        # and FSDP2 runs its forward and pre-backward logic only for modules whose forward ran (and warns)
+        logits = F.linear(x, self.output_weight()) if self.output_layer is None else self.output_layer(x)
         if labels is None:
             return gather_from_tp(logits, self.tp.group).transpose(0, 1)
         impl = self.cfg.cross_entropy_impl(fp16_logits=logits.dtype == torch.float16)  # (--fp16 refused with `te`)

@@ -70,6 +70,16 @@ def test_forward_shapes_and_initial_loss(flags):
     assert abs(loss.mean().item() - torch.log(torch.tensor(128.0)).item()) < 0.5  # near-uniform at init
 
 
+def test_untied_output_layer_runs_as_a_module():
+    """FSDP shards the final norm and the output layer as one unit and runs its forward and pre-backward logic only
+    for modules whose forward ran (torch 2.11 warns at every step otherwise): the logits come from its forward."""
+    model = build(LLAMA)
+    calls = []
+    model.output_layer.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    model(torch.randint(0, 128, (2, 32)), labels=torch.randint(0, 128, (2, 32)))
+    assert calls == [(32, 2, 128)]
+
+
 def test_attention_is_causal():
     model = build(LLAMA).eval()
     tokens = torch.randint(0, 128, (1, 32))
