@@ -237,6 +237,8 @@ class Fp8ShardWeight(torch.Tensor):
             first_row = 0 if scale.block is None else mesh.get_local_rank() * rows  # where the blocks start
             scale.fill(self._tensor, first_row, rows)
         dtype = getattr(mp_policy, "param_dtype", None) or self._tensor.dtype  # the unit's other weights'
+        if orig_size[0] % mesh.size():  # FSDP2 wants a padded shard's input in the shard's shape: as bytes, on all
+            dtype = torch.uint8  # ranks (every rank's inputs must agree in dtype and element count)
         return (gather_view(scale.data, dtype),), (scale.scale_inv, scale.amax)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):

@@ -36,8 +36,8 @@ def test_cast_before_the_gather_is_padded_e4m3_at_the_agreed_scale():
     amax = weight.abs().amax()
     shard._scale.set(amax)  # what Fp8GatherScales.agree does with the max over the ranks
     (sent,), (scale_inv, orig_size) = shard.fsdp_pre_all_gather(_Mesh(), torch.Size([5, 8]), (8, 1), None, _Policy())
-    # sent as the unit's gather dtype (FSDP2 would view a unit of mixed dtypes as bytes, copied in a byte at a time)
-    assert sent.dtype == torch.bfloat16 and sent.shape == (3, 4)
+    # 5 rows over 2 ranks: FSDP2 wants a padded shard's input in the shard's shape, so bytes on every rank
+    assert sent.dtype == torch.uint8
     data = gathered_bytes(sent)
     assert data.dtype == torch.uint8 and data.shape == (3, 8) and orig_size == (5, 8)  # ceil(5 / 2) rows
     expect = (weight * (448.0 / amax)).to(torch.float8_e4m3fn)
@@ -111,3 +111,10 @@ def test_the_bytes_go_as_the_gather_dtype_where_the_columns_divide():
         assert sent.dtype == dtype and sent.shape == shape and torch.equal(gathered_bytes(sent), data)
     odd = torch.arange(9, dtype=torch.uint8).view(3, 3)
     assert gather_view(odd, torch.bfloat16) is odd
+    weight = torch.randn(6, 8)  # rows the ranks divide: sent as the unit's gather dtype, the policy's
+    shard = wrap_te_fp8_weight(weight).data
+    shard._scale.set(weight.abs().amax())
+    (sent,), _ = shard.fsdp_pre_all_gather(_Mesh(), torch.Size([12, 8]), (8, 1), None, _Policy())
+    assert sent.dtype == torch.bfloat16 and sent.shape == (6, 4)
+    expect = (weight * (448.0 / weight.abs().amax())).to(torch.float8_e4m3fn)
+    assert torch.equal(gathered_bytes(sent), expect.view(torch.uint8))
