@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.fp8.fsdp_params import GatherScale, gather_view  # noqa: E402
 from megatron.optim import adam_kernel  # noqa: E402
 from megatron.optim.states import ScaledState  # noqa: E402
+from megatron.perf.probes import _time_ms  # noqa: E402
 
 HIDDEN, FFN, KV, VOCAB, LAYERS, DP, MICRO = 4096, 14336, 1024, 128256, 32, 2, 4
 BOUND_GBPS = 3011.0
@@ -57,16 +58,8 @@ def shard_shapes() -> list[tuple[str, tuple[int, ...], bool]]:
 
 
 def timed(fn, iters: int) -> float:
-    """ms per call over `iters` calls after one warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    """ms per call over `iters` calls after one warm-up call (the bound's probes' timer)."""
+    return _time_ms(fn, warmup=1, iters=iters)
 
 
 def report(name: str, ms: float, nbytes: float) -> None:
