@@ -60,7 +60,16 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from .formats import E4M3, Role
-from .quantize import TENSOR, BLOCK_128x128, Fp8Tensor, block_amax, per_tensor_triton, scale_from_amax, scaled_cast
+from .quantize import (
+    TENSOR,
+    BLOCK_128x128,
+    Fp8Tensor,
+    block_amax,
+    per_tensor_triton,
+    scale_from_amax,
+    scaled_cast,
+    tensor_amax,
+)
 
 aten = torch.ops.aten
 
@@ -122,9 +131,7 @@ class GatherScale:
         """What this rank contributes to the agreed amax: |shard|'s max (one scale), or the grid of block amaxes
         over its rows [first_row, first_row + rows) of the whole weight, zeros in the blocks it holds no row of."""
         if self.block is None:
-            # max |x| in one read: abs().amax() would write and read an |x| temporary of the whole shard first
-            inf = float("inf")
-            return torch.linalg.vector_norm(shard, inf).float() if shard.numel() else self.amax.new_zeros(())
+            return tensor_amax(shard) if shard.numel() else self.amax.new_zeros(())
         grid = torch.zeros_like(self.scale)
         if shard.numel():
             rows = self.block[0]
