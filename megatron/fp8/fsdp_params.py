@@ -265,8 +265,11 @@ def gather_view(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """E4M3 bytes [rows, cols] handed to FSDP2's all-gather as `dtype` (the unit's other weights' gather dtype),
     [rows, cols / itemsize], where the columns divide: FSDP2 gathers a unit in one dtype and, given several, views
     every input as uint8, so its copy-in (a `_foreach_copy_`) would move the whole unit a byte per element, at a
-    fraction of the bandwidth of a wider dtype (on CUDA it loads 4 elements at a time). Same bytes either way;
-    `gathered_bytes` views the all-gather output back."""
+    fraction of the bandwidth of a wider dtype (on CUDA it loads 4 elements at a time). `gathered_bytes` views the
+    all-gather output back. The same bytes arrive, with one exception: CUDA's foreach copy passes bf16 and fp16
+    through fp32, which makes every NaN canonical, so a pair of bytes that reads as a NaN (an odd-indexed E4M3 NaN,
+    0x7F or 0xFF, beside a negative value) arrives as the canonical NaN's bytes; a weight holding a NaN has made the
+    loss NaN whatever its neighbour reads."""
     width = dtype.itemsize
     if width > 1 and data.dim() > 0 and data.is_contiguous() and data.shape[-1] % width == 0:
         return data.view(dtype)
