@@ -60,7 +60,16 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from .formats import E4M3, Role
-from .quantize import TENSOR, BLOCK_128x128, Fp8Tensor, block_amax, per_tensor_triton, scale_from_amax, scaled_cast
+from .quantize import (
+    TENSOR,
+    BLOCK_128x128,
+    Fp8Tensor,
+    block_amax,
+    per_tensor_triton,
+    scale_from_amax,
+    scaled_cast,
+    tensor_amax,
+)
 
 aten = torch.ops.aten
 
@@ -122,7 +131,7 @@ class GatherScale:
         """What this rank contributes to the agreed amax: |shard|'s max (one scale), or the grid of block amaxes
         over its rows [first_row, first_row + rows) of the whole weight, zeros in the blocks it holds no row of."""
         if self.block is None:
-            return shard.abs().amax().float() if shard.numel() else torch.zeros((), device=self.amax.device)
+            return tensor_amax(shard) if shard.numel() else self.amax.new_zeros(())
         grid = torch.zeros_like(self.scale)
         if shard.numel():
             rows = self.block[0]
@@ -234,7 +243,10 @@ class Fp8ShardWeight(torch.Tensor):
             rows = shard_rows(orig_size[0], mesh.size())
             first_row = 0 if scale.block is None else mesh.get_local_rank() * rows  # where the blocks start
             scale.fill(self._tensor, first_row, rows)
-        return (scale.data,), (scale.scale_inv, scale.amax)
+        dtype = getattr(mp_policy, "param_dtype", None) or self._tensor.dtype  # the unit's other weights'
+        if orig_size[0] % mesh.size():  # FSDP2 wants a padded shard's input in the shard's shape: as bytes, on all
+            dtype = torch.uint8  # ranks (every rank's inputs must agree in dtype and element count)
+        return (gather_view(scale.data, dtype),), (scale.scale_inv, scale.amax)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         """The gathered weight (first gather), or nothing to do for `out`: its bytes are the re-allocated outputs
@@ -245,7 +257,28 @@ class Fp8ShardWeight(torch.Tensor):
         if metadata is None:  # gathered in the training dtype: the plain weight (FSDP views its unpadded rows)
             return data, (data,)
         scale_inv, amax = metadata
-        return Fp8GatheredWeight(data.view(E4M3), scale_inv, amax, param_dtype, self._scale.block), (data,)
+        fp8 = gathered_bytes(data).view(E4M3)
+        return Fp8GatheredWeight(fp8, scale_inv, amax, param_dtype, self._scale.block), (data,)
+
+
+def gather_view(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """E4M3 bytes [rows, cols] handed to FSDP2's all-gather as `dtype` (the unit's other weights' gather dtype),
+    [rows, cols / itemsize], where the columns divide: FSDP2 gathers a unit in one dtype and, given several, views
+    every input as uint8, so its copy-in (a `_foreach_copy_`) would move the whole unit a byte per element, at a
+    fraction of the bandwidth of a wider dtype (on CUDA it loads 4 elements at a time). `gathered_bytes` views the
+    all-gather output back. The same bytes arrive, with one exception: CUDA's foreach copy passes bf16 and fp16
+    through fp32, which makes every NaN canonical, so a pair of bytes that reads as a NaN (an odd-indexed E4M3 NaN,
+    0x7F or 0xFF, beside a negative value) arrives as the canonical NaN's bytes; a weight holding a NaN has made the
+    loss NaN whatever its neighbour reads."""
+    width = dtype.itemsize
+    if width > 1 and data.dim() > 0 and data.is_contiguous() and data.shape[-1] % width == 0:
+        return data.view(dtype)
+    return data
+
+
+def gathered_bytes(output: torch.Tensor) -> torch.Tensor:
+    """An all-gather output of `gather_view`'s input as the uint8 bytes [rows, cols] it holds."""
+    return output.view(torch.uint8)
 
 
 def _high_precision_input(shard: torch.Tensor, orig_size: Any, mesh: Any, dtype: torch.dtype | None) -> torch.Tensor:

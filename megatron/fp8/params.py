@@ -34,7 +34,7 @@ from torch import nn
 from megatron.config.precision import TE_FP8_PARAM_RECIPES
 
 from .formats import E4M3, Role
-from .quantize import TENSOR, Fp8Tensor, scale_from_amax, scaled_cast
+from .quantize import TENSOR, Fp8Tensor, scale_from_amax, scaled_cast, tensor_amax
 
 
 def holds_fp8(weight: torch.Tensor | None) -> bool:
@@ -170,11 +170,11 @@ def _quantize_local(
     params: list[Fp8Parameter], masters: list[torch.Tensor | None], offsets: list[int], group: dist.ProcessGroup | None
 ) -> None:
     zero = torch.zeros((), device=params[0].device)
-    amax = torch.stack([m.abs().amax().float() if m is not None and m.numel() else zero for m in masters])
+    amax = torch.stack([tensor_amax(m) if m is not None and m.numel() else zero for m in masters])
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    for param, master, offset, tensor_amax in zip(params, masters, offsets, amax):
-        _write(param, master, offset, tensor_amax, param.cast_scale(tensor_amax))
+    for param, master, offset, weight_amax in zip(params, masters, offsets, amax):
+        _write(param, master, offset, weight_amax, param.cast_scale(weight_amax))
 
 
 class _LinearOnDequantizedWeight(torch.autograd.Function):

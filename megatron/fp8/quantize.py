@@ -77,6 +77,12 @@ def _blocked(x: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
     return x.reshape((rows + pad_r) // br, br, (cols + pad_c) // bc, bc)
 
 
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as fp32, 0-dim, in one read (abs().amax() writes and reads an |x| temporary of x first; a weight's
+    once per step). The same value: a max is exact, NaN propagates. x must not be empty."""
+    return torch.linalg.vector_norm(x, float("inf")).float()
+
+
 def block_amax(x: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
     """amax_b = max |x| over each block: fp32 [ceil(R/br), ceil(C/bc)]. Exact (no rounding involved)."""
     return _blocked(x, spec).abs().amax(dim=(1, 3)).float()

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .fsdp_params import Fp8ShardWeight, GatherScale
+from .fsdp_params import Fp8ShardWeight, GatherScale, gathered_bytes
 
 
 class TeGather:
@@ -86,8 +86,9 @@ class TeFp8ShardWeight(Fp8ShardWeight):
 
 
 def gathered_rows(padded: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """The weight [out, in] in FSDP's gathered output, whose shards are padded to equal rows: a view of it."""
-    return padded.view(-1)[: shape[0] * shape[1]].view(shape)
+    """The weight [out, in] in FSDP's gathered output, whose shards are padded to equal rows: a view of its bytes
+    (gathered as a wider dtype: `fsdp_params.gather_view`)."""
+    return gathered_bytes(padded).view(-1)[: shape[0] * shape[1]].view(shape)
 
 
 def _float8_tensor(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> Any:

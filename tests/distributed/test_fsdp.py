@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from megatron.fp8.formats import E4M3
-from megatron.fp8.fsdp_params import shard_data
+from megatron.fp8.fsdp_params import gathered_bytes, shard_data
 from megatron.fp8.quantize import BLOCK_128x128, quantize
 from megatron.model import meta_init
 from megatron.optim.states import state_bytes
@@ -317,7 +317,7 @@ def _fp8_blockwise_body(rank, world_size):
         (data,), (scale_inv, amax) = local.fsdp_pre_all_gather(param.device_mesh, param.shape, None, None, None)
         whole = _gather_rows(local._tensor, param.shape[0], world_size)
         cast, _ = quantize(whole, BLOCK_128x128, E4M3, power_of_two=True)
-        assert torch.equal(_gather_rows(data, param.shape[0], world_size), cast.data.view(torch.uint8))
+        assert torch.equal(_gather_rows(gathered_bytes(data), param.shape[0], world_size), cast.data.view(torch.uint8))
         assert torch.equal(scale_inv, cast.scale_inv) and torch.equal(amax, cast.amax)
 
 

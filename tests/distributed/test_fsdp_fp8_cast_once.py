@@ -2,12 +2,13 @@
 FP8 weight's shard once per optimizer step, when the ranks agree its scale (megatron/fp8/fsdp_params.py), and never
 at an all-gather, although each unit is gathered 4 times per step: tensorwise and blockwise (whose shards start
 inside a 128-row block). Every all-gather sends the bytes a cast of the shard made there and then would (the
-uncached path's: same scale, same rounding), pad rows zero, and the bytes change from step to step. A checkpoint
+uncached path's: same scale, same rounding), pad rows zero, handed to FSDP2 as bf16 (the units' gather dtype), and
+the bytes change from step to step. A checkpoint
 loaded into a model that has already cast its shards for a step makes them cast again from the loaded shards."""
 
 import torch
 
-from megatron.fp8.fsdp_params import Fp8ShardWeight, GatherScale, shard_rows
+from megatron.fp8.fsdp_params import Fp8ShardWeight, GatherScale, gathered_bytes, shard_rows
 from megatron.training import Trainer
 from megatron.training.data_loading import to_device
 from tests.dist_utils import run_distributed
@@ -27,6 +28,7 @@ class Watch:
         self.fills = self.fills_in_gathers = self.gathers = 0
         self.in_gather = False
         self.sent: dict[int, list[torch.Tensor]] = {}  # id(scale): the bytes of each gather
+        self.dtypes: set[torch.dtype] = set()  # what the bytes were handed to FSDP2 as
         fill, gather = GatherScale.fill, Fp8ShardWeight.fsdp_pre_all_gather
 
         def counted_fill(scale, *args, **kwargs):
@@ -37,9 +39,11 @@ class Watch:
         def checked_gather(shard, mesh, orig_size, orig_stride, module, mp_policy):  # FSDP2 reads the signature
             self.in_gather = True
             try:
-                (data,), metadata = gather(shard, mesh, orig_size, orig_stride, module, mp_policy)
+                (sent,), metadata = gather(shard, mesh, orig_size, orig_stride, module, mp_policy)
             finally:
                 self.in_gather = False
+            data = gathered_bytes(sent)  # sent as the unit's gather dtype (fsdp_params.gather_view)
+            self.dtypes.add(sent.dtype)
             rows, n = shard_rows(orig_size[0], mesh.size()), shard._tensor.shape[0]
             first_row = mesh.get_local_rank() * rows
             assert data.shape == (rows, *shard._tensor.shape[1:]) and not data[n:].any()
@@ -47,7 +51,7 @@ class Watch:
             assert torch.equal(data[:n], now), "an all-gather sent bytes other than the shard's cast now"
             self.gathers += 1
             self.sent.setdefault(id(shard._scale), []).append(data.clone())
-            return (data,), metadata
+            return (sent,), metadata
 
         GatherScale.fill, Fp8ShardWeight.fsdp_pre_all_gather = counted_fill, checked_gather
         self._undo = lambda: (
@@ -82,6 +86,9 @@ def _body(rank, world_size, out_dir):
         # but the last layer's (4 weights) for the forward only: it stays gathered for its backward
         assert (watch.fills, watch.fills_in_gathers) == (weights * STEPS, 0), (recipe, watch.fills)
         assert watch.gathers == ((weights - 4) * 2 * 2 + 4 * 2) * STEPS, (recipe, watch.gathers)
+        # as bf16 pairs, the dtype of the units' other weights: one dtype per unit, so FSDP2's copy-in does not move
+        # the whole unit as bytes (the ranks divide every weight's rows here)
+        assert watch.dtypes == {torch.bfloat16}, (recipe, watch.dtypes)
         for sent in watch.sent.values():  # one step's gathers send the same bytes, the next step's others
             n = len(sent) // STEPS
             steps = [sent[i : i + n] for i in range(0, len(sent), n)]

@@ -1,15 +1,15 @@
 """Transformer Engine's FP8 all-gathers under FSDP (--fp8-param-gather, optim_grads_params) with the FP8 guard and
 monitor on 2 GPUs (NCCL), against the distributed optimizer.
 
-* --fp8-auto-bf16: a layer the guard moves to bf16 (here through its API, `Fp8Guard.move`, the call its trigger
-  makes) gathers bf16 from the next step on, and TE's linears read plain bf16 weights (parallel/fsdp.py,
-  `Fp8GatherDtypes`). Moved before the first step (delayed scaling), the run matches the distributed optimizer's TE
-  FP8 weights with that layer built in bf16 (--fp8-first-layer-bf16) over 10 steps within 2e-3
-  (tests/gpu/test_te_fsdp.py's bound for the FP8 gathers); the moved layer's all-gather outputs are bf16, the others'
-  E4M3 bytes. Moved after step 3 (tensorwise) and back after step 6 (the guard never moves a layer back: the test
-  puts it back in the autocast's `fp8_layers`), the run matches the distributed optimizer without FP8 weights making
-  the same moves within 1e-2 (test_te_fsdp.py's FP8 bound), its linears reading Float8Tensors before, plain bf16
-  weights between and Float8Tensors again after.
+* --fp8-auto-bf16: a layer the guard moves to bf16 (here through its API, `Fp8Guard.move`, the call its trigger makes)
+  gathers bf16 from the next step on, and TE's linears read plain bf16 weights (parallel/fsdp.py, `Fp8GatherDtypes`).
+  Moved before the first step (delayed scaling), the run matches the distributed optimizer's TE FP8 weights with that
+  layer built in bf16 (--fp8-first-layer-bf16) over 10 steps within 2e-3 (tests/gpu/test_te_fsdp.py's bound for the
+  FP8 gathers); the moved layer's all-gather outputs are bf16 (2 bytes per element), the others' E4M3 bytes (1). Moved
+  after step 3 (tensorwise) and back after step 6 (the guard never moves a layer back: the test puts it back in the
+  autocast's `fp8_layers`), the run matches the distributed optimizer without FP8 weights making the same moves within
+  1e-2 (test_te_fsdp.py's FP8 bound), its linears reading Float8Tensors before, plain bf16 weights between and
+  Float8Tensors again after.
 * --fp8-stats-interval: the monitor counts each FP8-gathered weight from the cast of each rank's shard, summed over
   the data-parallel ranks: its weight rows equal the distributed optimizer's (which count the cast of each rank's
   main piece) at step 1 within float rounding, and every weight is counted once (the elements counted are the
@@ -71,14 +71,18 @@ def _train(flags: str, world_size: int, moves: dict[int, tuple[str, int]] | None
     return list(t.train().losses.values()), seen, rows, t
 
 
-def _gather_dtypes(t: Trainer) -> dict[int, set[torch.dtype]]:
-    """The dtypes of FSDP's all-gather outputs of each layer's FP8-gathered weights (kept, freed, between steps)."""
+def _gather_dtypes(t: Trainer) -> dict[int, set[int]]:
+    """The bytes per weight element of FSDP's all-gather outputs of each layer's FP8-gathered weights (kept, freed,
+    between steps): 1 for E4M3 bytes (sent as bf16 pairs where the rows divide: fsdp_params.gather_view), 2 bf16."""
     layer_of = {id(m): layer.layer_number for layer in t.model.decoder.layers for m in layer.te_modules()}
-    dtypes: dict[int, set[torch.dtype]] = {}
+    widths: dict[int, set[int]] = {}
     for _, param in t.grad_buffers.fp8_dtypes.params:
         number = layer_of[id(param._module_info.module)]
-        dtypes.setdefault(number, set()).update(o.dtype for o in param.all_gather_outputs)
-    return dtypes
+        gathered = param.padded_sharded_param_size.numel() * param.mesh_info.shard_mesh_size
+        widths.setdefault(number, set()).update(
+            o.numel() * o.element_size() // gathered for o in param.all_gather_outputs
+        )
+    return widths
 
 
 def _body(rank, world_size):
@@ -96,7 +100,7 @@ def _body(rank, world_size):
         ), (step, weights)
         assert all(kind == "Float8Tensor" for number, kind, _ in weights if number != 1), (step, weights)
     dtypes = _gather_dtypes(t)
-    assert dtypes[1] == {torch.bfloat16} and all(d == {torch.uint8} for n, d in dtypes.items() if n != 1), dtypes
+    assert dtypes[1] == {2} and all(d == {1} for n, d in dtypes.items() if n != 1), dtypes
 
     # moved after step 3 and back after step 6, against bf16 weights making the same moves
     moves = {3: ("bf16", 2), 6: ("fp8", 2)}
@@ -110,7 +114,7 @@ def _body(rank, world_size):
             step,
             layer2,
         )
-    assert all(d == {torch.uint8} for d in _gather_dtypes(t).values())  # all FP8 again
+    assert all(d == {1} for d in _gather_dtypes(t).values())  # all FP8 again
 
     # the monitor's weight statistics: FSDP's shards' casts against the distributed optimizer's main pieces' casts
     flags = f"{BASE} {TE} --train-iters 3 {TENSORWISE} {NEVER} --fp8-param-gather"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron.fp8 import E4M3, E5M2, E8M0, quantize
-from megatron.fp8.quantize import MX_BLOCK, ROW, TENSOR, BLOCK_128x128, TILE_1x128
+from megatron.fp8.quantize import MX_BLOCK, ROW, TENSOR, BLOCK_128x128, TILE_1x128, tensor_amax
 
 # (mantissa bits, smallest normal exponent, max finite) of each format
 FORMATS = {E4M3: (3, -6, 448.0), E5M2: (2, -14, 57344.0)}
@@ -200,3 +200,20 @@ def test_dequantize_expands_block_scales():
         br, bc = q.block
         full = scale_inv.repeat_interleave(br, 0)[:130].repeat_interleave(bc, 1)[:, :200]
         torch.testing.assert_close(q.dequantize().double(), values * full, rtol=2**-23, atol=0)
+
+
+def test_tensor_amax_is_abs_amax_in_one_read():
+    """`tensor_amax` (the weights' per-step amax, without abs()'s temporary) gives abs().amax().float() bit for bit:
+    fp32 and bf16, signed zeros and infinities, and NaN propagated."""
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(4096, generator=gen).to(dtype)
+        for special in (None, -0.0, float("-inf"), float("nan")):
+            y = x.clone()
+            if special is not None:
+                y[17] = special
+            want = y.abs().amax().float()
+            got = tensor_amax(y)
+            assert got.dtype == torch.float32 and got.shape == ()
+            assert torch.equal(got, want) or (got.isnan() and want.isnan()), (dtype, special, got, want)
+        assert torch.equal(tensor_amax(torch.full((3,), -0.0, dtype=dtype)), torch.zeros(()))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron.fp8.formats import E4M3
-from megatron.fp8.fsdp_params import shard_rows
+from megatron.fp8.fsdp_params import gathered_bytes, shard_rows
 from megatron.fp8.quantize import BLOCK_128x128, quantize
 from megatron.fp8.te_blockwise_gather import (
     TeBlockScale,
@@ -108,7 +108,8 @@ def test_gathered_bytes_and_grid_are_the_cast_of_the_whole_weight(rows, cols, ra
     gathered = []
     for rank, local in enumerate(locals_):
         local._scale.set(agreed)  # what Fp8GatherScales.agree does with the all-reduced grid
-        (data,), (shape,) = local.fsdp_pre_all_gather(Mesh(rank, ranks), torch.Size([rows, cols]), None, None, None)
+        (sent,), (shape,) = local.fsdp_pre_all_gather(Mesh(rank, ranks), torch.Size([rows, cols]), None, None, None)
+        data = gathered_bytes(sent)  # sent as the shard's dtype where its columns divide (fsdp_params.gather_view)
         assert data.dtype == torch.uint8 and data.shape == (rows_per, cols) and shape == (rows, cols)
         gathered.append(data)
     data = gathered_rows(torch.cat(gathered), (rows, cols))

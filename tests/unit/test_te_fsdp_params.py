@@ -5,13 +5,17 @@ scale, padded to FSDP's rows). The gathered side (a TE Float8Tensor) runs in tes
 
 import torch
 
-from megatron.fp8.fsdp_params import Fp8ShardWeight
+from megatron.fp8.fsdp_params import Fp8ShardWeight, gathered_bytes
 from megatron.fp8.te_fsdp_params import TeFp8ShardWeight, wrap_te_fp8_weight
 
 
 class _Mesh:
     def size(self) -> int:
         return 2
+
+
+class _Policy:
+    param_dtype = torch.bfloat16
 
 
 def test_fsdp_ops_keep_the_wrapper_and_its_state():
@@ -31,7 +35,10 @@ def test_cast_before_the_gather_is_padded_e4m3_at_the_agreed_scale():
     shard = wrap_te_fp8_weight(weight).data
     amax = weight.abs().amax()
     shard._scale.set(amax)  # what Fp8GatherScales.agree does with the max over the ranks
-    (data,), (scale_inv, orig_size) = shard.fsdp_pre_all_gather(_Mesh(), torch.Size([5, 8]), (8, 1), None, None)
+    (sent,), (scale_inv, orig_size) = shard.fsdp_pre_all_gather(_Mesh(), torch.Size([5, 8]), (8, 1), None, _Policy())
+    # 5 rows over 2 ranks: FSDP2 wants a padded shard's input in the shard's shape, so bytes on every rank
+    assert sent.dtype == torch.uint8
+    data = gathered_bytes(sent)
     assert data.dtype == torch.uint8 and data.shape == (3, 8) and orig_size == (5, 8)  # ceil(5 / 2) rows
     expect = (weight * (448.0 / amax)).to(torch.float8_e4m3fn)
     assert torch.equal(data, expect.view(torch.uint8))
@@ -49,10 +56,6 @@ def test_gathered_scales_come_from_tensors_that_outlive_the_gather():
     local = Fp8ShardWeight(torch.randn(4, 8), shard._scale)
     scale_inv, amax = local.fsdp_pre_all_gather(_Mesh(), torch.Size([8, 8]), (8, 1), None, None)[1]
     assert scale_inv is shard._scale.scale_inv and amax is shard._scale.amax
-
-
-class _Policy:
-    param_dtype = torch.bfloat16
 
 
 def test_a_weight_moved_to_bf16_gathers_its_shard_in_the_gather_dtype():
@@ -95,3 +98,23 @@ def test_te_linears_gather_fp8_while_their_layer_is_in_the_autocasts_fp8_layers(
     assert [gathers_fp8(m) for m in (model[0].linear, model[1].linear, model[2])] == [True, False, True]
     autocast.fp8_layers.add(2)
     assert gathers_fp8(model[1].linear)
+
+
+def test_the_bytes_go_as_the_gather_dtype_where_the_columns_divide():
+    """`gather_view`: E4M3 bytes travel as the unit's gather dtype (one dtype per unit: FSDP2's copy-in then moves
+    2 or 4 bytes per element, not 1), as bytes where the columns do not divide; the output views back to them."""
+    from megatron.fp8.fsdp_params import gather_view
+
+    data = torch.arange(24, dtype=torch.uint8).view(3, 8)
+    for dtype, shape in ((torch.bfloat16, (3, 4)), (torch.float32, (3, 2)), (torch.uint8, (3, 8))):
+        sent = gather_view(data, dtype)
+        assert sent.dtype == dtype and sent.shape == shape and torch.equal(gathered_bytes(sent), data)
+    odd = torch.arange(9, dtype=torch.uint8).view(3, 3)
+    assert gather_view(odd, torch.bfloat16) is odd
+    weight = torch.randn(6, 8)  # rows the ranks divide: sent as the unit's gather dtype, the policy's
+    shard = wrap_te_fp8_weight(weight).data
+    shard._scale.set(weight.abs().amax())
+    (sent,), _ = shard.fsdp_pre_all_gather(_Mesh(), torch.Size([12, 8]), (8, 1), None, _Policy())
+    assert sent.dtype == torch.bfloat16 and sent.shape == (6, 4)
+    expect = (weight * (448.0 / weight.abs().amax())).to(torch.float8_e4m3fn)
+    assert torch.equal(gathered_bytes(sent), expect.view(torch.uint8))
