@@ -37,21 +37,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's megatron, not an installed copy
 
-# llama-1b's shape where it sets the host's work (16 layers, GQA, SwiGLU, RMSNorm, rope, untied embeddings, 4
-# micro-batches per rank at DP=2), every width tiny
+from benchmark import COMMON  # noqa: E402  (scripts/, this script's folder; no torch at import)
+from benchmark import LAYOUTS as BENCHMARK_LAYOUTS  # noqa: E402
+
+# benchmark.py's llama-1b where it sets the host's work (16 layers, GQA, SwiGLU, RMSNorm, rope, untied embeddings,
+# 4 micro-batches per rank at DP=2), every width tiny, local layers
 MODEL = (
-    "--mock-data --tokenizer-type NullTokenizer --position-embedding-type rope --normalization RMSNorm --swiglu"
-    " --disable-bias-linear --untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2"
-    " --hidden-dropout 0 --attention-dropout 0 --bf16 --lr 1e-4 --min-lr 1e-5 --eval-iters 0 --num-layers 16"
-    " --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32"
-    " --micro-batch-size 2 --global-batch-size 16 --vocab-size 255 --transformer-impl local --train-iters 100"
+    f"{COMMON} --num-layers 16 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --num-query-groups 2"
+    " --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 16 --vocab-size 255"
+    " --transformer-impl local --train-iters 100"
 )
 LAYOUTS = {
-    "distopt": "--overlap-grad-reduce --use-distributed-optimizer --overlap-param-gather",
-    "fsdp_optim_grads": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer",
-    "fsdp": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer",
+    name: BENCHMARK_LAYOUTS[benchmark_name][1]
+    for name, benchmark_name in (
+        ("distopt", "dp2_distopt"),
+        ("fsdp_optim_grads", "fsdp2_optim_grads"),
+        ("fsdp", "fsdp2"),
+    )
 }
-# units of four layers (about 37k parameters each here), as benchmark.py's *_units250m layouts make them on llama-1b
+# units of four layers (about 37k parameters each here), as benchmark.py's *_units200m layouts make them on llama-1b
 LAYOUTS["fsdp_optim_grads_units4"] = LAYOUTS["fsdp_optim_grads"] + " --suggested-communication-unit-size 140000"
 
 
