@@ -162,6 +162,20 @@ LAYOUTS = {  # name: (GPUs, flags)
         "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer"
         " --suggested-communication-unit-size 200000000",
     ),
+    # optim_grads keeps every unit gathered from the first forward to the last backward, so larger units cost no
+    # gathered memory: they only coarsen the reduce-scatters (a larger last one in each backward) and cut FSDP2's
+    # per-unit host work (hooks, reduce-scatter staging) per micro-batch; llama-1b: two and four layers per unit.
+    # Losses are bitwise those of one-layer units (each element's reduction is the same; CPU test in test_fsdp.py)
+    "fsdp2_optim_grads_units100m": (
+        2,
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"
+        " --suggested-communication-unit-size 100000000",
+    ),
+    "fsdp2_optim_grads_units200m": (
+        2,
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"
+        " --suggested-communication-unit-size 200000000",
+    ),
     # fp32 gradient shards, reduce-scattered in bf16 (half the bytes of each micro-batch's reduce-scatter)
     "fsdp2_bf16comm": (
         2,

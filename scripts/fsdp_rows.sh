@@ -6,6 +6,10 @@
 #                                            the cached FP8 shard cast (about 7 minutes)
 #   bash scripts/fsdp_rows.sh 1b OUTDIR      llama-1b: FSDP with FP8 and bf16 all-gathers, one- and four-layer units,
 #                                            beside dp2_distopt, each row with its lower bound (about 9 minutes)
+#   bash scripts/fsdp_rows.sh host OUTDIR    llama-1b's host-bound FSDP step (optim_grads): the profile of
+#                                            dp2_distopt and of one-, two- and four-layer units in one call (a
+#                                            host-bound step moves with the machine's CPU), and the host-device
+#                                            synchronizations per step of dp2_distopt and FSDP (about 8 minutes)
 #   bash scripts/fsdp_rows.sh 8b OUTDIR      llama3-8b under FSDP with O2's states: FP8 all-gathers with nothing
 #                                            recomputed and no delayed-scaling calibration pass (the pass ran out of
 #                                            memory on H100s), with its lower bound; bf16 with 8 layers recomputed
@@ -19,8 +23,8 @@
 # OUTDIR gets a summary (summary.txt: the tables and each test's last lines) and every run's log (logs/). Megatron-LM's
 # sources must be where .devkit/anchors/megatron_run.sh looks (../shared/anchors/README.md).
 set -o pipefail
-PART=${1:?usage: bash scripts/fsdp_rows.sh tests|1b|8b|megatron|parity OUTDIR}
-OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|1b|8b|megatron|parity OUTDIR}
+PART=${1:?usage: bash scripts/fsdp_rows.sh tests|1b|host|8b|megatron|parity OUTDIR}
+OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|1b|host|8b|megatron|parity OUTDIR}
 mkdir -p "$OUT/logs"
 source .devkit/setup-te.sh || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -40,6 +44,14 @@ case $PART in
     common=(--presets llama-1b --iters 30 --log-interval 5 --timeout 100 --bound --probe-cache "$OUT/probes.json")
     bench "${common[@]}" --configs te-delayed-fp8params --layouts fsdp2 fsdp2_units200m
     bench "${common[@]}" --configs te-delayed --layouts dp2_distopt fsdp2 fsdp2_units200m;;
+  host)
+    for layout in dp2_distopt fsdp2_optim_grads fsdp2_optim_grads_units100m fsdp2_optim_grads_units200m; do
+      timeout 100 python3 scripts/benchmark.py --profile llama-1b te-delayed --layouts $layout --profile-steps 3 2>&1 \
+        | tail -45 | tee -a "$OUT/summary.txt"
+    done
+    for layout in dp2_distopt fsdp2_optim_grads; do
+      timeout 75 python3 scripts/sync_check.py llama-1b te-delayed $layout 2>&1 | tail -12 | tee -a "$OUT/summary.txt"
+    done;;
   8b)
     common=(--presets llama3-8b --iters 6 --log-interval 2 --timeout 200 --layouts fsdp2_o2states)
     bench "${common[@]}" --configs te-delayed-fp8params-nocalib --bound --no-bound-profile --probe-cache "$OUT/probes.json"

@@ -289,6 +289,10 @@ class ShardedGrads:
         """`dtype`: of the gradient shards (fp32, or bf16: FSDP2 adds its fp32 reduce-scatter output into them)."""
         self.model = model
         self._keep = keep_gathered_until_last_backward
+        # The units whose resharding after the backward optim_grads switches (FSDP2's default: reshard), listed once:
+        # `set_reshard_after_backward` on the root walks every module of the model at each call
+        self._units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self._reshard_after_backward = True
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._hooks = []
         with torch.no_grad():
@@ -307,10 +311,13 @@ class ShardedGrads:
 
     @is_last_micro_batch.setter
     def is_last_micro_batch(self, last: bool) -> None:
-        """optim_grads: the gathered weights stay until the last micro-batch's backward has used them."""
+        """optim_grads: the gathered weights stay until the last micro-batch's backward has used them. Set for every
+        micro-batch; FSDP2 is told only when the value changes (twice per step with several micro-batches)."""
         self._last = last
-        if self._keep:
-            self.model.set_reshard_after_backward(last)
+        if self._keep and last != self._reshard_after_backward:
+            for unit in self._units:
+                unit.set_reshard_after_backward(last, recurse=False)
+            self._reshard_after_backward = last
 
     def owned_range(self, param: nn.Parameter) -> tuple[int, int] | None:
         numel = param.main_grad.numel()

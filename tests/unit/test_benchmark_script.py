@@ -151,6 +151,8 @@ def test_the_fsdp_layouts_parse_with_the_local_configs():
         "fsdp2_bf16comm": "optim_grads_params",
         "fsdp2_fp8comm": "optim_grads_params",
         "fsdp2_optim_grads_bf16comm": "optim_grads",
+        "fsdp2_optim_grads_units100m": "optim_grads",
+        "fsdp2_optim_grads_units200m": "optim_grads",
         "fsdp2_tp2": "optim_grads_params",
         "fsdp2_cp2": "optim_grads_params",
     }
