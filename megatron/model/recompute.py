@@ -159,6 +159,38 @@ def checkpoint(function: Callable[..., torch.Tensor], *args: Any, runner: Runner
     return _Checkpoint.apply(function, *args)
 
 
+SELECTIVE_SWITCHES = ("recompute_core_attn", "recompute_mlp", "recompute_norm")
+"""The attributes through which layers and linears apply --recompute-modules (core_attn, mlp, layernorm)."""
+
+
+@contextlib.contextmanager
+def every_layer_recomputed(model: nn.Module) -> Iterator[None]:
+    """Run `model` (a GPTModel) inside with full recomputation, uniform, one layer at a time, and no selective
+    recomputation, whatever its own --recompute-* flags; restore them on exit.
+
+    For a pass before the first step that must fit wherever the step fits (delayed scaling's calibration, which runs
+    the FP8 layers in high precision: twice FP8's bytes for every GEMM input kept): it keeps each layer's input and,
+    in backward, one layer's activations. Selective recomputation is switched off because inside a recomputed layer
+    it saves nothing at the peak and would only nest a second checkpoint in the first. The recomputed forward runs
+    on the random state of the first (see `checkpoint`), so it computes the same tensors bit for bit."""
+    plan = model.recompute
+    switched = [
+        (module, name, getattr(module, name))
+        for module in model.modules()
+        for name in SELECTIVE_SWITCHES
+        if getattr(module, name, False) is True
+    ]
+    model.recompute = RecomputePlan("full", "uniform", 1)
+    for module, name, _ in switched:
+        setattr(module, name, False)
+    try:
+        yield
+    finally:
+        model.recompute = plan
+        for module, name, value in switched:
+            setattr(module, name, value)
+
+
 def run_layers(
     layers: Sequence[nn.Module],
     x: torch.Tensor,

@@ -40,6 +40,10 @@ The peak comes at the start of the backward pass, or in the optimizer step, whic
 * the optimizer step: torch's AdamW upcasts bf16 gradients to fp32 copies of this rank's whole shard at once; the
   precision-aware optimizer writes FP8 weights' new main values into fp32 pieces before casting them, and under FSDP
   the FP8 layers' freed shards get their storage back.
+* delayed scaling's calibration pass before the first step (a fresh run with --fp8-calibration): one micro-batch
+  in high precision with every layer recomputed (`calibration_activation_units`) beside the same buffers; it
+  frees FSDP's shards as a step's forward does. It sets the peak only where the step's activations are smaller than
+  one layer's in 16 bits (tiny models).
 
 `estimate_bytes` gives the numbers; `memory_estimate_lines` writes them as the start-of-run log line, and
 `print_peak_memory` the total again beside the measured peak at the end of the run.
@@ -54,8 +58,9 @@ from megatron.config import Config
 from megatron.config.sharding import fsdp_layer_units, grad_comm_bf16, main_grads_bf16, shards_hold_main_weights
 from megatron.optim.states import state_bytes
 
-from .activation_memory import recomputed_activation_units
+from .activation_memory import calibration_activation_units, recomputed_activation_units
 from .logger import print_rank_0
+from .warmup import needs_calibration
 
 
 def _size(num_bytes: float) -> str:
@@ -211,7 +216,8 @@ def estimate_bytes(
     FP8 weight casts), together `static`; at the start of the backward `activations` (those of the micro-batches the
     schedule holds at once, `in_flight` of them, plus the loss's) and `buffers` (see the module docstring); `step`,
     what the optimizer step adds (`freed_shards` of it: FSDP's shards freed before, not counted in `weights`);
-    `total`, static plus the larger of activations + buffers and step. `num_params`:
+    `calibration`, what delayed scaling's calibration pass adds (activations and buffers; 0 without the pass);
+    `total`, static plus the largest of activations + buffers, step and calibration. `num_params`:
     the parameters of pipeline rank `pp_rank`, of which `fp8_params` are stored in FP8."""
     if not 0 <= fp8_params <= num_params:
         raise ValueError(f"fp8_params ({fp8_params}) must lie in [0, num_params ({num_params})]")
@@ -243,13 +249,14 @@ def estimate_bytes(
     act_scale = itemsize / 2  # the activation terms count 16-bit tensors
     held = in_flight_layers(cfg, pp_rank)
     activations = recomputed_activation_units(cfg, layers, held) * s * b * h * act_scale
-    buffers = loss_side = 0.0
+    buffers = loss_side = loss_activations = 0.0
     if pp_rank == par.pipeline_model_parallel_size - 1:  # the stage that computes the loss
         te_loss = cfg.model.cross_entropy_impl(fp16_logits=cfg.precision.fp16) == "te"
         logits = (itemsize if te_loss else 8) * s * b * vocab_size / t
         # the final norm's input (a sequence-parallel shard) and the output layer's (gathered) input
         inputs = (2 / t if par.sequence_parallel else 2) * s * b * h * act_scale + 2 * s * b * h * act_scale
-        activations += logits + inputs
+        loss_activations = logits + inputs
+        activations += loss_activations
         # the output layer's backward: its weight gradient in the training dtype and its input gradient
         buffers = vocab * itemsize + s * b * h * itemsize
         loss_side = logits + inputs + buffers
@@ -257,6 +264,10 @@ def estimate_bytes(
         gathered, staging = _fsdp_buffers(cfg, num_params, vocab, layer, itemsize, loss_side)
         buffers += gathered + staging
     step = _step_bytes(cfg, num_params, fp8_params) + freed
+    calibration = 0.0
+    # delayed scaling's calibration pass: a fresh run assumed (a resumed one runs none), none with TE's userbuffers
+    if needs_calibration(cfg, 0) and not (_te(cfg) and par.tp_comm_overlap):
+        calibration = calibration_activation_units(cfg, layers) * s * b * h * act_scale + loss_activations + buffers
     static = weights + grads + main_params + adam + weight_casts
     return {
         "weights": weights,
@@ -268,9 +279,10 @@ def estimate_bytes(
         "buffers": buffers,
         "step": step,
         "freed_shards": freed,
+        "calibration": calibration,
         "in_flight": held / len(layers) if layers else 0.0,
         "static": static,
-        "total": static + max(activations + buffers, step),
+        "total": static + max(activations + buffers, step, calibration),
     }
 
 
@@ -316,12 +328,18 @@ def memory_estimate_lines(
         parts = [f"fp32 copies of the {copies}"] if est["step"] > est["freed_shards"] else []
         parts += [f"the FP8 layers' {high} shards back"] if est["freed_shards"] else []
         step = f", optimizer step +{_size(est['step'])}{peak} ({' and '.join(parts)})"
+    calibration = ""
+    if est["calibration"]:
+        above = est["calibration"] > max(est["activations"] + est["buffers"], est["step"])
+        calibration = f", calibration pass ~{_size(est['calibration'])}{' (the peak)' if above else ''}"
+        calibration += " (high precision, every layer recomputed)"
     return [
         f"memory estimate per GPU: weights {_size(est['weights'])} ({weights}),"
         f" grads {_size(est['grads'])} ({_per(est['grads'] / n)} B/param{grads_dtype}),"
         f" {main}, Adam states {_size(est['adam'])} ({_per(est['adam'] / n)} B/param{over}{moments}){casts},"
         f" activations ~{_size(est['activations'])} {in_flight}, backward buffers ~{_size(est['buffers'])}"
-        f" ({buffers}){step} (total ~{_size(est['total'])}; {_per(est['static'] / n)} B/param before activations)"
+        f" ({buffers}){step}{calibration}"
+        f" (total ~{_size(est['total'])}; {_per(est['static'] / n)} B/param before activations)"
     ]
 
 

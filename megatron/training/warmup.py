@@ -9,14 +9,15 @@ import torch
 from megatron.config import Config
 from megatron.fp8.calibration import calibrate_delayed_scaling
 from megatron.fp8.monitor import Fp8Monitor
+from megatron.model.recompute import every_layer_recomputed
 
 from .logger import print_rank_0
 from .steps import Batches, Steps
 
 CALIBRATION_OOM = (
-    "delayed scaling's calibration pass (the first micro-batch's forward and backward in high precision) ran out of"
-    " GPU memory before the first step: start without it (--no-fp8-calibration), recompute more layers"
-    " (--recompute-num-layers) or use --fp8-recipe tensorwise"
+    "delayed scaling's calibration pass (the first micro-batch's forward and backward in high precision, every layer"
+    " recomputed) ran out of GPU memory before the first step: start without it (--no-fp8-calibration), lower"
+    " --micro-batch-size or use --fp8-recipe tensorwise"
 )
 
 
@@ -39,11 +40,13 @@ def calibrate_fp8(steps: Steps, batches: Batches, monitor: Fp8Monitor | None) ->
     assert monitor is not None
     steps.model.train()
     devices = [steps.device] if steps.device.type == "cuda" else []
-    with steps.grad_buffers.paused(), torch.random.fork_rng(devices=devices):
+    # Every layer recomputed in the pass (its layers run in high precision, keeping twice FP8's bytes per GEMM
+    # input): one extra forward, once per run, so that the pass needs less memory than the step it precedes
+    with steps.grad_buffers.paused(), torch.random.fork_rng(devices=devices), every_layer_recomputed(steps.model):
         overlap = cfg.parallel.tp_comm_overlap
         try:
             line = calibrate_delayed_scaling(steps.model, steps.fp8, monitor.taps, cfg.precision, run, dims, overlap)
-        except torch.OutOfMemoryError as error:  # a bf16 pass can need more than the FP8 steps (the 8B under FSDP)
+        except torch.OutOfMemoryError as error:  # a run whose step itself barely fits
             raise RuntimeError(CALIBRATION_OOM) from error
         steps.optimizer.restore_freed_shards()  # before the gradients' reset marks the shards written
     steps.optimizer.recast_fp8_params()  # FP8 weights were cast before the calibrated weight scales existed

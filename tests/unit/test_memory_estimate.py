@@ -44,6 +44,7 @@ def test_bf16_plain():
         "buffers": BF16_BUFFERS,
         "step": 0,
         "freed_shards": 0,
+        "calibration": 0,  # no FP8 delayed scaling: no calibration pass
         "in_flight": 1.0,
         "static": 18 * N,
         "total": 18 * N + BF16_ACTIVATIONS + BF16_BUFFERS,
@@ -400,3 +401,27 @@ def test_memory_estimate_script_builds_the_benchmark_rows():
     per_stage = 8 * L1B_LAYER + L1B_V * L1B_H  # the embedding and 8 layers
     first = estimate_bytes(llama("--pipeline-model-parallel-size 2"), round(per_stage), L1B_V, torch.bfloat16)
     assert est["total"] == first["total"]
+
+
+def test_calibration_pass_recomputes_every_layer_and_fits_under_the_step():
+    """Delayed scaling's calibration pass (a fresh FP8 delayed run) holds one micro-batch with every layer recomputed
+    in high precision: each layer's input (2 bytes per s*b*h) and one layer's 16-bit activations (34), the loss's
+    tensors and the same buffers as the step; no pass without delayed scaling or with --no-fp8-calibration. On the
+    8B row that ran out of memory in the pass (llama3-8b te-delayed-fp8params fsdp2_o2states, two H100s) it comes
+    far under the step's activations, so the total stays the step's (68.74 GiB)."""
+    delayed = "--bf16 --fp8-format hybrid --fp8-recipe delayed"
+    est = estimate_bytes(parse(delayed), N, VOCAB, torch.bfloat16)
+    loss = 4 * SBH + 8 * 64 * 2 * VOCAB  # the final norm's and output layer's inputs, fp32 logits and gradient
+    assert est["calibration"] == (2 * 2 + 34) * SBH + loss + BF16_BUFFERS
+    assert est["calibration"] < est["activations"] + est["buffers"]
+    for off in ("--bf16", f"{delayed} --no-fp8-calibration", "--bf16 --fp8-format hybrid --fp8-recipe tensorwise"):
+        assert estimate_bytes(parse(off), N, VOCAB, torch.bfloat16)["calibration"] == 0, off
+    spec = importlib.util.spec_from_file_location("memory_estimate", SCRIPTS / "memory_estimate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    _, est, (line,) = script.estimate("llama3-8b", "te-delayed-fp8params", "fsdp2_o2states")
+    sbh = 8192 * 4096
+    assert est["calibration"] - est["buffers"] < est["activations"] / 4 and est["calibration"] > 32 * 2 * sbh
+    assert est["total"] == est["static"] + est["activations"] + est["buffers"]
+    assert est["total"] / 2**30 == pytest.approx(68.74, abs=0.01)
+    assert "calibration pass ~7.57 GiB (high precision, every layer recomputed) (total ~68.74 GiB;" in line, line
