@@ -16,7 +16,10 @@ amaxes are, and then applies the delayed-scaling rule to them exactly as after a
     history = [amax, 0, ...],    scale = fp8_max / amax / 2^margin    (where amax > 0; 1 otherwise)
 
 Its gradients are thrown away and it draws nothing from the random streams the run uses (the caller forks them),
-so the run differs from an uncalibrated one only in its first scales. Other recipes compute their scales from the
+so the run differs from an uncalibrated one only in its first scales. The trainer runs it with every layer recomputed
+(megatron/training/warmup.py): in high precision it would otherwise keep twice FP8's bytes of every GEMM input and
+need more memory than the step. A recomputed forward records the same amaxes again (running maxima here and in
+the taps) and the output gradients once, so the scales are those of the pass without recomputation, bit for bit. Other recipes compute their scales from the
 tensor being cast and need no calibration.
 
 FP8 weights (--fp8-param-gather) were cast before any of this, Transformer Engine's at scale 1 (mostly into e4m3's
