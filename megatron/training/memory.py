@@ -42,8 +42,10 @@ The peak comes at the start of the backward pass, or in the optimizer step, whic
   the FP8 layers' freed shards get their storage back.
 * delayed scaling's calibration pass before the first step (a fresh run with --fp8-calibration): one micro-batch
   in high precision with every layer recomputed (`calibration_activation_units`) beside the same buffers; it
-  frees FSDP's shards as a step's forward does. It sets the peak only where the step's activations are smaller than
-  one layer's in 16 bits (tiny models).
+  frees FSDP's shards as a step's forward does. It can set the peak only where the step keeps little more than
+  one layer's activations: a run that itself recomputes every layer one at a time (then the pass holds more by
+  what one layer keeps in 16 bits beyond its FP8 copies, ~4.5 bytes per s*b*h on Llama shapes with TE), or a tiny
+  model.
 
 `estimate_bytes` gives the numbers; `memory_estimate_lines` writes them as the start-of-run log line, and
 `print_peak_memory` the total again beside the measured peak at the end of the run.
