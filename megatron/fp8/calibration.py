@@ -19,8 +19,8 @@ Its gradients are thrown away and it draws nothing from the random streams the r
 so the run differs from an uncalibrated one only in its first scales. The trainer runs it with every layer recomputed
 (megatron/training/warmup.py): in high precision it would otherwise keep twice FP8's bytes of every GEMM input and
 need more memory than the step. A recomputed forward records the same amaxes again (running maxima here and in
-the taps) and the output gradients once, so the scales are those of the pass without recomputation, bit for bit. Other recipes compute their scales from the
-tensor being cast and need no calibration.
+the taps) and the output gradients once, so the scales are those of the pass without recomputation, bit for bit.
+Other recipes compute their scales from the tensor being cast and need no calibration.
 
 FP8 weights (--fp8-param-gather) were cast before any of this, Transformer Engine's at scale 1 (mostly into e4m3's
 subnormals): after the pass the trainer casts their fp32 main copies into them again with the calibrated weight
