@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import gc
 import weakref
-from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
 from megatron.training.shutdown import Shutdown, forget_frames
+from tests.dist_utils import one_rank_world as one_rank_world_of
 
 
 def _recorder():
@@ -97,11 +97,8 @@ def test_stopping_and_on_error_blocks():
 
 @pytest.fixture
 def one_rank_world(tmp_path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    with one_rank_world_of(str(tmp_path)):
+        yield
 
 
 def test_close_releases_the_groups_it_owns_after_the_parts(one_rank_world, monkeypatch):
