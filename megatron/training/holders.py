@@ -31,14 +31,16 @@ def holder_chain(obj: object, skip: Iterable[object] = ()) -> str:
     seen = {id(obj)}
     own.update({id(via), id(frontier), id(seen), id(own)})
     node = obj
+    unreferenced = None  # the first object on the way that nothing tracked refers to
     for _ in range(MAX_NODES):
         if not frontier:
             break
         node = frontier.popleft()
         holders = list(_holders(node, own))
         own.update({id(holders), *(id(entry) for entry in holders)})
-        if not holders:
-            return _render(obj, node, via, "(nothing the garbage collector sees: a C++ reference)")
+        if not holders:  # kept from C++; a root the collector sees, if another branch reaches one, says more
+            unreferenced = unreferenced if unreferenced is not None else node
+            continue
         for holder, label, is_root in holders:
             if id(holder) in seen:
                 continue
@@ -48,6 +50,8 @@ def holder_chain(obj: object, skip: Iterable[object] = ()) -> str:
             if is_root:
                 return _render(obj, holder, via)
             frontier.append(holder)
+    if unreferenced is not None:
+        return _render(obj, unreferenced, via, "(nothing the garbage collector sees: a C++ reference)")
     if frontier:
         return _render(obj, frontier[0], via, "...")
     # every holder found is already on the chain: a cycle that nothing the collector sees holds, kept from C++
