@@ -11,12 +11,13 @@ An exception in any rank fails the test with that rank's traceback.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import os
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -70,3 +71,15 @@ def run_distributed(fn: Callable, world_size: int, args: tuple = (), backend: st
         except Exception as exc:
             reports = [open(os.path.join(error_dir, f)).read() for f in sorted(os.listdir(error_dir))]
             raise AssertionError("distributed test failed:\n" + "\n".join(reports)) from exc
+
+
+@contextlib.contextmanager
+def one_rank_world(store_dir: str, backend: str = "gloo", device: torch.device | None = None) -> Iterator[None]:
+    """A world of this process alone (rank 0 of 1) for the block; destroyed after it unless the block did."""
+    store = dist.FileStore(os.path.join(store_dir, "store"), 1)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, device_id=device, timeout=timedelta(minutes=2))
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -6,10 +6,13 @@ What a run starts, and who stops it here (the trainer registers each part as it 
 - --async-save's background write (torch DCP's thread) and rank 0's publishing thread: finished and made visible;
 - the profiler window, the --exit-signal-handler handler, the garbage collector under --manual-gc (`Runtime`);
 - the TensorBoard writer's thread (flushed and closed);
+- what keeps a process group beyond the trainer: the gradient buffers' hooks on the parameters, and on the
+  Transformer Engine path TE's module-level state (megatron/model/te_state.py), both exit parts;
 - the process groups (`torch.distributed`'s default group, the groups of `ParallelDims`, the checkpointer's gloo
   group): after a barrier, every group is destroyed, the sub-groups first and the default last, and their last
   references dropped, so that their backends' destructors join the backends' threads (gloo's `pt_gloo_runloop`
-  workers and `gloo_tcp_loop`, NCCL's watchdog) while the interpreter still runs.
+  workers and `gloo_tcp_loop`, NCCL's watchdog) while the interpreter still runs. A watched group that something
+  still references is named in a warning with the chain of objects holding it (holders.py).
 
 Why that last step matters (issue 32: 4 of 25 DP=2 FP8 CPU runs printed their final loss and aborted with
 "terminate called without an active exception"). A gloo worker thread drops its reference to a finished collective
@@ -30,13 +33,14 @@ import gc
 import sys
 import traceback
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from .guards import guard_collectives
+from .holders import holder_chain
 from .logger import print_rank_0
 
 
@@ -45,6 +49,22 @@ class _Part:
     name: str
     stop: Callable[[], None]
     needs_peers: bool
+
+
+@dataclass
+class _Watched:
+    group: weakref.ref
+    names: list[str]
+    """Every name it was watched under (ParallelDims's dp_group and dp_cp_group are one group without CP)."""
+    ranks: str
+    """Its global ranks, read when it was watched (a destroyed group has none to read)."""
+
+    def describe(self) -> str:
+        return f"{'='.join(self.names)} ({self.ranks})"
+
+
+Groups = Mapping[str, dist.ProcessGroup | None] | Iterable[dist.ProcessGroup | None]
+"""Process groups to watch: by name (the warning names them), or unnamed (named by torch's group name)."""
 
 
 class Shutdown:
@@ -56,7 +76,7 @@ class Shutdown:
         self.log = log
         self._parts: list[_Part] = []
         self._exit_parts: list[_Part] = []
-        self._groups: list[weakref.ref] = []
+        self._watched: list[_Watched] = []
         self._owns_process_groups, self._timeout_minutes = False, 0
         self.stopped: list[str] = []
         """Names of the parts stopped so far, in the order they were stopped."""
@@ -72,16 +92,27 @@ class Shutdown:
         """Register a part that lives until the process ends (`close`); `stop` needs no other rank."""
         self._exit_parts.append(_Part(name, stop, needs_peers=False))
 
-    def own_process_groups(self, groups: Iterable[dist.ProcessGroup | None], timeout_minutes: int) -> None:
+    def own_process_groups(self, groups: Groups, timeout_minutes: int) -> None:
         """The run started torch.distributed: `close` destroys every group. `groups` (None entries skipped) are
-        watched: a group still referenced after its release keeps its threads alive, and `close` says so.
-        `timeout_minutes`: --distributed-timeout-minutes, named by the error of a final barrier a rank missed."""
+        watched: a group still referenced after its release keeps its threads alive, and `close` says so, naming
+        the group and what holds it. `timeout_minutes`: --distributed-timeout-minutes, named by the error of a
+        final barrier a rank missed."""
         self._owns_process_groups, self._timeout_minutes = True, timeout_minutes
         self.watch(groups)
 
-    def watch(self, groups: Iterable[dist.ProcessGroup | None]) -> None:
-        """More groups to check at their release (None entries skipped)."""
-        self._groups += [weakref.ref(group) for group in groups if group is not None]
+    def watch(self, groups: Groups) -> None:
+        """More groups to check at their release (None entries skipped; a group watched twice is one group with
+        two names)."""
+        named = groups.items() if isinstance(groups, Mapping) else ((None, group) for group in groups)
+        for name, group in named:
+            if group is None:
+                continue
+            name = name or _torch_name(group)
+            same = [w for w in self._watched if w.group() is group]
+            if same:
+                same[0].names.append(name)
+            else:
+                self._watched.append(_Watched(weakref.ref(group), [name], _ranks(group)))
 
     def stop(self, ok: bool = True) -> None:
         """Stop every part of training, the newest first, each once (a second call stops what was added since).
@@ -162,12 +193,42 @@ class Shutdown:
             dist.destroy_process_group()
             gc.collect()
             self.stopped.append("process groups")
-            alive = sum(ref() is not None for ref in self._groups)
-            if alive:
-                self.log(
-                    f"> WARNING: rank {rank}: {alive} process group(s) still referenced after their release: their"
-                    " threads outlive the run and may abort the process at exit"
-                )
+            self._report_alive(rank)
+
+    def _report_alive(self, rank: int) -> None:
+        """One line naming every watched group still referenced and the chain of objects that holds it."""
+        groups = [watched.group() for watched in self._watched]
+        alive = [(watched, index) for index, watched in enumerate(self._watched) if groups[index] is not None]
+        if not alive:
+            return
+        described = []
+        for watched, index in alive:
+            try:
+                holders = holder_chain(groups[index], skip=[groups])
+            except Exception as exc:  # the warning still comes out
+                holders = f"? ({exc!r})"
+            described.append(f"{watched.describe()} held by {holders}")
+        groups.clear()
+        self.log(
+            f"> WARNING: rank {rank}: {len(alive)} process group(s) still referenced after their release: their"
+            " threads outlive the run and may abort the process at exit: " + "; ".join(described)
+        )
+
+
+def _torch_name(group: dist.ProcessGroup) -> str:
+    if group is dist.group.WORLD:
+        return "world"
+    return f"group {getattr(group, 'group_name', '?')}"
+
+
+def _ranks(group: dist.ProcessGroup) -> str:
+    try:
+        ranks = dist.get_process_group_ranks(group)
+    except Exception:  # not a group of the default world: no ranks to show
+        return "ranks ?"
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ",".join(map(str, ranks[:8])) + (",..." if len(ranks) > 8 else "")
 
 
 def forget_frames(exc: BaseException) -> None:

@@ -24,6 +24,7 @@ from megatron.checkpoint import Checkpointer
 from megatron.config import Config
 from megatron.config.batch_schedule import BatchSchedule, train_iterations
 from megatron.data import build_datasets, build_tokenizer, padded_vocab_size
+from megatron.model.te_state import release_te_state
 from megatron.optim.loss_scaler import build_loss_scaler
 from megatron.optim.schedule import LearningRates, LRSchedule
 from megatron.parallel import ParallelDims, init_distributed
@@ -63,9 +64,9 @@ class Trainer:
         started = dist.is_initialized()
         self.device = init_distributed(cfg)
         if not started and dist.is_initialized():  # this run started torch.distributed: its end destroys the groups
-            self.shutdown.own_process_groups([dist.group.WORLD], cfg.parallel.distributed_timeout_minutes)
+            self.shutdown.own_process_groups({"world": dist.group.WORLD}, cfg.parallel.distributed_timeout_minutes)
         self.dims = ParallelDims.build(cfg)
-        self.shutdown.watch(v for v in vars(self.dims).values() if isinstance(v, dist.ProcessGroup))
+        self.shutdown.watch({k: v for k, v in vars(self.dims).items() if isinstance(v, dist.ProcessGroup)})
         with self.shutdown.on_error():  # a part that fails to start stops those started before it
             self._build()
 
@@ -78,6 +79,8 @@ class Trainer:
         )
         self.dtype = cfg.precision.params_dtype
         self.tp, self.cp, self.stage, self.model, deferred = build_model(cfg, dims, self.device, self.vocab_size)
+        if cfg.model.transformer_impl == "transformer_engine":  # TE's globals keep our groups (te_state.py)
+            self.shutdown.add_at_exit("Transformer Engine's global state", release_te_state)
         self.fp8, self.fp8_monitor = build_fp8(cfg, self.model, dims, self.device)
         self.grad_buffers = build_grad_buffers(cfg, dims, self.model, self.device, deferred)
         self.shutdown.add_at_exit("the gradient buffers' hooks", self.grad_buffers.remove_hooks)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import gc
 import weakref
-from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
 from megatron.training.shutdown import Shutdown, forget_frames
+from tests.dist_utils import one_rank_world as one_rank_world_of
 
 
 def _recorder():
@@ -97,11 +97,8 @@ def test_stopping_and_on_error_blocks():
 
 @pytest.fixture
 def one_rank_world(tmp_path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    with one_rank_world_of(str(tmp_path)):
+        yield
 
 
 def test_close_releases_the_groups_it_owns_after_the_parts(one_rank_world, monkeypatch):
@@ -131,11 +128,38 @@ def test_a_group_still_referenced_is_reported_and_an_error_skips_the_barrier(one
     shutdown.own_process_groups([group], timeout_minutes=1)
     shutdown.close(ok=False)
     assert not dist.is_initialized()
-    assert lines == [
+    assert len(lines) == 1
+    assert lines[0].startswith(
         "> WARNING: rank 0: 1 process group(s) still referenced after their release: their threads outlive the run"
-        " and may abort the process at exit"
-    ]
+        f" and may abort the process at exit: group {group.group_name} (ranks 0) held by "
+    )
     del group
+
+
+class _Cache:
+    def __init__(self) -> None:
+        self.groups: dict[str, object] = {}
+
+
+_CACHE = _Cache()
+
+
+def test_the_warning_names_each_group_once_and_what_holds_it(one_rank_world):
+    shutdown, _, lines, _ = _recorder()
+    held, released = dist.new_group([0]), dist.new_group([0])
+    shutdown.own_process_groups({"world": dist.group.WORLD}, timeout_minutes=1)
+    shutdown.watch({"dp_group": held, "dp_cp_group": held, "amax_group": released, "tp_group": None})
+    _CACHE.groups["recipe=1,group=2"] = held
+    del held, released
+    try:
+        shutdown.close()
+    finally:
+        _CACHE.groups.clear()
+    assert len(lines) == 1, lines
+    head, holders = lines[0].split(" at exit: ")
+    assert head.startswith("> WARNING: rank 0: 1 process group(s) still referenced")  # one group, two names
+    assert holders.startswith("dp_group=dp_cp_group (ranks 0) held by dict['recipe=1,group=2'] <- _Cache.groups <- ")
+    assert holders.endswith("test_shutdown._CACHE")
 
 
 def test_groups_the_run_did_not_start_are_left_to_their_owner(one_rank_world):
