@@ -438,6 +438,14 @@ def table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
+def short_kernel_name(name: str) -> str:
+    """A kernel's name without the namespaces and `void` that fill the first 110 characters of PyTorch's templated
+    kernels (the foreach kernels then show their functor: CopyFunctor, LpNormFunctor, ZeroFunctor)."""
+    for noise in ("void ", "at::native::", "(anonymous namespace)::", "at::", "c10::"):
+        name = name.replace(noise, "")
+    return name
+
+
 def profile(argv: list[str], steps: int, warmup: int = 2, top: int = 15) -> tuple[str, dict]:
     """Build the trainer for `argv`, time `steps` optimizer steps, then profile as many with torch.profiler, and
     report GPU kernel time by category (the lower bound's, megatron/perf/report.py), the top kernels, and how much
@@ -497,7 +505,7 @@ def profile(argv: list[str], steps: int, warmup: int = 2, top: int = 15) -> tupl
         lines.append(f"| {category} | {ms:.1f} | {100 * ms / total:.1f}% |")
     lines += ["", "| top kernels | ms/step |", "|---|---:|"]
     for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
-        lines.append(f"| {name[:110]} | {ms:.1f} |")
+        lines.append(f"| {short_kernel_name(name)[:110]} | {ms:.1f} |")
     summary = {"step_ms": wall_ms, "busy_ms": busy, "kernel_ms": total, "categories": by_category}
     return "\n".join(lines), summary
 

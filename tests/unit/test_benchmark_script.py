@@ -165,3 +165,12 @@ def test_the_fsdp_layouts_parse_with_the_local_configs():
                 assert cfg.parallel.data_parallel_sharding_strategy == strategy, (preset, config, layout)
                 assert cfg.data_parallel_size == 2, (preset, config, layout)
     assert "--nproc-per-node=4" in benchmark.command("llama3-8b", "local-delayed-fp8params", 10, 5, "fsdp2_tp2")
+
+
+def test_profile_kernel_names_keep_the_foreach_functor_in_view():
+    name = (
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+        "TensorListMetadata<2>, at::native::(anonymous namespace)::CopyFunctor<c10::BFloat16, 2, 1, 1>>"
+    )
+    assert "CopyFunctor<BFloat16" in benchmark.short_kernel_name(name)[:110]
+    assert benchmark.short_kernel_name("ncclDevKernel_AllGather_RING_LL") == "ncclDevKernel_AllGather_RING_LL"
