@@ -3,17 +3,20 @@
 #   bash scripts/fsdp_rows.sh tests OUTDIR   the FSDP GPU tests: TE's FP8 all-gather over 30 steps (per tensor and
 #                                            blockwise), the first gather's transpose, the FP8 guard and monitor, the
 #                                            freed bf16 shards, TE meta-device init, the FP8 gradient reduce-scatter,
-#                                            the cached FP8 shard cast (about 7 minutes)
+#                                            the cached FP8 shard cast, the calibration pass recomputed (one GPU) and
+#                                            TE's state released at exit (about 8 minutes)
 #   bash scripts/fsdp_rows.sh 1b OUTDIR      llama-1b: FSDP with FP8 and bf16 all-gathers, one- and four-layer units,
 #                                            beside dp2_distopt, each row with its lower bound (about 9 minutes)
 #   bash scripts/fsdp_rows.sh host OUTDIR    llama-1b's host-bound FSDP step (optim_grads): the profile of
 #                                            dp2_distopt and of one-, two- and four-layer units in one call (a
 #                                            host-bound step moves with the machine's CPU), and the host-device
 #                                            synchronizations per step of dp2_distopt and FSDP (about 8 minutes)
-#   bash scripts/fsdp_rows.sh 8b OUTDIR      llama3-8b under FSDP with O2's states: FP8 all-gathers with nothing
-#                                            recomputed and no delayed-scaling calibration pass (the pass ran out of
-#                                            memory on H100s), with its lower bound; bf16 with 8 layers recomputed
-#                                            beside it (about 8 minutes)
+#   bash scripts/fsdp_rows.sh 8b OUTDIR      llama3-8b under FSDP with O2's states, FP8 all-gathers, nothing
+#                                            recomputed: delayed scaling with its calibration pass (every layer
+#                                            recomputed in the pass), and with FP8 attention and no pass; then the
+#                                            profile of the step without the pass (about 8 minutes)
+#   bash scripts/fsdp_rows.sh 8b-nccl OUTDIR the same step (no pass) with NCCL's kernels limited to 4, 8 and 16 CTAs
+#                                            (NCCL_MAX_CTAS) beside the default (about 8 minutes)
 #   bash scripts/fsdp_rows.sh megatron OUTDIR  Megatron-LM's FSDP on llama3-8b (FP8, --fp8-param-gather, every layer
 #                                            recomputed), for the same-call comparison (about 4 minutes)
 #   bash scripts/fsdp_rows.sh parity OUTDIR  loss parity on real text at DP=2 of FSDP's FP8 reduce-scatter (O1) against
@@ -23,8 +26,8 @@
 # OUTDIR gets a summary (summary.txt: the tables and each test's last lines) and every run's log (logs/). Megatron-LM's
 # sources must be where .devkit/anchors/megatron_run.sh looks (../shared/anchors/README.md).
 set -o pipefail
-PART=${1:?usage: bash scripts/fsdp_rows.sh tests|1b|host|8b|megatron|parity OUTDIR}
-OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|1b|host|8b|megatron|parity OUTDIR}
+PART=${1:?usage: bash scripts/fsdp_rows.sh tests|1b|host|8b|8b-nccl|megatron|parity OUTDIR}
+OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|1b|host|8b|8b-nccl|megatron|parity OUTDIR}
 mkdir -p "$OUT/logs"
 source .devkit/setup-te.sh || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -32,7 +35,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/su
 bench() { python3 scripts/benchmark.py --log-dir "$OUT/logs" "$@" 2>&1 | tee -a "$OUT/summary.txt"; }
 case $PART in
   tests)
-    for t in test_te_fsdp_transpose test_te_fsdp test_te_fsdp_blockwise test_te_fsdp_guard test_te_fsdp_free_shards \
+    for t in test_te_calibration_recompute test_te_exit_gpu test_te_fsdp_transpose test_te_fsdp test_te_fsdp_blockwise test_te_fsdp_guard test_te_fsdp_free_shards \
         test_te_fsdp_meta test_te_fsdp_fp8_reduce "test_fp8_gpu -k fsdp_shard_cast"; do
       read -r file select <<< "$t"
       timeout 150 python3 -m pytest -q -x -s "tests/gpu/$file.py" $select > "$OUT/logs/$file.txt" 2>&1
@@ -54,8 +57,19 @@ case $PART in
     done;;
   8b)
     common=(--presets llama3-8b --iters 6 --log-interval 2 --timeout 200 --layouts fsdp2_o2states)
-    bench "${common[@]}" --configs te-delayed-fp8params-nocalib --bound --no-bound-profile --probe-cache "$OUT/probes.json"
-    bench "${common[@]}" --configs te-bf16-recompute-block8;;
+    # delayed scaling with its calibration pass (every layer recomputed in it since the sixth session), and FP8
+    # attention without it; then where the FP8 step goes
+    bench "${common[@]}" --configs te-delayed-fp8params te-delayed-fp8params-nocalib-fp8attn
+    timeout 200 python3 scripts/benchmark.py --profile llama3-8b te-delayed-fp8params-nocalib --layouts fsdp2_o2states \
+      --profile-top 40 2>&1 | grep -A80 "^step " | tee -a "$OUT/summary.txt";;
+  8b-nccl)
+    # fewer SMs for the NCCL kernels that run beside the GEMMs (511 ms of them per 2449 ms step, 26 ms exposed)
+    common=(--presets llama3-8b --iters 6 --log-interval 2 --timeout 200 --layouts fsdp2_o2states)
+    bench "${common[@]}" --configs te-delayed-fp8params-nocalib
+    for ctas in 4 8 16; do
+      echo "NCCL_MAX_CTAS=$ctas" | tee -a "$OUT/summary.txt"
+      NCCL_MAX_CTAS=$ctas bench "${common[@]}" --configs te-delayed-fp8params-nocalib
+    done;;
   megatron)
     NPROC=2 ITERS=15 TIMEOUT=230 OUT="$OUT/logs" MEG_EXTRA="--use-megatron-fsdp --data-parallel-sharding-strategy \
 optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fsdp_dtensor --recompute-granularity \
