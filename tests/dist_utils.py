@@ -9,8 +9,8 @@ The rendezvous is a FileStore in a fresh temporary directory, so parallel test r
 An exception in any rank fails the test with that rank's traceback.
 
 Gloo ranks are forked from multiprocessing's fork server, which imports PRELOAD once per test session (at the first
-run): a spawned rank spent 2-3 s of CPU importing torch and the project, about a third of the distributed tests'
-time on 2 cores. Each rank still starts from freshly imported modules (nothing the test process did reaches it),
+run): a spawned rank spent 2-3 s of CPU importing torch and the project, close to half of tests/distributed's CPU
+time. Each rank still starts from freshly imported modules (nothing the test process did reaches it),
 with the test's environment, stdout and stderr, as a spawned rank does. NCCL ranks are spawned.
 """
 
