@@ -1,5 +1,5 @@
-"""Run a function on N gloo ranks (CPU processes), or N NCCL ranks with one GPU each. Several checks per spawn: each
-spawn costs seconds on 2 cores.
+"""Run a function on N gloo ranks (CPU processes), or N NCCL ranks with one GPU each. Several checks per run: each
+run costs a process group's start and every rank's first-use setup.
 
     def _body(rank, world_size, tmp):   # runs in every rank, torch.distributed already initialized
         ...
@@ -7,6 +7,11 @@ spawn costs seconds on 2 cores.
 
 The rendezvous is a FileStore in a fresh temporary directory, so parallel test runs never clash on a port.
 An exception in any rank fails the test with that rank's traceback.
+
+Gloo ranks are forked from multiprocessing's fork server, which imports PRELOAD once per test session (at the first
+run): a spawned rank spent 2-3 s of CPU importing torch and the project, close to half of tests/distributed's CPU
+time. Each rank still starts from freshly imported modules (nothing the test process did reaches it),
+with the test's environment, stdout and stderr, as a spawned rank does. NCCL ranks are spawned.
 """
 
 from __future__ import annotations
@@ -14,20 +19,62 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import gc
+import multiprocessing
 import os
 import tempfile
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from multiprocessing import reduction
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# What a rank's first run imports anyway (torch._dynamo: FSDP2's first call; pytest: the test modules)
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "pytest",
+    "megatron.training",
+]
+multiprocessing.set_forkserver_preload(PRELOAD)
+
+
+class _Inherited:
+    """A file descriptor of the test process, handed to a rank as it starts: a forked rank would otherwise write to
+    the fork server's stdout and stderr (those of the test that started it), not to this test's captured ones."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return _detach, (reduction.DupFd(self.fd),)  # pickled while the rank starts: sent with it
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
 
 def _entry(
-    rank: int, fn: Callable, world_size: int, store_path: str, error_dir: str, args: tuple, backend: str
+    rank: int,
+    fn: Callable,
+    world_size: int,
+    store_path: str,
+    error_dir: str,
+    args: tuple,
+    backend: str,
+    env: dict[str, str],
+    outputs: tuple[int, int],
 ) -> None:
+    os.environ.clear()  # the test's environment at this run, not the fork server's at its start
+    os.environ.update(env)
+    for fd, target in zip(outputs, (1, 2)):
+        if fd != target:  # a spawned rank has the test's own descriptors
+            os.dup2(fd, target)
+            os.close(fd)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
@@ -62,11 +109,12 @@ def run_distributed(fn: Callable, world_size: int, args: tuple = (), backend: st
         store_path, error_dir = os.path.join(tmp, "store"), os.path.join(tmp, "errors")
         os.makedirs(error_dir)
         try:
+            outputs = (_Inherited(1), _Inherited(2))
             mp.start_processes(
                 _entry,
-                args=(fn, world_size, store_path, error_dir, args, backend),
+                args=(fn, world_size, store_path, error_dir, args, backend, dict(os.environ), outputs),
                 nprocs=world_size,
-                start_method="spawn",
+                start_method="forkserver" if backend == "gloo" else "spawn",
             )
         except Exception as exc:
             reports = [open(os.path.join(error_dir, f)).read() for f in sorted(os.listdir(error_dir))]
