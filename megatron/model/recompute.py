@@ -159,10 +159,6 @@ def checkpoint(function: Callable[..., torch.Tensor], *args: Any, runner: Runner
     return _Checkpoint.apply(function, *args)
 
 
-SELECTIVE_SWITCHES = ("recompute_core_attn", "recompute_mlp", "recompute_norm")
-"""The attributes through which layers and linears apply --recompute-modules (core_attn, mlp, layernorm)."""
-
-
 @contextlib.contextmanager
 def every_layer_recomputed(model: nn.Module) -> Iterator[None]:
     """Run `model` (a GPTModel) inside with full recomputation, uniform, one layer at a time, and no selective
@@ -173,22 +169,16 @@ def every_layer_recomputed(model: nn.Module) -> Iterator[None]:
     in backward, one layer's activations. Selective recomputation is switched off because inside a recomputed layer
     it saves nothing at the peak and would only nest a second checkpoint in the first. The recomputed forward runs
     on the random state of the first (see `checkpoint`), so it computes the same tensors bit for bit."""
-    plan = model.recompute
-    switched = [
-        (module, name, getattr(module, name))
-        for module in model.modules()
-        for name in SELECTIVE_SWITCHES
-        if getattr(module, name, False) is True
-    ]
-    model.recompute = RecomputePlan("full", "uniform", 1)
-    for module, name, _ in switched:
-        setattr(module, name, False)
+    plan, every_layer = model.recompute, RecomputePlan("full", "uniform", 1)  # no selective modules
+    model.recompute = every_layer
+    for layer in model.decoder.layers:  # each layer set its switches from the model's plan when it was built
+        layer.set_recompute(every_layer)
     try:
         yield
     finally:
         model.recompute = plan
-        for module, name, value in switched:
-            setattr(module, name, value)
+        for layer in model.decoder.layers:
+            layer.set_recompute(plan)
 
 
 def run_layers(

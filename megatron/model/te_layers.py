@@ -80,14 +80,18 @@ class TETransformerLayer(nn.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.gradient_accumulation_fusion = cfg.gradient_accumulation_fusion
         self.fp8 = fp8
-        plan = RecomputePlan.from_config(cfg)
-        self.self_attention.recompute_core_attn = plan.selective("core_attn")
-        self.recompute_mlp = plan.selective("mlp")
+        self.set_recompute(RecomputePlan.from_config(cfg))
         self._weights_version: int | None = None
         # Keep each step's FP8 weight casts for its later micro-batches (off under FSDP: a cast of every weight kept
         # for the whole step would be an unsharded copy of the model, megatron/parallel/fsdp.py)
         self.cache_weight_casts = True
         self._graphed: Callable[..., torch.Tensor] | None = None  # see `use_graph`
+
+    def set_recompute(self, plan: RecomputePlan) -> None:
+        """Switch the selective recomputation inside this layer as `plan` says (core_attn, mlp; TE's norms run
+        inside its LayerNormLinear, with nothing of their own to recompute)."""
+        self.self_attention.recompute_core_attn = plan.selective("core_attn")
+        self.recompute_mlp = plan.selective("mlp")
 
     def te_modules(self) -> tuple[nn.Module, ...]:
         """The TE modules holding this layer's linear weights."""

@@ -121,7 +121,11 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(cfg, layer_number, dtype, tp)
         self.mlp = MLP(cfg, dtype, tp)
         self.hidden_dropout = cfg.hidden_dropout
-        plan = RecomputePlan.from_config(cfg)
+        self.set_recompute(RecomputePlan.from_config(cfg))
+
+    def set_recompute(self, plan: RecomputePlan) -> None:
+        """Switch the selective recomputation inside this layer (--recompute-modules core_attn, mlp, layernorm)
+        as `plan` says; full recomputation is the model's (`run_layers`)."""
         self.self_attention.recompute_core_attn = plan.selective("core_attn")
         self.recompute_mlp = plan.selective("mlp")
         for linear in (self.self_attention.linear_qkv, self.mlp.linear_fc1):

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 
 import megatron.training.warmup as warmup
-from megatron.model.recompute import SELECTIVE_SWITCHES, RecomputePlan
+from megatron.model.recompute import RecomputePlan
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import PA
@@ -62,6 +62,11 @@ def _peak_saved_bytes() -> Iterator[list[int]]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t):
         yield peak
+
+
+# The attributes through which the layers and linears apply --recompute-modules (core_attn, mlp, layernorm): read
+# here directly, not through the layers' `set_recompute`, so that the test sees what the forward sees
+SELECTIVE_SWITCHES = ("recompute_core_attn", "recompute_mlp", "recompute_norm")
 
 
 def _calibrated(flags: str, world_size: int = 1, recompute_pass: bool = True) -> tuple[Trainer, dict]:
