@@ -10,7 +10,6 @@ import pytest
 import torch.distributed as dist
 
 from megatron.training.shutdown import Shutdown, forget_frames
-from tests.dist_utils import one_rank_world as one_rank_world_of
 
 
 def _recorder():
@@ -93,12 +92,6 @@ def test_stopping_and_on_error_blocks():
     with shutdown.stopping():
         shutdown.add("loader", part("loader"))
     assert calls == ["runtime", "loader", "tensorboard"]
-
-
-@pytest.fixture
-def one_rank_world(tmp_path):
-    with one_rank_world_of(str(tmp_path)):
-        yield
 
 
 def test_close_releases_the_groups_it_owns_after_the_parts(one_rank_world, monkeypatch):

@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from megatron.model.te_state import ATTENTION, DISTRIBUTED, QUANTIZATION, release_te_state
 from megatron.training.shutdown import Shutdown
-from tests.dist_utils import one_rank_world as one_rank_world_of
 
 
 @dataclass(slots=True)
@@ -67,12 +66,6 @@ def te_stand_ins(monkeypatch):
     yield attention
     FP8GlobalStateManager.reset()
     get_distributed_world_size.cache_clear()
-
-
-@pytest.fixture
-def one_rank_world(tmp_path):
-    with one_rank_world_of(str(tmp_path)):
-        yield
 
 
 def _run_that_leaves_groups_in_te(attention: types.ModuleType, release: bool) -> tuple[list[str], list[weakref.ref]]:
