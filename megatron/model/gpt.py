@@ -224,6 +224,9 @@ class GPTModel(nn.Module):
             self.rotary = RotaryEmbedding(int(cfg.kv_channels * cfg.rotary_percent), cfg.rotary_base)
         self.decoder = Decoder(cfg, dtype, self.te_fp8, tp, stage, base_seed)
         self.recompute = RecomputePlan.from_config(cfg)
+        # Layers per FSDP unit over decoder.layers, in order, once sharded (parallel/fsdp.py): full recomputation
+        # recomputes a unit of several layers whole (`recompute.check_units_whole`)
+        self.layer_units: tuple[int, ...] = ()
         self.output_layer = None
         if not tied and stage.post_process:
             with _seeded(base_seed + cfg.num_layers + 1):

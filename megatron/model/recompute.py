@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from megatron.config import ModelConfig
+from megatron.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -159,17 +160,44 @@ def checkpoint(function: Callable[..., torch.Tensor], *args: Any, runner: Runner
     return _Checkpoint.apply(function, *args)
 
 
+def splits_units(plan: RecomputePlan, units: Sequence[int], num_layers: int) -> bool:
+    """Whether a run that `plan` recomputes starts or ends inside one of `units` (layers per FSDP unit, in order)."""
+    bounds, edge = {0}, 0
+    for size in units:
+        edge += size
+        bounds.add(edge)
+    return any(done and not {start, end} <= bounds for start, end, done in plan.chunks(num_layers))
+
+
+def check_units_whole(model: nn.Module) -> None:
+    """A one-line error where the model's full recomputation would recompute part of an FSDP unit of several layers:
+    FSDP2 (torch 2.11) gathers and frees a unit of several modules as a whole, at the first module's forward and
+    after the first gradient reaches a module's input, so the next recomputed layer of the unit would run on freed
+    weights."""
+    units, num_layers = model.layer_units, len(model.decoder.layers)
+    if max(units, default=1) > 1 and splits_units(model.recompute, units, num_layers):
+        raise UserError(
+            f"full recomputation ({model.recompute.method}, --recompute-num-layers {model.recompute.num_layers})"
+            f" splits FSDP units of {max(units)} layers (--suggested-communication-unit-size): use --recompute-method"
+            f" uniform --recompute-num-layers {max(units)} (or a multiple), or a smaller unit size"
+        )
+
+
 @contextlib.contextmanager
 def every_layer_recomputed(model: nn.Module) -> Iterator[None]:
-    """Run `model` (a GPTModel) inside with full recomputation, uniform, one layer at a time, and no selective
-    recomputation, whatever its own --recompute-* flags; restore them on exit.
+    """Run `model` (a GPTModel) inside with full recomputation, uniform, one layer at a time (one FSDP unit at a
+    time where a unit holds several layers: see `check_units_whole`), and no selective recomputation, whatever its
+    own --recompute-* flags; restore them on exit.
 
     For a pass before the first step that must fit wherever the step fits (delayed scaling's calibration, which runs
     the FP8 layers in high precision: twice FP8's bytes for every GEMM input kept): it keeps each layer's input and,
-    in backward, one layer's activations. Selective recomputation is switched off because inside a recomputed layer
-    it saves nothing at the peak and would only nest a second checkpoint in the first. The recomputed forward runs
-    on the random state of the first (see `checkpoint`), so it computes the same tensors bit for bit."""
-    plan, every_layer = model.recompute, RecomputePlan("full", "uniform", 1)  # no selective modules
+    in backward, one layer's (unit's) activations. Selective recomputation is switched off because inside a
+    recomputed layer it saves nothing at the peak and would only nest a second checkpoint in the first. The
+    recomputed forward runs on the random state of the first (see `checkpoint`), so it computes the same tensors bit
+    for bit."""
+    # FSDP's units have equal numbers of layers but the last: uniform runs of that number are the units
+    every_layer = RecomputePlan("full", "uniform", max(model.layer_units, default=1))  # no selective modules
+    plan = model.recompute
     model.recompute = every_layer
     for layer in model.decoder.layers:  # each layer set its switches from the model's plan when it was built
         layer.set_recompute(every_layer)

@@ -259,6 +259,7 @@ def apply_fsdp(
     # layer's): resharding it would only gather it again at once (torchtitan does the same); the memory peak, the
     # start of the backward, holds it either way
     units += [shard(unit, shard_params and i < len(layer_units) - 1) for i, unit in enumerate(layer_units)]
+    model.layer_units = tuple(len(unit) for unit in layer_units)
     if untied:
         units.append(shard([model.decoder.final_layernorm, model.output_layer], False))
     root = shard([model], False)

@@ -108,15 +108,16 @@ def recomputed_activation_units(cfg: Config, layer_numbers: Sequence[int], held:
     return kept * held / layers
 
 
-def calibration_activation_units(cfg: Config, layer_numbers: Sequence[int]) -> float:
+def calibration_activation_units(cfg: Config, layer_numbers: Sequence[int], together: int = 1) -> float:
     """Delayed scaling's calibration pass (megatron/training/warmup.py) in bytes per s*b*h: one micro-batch through
     the layers `layer_numbers` in high precision, every layer recomputed on its own whatever the --recompute-*
-    flags (`every_layer_recomputed`): each layer's input kept, and in the backward of a layer its 16-bit activations
-    once more (every later layer's are freed by then). The FP8 monitor's taps, which record the amaxes, make
-    temporaries in a layer's forward (TE's norm outputs again in fp32), while less than the layer's activations are
-    held: they do not raise the peak."""
+    flags (`every_layer_recomputed`; `together` layers at a time: an FSDP unit's): each layer's input kept, and in
+    the backward of a layer (unit) its 16-bit activations once more (every later layer's are freed by then). The
+    FP8 monitor's taps, which record the amaxes, make temporaries in a layer's forward (TE's norm outputs again in
+    fp32), while less than the layer's activations are held: they do not raise the peak."""
     if not layer_numbers:
         return 0.0
     par = cfg.parallel
     kept_input = 2 / par.tensor_model_parallel_size if par.sequence_parallel else 2.0
-    return kept_input * len(layer_numbers) + sum(layer_activation_bytes(cfg, False).values())
+    held = min(together, len(layer_numbers))
+    return kept_input * len(layer_numbers) + held * sum(layer_activation_bytes(cfg, False).values())

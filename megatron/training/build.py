@@ -17,6 +17,7 @@ from megatron.fp8.linear import Fp8LinearState
 from megatron.fp8.monitor import Fp8Monitor, build_fp8_monitor
 from megatron.model import GPTModel, Stage
 from megatron.model.meta_init import DeferredInit
+from megatron.model.recompute import check_units_whole
 from megatron.optim import MixedPrecisionAdamW
 from megatron.parallel import GradientBuffers, ParallelDims
 from megatron.parallel.context_parallel import ContextParallel, attach_context_parallel
@@ -80,7 +81,9 @@ def build_grad_buffers(
     if par.fsdp:
         # FP8 weights gathered as FP8 (--fp8-param-gather): each weight's scale is agreed over the amax group, every
         # rank holding a piece of it (data x tensor (x context) parallel under the local engine), as one process's
-        return build_fsdp(model, cfg, dims.dp_cp_group, device, deferred, scale_group=dims.amax_group)
+        grads = build_fsdp(model, cfg, dims.dp_cp_group, device, deferred, scale_group=dims.amax_group)
+        check_units_whole(model)
+        return grads
     # Under the pipeline schedule the last micro-batch's backward is not the last backward of the step on every
     # stage, so the buckets are reduced after the schedule there.
     overlap = par.overlap_grad_reduce and dims.pp == 1

@@ -269,7 +269,10 @@ def estimate_bytes(
     calibration = 0.0
     # delayed scaling's calibration pass: a fresh run assumed (a resumed one runs none), none with TE's userbuffers
     if needs_calibration(cfg, 0) and not (_te(cfg) and par.tp_comm_overlap):
-        calibration = calibration_activation_units(cfg, layers) * s * b * h * act_scale + loss_activations + buffers
+        # recomputed an FSDP unit at a time where units hold several layers (model/recompute.py)
+        together = fsdp_layer_units(m.num_layers, layer, par.suggested_communication_unit_size)[0] if par.fsdp else 1
+        calibration = calibration_activation_units(cfg, layers, together) * s * b * h * act_scale
+        calibration += loss_activations + buffers
     static = weights + grads + main_params + adam + weight_casts
     return {
         "weights": weights,

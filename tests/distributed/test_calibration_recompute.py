@@ -7,7 +7,8 @@
   after it too: for a model without recomputation of its own, with full (uniform, block) and with selective
   recomputation, dropout on; in one process and under FSDP at DP=2 (gloo, FP8 all-gathers, the shards freed by
   the pass's forward and written back);
-* the pass ran as full, uniform, one layer, and the run's own settings are back afterwards;
+* the pass ran as full, uniform, one layer (one FSDP unit of two layers where units hold two), and the run's own
+  settings are back afterwards; a run's own recomputation of part of a unit is refused in one line;
 * the pass keeps fewer bytes for backward at once (the peak of the tensors saved for backward, measured through
   saved-tensor hooks) than without recomputation."""
 
@@ -17,13 +18,15 @@ import contextlib
 import weakref
 from collections.abc import Iterator
 
+import pytest
 import torch
 
 import megatron.training.warmup as warmup
+from megatron.errors import UserError
 from megatron.model.recompute import RecomputePlan
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
-from tests.distributed.test_fsdp import PA
+from tests.distributed.test_fsdp import PA, UNITS
 from tests.distributed.test_parallel_layouts import BASE, FP8, _parse
 
 STEPS = 3
@@ -113,13 +116,15 @@ def _run(flags: str, world_size: int, recompute_pass: bool) -> tuple[Trainer, di
     return trainer, seen, scales, trainer.train().losses
 
 
-def _compare(flags: str, world_size: int = 1) -> None:
+def _compare(flags: str, world_size: int = 1, together: int = 1) -> None:
     """The pass with and without its recomputation: the same scales and losses, bit for bit; the run's own
-    recomputation back after the pass; fewer bytes kept for backward."""
+    recomputation back after the pass; fewer bytes kept for backward. `together`: layers the pass recomputes at a
+    time (an FSDP unit's)."""
     _, old, (want_history, want_scale), want = _run(flags, world_size, recompute_pass=False)
     after, new, (history, scale), losses = _run(flags, world_size, recompute_pass=True)
     own = RecomputePlan.from_config(after.cfg.model)
-    assert old["plan"] == own and new["plan"] == RecomputePlan("full", "uniform", 1), (old["plan"], new["plan"])
+    passed = RecomputePlan("full", "uniform", together)
+    assert old["plan"] == own and new["plan"] == passed, (old["plan"], new["plan"])
     assert not new["switched_on"], new["switched_on"]  # no selective recomputation nested inside the layers'
     assert after.model.recompute == own
     switched_on = [
@@ -141,6 +146,11 @@ def _fsdp_body(rank: int, world_size: int) -> None:
     for own in ("none", "uniform2"):
         for strategy in ("optim_grads", "optim_grads_params"):
             _compare(f"{DELAYED} {PA} --fp8-param-gather {FSDP} {strategy} {OWN[own]}", world_size)
+    # units of two layers: the pass recomputes a unit at a time (FSDP2 frees a unit as a whole); a run's own
+    # recomputation of single layers is refused in one line
+    _compare(f"{DELAYED} {PA} {FSDP} optim_grads {UNITS}", world_size, together=2)
+    with pytest.raises(UserError, match="splits FSDP units of 2 layers"):
+        Trainer(_parse(f"{DELAYED} {FSDP} optim_grads {UNITS} {OWN['block1']}", world_size))
     torch.distributed.barrier()
 
 

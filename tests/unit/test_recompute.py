@@ -11,7 +11,7 @@ from megatron.config import ConfigError, parse_args
 from megatron.data.mock import MockGPTDataset
 from megatron.fp8 import attach_fp8
 from megatron.model import GPTModel
-from megatron.model.recompute import RecomputePlan, checkpoint
+from megatron.model.recompute import RecomputePlan, checkpoint, splits_units
 from megatron.training.memory import estimate_bytes
 
 BASE = (
@@ -139,6 +139,18 @@ def test_plan_layers_follow_megatron():
     assert block.recomputed_layers(5) == 2 and block.recomputed_layers(1) == 1
     assert plan("--recompute-activations").modules == {"core_attn"}  # Megatron-LM's default module
     assert plan("").chunks(5) == [(0, 5, False)]
+
+
+def test_runs_that_split_fsdp_units():
+    """Full recomputation must not recompute part of an FSDP unit of several layers (`check_units_whole`)."""
+    uniform = lambda n: RecomputePlan("full", "uniform", n)  # noqa: E731
+    assert not splits_units(uniform(2), (2, 2, 1), 5)
+    assert not splits_units(uniform(4), (2, 2), 4)  # a run of two whole units
+    assert splits_units(uniform(1), (2, 2), 4)
+    assert splits_units(uniform(3), (2, 2), 4)
+    assert splits_units(RecomputePlan("full", "block", 1), (2, 2), 4)  # the first layer alone
+    assert not splits_units(RecomputePlan("full", "block", 1), (1, 1, 1), 3)
+    assert not splits_units(RecomputePlan("selective", None, None, frozenset({"mlp"})), (2, 2), 4)
 
 
 def test_checkpoint_restores_the_rng_of_the_first_forward():
