@@ -1,0 +1,338 @@
+"""RoPE on the packed QKV output as one Triton kernel each way (CUDA): q and k rotated, v copied, written out as
+three contiguous tensors; the backward writes the packed gradient directly.
+
+What it computes is Transformer Engine's `apply_fused_qkv_rotary_pos_emb(packed, angles, angles, [np/ng * hn, hn,
+hn], tensor_format="sbhd")` (non-interleaved), which the attention layers used before:
+    packed [s, b, ng, (np/ng + 2) * hn]: per query group its np/ng query heads, its key head, its value head;
+    angles [s2 >= s, 1, 1, d] fp32 (`RotaryEmbedding`, d <= hn even; channels d..hn pass through);
+    per head, in fp32 with c = cos(angle[i]), n = sin(angle[i]), h = d / 2:
+        out[i] = x[i] c - x[i + h] n  (i < h),   out[i] = x[i] c + x[i - h] n  (h <= i < d),
+    rounded once to the input dtype; the backward applies the transpose (sin(angle[i + h]) and -sin(angle[i - h])).
+The sines and cosines are libdevice's `sinf` / `cosf` (correctly reduced, as CUDA's `sincosf`, which TE calls:
+Triton's `tl.sin` may lower to the hardware approximation, off by 1e-3 at angles of thousands of radians). Results
+equal TE's up to how the compilers contract `a c + b n` into an fma: within one ulp of the output dtype.
+
+Why not TE's kernel: it runs at about a third of the memory bandwidth (llama-1b 22.4 ms per step against 7.1 ms of
+bytes; issue 31). Here one program takes ROWS whole (s, b) rows: it loads the position's angles once, computes
+their sines and cosines once for all heads of the row, and moves each head as two [heads, d/2] tiles (the halves
+that pair up) plus the pass-through channels: every byte read once and written once, in vectors.
+
+Triton is imported on first use only (`build()`); `available()` is False without it. The CPU (the plain GPT, the
+numerical oracle) never runs this kernel; the tests run it under Triton's interpreter on the CPU too
+(tests/gpu/test_rope_kernel.py). `python3 scripts/rope_bench.py` times it against TE's on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Any
+
+import torch
+
+# Bound by `build()`; None until then, so that importing this module never imports Triton.
+tl = None
+_TRITON: Any = None  # the triton module once built, False when it cannot be imported
+
+# Tiles and warps: each thread moves 16-byte vectors (8 elements of bf16), so the warps are as many as the smallest
+# tile (a block of key heads' halves) fills with _VECTOR elements per thread (1 to 8); the query tiles hold at most
+# _PER_THREAD elements per thread (registers), more heads than that are taken in blocks. Rows shorter than
+# _ROW_ELEMENTS go several to a program (tensor parallelism leaves few heads per rank).
+_VECTOR = 8
+_PER_THREAD = 32
+_ROW_ELEMENTS = 2048
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Kernel (plain functions: `build()` wraps them with triton.jit and rebinds these names to the jitted versions)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _copy_channels(src, dst, s_off, d_off, head_mask, START: tl.constexpr, WIDTH: tl.constexpr, WIDTH_B: tl.constexpr):
+    """Channels START..START+WIDTH of a block of heads, as they are (the pass-through channels, v)."""
+    cols = tl.arange(0, WIDTH_B)
+    mask = head_mask[:, None] & (cols < WIDTH)[None, :]
+    x = tl.load(src + s_off[:, None] + START + cols[None, :], mask=mask)
+    tl.store(dst + d_off[:, None] + START + cols[None, :], x, mask=mask)
+
+
+def _heads(
+    src,
+    dst,
+    cos1,
+    cos2,
+    sin_a,
+    sin_b,
+    N: tl.constexpr,
+    PER: tl.constexpr,
+    OFFSET: tl.constexpr,
+    SLOTS: tl.constexpr,
+    TO_PACKED: tl.constexpr,
+    ROTATE: tl.constexpr,
+    HN: tl.constexpr,
+    HN_B: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_B: tl.constexpr,
+    REST: tl.constexpr,
+    REST_B: tl.constexpr,
+    HEADS_B: tl.constexpr,
+):
+    """The N heads of one kind (q, k or v) of one row. Head i is slot (i // PER) * SLOTS + OFFSET + i % PER of the
+    packed row and slot i of the dense one; src is the packed row unless TO_PACKED. Rotated:
+    y1 = x1 cos1 + x2 sin_a, y2 = x2 cos2 + x1 sin_b on the halves x1, x2 of the first 2 HALF channels."""
+    for first in tl.static_range(0, N, HEADS_B):
+        heads = first + tl.arange(0, HEADS_B)
+        head_mask = heads < N
+        packed = ((heads // PER) * SLOTS + OFFSET + heads % PER) * HN
+        dense = heads * HN
+        if TO_PACKED:
+            s_off, d_off = dense, packed
+        else:
+            s_off, d_off = packed, dense
+        if ROTATE:
+            cols = tl.arange(0, HALF_B)
+            mask = head_mask[:, None] & (cols < HALF)[None, :]
+            lo = s_off[:, None] + cols[None, :]
+            x1 = tl.load(src + lo, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(src + lo + HALF, mask=mask, other=0.0).to(tl.float32)
+            y1 = x1 * cos1[None, :] + x2 * sin_a[None, :]
+            y2 = x2 * cos2[None, :] + x1 * sin_b[None, :]
+            out = d_off[:, None] + cols[None, :]
+            tl.store(dst + out, y1.to(dst.dtype.element_ty), mask=mask)
+            tl.store(dst + out + HALF, y2.to(dst.dtype.element_ty), mask=mask)
+            if REST > 0:
+                _copy_channels(src, dst, s_off, d_off, head_mask, 2 * HALF, REST, REST_B)
+        else:
+            _copy_channels(src, dst, s_off, d_off, head_mask, 0, HN, HN_B)
+
+
+def _qkv_rope_kernel(
+    packed,
+    q,
+    k,
+    v,
+    trig,
+    batch,
+    sin_offset,
+    NP: tl.constexpr,
+    NG: tl.constexpr,
+    PER: tl.constexpr,
+    HN: tl.constexpr,
+    HN_B: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_B: tl.constexpr,
+    REST: tl.constexpr,
+    REST_B: tl.constexpr,
+    Q_HEADS_B: tl.constexpr,
+    KV_HEADS_B: tl.constexpr,
+    ROWS: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
+    """ROWS rows (s, b) of the packed tensor <-> q, k, v. Forward: packed -> q, k, v; BACKWARD: their gradients ->
+    the packed gradient (the transposed rotation). trig: cos of the angles [s, 2 HALF], their sin at sin_offset."""
+    cols = tl.arange(0, HALF_B)
+    col_mask = cols < HALF
+    for r in tl.static_range(ROWS):
+        row = tl.program_id(0).to(tl.int64) * ROWS + r
+        cos_row = trig + (row // batch) * (2 * HALF)
+        cos1 = tl.load(cos_row + cols, mask=col_mask, other=0.0)
+        cos2 = tl.load(cos_row + HALF + cols, mask=col_mask, other=0.0)
+        sin1 = tl.load(cos_row + sin_offset + cols, mask=col_mask, other=0.0)
+        sin2 = tl.load(cos_row + sin_offset + HALF + cols, mask=col_mask, other=0.0)
+        if BACKWARD:
+            sin_a, sin_b = sin2, -sin1
+        else:
+            sin_a, sin_b = -sin1, sin2
+        p_row = packed + row * (NG * (PER + 2) * HN)
+        q_row, k_row, v_row = q + row * (NP * HN), k + row * (NG * HN), v + row * (NG * HN)
+        if BACKWARD:
+            _heads(q_row, p_row, cos1, cos2, sin_a, sin_b, NP, PER, 0, PER + 2, True, True,
+                   HN, HN_B, HALF, HALF_B, REST, REST_B, Q_HEADS_B)  # fmt: skip
+            _heads(k_row, p_row, cos1, cos2, sin_a, sin_b, NG, 1, PER, PER + 2, True, True,
+                   HN, HN_B, HALF, HALF_B, REST, REST_B, KV_HEADS_B)  # fmt: skip
+            _heads(v_row, p_row, cos1, cos2, sin_a, sin_b, NG, 1, PER + 1, PER + 2, True, False,
+                   HN, HN_B, HALF, HALF_B, REST, REST_B, KV_HEADS_B)  # fmt: skip
+        else:
+            _heads(p_row, q_row, cos1, cos2, sin_a, sin_b, NP, PER, 0, PER + 2, False, True,
+                   HN, HN_B, HALF, HALF_B, REST, REST_B, Q_HEADS_B)  # fmt: skip
+            _heads(p_row, k_row, cos1, cos2, sin_a, sin_b, NG, 1, PER, PER + 2, False, True,
+                   HN, HN_B, HALF, HALF_B, REST, REST_B, KV_HEADS_B)  # fmt: skip
+            _heads(p_row, v_row, cos1, cos2, sin_a, sin_b, NG, 1, PER + 1, PER + 2, False, False,
+                   HN, HN_B, HALF, HALF_B, REST, REST_B, KV_HEADS_B)  # fmt: skip
+
+
+#: The kernel's tensor and integer arguments, in order (the rest are `config`'s constexprs), and their Triton types
+#: for a packed dtype (scripts and tests that compile it ahead of time name them).
+ARG_NAMES = ("packed", "q", "k", "v", "trig", "batch", "sin_offset")
+
+
+def arg_types(dtype: str) -> tuple[str, ...]:
+    """Triton signature types of ARG_NAMES for packed data of Triton dtype `dtype` ("bf16", "fp16", "fp32")."""
+    return (f"*{dtype}",) * 4 + ("*fp32", "i32", "i32")
+
+
+def build() -> Any:
+    """Import Triton and jit the kernel (once): the jitted `_qkv_rope_kernel`, or None without Triton."""
+    global _TRITON, tl, _copy_channels, _heads, _qkv_rope_kernel
+    if _TRITON is None:
+        try:
+            import triton
+        except ImportError:
+            _TRITON = False
+            return None
+        tl = triton.language
+        # The kernel resolves its helpers through this module's globals: rebind them to their jitted versions.
+        _copy_channels, _heads = triton.jit(_copy_channels), triton.jit(_heads)
+        _qkv_rope_kernel = triton.jit(_qkv_rope_kernel)
+        _TRITON = triton
+    return _qkv_rope_kernel if _TRITON else None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels with its CPU interpreter (TRITON_INTERPRET=1, read when Triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
+@functools.cache
+def available() -> bool:
+    """Whether Triton can be imported (found without importing it: that happens on the first launch)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def rope_path(fusion: bool, angles: torch.Tensor, device: torch.device, te_kernel: bool) -> str:
+    """How the attention layers rotate q and k of the packed QKV output on `device` with these angles:
+
+    "triton"  this kernel: --apply-rope-fusion (the default), angles shared by the batch ([s, 1, 1, d]), CUDA,
+              Triton importable;
+    "te"      TE's fused QKV kernel (`te_kernel`: the layer is TE's) where only Triton is missing;
+    "unfused" `apply_rotary` on q and k: --no-rope-fusion, per-sample positions ([s, b, 1, d] angles, which
+              neither kernel takes), the CPU (the plain GPT stays the oracle, op for op).
+    """
+    if not fusion or angles.shape[1] != 1 or device.type != "cuda":
+        return "unfused"
+    if available():
+        return "triton"
+    return "te" if te_kernel else "unfused"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def config(
+    heads: int, groups: int, head_dim: int, rotary_dim: int, rows: int, *, rows_per_program: int | None = None,
+    num_warps: int | None = None,
+) -> dict[str, int]:  # fmt: skip
+    """The kernel's compile-time sizes and launch shape for `rows` (s * b) rows of `heads` query heads in `groups`
+    groups of `head_dim` channels, the first `rotary_dim` rotated. `rows_per_program` and `num_warps` override the
+    choice (scripts/rope_bench.py sweeps them)."""
+    if heads % groups:
+        raise ValueError(f"{heads} query heads do not split into {groups} groups")
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary dimension {rotary_dim}: must be even and in 2..{head_dim} (the head size)")
+    half, rest, hn_b = rotary_dim // 2, head_dim - rotary_dim, _next_pow2(head_dim)
+    half_b = _next_pow2(half)
+    kv_heads = min(_next_pow2(groups), max(1, 8 * 32 * _PER_THREAD // hn_b))
+    if num_warps is None:
+        num_warps = min(max(kv_heads * half_b // (32 * _VECTOR), 1), 8)
+    q_heads = min(_next_pow2(heads), max(1, num_warps * 32 * _PER_THREAD // half_b))
+    if rows_per_program is None:
+        rows_per_program = 1
+        row_elements = (heads + 2 * groups) * head_dim
+        while rows_per_program * 2 * row_elements <= _ROW_ELEMENTS and rows % (rows_per_program * 2) == 0:
+            rows_per_program *= 2
+    if rows % rows_per_program:
+        raise ValueError(f"{rows_per_program} rows per program do not divide {rows} rows")
+    return dict(
+        NP=heads, NG=groups, PER=heads // groups, HN=head_dim, HN_B=hn_b, HALF=half, HALF_B=half_b,
+        REST=rest, REST_B=_next_pow2(max(rest, 1)), Q_HEADS_B=q_heads, KV_HEADS_B=kv_heads, ROWS=rows_per_program,
+        num_warps=num_warps,
+    )  # fmt: skip
+
+
+def trig_table(angles: torch.Tensor, seq: int) -> torch.Tensor:
+    """cos and sin of the first `seq` positions' angles ([s2 >= seq, 1, 1, d]) as one fp32 [2, seq, d] tensor: two
+    small torch kernels (CUDA's `cosf` / `sinf`, as TE's kernel and `apply_rotary` compute them) each call, so
+    that the main kernel's threads read them instead of each evaluating the same sines for every head."""
+    if angles.dim() != 4 or angles.shape[1] != 1 or angles.shape[2] != 1 or angles.shape[0] < seq:
+        raise ValueError(f"angles of shape {tuple(angles.shape)}: the kernel takes [s2 >= {seq}, 1, 1, d]")
+    theta = angles[:seq].reshape(seq, angles.shape[-1]).float()
+    table = torch.empty((2, *theta.shape), dtype=torch.float32, device=theta.device)
+    torch.cos(theta, out=table[0])
+    torch.sin(theta, out=table[1])
+    return table
+
+
+def _launch(
+    packed: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, angles: torch.Tensor, backward: bool,
+    tune: dict[str, int],
+) -> None:  # fmt: skip
+    kernel = build()
+    if kernel is None:
+        raise RuntimeError("the fused RoPE kernel needs Triton (pip install triton); --no-rope-fusion does not")
+    s, b, heads, hn = q.shape
+    groups = k.shape[2]
+    table = trig_table(angles, s)
+    sizes = config(heads, groups, hn, table.shape[2], s * b, **tune)
+    grid = (s * b // sizes["ROWS"],)
+    args = (packed, q, k, v, table, b, table[0].numel())
+    if packed.device.type == "cuda" and packed.device.index != torch.cuda.current_device():
+        with torch.cuda.device(packed.device):  # Triton launches on the current device
+            kernel[grid](*args, **sizes, BACKWARD=backward)
+    else:
+        kernel[grid](*args, **sizes, BACKWARD=backward)
+
+
+def qkv_rope_forward(
+    packed: torch.Tensor, angles: torch.Tensor, heads_per_group: int, **tune: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [s, b, np, hn], k and v [s, b, ng, hn] (contiguous, RoPE on q and k) from the packed QKV output
+    [s, b, ng, (np/ng + 2) * hn] and angles [s2, 1, 1, d]."""
+    s, b, groups, width = packed.shape
+    hn = width // (heads_per_group + 2)
+    if hn * (heads_per_group + 2) != width:
+        raise ValueError(f"a packed row of {width} channels does not hold {heads_per_group} + 2 heads per group")
+    packed = packed.contiguous()
+    q = packed.new_empty(s, b, groups * heads_per_group, hn)
+    k, v = packed.new_empty(s, b, groups, hn), packed.new_empty(s, b, groups, hn)
+    if q.numel():
+        _launch(packed, q, k, v, angles, False, tune)
+    return q, k, v
+
+
+def qkv_rope_backward(
+    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, angles: torch.Tensor, **tune: int
+) -> torch.Tensor:
+    """The gradient of the packed QKV output [s, b, ng, (np/ng + 2) * hn] from those of q, k and v."""
+    s, b, heads, hn = dq.shape
+    groups = dk.shape[2]
+    dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
+    packed = dq.new_empty(s, b, groups, (heads // groups + 2) * hn)
+    if dq.numel():
+        _launch(packed, dq, dk, dv, angles, True, tune)
+    return packed
+
+
+class _QKVRoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, packed: torch.Tensor, angles: torch.Tensor, heads_per_group: int):
+        ctx.save_for_backward(angles)
+        return qkv_rope_forward(packed, angles, heads_per_group)
+
+    @staticmethod
+    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
+        (angles,) = ctx.saved_tensors
+        return qkv_rope_backward(dq, dk, dv, angles), None, None
+
+
+def fused_qkv_rope(
+    packed: torch.Tensor, angles: torch.Tensor, heads_per_group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`qkv_rope_forward` under autograd: its backward writes the packed gradient (no concatenation)."""
+    return _QKVRoPE.apply(packed, angles, heads_per_group)
