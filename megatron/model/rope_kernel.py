@@ -8,14 +8,17 @@ hn], tensor_format="sbhd")` (non-interleaved), which the attention layers used b
     per head, in fp32 with c = cos(angle[i]), n = sin(angle[i]), h = d / 2:
         out[i] = x[i] c - x[i + h] n  (i < h),   out[i] = x[i] c + x[i - h] n  (h <= i < d),
     rounded once to the input dtype; the backward applies the transpose (sin(angle[i + h]) and -sin(angle[i - h])).
-The sines and cosines are libdevice's `sinf` / `cosf` (correctly reduced, as CUDA's `sincosf`, which TE calls:
-Triton's `tl.sin` may lower to the hardware approximation, off by 1e-3 at angles of thousands of radians). Results
-equal TE's up to how the compilers contract `a c + b n` into an fma: within one ulp of the output dtype.
+The cosines and sines are CUDA's `cosf` / `sinf` (torch's, as `apply_rotary` takes them; TE's `sincosf` is the
+same correctly reduced function), computed once per call into an fp32 [2, s, d] table (`trig_table`): evaluated
+per thread inside the kernel they cost as much as the memory traffic (tens of instructions each, for every column
+each thread holds). Results equal TE's up to how the compilers contract `a c + b n` into an fma: within one ulp of
+the output dtype.
 
 Why not TE's kernel: it runs at about a third of the memory bandwidth (llama-1b 22.4 ms per step against 7.1 ms of
-bytes; issue 31). Here one program takes ROWS whole (s, b) rows: it loads the position's angles once, computes
-their sines and cosines once for all heads of the row, and moves each head as two [heads, d/2] tiles (the halves
-that pair up) plus the pass-through channels: every byte read once and written once, in vectors.
+bytes; issue 31): its threads move one 2-byte element at a time and read each element twice. Here one program takes
+ROWS whole (s, b) rows: per row it reads the position's cos / sin once for all heads, and moves each kind of head
+as two [heads, d/2] tiles (the halves that pair up) plus the pass-through channels: every byte read once and
+written once, in 16-byte vectors.
 
 Triton is imported on first use only (`build()`); `available()` is False without it. The CPU (the plain GPT, the
 numerical oracle) never runs this kernel; the tests run it under Triton's interpreter on the CPU too
@@ -26,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from typing import Any
 
 import torch
@@ -58,8 +60,8 @@ def _copy_channels(src, dst, s_off, d_off, head_mask, START: tl.constexpr, WIDTH
 
 
 def _heads(
-    src,
-    dst,
+    packed_row,
+    dense_row,
     cos1,
     cos2,
     sin_a,
@@ -79,8 +81,13 @@ def _heads(
     HEADS_B: tl.constexpr,
 ):
     """The N heads of one kind (q, k or v) of one row. Head i is slot (i // PER) * SLOTS + OFFSET + i % PER of the
-    packed row and slot i of the dense one; src is the packed row unless TO_PACKED. Rotated:
-    y1 = x1 cos1 + x2 sin_a, y2 = x2 cos2 + x1 sin_b on the halves x1, x2 of the first 2 HALF channels."""
+    packed row and slot i of the dense one (q, k or v); they are read from the packed row and written to the dense
+    one, or the other way with TO_PACKED (backward). Rotated: y1 = x1 cos1 + x2 sin_a, y2 = x2 cos2 + x1 sin_b on
+    the halves x1, x2 of the first 2 HALF channels."""
+    if TO_PACKED:
+        src, dst = dense_row, packed_row
+    else:
+        src, dst = packed_row, dense_row
     for first in tl.static_range(0, N, HEADS_B):
         heads = first + tl.arange(0, HEADS_B)
         head_mask = heads < N
@@ -146,30 +153,12 @@ def _qkv_rope_kernel(
             sin_a, sin_b = -sin1, sin2
         p_row = packed + row * (NG * (PER + 2) * HN)
         q_row, k_row, v_row = q + row * (NP * HN), k + row * (NG * HN), v + row * (NG * HN)
-        if BACKWARD:
-            _heads(q_row, p_row, cos1, cos2, sin_a, sin_b, NP, PER, 0, PER + 2, True, True,
-                   HN, HN_B, HALF, HALF_B, REST, REST_B, Q_HEADS_B)  # fmt: skip
-            _heads(k_row, p_row, cos1, cos2, sin_a, sin_b, NG, 1, PER, PER + 2, True, True,
-                   HN, HN_B, HALF, HALF_B, REST, REST_B, KV_HEADS_B)  # fmt: skip
-            _heads(v_row, p_row, cos1, cos2, sin_a, sin_b, NG, 1, PER + 1, PER + 2, True, False,
-                   HN, HN_B, HALF, HALF_B, REST, REST_B, KV_HEADS_B)  # fmt: skip
-        else:
-            _heads(p_row, q_row, cos1, cos2, sin_a, sin_b, NP, PER, 0, PER + 2, False, True,
-                   HN, HN_B, HALF, HALF_B, REST, REST_B, Q_HEADS_B)  # fmt: skip
-            _heads(p_row, k_row, cos1, cos2, sin_a, sin_b, NG, 1, PER, PER + 2, False, True,
-                   HN, HN_B, HALF, HALF_B, REST, REST_B, KV_HEADS_B)  # fmt: skip
-            _heads(p_row, v_row, cos1, cos2, sin_a, sin_b, NG, 1, PER + 1, PER + 2, False, False,
-                   HN, HN_B, HALF, HALF_B, REST, REST_B, KV_HEADS_B)  # fmt: skip
-
-
-#: The kernel's tensor and integer arguments, in order (the rest are `config`'s constexprs), and their Triton types
-#: for a packed dtype (scripts and tests that compile it ahead of time name them).
-ARG_NAMES = ("packed", "q", "k", "v", "trig", "batch", "sin_offset")
-
-
-def arg_types(dtype: str) -> tuple[str, ...]:
-    """Triton signature types of ARG_NAMES for packed data of Triton dtype `dtype` ("bf16", "fp16", "fp32")."""
-    return (f"*{dtype}",) * 4 + ("*fp32", "i32", "i32")
+        _heads(p_row, q_row, cos1, cos2, sin_a, sin_b, NP, PER, 0, PER + 2, BACKWARD, True,
+               HN, HN_B, HALF, HALF_B, REST, REST_B, Q_HEADS_B)  # fmt: skip
+        _heads(p_row, k_row, cos1, cos2, sin_a, sin_b, NG, 1, PER, PER + 2, BACKWARD, True,
+               HN, HN_B, HALF, HALF_B, REST, REST_B, KV_HEADS_B)  # fmt: skip
+        _heads(p_row, v_row, cos1, cos2, sin_a, sin_b, NG, 1, PER + 1, PER + 2, BACKWARD, False,
+               HN, HN_B, HALF, HALF_B, REST, REST_B, KV_HEADS_B)  # fmt: skip
 
 
 def build() -> Any:
@@ -192,11 +181,6 @@ def build() -> Any:
 # --------------------------------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels with its CPU interpreter (TRITON_INTERPRET=1, read when Triton is imported)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
 @functools.cache
@@ -269,10 +253,12 @@ def trig_table(angles: torch.Tensor, seq: int) -> torch.Tensor:
     return table
 
 
-def _launch(
+def launch(
     packed: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, angles: torch.Tensor, backward: bool,
     tune: dict[str, int],
-) -> None:  # fmt: skip
+) -> Any:  # fmt: skip
+    """One launch over all rows: packed -> q, k, v, or (backward) their gradients -> packed. Returns Triton's
+    compiled kernel (tests read its PTX)."""
     kernel = build()
     if kernel is None:
         raise RuntimeError("the fused RoPE kernel needs Triton (pip install triton); --no-rope-fusion does not")
@@ -284,9 +270,8 @@ def _launch(
     args = (packed, q, k, v, table, b, table[0].numel())
     if packed.device.type == "cuda" and packed.device.index != torch.cuda.current_device():
         with torch.cuda.device(packed.device):  # Triton launches on the current device
-            kernel[grid](*args, **sizes, BACKWARD=backward)
-    else:
-        kernel[grid](*args, **sizes, BACKWARD=backward)
+            return kernel[grid](*args, **sizes, BACKWARD=backward)
+    return kernel[grid](*args, **sizes, BACKWARD=backward)
 
 
 def qkv_rope_forward(
@@ -302,7 +287,7 @@ def qkv_rope_forward(
     q = packed.new_empty(s, b, groups * heads_per_group, hn)
     k, v = packed.new_empty(s, b, groups, hn), packed.new_empty(s, b, groups, hn)
     if q.numel():
-        _launch(packed, q, k, v, angles, False, tune)
+        launch(packed, q, k, v, angles, False, tune)
     return q, k, v
 
 
@@ -315,7 +300,7 @@ def qkv_rope_backward(
     dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
     packed = dq.new_empty(s, b, groups, (heads // groups + 2) * hn)
     if dq.numel():
-        _launch(packed, dq, dk, dv, angles, True, tune)
+        launch(packed, dq, dk, dv, angles, True, tune)
     return packed
 
 
