@@ -48,7 +48,6 @@ SHAPES = {
     "3-per-group-hn96": (512, 2, 12, 4, 96, 0.25),
     "128-heads": (256, 2, 128, 8, 128, 1.0),  # more query heads than one tile holds: blocks of heads
 }
-BIG = ["llama-1b", "llama3-8b"]
 
 
 def shape_of(name: str) -> tuple[int, int, int, int, int, float]:
@@ -182,7 +181,6 @@ def test_fp32_angles_that_differ_between_the_halves(name):
 def test_non_contiguous_output_gradients():
     """The local attention's gradients reach RoPE through permutes: strided, read as they are."""
     packed, angles, per_group = make("3-per-group-hn96", torch.float32)
-    s, b, groups, _ = packed.shape
     q, k, v = rope_kernel.qkv_rope_forward(packed, angles, per_group)
     dq, dk, dv = (torch.randn(t.shape[1], t.shape[2], t.shape[0], t.shape[3]).to(DEVICE) for t in (q, k, v))
     strided = [t.permute(2, 0, 1, 3) for t in (dq, dk, dv)]
