@@ -27,8 +27,6 @@ numerical oracle) never runs this kernel; the tests run it under Triton's interp
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from typing import Any
 
 import torch
@@ -183,10 +181,9 @@ def build() -> Any:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@functools.cache
 def available() -> bool:
-    """Whether Triton can be imported (found without importing it: that happens on the first launch)."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether the kernel can run: Triton imports (tried once, at the first call: the first CUDA forward)."""
+    return build() is not None
 
 
 def rope_path(fusion: bool, angles: torch.Tensor, device: torch.device, te_kernel: bool) -> str:
