@@ -18,7 +18,7 @@ Why not TE's kernel: it runs at about a third of the memory bandwidth (llama-1b 
 bytes; issue 31): its threads move one 2-byte element at a time and read each element twice. Here one program takes
 ROWS whole (s, b) rows: per row it reads the position's cos / sin once for all heads, and moves each kind of head
 as two [heads, d/2] tiles (the halves that pair up) plus the pass-through channels: every byte read once and
-written once, in 16-byte vectors.
+written once, in 16-byte vectors, all of a row's loads issued before its first store (one memory latency a row).
 
 Triton is imported on first use only (`build()`); `available()` is False without it. The CPU (the plain GPT, the
 numerical oracle) never runs this kernel; the tests run it under Triton's interpreter on the CPU too
@@ -36,7 +36,7 @@ tl = None
 _TRITON: Any = None  # the triton module once built, False when it cannot be imported
 
 # Tiles and warps: each thread moves 16-byte vectors (8 elements of bf16), so the warps are as many as the smallest
-# tile (a block of key heads' halves) fills with _VECTOR elements per thread (1 to 8); the query tiles hold at most
+# tile (the key heads' halves) fills with _VECTOR elements per thread (1 to 8); the query tiles hold at most
 # _PER_THREAD elements per thread (registers), more heads than that are taken in blocks. Rows shorter than
 # _ROW_ELEMENTS go several to a program (tensor parallelism leaves few heads per rank).
 _VECTOR = 8
@@ -49,67 +49,29 @@ _ROW_ELEMENTS = 2048
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _copy_channels(src, dst, s_off, d_off, head_mask, START: tl.constexpr, WIDTH: tl.constexpr, WIDTH_B: tl.constexpr):
-    """Channels START..START+WIDTH of a block of heads, as they are (the pass-through channels, v)."""
+def _offsets(FIRST: tl.constexpr, N: tl.constexpr, PER: tl.constexpr, OFFSET: tl.constexpr, SLOTS: tl.constexpr,
+             HN: tl.constexpr, TO_PACKED: tl.constexpr, HEADS_B: tl.constexpr):  # fmt: skip
+    """Heads FIRST.. of one kind (q, k or v) of a row: head i is slot (i // PER) * SLOTS + OFFSET + i % PER of the
+    packed row and slot i of the dense one (q, k or v). Returns (source offsets, destination offsets, mask): read
+    from the packed row, written to the dense one, or the other way round with TO_PACKED (backward)."""
+    heads = FIRST + tl.arange(0, HEADS_B)
+    packed = ((heads // PER) * SLOTS + OFFSET + heads % PER) * HN
+    dense = heads * HN
+    if TO_PACKED:
+        return dense, packed, heads < N
+    return packed, dense, heads < N
+
+
+def _load(src, off, head_mask, START: tl.constexpr, WIDTH: tl.constexpr, WIDTH_B: tl.constexpr):
+    """Channels START..START+WIDTH of a block of heads: a [heads, WIDTH_B] tile (masked beyond)."""
+    cols = tl.arange(0, WIDTH_B)
+    return tl.load(src + off[:, None] + START + cols[None, :], mask=head_mask[:, None] & (cols < WIDTH)[None, :])
+
+
+def _store(dst, off, x, head_mask, START: tl.constexpr, WIDTH: tl.constexpr, WIDTH_B: tl.constexpr):
     cols = tl.arange(0, WIDTH_B)
     mask = head_mask[:, None] & (cols < WIDTH)[None, :]
-    x = tl.load(src + s_off[:, None] + START + cols[None, :], mask=mask)
-    tl.store(dst + d_off[:, None] + START + cols[None, :], x, mask=mask)
-
-
-def _heads(
-    packed_row,
-    dense_row,
-    cos1,
-    cos2,
-    sin_a,
-    sin_b,
-    N: tl.constexpr,
-    PER: tl.constexpr,
-    OFFSET: tl.constexpr,
-    SLOTS: tl.constexpr,
-    TO_PACKED: tl.constexpr,
-    ROTATE: tl.constexpr,
-    HN: tl.constexpr,
-    HN_B: tl.constexpr,
-    HALF: tl.constexpr,
-    HALF_B: tl.constexpr,
-    REST: tl.constexpr,
-    REST_B: tl.constexpr,
-    HEADS_B: tl.constexpr,
-):
-    """The N heads of one kind (q, k or v) of one row. Head i is slot (i // PER) * SLOTS + OFFSET + i % PER of the
-    packed row and slot i of the dense one (q, k or v); they are read from the packed row and written to the dense
-    one, or the other way with TO_PACKED (backward). Rotated: y1 = x1 cos1 + x2 sin_a, y2 = x2 cos2 + x1 sin_b on
-    the halves x1, x2 of the first 2 HALF channels."""
-    if TO_PACKED:
-        src, dst = dense_row, packed_row
-    else:
-        src, dst = packed_row, dense_row
-    for first in tl.static_range(0, N, HEADS_B):
-        heads = first + tl.arange(0, HEADS_B)
-        head_mask = heads < N
-        packed = ((heads // PER) * SLOTS + OFFSET + heads % PER) * HN
-        dense = heads * HN
-        if TO_PACKED:
-            s_off, d_off = dense, packed
-        else:
-            s_off, d_off = packed, dense
-        if ROTATE:
-            cols = tl.arange(0, HALF_B)
-            mask = head_mask[:, None] & (cols < HALF)[None, :]
-            lo = s_off[:, None] + cols[None, :]
-            x1 = tl.load(src + lo, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(src + lo + HALF, mask=mask, other=0.0).to(tl.float32)
-            y1 = x1 * cos1[None, :] + x2 * sin_a[None, :]
-            y2 = x2 * cos2[None, :] + x1 * sin_b[None, :]
-            out = d_off[:, None] + cols[None, :]
-            tl.store(dst + out, y1.to(dst.dtype.element_ty), mask=mask)
-            tl.store(dst + out + HALF, y2.to(dst.dtype.element_ty), mask=mask)
-            if REST > 0:
-                _copy_channels(src, dst, s_off, d_off, head_mask, 2 * HALF, REST, REST_B)
-        else:
-            _copy_channels(src, dst, s_off, d_off, head_mask, 0, HN, HN_B)
+    tl.store(dst + off[:, None] + START + cols[None, :], x.to(dst.dtype.element_ty), mask=mask)
 
 
 def _qkv_rope_kernel(
@@ -135,33 +97,60 @@ def _qkv_rope_kernel(
     BACKWARD: tl.constexpr,
 ):
     """ROWS rows (s, b) of the packed tensor <-> q, k, v. Forward: packed -> q, k, v; BACKWARD: their gradients ->
-    the packed gradient (the transposed rotation). trig: cos of the angles [s, 2 HALF], their sin at sin_offset."""
+    the packed gradient (the transposed rotation). trig: cos of the angles [s, 2 HALF], their sin at sin_offset.
+
+    Per row, every load comes before the first store (the compiler may not move a load past a store: the pointers
+    could alias), so that a row costs one memory latency: the query heads (in blocks of Q_HEADS_B when there are
+    more), with the first block the key and value heads (all of them: KV_HEADS_B >= NG). Rotated halves x1, x2 of
+    the first 2 HALF channels: y1 = x1 cos1 + x2 sin_a, y2 = x2 cos2 + x1 sin_b."""
     cols = tl.arange(0, HALF_B)
     col_mask = cols < HALF
     for r in tl.static_range(ROWS):
         row = tl.program_id(0).to(tl.int64) * ROWS + r
         cos_row = trig + (row // batch) * (2 * HALF)
-        cos1 = tl.load(cos_row + cols, mask=col_mask, other=0.0)
-        cos2 = tl.load(cos_row + HALF + cols, mask=col_mask, other=0.0)
-        sin1 = tl.load(cos_row + sin_offset + cols, mask=col_mask, other=0.0)
-        sin2 = tl.load(cos_row + sin_offset + HALF + cols, mask=col_mask, other=0.0)
+        cos1 = tl.load(cos_row + cols, mask=col_mask, other=0.0)[None, :]
+        cos2 = tl.load(cos_row + HALF + cols, mask=col_mask, other=0.0)[None, :]
+        sin1 = tl.load(cos_row + sin_offset + cols, mask=col_mask, other=0.0)[None, :]
+        sin2 = tl.load(cos_row + sin_offset + HALF + cols, mask=col_mask, other=0.0)[None, :]
         if BACKWARD:
             sin_a, sin_b = sin2, -sin1
         else:
             sin_a, sin_b = -sin1, sin2
         p_row = packed + row * (NG * (PER + 2) * HN)
         q_row, k_row, v_row = q + row * (NP * HN), k + row * (NG * HN), v + row * (NG * HN)
-        _heads(p_row, q_row, cos1, cos2, sin_a, sin_b, NP, PER, 0, PER + 2, BACKWARD, True,
-               HN, HN_B, HALF, HALF_B, REST, REST_B, Q_HEADS_B)  # fmt: skip
-        _heads(p_row, k_row, cos1, cos2, sin_a, sin_b, NG, 1, PER, PER + 2, BACKWARD, True,
-               HN, HN_B, HALF, HALF_B, REST, REST_B, KV_HEADS_B)  # fmt: skip
-        _heads(p_row, v_row, cos1, cos2, sin_a, sin_b, NG, 1, PER + 1, PER + 2, BACKWARD, False,
-               HN, HN_B, HALF, HALF_B, REST, REST_B, KV_HEADS_B)  # fmt: skip
+        if BACKWARD:
+            q_src, k_src, v_src, q_dst, k_dst, v_dst = q_row, k_row, v_row, p_row, p_row, p_row
+        else:
+            q_src, k_src, v_src, q_dst, k_dst, v_dst = p_row, p_row, p_row, q_row, k_row, v_row
+        for first in tl.static_range(0, NP, Q_HEADS_B):
+            qs, qd, qm = _offsets(first, NP, PER, 0, PER + 2, HN, BACKWARD, Q_HEADS_B)
+            q1 = _load(q_src, qs, qm, 0, HALF, HALF_B).to(tl.float32)
+            q2 = _load(q_src, qs, qm, HALF, HALF, HALF_B).to(tl.float32)
+            if REST > 0:
+                q_rest = _load(q_src, qs, qm, 2 * HALF, REST, REST_B)
+            if first == 0:
+                ks, kd, km = _offsets(0, NG, 1, PER, PER + 2, HN, BACKWARD, KV_HEADS_B)
+                vs, vd, vm = _offsets(0, NG, 1, PER + 1, PER + 2, HN, BACKWARD, KV_HEADS_B)
+                k1 = _load(k_src, ks, km, 0, HALF, HALF_B).to(tl.float32)
+                k2 = _load(k_src, ks, km, HALF, HALF, HALF_B).to(tl.float32)
+                if REST > 0:
+                    k_rest = _load(k_src, ks, km, 2 * HALF, REST, REST_B)
+                v_all = _load(v_src, vs, vm, 0, HN, HN_B)
+            _store(q_dst, qd, q1 * cos1 + q2 * sin_a, qm, 0, HALF, HALF_B)
+            _store(q_dst, qd, q2 * cos2 + q1 * sin_b, qm, HALF, HALF, HALF_B)
+            if REST > 0:
+                _store(q_dst, qd, q_rest, qm, 2 * HALF, REST, REST_B)
+            if first == 0:
+                _store(k_dst, kd, k1 * cos1 + k2 * sin_a, km, 0, HALF, HALF_B)
+                _store(k_dst, kd, k2 * cos2 + k1 * sin_b, km, HALF, HALF, HALF_B)
+                if REST > 0:
+                    _store(k_dst, kd, k_rest, km, 2 * HALF, REST, REST_B)
+                _store(v_dst, vd, v_all, vm, 0, HN, HN_B)
 
 
 def build() -> Any:
     """Import Triton and jit the kernel (once): the jitted `_qkv_rope_kernel`, or None without Triton."""
-    global _TRITON, tl, _copy_channels, _heads, _qkv_rope_kernel
+    global _TRITON, tl, _offsets, _load, _store, _qkv_rope_kernel
     if _TRITON is None:
         try:
             import triton
@@ -170,7 +159,7 @@ def build() -> Any:
             return None
         tl = triton.language
         # The kernel resolves its helpers through this module's globals: rebind them to their jitted versions.
-        _copy_channels, _heads = triton.jit(_copy_channels), triton.jit(_heads)
+        _offsets, _load, _store = triton.jit(_offsets), triton.jit(_load), triton.jit(_store)
         _qkv_rope_kernel = triton.jit(_qkv_rope_kernel)
         _TRITON = triton
     return _qkv_rope_kernel if _TRITON else None
@@ -219,7 +208,7 @@ def config(
         raise ValueError(f"rotary dimension {rotary_dim}: must be even and in 2..{head_dim} (the head size)")
     half, rest, hn_b = rotary_dim // 2, head_dim - rotary_dim, _next_pow2(head_dim)
     half_b = _next_pow2(half)
-    kv_heads = min(_next_pow2(groups), max(1, 8 * 32 * _PER_THREAD // hn_b))
+    kv_heads = _next_pow2(groups)  # all key and value heads in one tile (the kernel loads them with the first block)
     if num_warps is None:
         num_warps = min(max(kv_heads * half_b // (32 * _VECTOR), 1), 8)
     q_heads = min(_next_pow2(heads), max(1, num_warps * 32 * _PER_THREAD // half_b))
