@@ -178,8 +178,8 @@ def available() -> bool:
 def rope_path(fusion: bool, angles: torch.Tensor, device: torch.device, te_kernel: bool) -> str:
     """How the attention layers rotate q and k of the packed QKV output on `device` with these angles:
 
-    "triton"  this kernel: --apply-rope-fusion (the default), angles shared by the batch ([s, 1, 1, d]), CUDA,
-              Triton importable;
+    "triton"  this kernel: RoPE fusion on (the default; --no-rope-fusion and --qk-layernorm turn it off), angles
+              shared by the batch ([s, 1, 1, d]), CUDA, Triton importable;
     "te"      TE's fused QKV kernel (`te_kernel`: the layer is TE's) where only Triton is missing;
     "unfused" `apply_rotary` on q and k: --no-rope-fusion, per-sample positions ([s, b, 1, d] angles, which
               neither kernel takes), the CPU (the plain GPT stays the oracle, op for op).
