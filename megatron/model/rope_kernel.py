@@ -254,10 +254,12 @@ def launch(
     sizes = config(heads, groups, hn, table.shape[2], s * b, **tune)
     grid = (s * b // sizes["ROWS"],)
     args = (packed, q, k, v, table, b, table[0].numel())
+    # fma contraction on, as nvcc compiles TE's kernel (Triton's default changes after 3.9)
+    flags = dict(BACKWARD=backward, enable_fp_fusion=True)
     if packed.device.type == "cuda" and packed.device.index != torch.cuda.current_device():
         with torch.cuda.device(packed.device):  # Triton launches on the current device
-            return kernel[grid](*args, **sizes, BACKWARD=backward)
-    return kernel[grid](*args, **sizes, BACKWARD=backward)
+            return kernel[grid](*args, **sizes, **flags)
+    return kernel[grid](*args, **sizes, **flags)
 
 
 def qkv_rope_forward(
