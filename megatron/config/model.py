@@ -42,8 +42,9 @@ class ModelConfig:
     use_rotary_position_embeddings: bool = False
     """Deprecated spelling of --position-embedding-type rope (Megatron-LM's legacy flag); sets it."""
     apply_rope_fusion: bool = option(True, flag="--no-rope-fusion", action="store_false")
-    """`--no-rope-fusion`: apply RoPE with separate PyTorch ops instead of Transformer Engine's fused kernel on the
-    packed QKV output. The local engine always applies RoPE unfused (it has no fused kernel)."""
+    """`--no-rope-fusion`: apply RoPE with separate PyTorch ops instead of the fused kernel on the packed QKV output
+    (megatron/model/rope_kernel.py, Triton; TE's fused QKV kernel where Triton is missing), which both engines use
+    on CUDA with positions shared by the batch (not with --qk-layernorm: the norms come before RoPE)."""
     normalization: str = option("LayerNorm", choices=["LayerNorm", "RMSNorm"])
     """Normalization layer: LayerNorm (GPT-2) or RMSNorm (Llama)."""
     norm_epsilon: float = 1e-5

@@ -1,6 +1,7 @@
 """The self-attention of the Transformer Engine layer (`TESelfAttention`): TE's linears around TE's fused attention
-(`te.DotProductAttention`, cuDNN / flash) or, with --attention-backend local, this project's attention; RoPE by TE's
-fused QKV kernel on the QKV GEMM's packed output (no split copies, no concatenation in backward).
+(`te.DotProductAttention`, cuDNN / flash) or, with --attention-backend local, this project's attention; RoPE by one
+fused kernel on the QKV GEMM's packed output (no split copies, no concatenation in backward): this project's Triton
+kernel (`rope_kernel.py`), TE's fused QKV kernel where Triton is missing.
 
 transformer_engine is imported inside functions only: importing this module on a CPU machine is harmless.
 """
@@ -21,6 +22,7 @@ from megatron.parallel.tensor_parallel import NO_TP, TensorParallel
 from .attention import CoreAttention
 from .layers import apply_rotary, init_std_of_output, qk_norms
 from .recompute import checkpoint
+from .rope_kernel import fused_qkv_rope, rope_path
 from .te_fp8 import te_checkpoint
 from .te_linear import te_linear
 
@@ -91,19 +93,23 @@ class TESelfAttention(nn.Module):
         groups, per_group, hn = self.num_groups, self.num_heads // self.num_groups, self.head_dim
         mixed = self.linear_qkv(x, is_first_microbatch=first_microbatch)
         s, b = mixed.shape[:2]  # the full sequence, also when x is a sequence-parallel shard
-        if rotary is not None and rotary.shape[1] == 1 and self.fused_rope:
-            # One TE kernel each way: RoPE on q and k of the packed output, q, k and v written out contiguous
+        rope = "none" if rotary is None else rope_path(self.fused_rope, rotary, mixed.device, te_kernel=True)
+        if rope in ("triton", "te"):
+            # One kernel each way: RoPE on q and k of the packed output, q, k and v written out contiguous
             # ([s, b, np, hn], [s, b, ng, hn] x 2); its backward writes the packed gradient directly, where
             # separate RoPE calls on views of `mixed` end in a concatenation of the three gradients.
             packed = mixed.view(s, b, groups, (per_group + 2) * hn)
-            q, k, v = self._qkv_rope(packed, rotary, rotary, [per_group * hn, hn, hn], tensor_format="sbhd")
+            if rope == "triton":
+                q, k, v = fused_qkv_rope(packed, rotary, per_group)
+            else:
+                q, k, v = self._qkv_rope(packed, rotary, rotary, [per_group * hn, hn, hn], tensor_format="sbhd")
         else:
             # [s, b, ng * (np/ng + 2) * hn] -> [s, b, ng, (np/ng + 2) * hn] -> q, k, v views
             q, k, v = mixed.view(s, b, groups, (per_group + 2) * hn).split([per_group * hn, hn, hn], dim=-1)
             q = q.reshape(s, b, self.num_heads, hn)  # one copy (q is strided within each group's row)
             if hasattr(self, "q_layernorm"):
                 q, k = self.q_layernorm(q), self.k_layernorm(k)
-            if rotary is not None:  # per-sample positions (TE's kernels take [s, 1, 1, d] angles only) or unfused
+            if rope == "unfused":  # per-sample positions (the kernels take [s, 1, 1, d] angles only), or asked for
                 q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         if not self.te_attention:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))

@@ -21,6 +21,7 @@ from megatron.parallel.tensor_parallel import NO_TP, TensorParallel
 from .attention import CoreAttention
 from .layers import LayerNormLinear, Linear, apply_rotary, init_std_of_output, mlp_activation, qk_norms
 from .recompute import RecomputePlan, checkpoint
+from .rope_kernel import fused_qkv_rope, rope_path
 
 
 def norm_column_linear(
@@ -68,6 +69,8 @@ class SelfAttention(nn.Module):
             self.q_layernorm, self.k_layernorm = norms
         self.core_attention = CoreAttention(cfg, layer_number)
         self.linear_proj = row_linear(cfg, cfg.num_attention_heads * self.head_dim, dtype, tp)
+        # RoPE on CUDA by the fused kernel on the packed output (rope_kernel.rope_path), unless q/k norms come first
+        self.fused_rope = cfg.apply_rope_fusion and not cfg.qk_layernorm
         self.recompute_core_attn = False  # --recompute-modules core_attn (set by TransformerLayer)
 
     def forward(
@@ -77,12 +80,16 @@ class SelfAttention(nn.Module):
         mixed = self.linear_qkv(x)  # [s, b, local qkv]: the full sequence, also when x is a sequence shard
         s, b = mixed.shape[:2]
         mixed = mixed.view(s, b, self.num_groups, (heads_per_group + 2) * self.head_dim)
-        q, k, v = mixed.split([heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
-        q = q.reshape(s, b, self.num_heads, self.head_dim)  # [s, b, np, hn]
-        if hasattr(self, "q_layernorm"):
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
-        if rotary is not None:
-            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)  # k: [s, b, ng, hn]
+        rope = "none" if rotary is None else rope_path(self.fused_rope, rotary, mixed.device, te_kernel=False)
+        if rope == "triton":  # CUDA: q, k, v written out contiguous, RoPE applied in fp32 and rounded once
+            q, k, v = fused_qkv_rope(mixed, rotary, heads_per_group)
+        else:  # the CPU (the oracle), --no-rope-fusion, per-sample positions
+            q, k, v = mixed.split([heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
+            q = q.reshape(s, b, self.num_heads, self.head_dim)  # [s, b, np, hn]
+            if hasattr(self, "q_layernorm"):
+                q, k = self.q_layernorm(q), self.k_layernorm(k)
+            if rope == "unfused":
+                q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)  # k: [s, b, ng, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hn]
         if self.recompute_core_attn:
             out = checkpoint(self.core_attention, q, k, v, attention_mask)  # [b, np, s, hn]

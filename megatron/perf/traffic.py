@@ -10,7 +10,9 @@ by a GEMM or attention kernel (bf16 out of cuBLAS / cuDNN) needs a separate cast
     residual add (x2), fwd      read 4E, write 2E
     residual grad add (x2), bwd read 4E, write 2E; in FP8 layers also the FP8 copies of the sum that the fc2 / proj
                                 backward GEMMs read: 2E (3E with --no-fp8-wgrad), counted as cast/transpose
-    RoPE, fwd and bwd           read 2(Q+K), write 2(Q+K)        (q and k; v passes untouched)
+    RoPE, fwd and bwd           read 2(Q+2K), write 2(Q+2K)      (the fused kernel on the packed QKV output: q and
+                                k rotated, v copied out, as the attention takes three contiguous tensors; backward
+                                their gradients into the packed one; the cos/sin table, s*d, is not counted)
     SwiGLU fwd                  read 4F, write w*F               (GELU / squared ReLU: read 2F, write w*F)
     SwiGLU bwd                  read 4F (fc1 output) + 2F (grad), write 4F  (GELU: read 2F + 2F, write 2F)
     attention-output cast       read 2Q, write w*Q               (FP8 layers: linear_proj's input, from cuDNN)
@@ -95,7 +97,7 @@ def layer_traffic(cfg: Config, vocab: int, fp8: bool) -> list[tuple[str, str, fl
         ("norm", "norm bwd (x2)", 2 * 6 * E, "2 x 6E"),
         ("elementwise", "residual add fwd (x2)", 2 * 6 * E, "2 x 6E"),
         ("elementwise", "residual grad add bwd (x2)", 2 * 6 * E, "2 x 6E"),
-        ("rope", "RoPE fwd+bwd", 2 * 4 * (Q + K), "2 x 4(Q+K)"),
+        ("rope", "RoPE fwd+bwd", 2 * 4 * (Q + 2 * K), "2 x 4(Q+2K)"),
         ("activation", "SwiGLU fwd" if swiglu else "activation fwd", act_fwd, "4F + wF" if swiglu else "2F + wF"),
         ("activation", "SwiGLU bwd" if swiglu else "activation bwd", act_bwd, "10F" if swiglu else "6F"),
     ]
@@ -120,7 +122,7 @@ def layer_forward_traffic(cfg: Config, vocab: int, fp8: bool, what: set[str]) ->
         items += [
             ("norm", "norm fwd (x2)", 2 * (2 * E + w * E), "2 x (2E + wE)"),
             ("elementwise", "residual add fwd (x2)", 2 * 6 * E, "2 x 6E"),
-            ("rope", "RoPE fwd", 4 * (Q + K), "4(Q+K)"),
+            ("rope", "RoPE fwd", 4 * (Q + 2 * K), "4(Q+2K)"),
             ("activation", "activation fwd", act, act_formula),
         ]
         if fp8:

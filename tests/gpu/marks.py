@@ -1,5 +1,8 @@
 """Marks shared by the GPU tests."""
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -11,5 +14,18 @@ TE_ON_TWO_GPUS = [
     pytest.mark.skipif(te_import_error() is not None, reason=f"needs Transformer Engine ({te_import_error()})"),
     pytest.mark.skipif(
         not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (nvidia-h100-x2)"
+    ),
+]
+
+#: Triton's interpreter runs the kernels on the CPU (TRITON_INTERPRET=1, read when Triton is imported)
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+#: A Triton kernel's tests: on a CUDA GPU, or on the CPU under the interpreter (`TRITON_INTERPRET=1 pytest
+#: --noconftest ...`: tests/conftest.py skips tests/gpu on machines without CUDA)
+TRITON_KERNEL = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (pip install triton)"),
+    pytest.mark.skipif(
+        not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA GPU, or TRITON_INTERPRET=1"
     ),
 ]

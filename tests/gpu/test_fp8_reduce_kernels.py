@@ -10,8 +10,6 @@ the exact sum.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import struct
 
 import pytest
@@ -19,17 +17,11 @@ import torch
 
 from megatron.parallel import fp8_reduce
 from megatron.parallel.fp8_reduce import FP8_REDUCE_BLOCK as B
+from tests.gpu.marks import INTERPRET, TRITON_KERNEL
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (pip install triton)"),
-    pytest.mark.skipif(
-        not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA GPU, or TRITON_INTERPRET=1 (see above)"
-    ),
-]
+pytestmark = TRITON_KERNEL
 
 
 @pytest.fixture
