@@ -65,6 +65,20 @@ class _Bucket:
         self.gather: dist.Work | None = None  # an overlapped parameter all-gather still in flight
 
 
+def _mark_rewritten(bucket: _Bucket) -> None:
+    """Bump the version counters of a bucket's parameters, whose other ranks' pieces an all-gather into
+    `param_data` rewrites: a parameter holds that buffer through `.data` (`_move_params_into_buffer`), so writes to
+    the buffer leave the parameter's own counter as it was, and only a piece this rank steps on (a view of the
+    parameter) bumps it. Transformer Engine's layers tell a new step from the next micro-batch by these counters
+    (`TETransformerLayer._first_microbatch`): a layer with no piece here (a small model in one bucket, large
+    buckets, a high data-parallel degree) would otherwise keep its first step's FP8 weight casts. FP8 parameters
+    (their bytes gathered) are left alone: TE reads them as they are, with no cast to renew."""
+    if bucket.params and _storage_kind(bucket.params[0]) == "fp8":
+        return
+    for param in bucket.params:
+        torch.autograd.graph.increment_version(param)
+
+
 def _storage_kind(param: nn.Parameter) -> object:
     """What the distributed optimizer's all-gather moves for a parameter: "fp8" bytes, or its plain dtype."""
     if is_fp8_param(param):
@@ -219,6 +233,7 @@ class GradientBuffers:
         for bucket in reversed(self.buckets):  # the forward pass reads the last bucket (the first layers) first
             shard = self._shard(bucket.param_data)
             bucket.gather = _all_gather(bucket.param_data, shard, group=self.group, async_op=self.overlap_param_gather)
+            _mark_rewritten(bucket)
 
     def wait_for_params(self, buckets: list[_Bucket] | None = None) -> None:
         """Complete the parameter all-gathers still in flight (of `buckets`, default all)."""

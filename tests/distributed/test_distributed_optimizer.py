@@ -120,3 +120,24 @@ def _fp8_skip_body(rank, world_size):
 
 def test_a_stage_with_non_finite_fp8_amaxes_skips_the_step_on_every_stage():
     run_distributed(_fp8_skip_body, world_size=2)
+
+
+def _versions_body(rank, world_size):
+    # one bucket (the default 40M elements hold the whole test model): each rank steps on half of it, so some
+    # parameters have no piece here and reach this rank only through the all-gather
+    trainer = Trainer(_parse(f"{BASE} {DISTOPT} --train-iters 3 --eval-iters 0", world_size))
+    named = dict(trainer.model.named_parameters())
+    before = {name: p._version for name, p in named.items()}
+    trainer.train()
+    buffers = trainer.grad_buffers
+    assert len(buffers.buckets) == 1
+    unowned = [name for name, p in named.items() if buffers.owned_range(p) is None]
+    assert unowned, "every parameter has a piece on this rank: the test shows nothing"
+    # each step rewrote every parameter (through the all-gather where this rank owns no piece of it): what
+    # Transformer Engine's layers read to cast their FP8 weights again (TETransformerLayer._first_microbatch)
+    stale = [name for name, p in named.items() if p._version - before[name] < 3]
+    assert not stale, (rank, stale)
+
+
+def test_every_parameter_is_marked_rewritten_by_each_step():
+    run_distributed(_versions_body, world_size=2)
