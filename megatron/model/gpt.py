@@ -271,8 +271,11 @@ class GPTModel(nn.Module):
         if self.rotary is not None:
             # Comparing given ids with 0..s-1 reads a device tensor on the host: a synchronization that drains the
             # GPU's queue once per micro-batch. Without position ids there is nothing to compare.
+            # Ids the batch shares (micro-batch size 1 under --reset-position-ids, say) still rotate by themselves:
+            # one row of them gives the batch-wide [s, 1, 1, d] angles the fused RoPE kernels take.
             per_sample = given and not torch.equal(position_ids, position_ids[:1].expand_as(position_ids))
-            rotary = self.rotary(s, position_ids if per_sample else position_ids[:1] if cp.size > 1 else None)
+            shared = position_ids[:1] if given or cp.size > 1 else None
+            rotary = self.rotary(s, position_ids if per_sample else shared)
         with self.te_fp8.stack() if self.te_fp8 is not None else contextlib.nullcontext():
             layers = self.decoder.layers if chunk is None else self.decoder.layers[self.stage.chunk_slice(chunk)]
             if self.te_fp8 is not None and self.recompute.granularity is not None:

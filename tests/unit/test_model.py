@@ -123,3 +123,18 @@ def test_rope_is_relative():
     dot = lambda i, j: (rotated_q[i] * rotated_k[j]).sum()
     torch.testing.assert_close(dot(5, 2), dot(12, 9))
     torch.testing.assert_close(dot(3, 3), (q * k).sum())
+
+
+def test_given_position_ids_are_used_when_the_batch_shares_them():
+    """--reset-position-ids: a micro-batch whose samples share their ids (micro-batch size 1, say) rotates by those
+    ids, as the same sample does beside another with other ids (the per-sample angles)."""
+    model = build(LLAMA).eval()
+    tokens = torch.randint(0, 128, (2, 32))
+    reset = torch.cat([torch.arange(12), torch.arange(20)])  # a document boundary at 12
+    ids = torch.stack([reset, torch.arange(32)])
+    with torch.no_grad():
+        both = model(tokens, position_ids=ids)  # per-sample angles
+        alone = model(tokens[:1], position_ids=ids[:1])  # the batch shares its ids
+        default = model(tokens[:1])
+    torch.testing.assert_close(alone, both[:1])
+    assert not torch.allclose(alone, default)  # the ids were not ignored
