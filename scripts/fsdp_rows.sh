@@ -32,6 +32,8 @@ mkdir -p "$OUT/logs"
 source .devkit/setup-te.sh || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
+# how the two GPUs are joined (NV# = NVLink): a pair without NVLink runs the collectives several times slower
+nvidia-smi topo -m 2>&1 | head -3 | tee -a "$OUT/summary.txt"
 bench() { python3 scripts/benchmark.py --log-dir "$OUT/logs" "$@" 2>&1 | tee -a "$OUT/summary.txt"; }
 case $PART in
   tests)
