@@ -97,10 +97,11 @@ def layer_traffic(cfg: Config, vocab: int, fp8: bool) -> list[tuple[str, str, fl
         ("norm", "norm bwd (x2)", 2 * 6 * E, "2 x 6E"),
         ("elementwise", "residual add fwd (x2)", 2 * 6 * E, "2 x 6E"),
         ("elementwise", "residual grad add bwd (x2)", 2 * 6 * E, "2 x 6E"),
-        ("rope", "RoPE fwd+bwd", 2 * 4 * (Q + 2 * K), "2 x 4(Q+2K)"),
         ("activation", "SwiGLU fwd" if swiglu else "activation fwd", act_fwd, "4F + wF" if swiglu else "2F + wF"),
         ("activation", "SwiGLU bwd" if swiglu else "activation bwd", act_bwd, "10F" if swiglu else "6F"),
     ]
+    if cfg.model.position_embedding_type == "rope":  # learned positions are added in the embedding instead
+        items.insert(4, ("rope", "RoPE fwd+bwd", 2 * 4 * (Q + 2 * K), "2 x 4(Q+2K)"))
     if fp8:
         items += [
             ("cast/transpose", "attention output -> FP8", 2 * Q + w * Q, "2Q + wQ"),
@@ -122,9 +123,10 @@ def layer_forward_traffic(cfg: Config, vocab: int, fp8: bool, what: set[str]) ->
         items += [
             ("norm", "norm fwd (x2)", 2 * (2 * E + w * E), "2 x (2E + wE)"),
             ("elementwise", "residual add fwd (x2)", 2 * 6 * E, "2 x 6E"),
-            ("rope", "RoPE fwd", 4 * (Q + 2 * K), "4(Q+2K)"),
             ("activation", "activation fwd", act, act_formula),
         ]
+        if cfg.model.position_embedding_type == "rope":
+            items.insert(2, ("rope", "RoPE fwd", 4 * (Q + 2 * K), "4(Q+2K)"))
         if fp8:
             items.append(("cast/transpose", "attention output -> FP8", 2 * Q + w * Q, "2Q + wQ"))
         return items

@@ -107,6 +107,10 @@ def test_memory_bytes_of_a_tiny_model_by_hand():
     fp8_params = {i.name: i.total_bytes for i in traffic.memory_traffic(config(FP8 + " --fp8-param-gather"), 128)}
     assert fp8_params["FP8 weight casts"] == 2 * 36864  # the transpose only
     assert fp8_params["Adam step + grad zero + grad norm"] == optimizer - 36864  # FP8 weights: 1 byte written
+    # learned absolute positions: no RoPE pass (the position embedding's lookup is in the embedding's bytes)
+    learned = TINY.replace("--position-embedding-type rope", "--position-embedding-type learned_absolute")
+    names = {i.name for i in traffic.memory_traffic(parse_args(learned.split()), 128)}
+    assert "RoPE fwd+bwd [FP8 layers]" in by_name and not any(name.startswith("RoPE") for name in names), names
 
 
 def test_the_bound_is_the_sum_of_its_parts_at_the_probed_rates():
