@@ -27,6 +27,8 @@ from megatron.parallel.tensor_parallel import TensorParallel
 if TYPE_CHECKING:
     from megatron.fp8 import Fp8Manager
 
+    from .startup_times import StartupTimes
+
 
 def set_seed(seed: int) -> None:
     random.seed(seed)
@@ -35,11 +37,12 @@ def set_seed(seed: int) -> None:
 
 
 def build_model(
-    cfg: Config, dims: ParallelDims, device: torch.device, vocab_size: int
+    cfg: Config, dims: ParallelDims, device: torch.device, vocab_size: int, times: StartupTimes
 ) -> tuple[TensorParallel, ContextParallel, Stage, GPTModel, DeferredInit | None]:
     """This rank's pipeline stage of the GPT, on `device` in --params-dtype, with its tensor- and context-parallel
     settings (returned with the stage and the model). With --init-model-with-meta-device the model is built without
-    storage and the returned `DeferredInit` gives it its values once FSDP has sharded it (model/meta_init.py)."""
+    storage and the returned `DeferredInit` gives it its values once FSDP has sharded it (model/meta_init.py).
+    `times`: where the construction's and the move's seconds go (the start-up's phases)."""
     par = cfg.parallel
     tp = TensorParallel(dims.tp_group, dims.tp, dims.tp_rank, par.sequence_parallel, par.tp_comm_overlap)
     cp = ContextParallel.from_dims(dims, par.cp_comm_type)
@@ -53,8 +56,16 @@ def build_model(
     # not TE's quantized parameters (as the local layers' are not Fp8Parameters then: megatron/fp8/manager.py)
     precision = replace(cfg.precision, fp8_param_gather=False) if par.fsdp else cfg.precision
     build = partial(GPTModel, cfg.model, vocab_size, precision=precision, amax_group=dims.amax_group, tp=tp)
-    deferred = DeferredInit(build, stage, cfg.precision.params_dtype) if par.init_model_with_meta_device else None
-    model = deferred.model if deferred else build(stage=stage).to(device, cfg.precision.params_dtype)
+    if par.init_model_with_meta_device:
+        with times.phase("model built on the meta device"):
+            deferred = DeferredInit(build, stage, cfg.precision.params_dtype)
+        model = deferred.model
+    else:
+        deferred = None
+        with times.phase("model built, its weights drawn on the CPU"):
+            model = build(stage=stage)
+        with times.phase(f"model moved to {device.type} in {str(cfg.precision.params_dtype).removeprefix('torch.')}"):
+            model = model.to(device, cfg.precision.params_dtype)
     attach_context_parallel(model, cp)
     return tp, cp, stage, model, deferred
 

@@ -5,9 +5,10 @@ model -> FP8 state attached to its linears -> optimizer -> checkpoint loaded -> 
 checkpoint's consumed samples. The trainer calls the parts in that order and runs the loop; each part lives in a
 module named for it: build.py (model, FP8, gradient buffers, optimizer), train_state.py (the counters, loaded and
 saved with checkpoints), data_loading.py (batches), steps.py (a step's and evaluation's passes), warmup.py
-(calibration and CUDA graphs before the first step), startup.py (the start-of-run lines), progress.py (the progress
-and validation lines), runtime.py (gc, exit conditions, timers, profiler), guards.py (divergence, spikes, lost
-ranks), shutdown.py (what was started, stopped in order on every exit path).
+(calibration and CUDA graphs before the first step), startup.py (the start-of-run lines), startup_times.py (where
+the start-up's seconds go), progress.py (the progress and validation lines), runtime.py (gc, exit conditions,
+timers, profiler), guards.py (divergence, spikes, lost ranks), shutdown.py (what was started, stopped in order on
+every exit path).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from .progress import Progress
 from .runtime import Runtime
 from .shutdown import Shutdown, forget_frames
 from .startup import print_arguments, print_layout, print_model, write_config
+from .startup_times import DATA_ITERATORS, MODEL_AND_OPTIMIZER, StartupTimes
 from .stats import Stats
 from .steps import Batches, Steps
 from .train_state import TrainState, restore_train_state, save_train_state
@@ -66,6 +68,7 @@ class Trainer:
         if not started and dist.is_initialized():  # this run started torch.distributed: its end destroys the groups
             self.shutdown.own_process_groups({"world": dist.group.WORLD}, cfg.parallel.distributed_timeout_minutes)
         self.dims = ParallelDims.build(cfg)
+        self.startup = StartupTimes(cfg.logging.timing_log_option, self.device)  # where the start-up's seconds go
         self.shutdown.watch({k: v for k, v in vars(self.dims).items() if isinstance(v, dist.ProcessGroup)})
         with self.shutdown.on_error():  # a part that fails to start stops those started before it
             self._build()
@@ -78,26 +81,12 @@ class Trainer:
             self.tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size
         )
         self.dtype = cfg.precision.params_dtype
-        self.tp, self.cp, self.stage, self.model, deferred = build_model(cfg, dims, self.device, self.vocab_size)
-        if cfg.model.transformer_impl == "transformer_engine":  # TE's globals keep our groups (te_state.py)
-            self.shutdown.add_at_exit("Transformer Engine's global state", release_te_state)
-        self.fp8, self.fp8_monitor = build_fp8(cfg, self.model, dims, self.device)
-        self.grad_buffers = build_grad_buffers(cfg, dims, self.model, self.device, deferred)
-        self.shutdown.add_at_exit("the gradient buffers' hooks", self.grad_buffers.remove_hooks)
-        self.optimizer = build_optimizer(cfg, dims, self.model, self.device, self.grad_buffers)
-        point_fp8_weights_at_their_casts(cfg, self.model, self.optimizer, self.fp8_monitor)
-        self.loss_scaler = build_loss_scaler(cfg.precision)
-        self.state = TrainState()
-        self.checkpointer = None  # saves in --ckpt-format, loads the format on disk, logs the seconds
-        if cfg.checkpoint.save or cfg.checkpoint.load:
-            parts = self.model, self.optimizer, self.loss_scaler, self.fp8, self.fp8_monitor
-            self.checkpointer = Checkpointer(cfg, dims, *parts)
-            restore_train_state(self.state, self.checkpointer, cfg, self.optimizer)
-        # Each step's batch size and learning rate follow the consumed samples (a resumed run: the checkpoint's)
-        self.batch_schedule, self.train_iters = BatchSchedule.from_config(cfg), train_iterations(cfg)
-        self.batch_schedule.check_from(self.state.consumed_samples, self.train_iters - self.state.iteration)
-        self.lr_schedule = LRSchedule.from_config(cfg.optimizer, cfg.training.global_batch_size)
-        self.datasets = build_datasets(cfg, self.tokenizer, self.vocab_size)
+        self.startup.initialized()
+        with self.startup.setup(MODEL_AND_OPTIMIZER, "after model, optimizer, and learning rate scheduler are built"):
+            self._build_model_and_optimizer()
+        with self.startup.setup(DATA_ITERATORS, "after dataloaders are built"):
+            with self.startup.phase("datasets"):
+                self.datasets = build_datasets(cfg, self.tokenizer, self.vocab_size)
         self.tensorboard = TensorBoardWriter(cfg.logging.tensorboard_dir)
         self.shutdown.add("the TensorBoard writer", self.tensorboard.close)
         self.runtime = Runtime(cfg, dims.rank, self.device)  # gc, empty cache, exit budget, timers, profiler
@@ -139,10 +128,44 @@ class Trainer:
         )
         write_config(cfg, dims, self.tensorboard)
         if needs_calibration(cfg, self.state.iteration):
-            batches = iter(self.loader(self.datasets.train, self.state.consumed_samples))
-            calibrate_fp8(self.steps, batches, self.fp8_monitor)
+            with self.startup.phase("delayed scaling's calibration pass"):
+                batches = iter(self.loader(self.datasets.train, self.state.consumed_samples))
+                calibrate_fp8(self.steps, batches, self.fp8_monitor)
         if cfg.training.cuda_graph_impl == "transformer_engine":
-            capture_cuda_graphs(self.steps)
+            with self.startup.phase("CUDA graphs captured"):
+                capture_cuda_graphs(self.steps)
+        self.startup.done()
+
+    def _build_model_and_optimizer(self) -> None:
+        """Megatron-LM's model-and-optimizer-setup: the model, its FP8 state, the gradient buffers, the optimizer,
+        the learning rate and batch size schedules, and the checkpoint loaded; each a phase of the start-up's table."""
+        cfg, dims, phase = self.cfg, self.dims, self.startup.phase
+        self.tp, self.cp, self.stage, self.model, deferred = build_model(
+            cfg, dims, self.device, self.vocab_size, self.startup
+        )
+        if cfg.model.transformer_impl == "transformer_engine":  # TE's globals keep our groups (te_state.py)
+            self.shutdown.add_at_exit("Transformer Engine's global state", release_te_state)
+        with phase("FP8 state"):
+            self.fp8, self.fp8_monitor = build_fp8(cfg, self.model, dims, self.device)
+        sharding = "FSDP sharding" + (" and the meta-device model's values" if deferred else "")
+        with phase(sharding if cfg.parallel.fsdp else "gradient buffers"):
+            self.grad_buffers = build_grad_buffers(cfg, dims, self.model, self.device, deferred)
+        self.shutdown.add_at_exit("the gradient buffers' hooks", self.grad_buffers.remove_hooks)
+        with phase("optimizer"):
+            self.optimizer = build_optimizer(cfg, dims, self.model, self.device, self.grad_buffers)
+            point_fp8_weights_at_their_casts(cfg, self.model, self.optimizer, self.fp8_monitor)
+        self.loss_scaler = build_loss_scaler(cfg.precision)
+        self.state = TrainState()
+        self.checkpointer = None  # saves in --ckpt-format, loads the format on disk, logs the seconds
+        if cfg.checkpoint.save or cfg.checkpoint.load:
+            parts = self.model, self.optimizer, self.loss_scaler, self.fp8, self.fp8_monitor
+            self.checkpointer = Checkpointer(cfg, dims, *parts)
+            with phase("checkpoint loaded"):
+                restore_train_state(self.state, self.checkpointer, cfg, self.optimizer)
+        # Each step's batch size and learning rate follow the consumed samples (a resumed run: the checkpoint's)
+        self.batch_schedule, self.train_iters = BatchSchedule.from_config(cfg), train_iterations(cfg)
+        self.batch_schedule.check_from(self.state.consumed_samples, self.train_iters - self.state.iteration)
+        self.lr_schedule = LRSchedule.from_config(cfg.optimizer, cfg.training.global_batch_size)
 
     # ------------------------------------------------------------------ the parts, for the loop and for tests
 
@@ -186,6 +209,7 @@ class Trainer:
     def train(self) -> TrainState:
         """Train to --train-iters (or an exit condition), evaluate, save; then stop what the trainer started."""
         cfg, state = self.cfg, self.state
+        self.startup.training()
         batches = iter(self.loader(self.datasets.train, state.consumed_samples))
         if self.checkpointer is not None:  # never end with a background write unfinished or invisible
             self.shutdown.add("--async-save's pending write", self.checkpointer.finalize, needs_peers=True)
@@ -207,6 +231,7 @@ class Trainer:
         cfg, state, train_cfg = self.cfg, self.state, self.cfg.training
         saved_at = None
         self.runtime.start_training()
+        self.startup.before_first_step()
         while state.iteration < self.train_iters:
             self.runtime.before_step(state.iteration)
             lrs = self.lr_schedule.at(state.consumed_samples)
@@ -218,6 +243,7 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - start
+            self.startup.after_step(elapsed)
             state.iteration += 1
             self.runtime.after_step(state.iteration)
             state.record_step(loss, gbs, stepped, self.guards.after_step(state.iteration, loss, norm, stepped))

@@ -45,6 +45,38 @@ def test_loss_decreases_and_log_line_is_megatron_format(capsys):
     assert "validation loss at iteration 40" in out and "number of parameters" in out and "memory estimate" in out
 
 
+def test_startup_lines_are_megatrons_in_its_order_then_our_phases(capsys):
+    train("--train-iters 3 --log-interval 1")
+    lines = capsys.readouterr().out.splitlines()
+    megatron_lines = [
+        "time to initialize megatron (seconds): ",
+        "[after megatron is initialized] datetime: ",
+        "[after model, optimizer, and learning rate scheduler are built] datetime: ",
+        "[after dataloaders are built] datetime: ",
+        "done with setup ...",
+        "(min, max) time across ranks (ms):",
+        "    model-and-optimizer-setup ",
+        "    train/valid/test-data-iterators-setup ",
+        "> start-up: ",
+        ">   model built, its weights drawn on the CPU ",
+        ">   model moved to cpu in float32 ",
+        ">   gradient buffers ",
+        ">   optimizer ",
+        ">   datasets ",
+        "training ...",
+        "[before the start of training step] datetime: ",
+        " [",  # the first progress line
+        "> first step ",
+    ]
+    at = [next(i for i, line in enumerate(lines) if line.startswith(start)) for start in megatron_lines]
+    assert at == sorted(at), [lines[i] for i in at]
+    assert re.fullmatch(r"time to initialize megatron \(seconds\): \d+\.\d{3}", lines[at[0]])
+    assert re.fullmatch(r"\[after dataloaders are built\] datetime: \d{4}-\d\d-\d\d [\d:.]+ ", lines[at[3]])
+    assert re.fullmatch(r"    model-and-optimizer-setup \.+: \([\d.]+, [\d.]+\)", lines[at[6]])
+    assert re.fullmatch(r">   optimizer \.+: \([\d.]+, [\d.]+\)", lines[at[12]])
+    assert sum(line.startswith("> first step ") for line in lines) == 1
+
+
 def test_resume_reproduces_uninterrupted_run_exactly(tmp_path):
     # Dropout on: resuming must restore the RNG streams too, not only weights and optimizer.
     full = train("--train-iters 20")
