@@ -70,12 +70,8 @@ class StartupTimes:
         """One of Megatron-LM's setup timers (`name`) around the block, and its datetime line after it."""
         if dist.is_initialized():
             dist.barrier()  # Megatron-LM starts these timers with barrier=True
-        timer = self.timers(name, 0)
-        timer.start()
-        try:
+        with self._timed(name):
             yield
-        finally:
-            timer.stop()
         print_datetime(done_label)
 
     @contextmanager
@@ -83,6 +79,11 @@ class StartupTimes:
         """One row of our table: the seconds of the block (every rank must time the same phases, in any order)."""
         if name not in self.phases:
             self.phases.append(name)
+        with self._timed(name):
+            yield
+
+    @contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
         timer = self.timers(name, 0)
         timer.start()
         try:
