@@ -5,6 +5,8 @@
 #                                            freed bf16 shards, TE meta-device init, the FP8 gradient reduce-scatter,
 #                                            the cached FP8 shard cast, the calibration pass recomputed (one GPU) and
 #                                            TE's state released at exit (about 8 minutes)
+#   bash scripts/fsdp_rows.sh new OUTDIR     the GPU tests not yet run on a GPU since their last change: the RoPE
+#                                            kernel's, the recomputed calibration pass, TE's state at exit (~3 min)
 #   bash scripts/fsdp_rows.sh 1b OUTDIR      llama-1b: FSDP with FP8 and bf16 all-gathers, one- and four-layer units,
 #                                            beside dp2_distopt, each row with its lower bound (about 9 minutes)
 #   bash scripts/fsdp_rows.sh host OUTDIR    llama-1b's host-bound FSDP step (optim_grads): the profile of
@@ -27,8 +29,8 @@
 # OUTDIR gets a summary (summary.txt: the tables and each test's last lines) and every run's log (logs/). Megatron-LM's
 # sources must be where .devkit/anchors/megatron_run.sh looks (../shared/anchors/README.md).
 set -o pipefail
-PART=${1:?usage: bash scripts/fsdp_rows.sh tests|1b|host|8b|8b-nccl|megatron|parity OUTDIR}
-OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|1b|host|8b|8b-nccl|megatron|parity OUTDIR}
+PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|parity OUTDIR}
+OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|parity OUTDIR}
 mkdir -p "$OUT/logs"
 source .devkit/setup-te.sh || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -43,6 +45,13 @@ case $PART in
       read -r file select <<< "$t"
       timeout 150 python3 -m pytest -q -x -s "tests/gpu/$file.py" $select > "$OUT/logs/$file.txt" 2>&1
       echo "$t: rc=$? $(tail -1 "$OUT/logs/$file.txt")" | tee -a "$OUT/summary.txt"
+    done;;
+  new)
+    # GPU tests that have not yet run (or not since a change) on a GPU: the RoPE kernel's (one GPU), the calibration
+    # pass recomputed (one GPU), TE's state released at exit
+    for t in test_rope_kernel test_te_calibration_recompute test_te_exit_gpu; do
+      timeout 150 python3 -m pytest -q -x "tests/gpu/$t.py" > "$OUT/logs/$t.txt" 2>&1
+      echo "$t: rc=$? $(tail -1 "$OUT/logs/$t.txt")" | tee -a "$OUT/summary.txt"
     done;;
   1b)
     # 30 iterations: the FSDP rows settled late in the third session's calls
@@ -93,5 +102,5 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     timeout 560 python3 scripts/loss_parity.py --preset llama-150m --eval-iters 5 --nproc-per-node 2 --deadline 540 $D \
       --results "$OUT/parity.json" --log-dir "$OUT/logs" --out "$OUT/parity.md" \
       --configs te-delayed+fsdpo1 --config-flags "te-delayed+fsdpo1=$F --fp8-grad-reduce" 2>&1 | tail -12 | tee -a "$OUT/summary.txt";;
-  *) echo "unknown part $PART: tests, 1b, 8b, megatron or parity"; exit 2;;
+  *) echo "unknown part $PART: tests, new, 1b, host, 8b, 8b-nccl, megatron or parity"; exit 2;;
 esac
