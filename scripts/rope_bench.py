@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.model import rope_kernel  # noqa: E402
 from megatron.model.layers import RotaryEmbedding  # noqa: E402
+from megatron.model.te_attention import te_qkv_rope  # noqa: E402
 
 # name: (s, b, query heads, groups, head size, rotary percent) per rank
 SHAPES = {
@@ -96,13 +97,6 @@ def backward_calls(fn, sets: list) -> list:
     ]
 
 
-def te_rope(packed: torch.Tensor, angles: torch.Tensor, per_group: int):
-    from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
-
-    hn = packed.shape[-1] // (per_group + 2)
-    return apply_fused_qkv_rotary_pos_emb(packed, angles, angles, [per_group * hn, hn, hn], tensor_format="sbhd")
-
-
 def ulps(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     """(largest difference in bf16 ulps, fraction of elements that differ)."""
     _, exponent = torch.frexp(torch.maximum(got.float().abs(), want.float().abs()))
@@ -130,14 +124,14 @@ def row(name: str, shape: tuple, te: bool) -> tuple[str, tuple | None, list]:
     cols = [name, "-", "-", f"{fwd:.4f}", f"{bwd:.4f}", "-", f"{rate(fwd)} / {rate(bwd)}"]
     check = None
     if te:
-        fwd, bwd = graph_ms(forward_calls(te_rope, sets)), graph_ms(backward_calls(te_rope, sets))
+        fwd, bwd = graph_ms(forward_calls(te_qkv_rope, sets)), graph_ms(backward_calls(te_qkv_rope, sets))
         cols[1:3], cols[5] = [f"{fwd:.4f}", f"{bwd:.4f}"], f"{rate(fwd)} / {rate(bwd)}"
         packed, angles, per_group = sets[0]
-        mine, theirs = rope_kernel.fused_qkv_rope(packed, angles, per_group), te_rope(packed, angles, per_group)
+        mine, theirs = rope_kernel.fused_qkv_rope(packed, angles, per_group), te_qkv_rope(packed, angles, per_group)
         grads = [torch.randn_like(t) for t in mine]
         leaf = packed.clone().requires_grad_()
         (g_mine,) = torch.autograd.grad(rope_kernel.fused_qkv_rope(leaf, angles, per_group), leaf, grads)
-        (g_te,) = torch.autograd.grad(te_rope(leaf, angles, per_group), leaf, grads)
+        (g_te,) = torch.autograd.grad(te_qkv_rope(leaf, angles, per_group), leaf, grads)
         check = (
             ulps(mine[0], theirs[0]),
             ulps(mine[1], theirs[1]),

@@ -75,9 +75,6 @@ class TESelfAttention(nn.Module):
         else:  # --attention-backend local: this project's PyTorch attention between TE's linears
             self.core_attention = CoreAttention(cfg, layer_number)
         self.recompute_core_attn = False  # --recompute-modules core_attn (set by TETransformerLayer)
-        from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
-
-        self._qkv_rope = apply_fused_qkv_rotary_pos_emb
         self.linear_proj = te_linear(
             cfg, cfg.num_attention_heads * self.head_dim, cfg.hidden_size, "row", init_std_of_output(cfg), tp,
             params_dtype, device, ub_name="proj",
@@ -99,10 +96,7 @@ class TESelfAttention(nn.Module):
             # ([s, b, np, hn], [s, b, ng, hn] x 2); its backward writes the packed gradient directly, where
             # separate RoPE calls on views of `mixed` end in a concatenation of the three gradients.
             packed = mixed.view(s, b, groups, (per_group + 2) * hn)
-            if rope == "triton":
-                q, k, v = fused_qkv_rope(packed, rotary, per_group)
-            else:
-                q, k, v = self._qkv_rope(packed, rotary, rotary, [per_group * hn, hn, hn], tensor_format="sbhd")
+            q, k, v = (fused_qkv_rope if rope == "triton" else te_qkv_rope)(packed, rotary, per_group)
         else:
             # [s, b, ng * (np/ng + 2) * hn] -> [s, b, ng, (np/ng + 2) * hn] -> q, k, v views
             q, k, v = mixed.view(s, b, groups, (per_group + 2) * hn).split([per_group * hn, hn, hn], dim=-1)
@@ -157,3 +151,16 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def te_qkv_rope(
+    packed: torch.Tensor, angles: torch.Tensor, heads_per_group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v with RoPE from the packed QKV output by Transformer Engine's fused QKV kernel, as
+    `rope_kernel.fused_qkv_rope` computes them: the layer's fallback without Triton, and the reference that
+    tests/gpu/test_rope_kernel.py and scripts/rope_bench.py compare the Triton kernel with."""
+    from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
+
+    hn = packed.shape[-1] // (heads_per_group + 2)
+    split = [heads_per_group * hn, hn, hn]
+    return apply_fused_qkv_rotary_pos_emb(packed, angles, angles, split, tensor_format="sbhd")

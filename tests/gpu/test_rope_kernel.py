@@ -18,6 +18,7 @@ import torch
 
 from megatron.model import rope_kernel
 from megatron.model.layers import RotaryEmbedding, apply_rotary
+from megatron.model.te_attention import te_qkv_rope
 from tests.gpu.marks import INTERPRET, TRITON_KERNEL
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
@@ -96,13 +97,6 @@ def exact(packed: torch.Tensor, angles: torch.Tensor, per_group: int):
 
     xq, xk, _ = split(packed.double().abs(), per_group)
     return split_unfused(packed.double(), angles.double(), per_group), (magnitude(xq), magnitude(xk))
-
-
-def te_rope(packed: torch.Tensor, angles: torch.Tensor, per_group: int):
-    from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
-
-    hn = packed.shape[-1] // (per_group + 2)
-    return apply_fused_qkv_rotary_pos_emb(packed, angles, angles, [per_group * hn, hn, hn], tensor_format="sbhd")
 
 
 def grads_of(fn, packed: torch.Tensor, angles: torch.Tensor, per_group: int, seed: int = 1):
@@ -227,7 +221,7 @@ def test_angles_longer_than_the_sequence_and_empty_inputs():
 def test_bf16_forward_and_backward_match_te(name, any_angles):
     packed, angles, per_group = make(name, torch.bfloat16, any_angles=any_angles)
     (q, k, v), _, grad = grads_of(rope_kernel.fused_qkv_rope, packed, angles, per_group)
-    (tq, tk, tv), grads, te_grad = grads_of(te_rope, packed, angles, per_group)
+    (tq, tk, tv), grads, te_grad = grads_of(te_qkv_rope, packed, angles, per_group)
     assert torch.equal(v, tv)
     # the same fp32 math rounded once; only the compilers' fma contraction may differ
     _, (mq, mk) = exact(packed, angles, per_group)
