@@ -155,8 +155,7 @@ def _fsdp_buffers(
     par, prec, m = cfg.parallel, cfg.precision, cfg.model
     fp8 = prec.fp8_layer_numbers(m.num_layers)
     fp8_bytes = (2 if _te(cfg) and prec.fp8_recipe != "blockwise" else 1) if prec.fp8_param_gather else itemsize
-    unit_size = par.suggested_communication_unit_size
-    per_unit = fsdp_layer_units(m.num_layers, layer, unit_size)[0] if layer > 0 else 1  # the largest unit
+    per_unit = _layers_per_unit(cfg, layer)
     if par.data_parallel_sharding_strategy == "optim_grads":
         gathered = (num_params - len(fp8) * layer) * itemsize + len(fp8) * layer * fp8_bytes
     else:
@@ -166,6 +165,14 @@ def _fsdp_buffers(
     rs = 2 if grad_comm_bf16(cfg) else 4
     staging = unit * (itemsize + rs + rs / _optimizer_shards(cfg))
     return gathered, max(staging - loss_side, 0.0)
+
+
+def _layers_per_unit(cfg: Config, layer: float) -> int:
+    """Transformer layers in the largest FSDP unit (--suggested-communication-unit-size; the first unit, the others
+    as large or the last smaller) for layers of `layer` parameters."""
+    if layer <= 0:
+        return 1
+    return fsdp_layer_units(cfg.model.num_layers, layer, cfg.parallel.suggested_communication_unit_size)[0]
 
 
 def _step_bytes(cfg: Config, num_params: int, fp8_params: int) -> float:
@@ -270,7 +277,7 @@ def estimate_bytes(
     # delayed scaling's calibration pass: a fresh run assumed (a resumed one runs none), none with TE's userbuffers
     if needs_calibration(cfg, 0) and not (_te(cfg) and par.tp_comm_overlap):
         # recomputed an FSDP unit at a time where units hold several layers (model/recompute.py)
-        together = fsdp_layer_units(m.num_layers, layer, par.suggested_communication_unit_size)[0] if par.fsdp else 1
+        together = _layers_per_unit(cfg, layer) if par.fsdp else 1
         calibration = calibration_activation_units(cfg, layers, together) * s * b * h * act_scale
         calibration += loss_activations + buffers
     static = weights + grads + main_params + adam + weight_casts
