@@ -90,6 +90,7 @@ def layer_traffic(cfg: Config, vocab: int, fp8: bool) -> list[tuple[str, str, fl
     E, Q, K, F = z["E"], z["Q"], z["K"], z["F"]
     w = fp8_operand_bytes(cfg, fp8)
     swiglu = cfg.model.swiglu
+    rope = cfg.model.position_embedding_type == "rope"  # learned positions are added in the embedding instead
     act_fwd = (4 * F + w * F) if swiglu else (2 * F + w * F)
     act_bwd = (4 * F + 2 * F + 4 * F) if swiglu else (2 * F + 2 * F + 2 * F)
     items = [
@@ -97,11 +98,10 @@ def layer_traffic(cfg: Config, vocab: int, fp8: bool) -> list[tuple[str, str, fl
         ("norm", "norm bwd (x2)", 2 * 6 * E, "2 x 6E"),
         ("elementwise", "residual add fwd (x2)", 2 * 6 * E, "2 x 6E"),
         ("elementwise", "residual grad add bwd (x2)", 2 * 6 * E, "2 x 6E"),
+        *([("rope", "RoPE fwd+bwd", 2 * 4 * (Q + 2 * K), "2 x 4(Q+2K)")] if rope else []),
         ("activation", "SwiGLU fwd" if swiglu else "activation fwd", act_fwd, "4F + wF" if swiglu else "2F + wF"),
         ("activation", "SwiGLU bwd" if swiglu else "activation bwd", act_bwd, "10F" if swiglu else "6F"),
     ]
-    if cfg.model.position_embedding_type == "rope":  # learned positions are added in the embedding instead
-        items.insert(4, ("rope", "RoPE fwd+bwd", 2 * 4 * (Q + 2 * K), "2 x 4(Q+2K)"))
     if fp8:
         items += [
             ("cast/transpose", "attention output -> FP8", 2 * Q + w * Q, "2Q + wQ"),
@@ -118,15 +118,15 @@ def layer_forward_traffic(cfg: Config, vocab: int, fp8: bool, what: set[str]) ->
     w = fp8_operand_bytes(cfg, fp8)
     act = (4 * F + w * F) if cfg.model.swiglu else (2 * F + w * F)
     act_formula = "4F + wF" if cfg.model.swiglu else "2F + wF"
+    rope = cfg.model.position_embedding_type == "rope"
     items = []
     if "layer" in what:
         items += [
             ("norm", "norm fwd (x2)", 2 * (2 * E + w * E), "2 x (2E + wE)"),
             ("elementwise", "residual add fwd (x2)", 2 * 6 * E, "2 x 6E"),
+            *([("rope", "RoPE fwd", 4 * (Q + 2 * K), "4(Q+2K)")] if rope else []),
             ("activation", "activation fwd", act, act_formula),
         ]
-        if cfg.model.position_embedding_type == "rope":
-            items.insert(2, ("rope", "RoPE fwd", 4 * (Q + 2 * K), "4(Q+2K)"))
         if fp8:
             items.append(("cast/transpose", "attention output -> FP8", 2 * Q + w * Q, "2Q + wQ"))
         return items
