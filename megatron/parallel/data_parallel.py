@@ -73,7 +73,7 @@ def _mark_rewritten(bucket: _Bucket) -> None:
     (`TETransformerLayer._first_microbatch`): a layer with no piece here (a small model in one bucket, large
     buckets, a high data-parallel degree) would otherwise keep its first step's FP8 weight casts. FP8 parameters
     (their bytes gathered) are left alone: TE reads them as they are, with no cast to renew."""
-    if bucket.params and _storage_kind(bucket.params[0]) == "fp8":
+    if bucket.param_data.dtype == torch.uint8:  # a bucket of FP8 weights' bytes (`_move_params_into_buffer`)
         return
     for param in bucket.params:
         torch.autograd.graph.increment_version(param)
