@@ -23,6 +23,7 @@ history in the first forward and runs the recomputation on them without register
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -162,10 +163,7 @@ def checkpoint(function: Callable[..., torch.Tensor], *args: Any, runner: Runner
 
 def splits_units(plan: RecomputePlan, units: Sequence[int], num_layers: int) -> bool:
     """Whether a run that `plan` recomputes starts or ends inside one of `units` (layers per FSDP unit, in order)."""
-    bounds, edge = {0}, 0
-    for size in units:
-        edge += size
-        bounds.add(edge)
+    bounds = set(itertools.accumulate(units, initial=0))
     return any(done and not {start, end} <= bounds for start, end, done in plan.chunks(num_layers))
 
 
