@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from megatron.parallel.tensor_parallel import (
 )
 
 from .cross_entropy import fused_cross_entropy
+from .init_draws import init_normal, parallel_draws, seeded
 from .layers import Linear, Norm, RotaryEmbedding, is_fp8_param, mark_tensor_parallel
 from .recompute import RecomputePlan, Runner, run_layers
 from .transformer import TransformerLayer
@@ -88,15 +90,6 @@ class Stage:
         return slice(start, start + self.chunk_sizes[chunk])
 
 
-@contextlib.contextmanager
-def _seeded(seed: int):
-    """Draw a module's initial weights from its own seed (CPU generator), so that the weights do not depend on which
-    other modules this rank builds: every pipeline or tensor-parallel layout starts from the same model."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
-
-
 class VocabParallelEmbedding(nn.Module):
     """Word embeddings [V, h], rows split over the tensor-parallel ranks; each rank looks up the tokens in its
     range and the partial results are all-reduced (the others contribute zeros)."""
@@ -105,8 +98,8 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp, self.vocab_local = tp, vocab_size // tp.size
         self.vocab_start = tp.rank * self.vocab_local
-        full = torch.empty(vocab_size, hidden_size, dtype=torch.float32).normal_(0.0, init_std)
-        self.weight = nn.Parameter(tp.shard(full, 0).to(dtype or torch.float32))
+        self.weight = nn.Parameter(torch.empty(self.vocab_local, hidden_size, dtype=dtype or torch.float32))
+        init_normal(self.weight, (vocab_size, hidden_size), init_std, partial(tp.shard, dim=0))
         mark_tensor_parallel(self.weight, 0)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -127,8 +120,9 @@ class Embedding(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(vocab_size, cfg.hidden_size, cfg.init_method_std, dtype, tp)
         self.position_embeddings = None
         if positions and cfg.position_embedding_type == "learned_absolute":
-            full = torch.empty(cfg.max_position_embeddings, cfg.hidden_size).normal_(0.0, cfg.init_method_std)
-            self.position_embeddings = nn.Embedding(*full.shape, _weight=full.to(dtype or torch.float32))
+            shape = (cfg.max_position_embeddings, cfg.hidden_size)
+            self.position_embeddings = nn.Embedding(*shape, _weight=torch.empty(shape, dtype=dtype or torch.float32))
+            init_normal(self.position_embeddings.weight, shape, cfg.init_method_std)
             self.position_embeddings.weight.grad_norm_duplicate = tp.rank > 0
         self.dropout = cfg.hidden_dropout
 
@@ -146,14 +140,15 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, te_fp8: Any, tp: TensorParallel, stage: Stage, base_seed: int):
         super().__init__()
         layers = []
+        # FP8 weights are built as TE tensors whose nominal dtype must be the model's (bf16), so the trainer's later
+        # .to(bf16) leaves them alone instead of dequantizing them; TE quantizes them as it initializes them, so their
+        # layers draw at once, not with the other parts (init_draws.py)
+        fp8_params = te_fp8 is not None and te_fp8.fp8_params
         for number in stage.layer_numbers:
-            with _seeded(base_seed + number):
+            with seeded(base_seed + number, defer=not fp8_params):
                 if cfg.transformer_impl == "transformer_engine":
                     from .te_layers import TETransformerLayer
 
-                    # FP8 weights are built as TE tensors whose nominal dtype must be the model's (bf16), so the
-                    # trainer's later .to(bf16) leaves them alone instead of dequantizing them.
-                    fp8_params = te_fp8 is not None and te_fp8.fp8_params
                     with te_fp8.param_init(number) if fp8_params else contextlib.nullcontext():
                         layers.append(
                             TETransformerLayer(cfg, number, torch.bfloat16 if fp8_params else dtype, te_fp8, tp)
@@ -183,6 +178,7 @@ class GPTModel(nn.Module):
         amax_group: dist.ProcessGroup | None = None,
         tp: TensorParallel = NO_TP,
         stage: Stage | None = None,
+        init_threads: int = 1,
     ):
         """`vocab_size` is the padded vocabulary (see `megatron.data.padded_vocab_size`).
 
@@ -194,7 +190,8 @@ class GPTModel(nn.Module):
 
         `tp` splits the layers over tensor-parallel ranks and `stage` picks this pipeline stage's part; the defaults
         build the whole model in one process. Initial weights depend only on the global RNG state at construction
-        (one draw gives a base seed; each module then uses its own), not on the layout."""
+        (one draw gives a base seed; each module then uses its own), not on the layout, nor on `init_threads`: how
+        many threads draw them (megatron/model/init_draws.py)."""
         super().__init__()
         stage = stage or Stage.whole(cfg.num_layers)
         self.cfg, self.vocab_size, self.tp, self.stage = cfg, vocab_size, tp, stage
@@ -209,12 +206,25 @@ class GPTModel(nn.Module):
             set_te_attention_env(cfg.attention_backend)  # as Megatron-LM does when it builds the model
             self.te_fp8 = build_te_fp8(cfg, precision, amax_group)
             self.checkpoint_runner = te_checkpoint  # TE's checkpoint for its layers' FP8 state (see recompute.py)
+        # The parts' weights are drawn at the end of this block, the parts in parallel (init_draws.py)
+        with parallel_draws(init_threads):
+            self._build_parts(vocab_size, dtype, base_seed)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.gradient_accumulation_fusion = cfg.gradient_accumulation_fusion
+        self.register_load_state_dict_pre_hook(_reconcile_extra_state)
+        self.register_load_state_dict_pre_hook(_quantize_into_fp8_params)
+        self._register_state_dict_hook(_dequantize_fp8_params)
+
+    def _build_parts(self, vocab_size: int, dtype: torch.dtype | None, base_seed: int) -> None:
+        """The embedding, the layers and the output layer (each from its own seed), in Megatron-Core's order."""
+        cfg, tp, stage = self.cfg, self.tp, self.stage
         tied = not cfg.untie_embeddings_and_output_weights
         self.embedding = None
         if stage.pre_process or (tied and stage.post_process):
             # The last stage of a pipeline keeps its own copy of tied word embeddings for the output layer; the
             # trainer sums the two copies' gradients, so they stay equal.
-            with _seeded(base_seed):
+            with seeded(base_seed):
                 self.embedding = Embedding(cfg, vocab_size, dtype, tp, positions=stage.pre_process)
             if tied and not (stage.pre_process and stage.post_process):
                 self.embedding.word_embeddings.weight.shared_embedding = True
@@ -229,18 +239,11 @@ class GPTModel(nn.Module):
         self.layer_units: tuple[int, ...] = ()
         self.output_layer = None
         if not tied and stage.post_process:
-            with _seeded(base_seed + cfg.num_layers + 1):
-                full = torch.empty(vocab_size, cfg.hidden_size).normal_(0.0, cfg.init_method_std)
             self.output_layer = nn.Linear(cfg.hidden_size, vocab_size // tp.size, bias=False, dtype=dtype)
-            with torch.no_grad():
-                self.output_layer.weight.copy_(tp.shard(full, 0))
+            with seeded(base_seed + cfg.num_layers + 1):
+                shape = (vocab_size, cfg.hidden_size)
+                init_normal(self.output_layer.weight, shape, cfg.init_method_std, partial(tp.shard, dim=0))
             mark_tensor_parallel(self.output_layer.weight, 0)
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.gradient_accumulation_fusion = cfg.gradient_accumulation_fusion
-        self.register_load_state_dict_pre_hook(_reconcile_extra_state)
-        self.register_load_state_dict_pre_hook(_quantize_into_fp8_params)
-        self._register_state_dict_hook(_dequantize_fp8_params)
 
     def output_weight(self) -> torch.Tensor:
         """[V/tp, h]: this rank's vocabulary rows of the output layer (the word embeddings when tied)."""

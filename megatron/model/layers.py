@@ -18,6 +18,7 @@ sequence). Weights are drawn at full size and sliced, so every layout starts fro
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from megatron.parallel.tensor_parallel import (
 )
 
 from .grad_accumulation import fuses_wgrad, linear_accumulating_wgrad
+from .init_draws import init_normal
 from .recompute import NormRecompute
 
 
@@ -158,14 +160,13 @@ class Linear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        full = torch.empty(self.out_features, self.in_features, dtype=torch.float32).normal_(0.0, self.init_std)
         if self.parallel_mode == "column":
-            full = self.tp.shard(full, 0, self.parts)
-        elif self.parallel_mode == "row":
-            full = self.tp.shard(full, 1)
-        with torch.no_grad():
-            self.weight.copy_(full)
-            if self.bias is not None:
+            shard = partial(self.tp.shard, dim=0, parts=self.parts)
+        else:
+            shard = partial(self.tp.shard, dim=1) if self.parallel_mode == "row" else lambda full: full
+        init_normal(self.weight, (self.out_features, self.in_features), self.init_std, shard)
+        if self.bias is not None:
+            with torch.no_grad():
                 self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ transformer_engine is imported inside functions only: importing this module on a
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,13 +18,15 @@ from torch import nn
 from megatron.config import ModelConfig
 from megatron.parallel.tensor_parallel import TensorParallel
 
+from .init_draws import init_normal
 from .layers import mark_replicated, mark_tensor_parallel, normalize
 
 
 def sharded_normal_init(std: float, tp: TensorParallel, dim: int, parts: int = 1) -> Callable[[torch.Tensor], None]:
     """A TE `init_method` for a weight that is this rank's tensor-parallel shard along `dim`: draw the full matrix
     N(0, std) from the CPU generator in fp32, as the local `Linear` does, and copy this rank's slice (`parts`: stacked
-    matrices sliced separately, 2 for SwiGLU's [gate; up]) to the (GPU) weight.
+    matrices sliced separately, 2 for SwiGLU's [gate; up]) to the (GPU) weight; inside `parallel_draws` at its end,
+    with the other parts' draws (megatron/model/init_draws.py).
 
     TE calls each module's init in construction order (linear_qkv, linear_proj, linear_fc1, linear_fc2), the order
     the local layer draws in, so with the same seed both implementations, under any layout, start from identical
@@ -32,9 +35,7 @@ def sharded_normal_init(std: float, tp: TensorParallel, dim: int, parts: int = 1
     def init(weight: torch.Tensor) -> None:
         shape = list(weight.shape)
         shape[dim] *= tp.size
-        full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std)
-        with torch.no_grad():
-            weight.copy_(tp.shard(full, dim, parts))
+        init_normal(weight, tuple(shape), std, partial(tp.shard, dim=dim, parts=parts))
 
     return init
 

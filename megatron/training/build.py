@@ -4,6 +4,7 @@ its linears -> gradient buffers -> optimizer."""
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import replace
 from functools import partial
@@ -36,6 +37,13 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _cpus() -> int:
+    """This process's share of the CPUs it may run on (the node's ranks share them): the threads that draw the initial
+    weights (megatron/model/init_draws.py)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def build_model(
     cfg: Config, dims: ParallelDims, device: torch.device, vocab_size: int, times: StartupTimes
 ) -> tuple[TensorParallel, ContextParallel, Stage, GPTModel, DeferredInit | None]:
@@ -55,7 +63,9 @@ def build_model(
     # Under FSDP the FP8 weights are high-precision shards that FSDP all-gathers as FP8 (megatron/parallel/fsdp.py),
     # not TE's quantized parameters (as the local layers' are not Fp8Parameters then: megatron/fp8/manager.py)
     precision = replace(cfg.precision, fp8_param_gather=False) if par.fsdp else cfg.precision
-    build = partial(GPTModel, cfg.model, vocab_size, precision=precision, amax_group=dims.amax_group, tp=tp)
+    build = partial(
+        GPTModel, cfg.model, vocab_size, precision=precision, amax_group=dims.amax_group, tp=tp, init_threads=_cpus()
+    )
     if par.init_model_with_meta_device:
         with times.phase("model built on the meta device"):
             deferred = DeferredInit(build, stage, cfg.precision.params_dtype)
