@@ -239,7 +239,10 @@ class GPTModel(nn.Module):
         self.layer_units: tuple[int, ...] = ()
         self.output_layer = None
         if not tied and stage.post_process:
-            self.output_layer = nn.Linear(cfg.hidden_size, vocab_size // tp.size, bias=False, dtype=dtype)
+            # Built on the meta device, then given storage on the default one: nn.Linear's own initialization (a
+            # uniform draw of V/tp x h from the global generator, a few seconds at 8B) would be overwritten anyway
+            linear = nn.Linear(cfg.hidden_size, vocab_size // tp.size, bias=False, dtype=dtype, device="meta")
+            self.output_layer = linear.to_empty(device=torch.get_default_device())
             with seeded(base_seed + cfg.num_layers + 1):
                 shape = (vocab_size, cfg.hidden_size)
                 init_normal(self.output_layer.weight, shape, cfg.init_method_std, partial(tp.shard, dim=0))
