@@ -40,10 +40,10 @@ def config(flags: str, impl: str, extra: str = ""):
     return parse_args(f"{argv} {flags} --transformer-impl {impl} {extra}".split(), device_type="cuda")
 
 
-def build(flags: str, impl: str, extra: str = "", seed: int = 0, dtype=torch.bfloat16) -> GPTModel:
+def build(flags: str, impl: str, extra: str = "", seed: int = 0, dtype=torch.bfloat16, init_threads: int = 1):
     cfg = config(flags, impl, extra)
     torch.manual_seed(seed)
-    return GPTModel(cfg.model, VOCAB, precision=cfg.precision).to("cuda", dtype)
+    return GPTModel(cfg.model, VOCAB, precision=cfg.precision, init_threads=init_threads).to("cuda", dtype)
 
 
 def batches(seq: int = 64, micro: int = 2, count: int = 4):
@@ -69,7 +69,9 @@ def weights(model: GPTModel) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("flags", [LLAMA, GPT2], ids=["llama", "gpt2"])
 def test_same_seed_same_keys_and_weights(flags):
-    local, te = build(flags, "local", dtype=torch.float32), build(flags, "transformer_engine", dtype=torch.float32)
+    # TE's GPU weights filled from the pool's threads (megatron/model/init_draws.py), the local ones in this thread
+    local = build(flags, "local", dtype=torch.float32)
+    te = build(flags, "transformer_engine", dtype=torch.float32, init_threads=4)
     te_keys = set(te.state_dict())
     assert set(local.state_dict()) == {k for k in te_keys if not k.endswith("_extra_state")}
     assert any(k.endswith("linear_qkv._extra_state") for k in te_keys)
