@@ -19,6 +19,8 @@ today's behaviour: a cast in every forward and again in every backward, nothing 
   (c) optim_grads_params is unchanged: TE still treats its modules as FSDP2's (`is_fsdp2`), the layers keep no cast.
 """
 
+from torch.distributed.tensor import DTensor
+
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import DISTOPT, GRADS, PARAMS, _close
@@ -44,8 +46,9 @@ def _counted_run(flags: str, world_size: int) -> tuple[list[float], list[int], T
     casts = [0]
 
     def is_weight(src) -> bool:
-        # the weight as the module holds it now (FSDP's gathered one during its forward and backward)
-        return any(src.data_ptr() == m.weight.data_ptr() for m in linears)
+        # the weight as the module holds it now: FSDP's gathered one during its forward and backward (a unit not
+        # gathered now holds its shard, a DTensor without storage of its own)
+        return any(not isinstance(m.weight, DTensor) and src.data_ptr() == m.weight.data_ptr() for m in linears)
 
     quantize_impl, update_quantized = Float8Quantizer.quantize_impl, Float8Quantizer.update_quantized
 
