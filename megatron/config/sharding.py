@@ -145,6 +145,15 @@ def shards_hold_main_weights(cfg: Config) -> bool:
     return not cfg.optimizer.use_precision_aware_optimizer
 
 
+def fsdp_keeps_weight_casts(cfg: Config) -> bool:
+    """Whether FSDP lets the FP8 linears keep each step's weight casts for its later micro-batches, as the distributed
+    optimizer's do: under optim_grads, whose gathered weights stay unchanged from the first forward to the last
+    micro-batch's backward, without --fp8-param-gather (whose gathered weights are FP8 already). Under
+    optim_grads_params each weight is freed after use, and kept casts would be an unsharded FP8 copy of the model."""
+    par = cfg.parallel
+    return par.fsdp and par.data_parallel_sharding_strategy == "optim_grads" and not cfg.precision.fp8_param_gather
+
+
 def main_grads_bf16(cfg: Config) -> bool:
     """Whether FSDP accumulates the gradient shards in bf16 (else fp32; auto: fp32 unless --grad-reduce-in-bf16)."""
     par = cfg.parallel

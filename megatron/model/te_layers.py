@@ -31,7 +31,7 @@ What this layer does that the local one does not, and why:
     post-accumulate-grad hook still fires (it counts finished parameters to start overlapped all-reduces) but only
     frees it. Norm weights and biases come back as ordinary gradients that the hook adds.
   * FP8 weight casts once per optimizer step instead of once per micro-batch (`is_first_microbatch`, see
-    `TETransformerLayer._first_microbatch`).
+    `TETransformerLayer._first_microbatch`), under FSDP's optim_grads too (`keep_weight_casts_under_fsdp2`).
 
 transformer_engine is imported inside functions only: importing this module on a CPU machine is harmless.
 """
@@ -82,8 +82,9 @@ class TETransformerLayer(nn.Module):
         self.fp8 = fp8
         self.set_recompute(RecomputePlan.from_config(cfg))
         self._weights_version: int | None = None
-        # Keep each step's FP8 weight casts for its later micro-batches (off under FSDP: a cast of every weight kept
-        # for the whole step would be an unsharded copy of the model, megatron/parallel/fsdp.py)
+        # Keep each step's FP8 weight casts for its later micro-batches (off under FSDP's optim_grads_params: a cast of
+        # every weight kept for the whole step would be an unsharded copy of the model, megatron/parallel/fsdp.py;
+        # kept under optim_grads, `keep_weight_casts_under_fsdp2`)
         self.cache_weight_casts = True
         self._graphed: Callable[..., torch.Tensor] | None = None  # see `use_graph`
 
@@ -127,7 +128,18 @@ class TETransformerLayer(nn.Module):
 
     def forget_weight_casts(self) -> None:
         """Make the next training forward cast the weights again, as after an optimizer step (after a pass that
-        cached no FP8 weight casts: delayed scaling's calibration, megatron/fp8/calibration.py)."""
+        cached no FP8 weight casts: delayed scaling's calibration, megatron/fp8/calibration.py; under FSDP whenever
+        it gathers the weights anew, megatron/parallel/fsdp.py)."""
+        self._weights_version = None
+
+    def keep_weight_casts_under_fsdp2(self) -> None:
+        """Let TE keep each step's FP8 weight casts for its later micro-batches although FSDP2 holds the weights, as
+        without FSDP: for FSDP's optim_grads, which keeps the gathered weights unchanged from a step's first forward
+        to its last backward. Call it after `fully_shard`. FSDP2 preserves the gathered weights' version counters
+        across all-gathers, so the caller must `forget_weight_casts` whenever it gathers them anew."""
+        for module in self.te_modules():
+            _treat_as_unsharded(module)
+        self.cache_weight_casts = True
         self._weights_version = None
 
     def _sync_wgrad_fusion(self) -> None:
@@ -164,6 +176,35 @@ class TETransformerLayer(nn.Module):
         x = x + self._dropout(self.self_attention(x, rotary, attention_mask, first))
         mlp = checkpoint(self.mlp, x, first, runner=te_checkpoint) if self.recompute_mlp else self.mlp(x, first)
         return x + self._dropout(mlp)
+
+
+def _treat_as_unsharded(module: nn.Module) -> None:
+    """Make a TE linear held by FSDP2 take the path it takes without FSDP (the one place we override a private of
+    Transformer Engine; read in TE 2.20.2's module/base.py, linear.py and layernorm_linear.py).
+
+    TE's `is_fsdp2` (a property of `TransformerEngineBaseModule`) finds out at its first call whether an FSDP2 unit
+    holds the module and keeps the answer in `_is_fsdp2`. Where True, Linear and LayerNormLinear (LayerNormMLP too)
+    keep no FP8 weight cast whatever `is_first_microbatch` says, cast the weight row-wise only in forward, save no
+    cast for backward and cast it again there, then clear that transpose (TE's issues #2681 and #2717: FSDP2 frees
+    the gathered weight after each use, and a cast kept of every weight would be an unsharded FP8 copy of the model).
+    Under optim_grads the gathered weights live for the whole step, so with `_is_fsdp2` False TE casts each weight
+    once per step with its transpose (is_first_microbatch=True), keeps both in its `_fp8_workspaces` ("weight") and
+    reuses them in every later forward and backward of the step (False), reading the weight's storage only when it
+    casts: stale only if the weights change without a True, which the caller's `forget_weight_casts` prevents. The
+    cast is TE's own tensor, never FSDP's storage, so FSDP freeing and re-gathering the weight leaves it intact.
+    Fails loudly where TE no longer answers through `_is_fsdp2`, rather than quietly casting at every GEMM."""
+    prop = getattr(type(module), "is_fsdp2", None)
+    if not isinstance(prop, property):
+        raise RuntimeError(
+            f"Transformer Engine {te_version()} has no `is_fsdp2` property on {type(module).__name__}: FSDP's"
+            " optim_grads cannot keep its FP8 weight casts (read for TE 2.20; update megatron/model/te_layers.py)"
+        )
+    module._is_fsdp2 = False
+    if module.is_fsdp2:
+        raise RuntimeError(
+            f"Transformer Engine {te_version()} ignores `_is_fsdp2` on {type(module).__name__}: FSDP's optim_grads"
+            " cannot keep its FP8 weight casts (read for TE 2.20; update megatron/model/te_layers.py)"
+        )
 
 
 def te_cross_entropy(

@@ -24,7 +24,8 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
     --fp8-grad-reduce sent as FP8 bytes and summed in fp32, megatron/parallel/fsdp_fp8_reduce.py);
   * the strategy decides when gathered weights are freed: optim_grads_params after each unit's forward and
     backward; optim_grads keeps them from the first forward to the last micro-batch's backward (one all-gather per
-    step, as the distributed optimizer's);
+    step, as the distributed optimizer's), and so lets the FP8 linears (local and TE's) keep the step's first weight
+    casts for its later micro-batches, as the distributed optimizer's do (`fsdp_keeps_weight_casts`);
   * with --fp8-param-gather, the FP8 linears' weights are all-gathered as E4M3 bytes with one scale per tensor
     (delayed, tensorwise) or per 128x128 block (blockwise) agreed by the ranks once per step
     (megatron/fp8/fsdp_params.py), and the linears read them as their FP8 operands: the local linears as their own
@@ -50,7 +51,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from megatron.config import Config
-from megatron.config.sharding import grad_comm_bf16, main_grads_bf16, shards_hold_main_weights
+from megatron.config.sharding import (
+    fsdp_keeps_weight_casts,
+    grad_comm_bf16,
+    main_grads_bf16,
+    shards_hold_main_weights,
+)
 from megatron.fp8.fsdp_params import Fp8GatherScales, Fp8ShardWeight, shard_data, wrap_fp8_weight
 from megatron.fp8.linear import Fp8LinearState
 from megatron.fp8.te_blockwise_gather import wrap_te_weight
@@ -285,6 +291,7 @@ class ShardedGrads:
     fp8_stats: Fp8ReduceStats | None = None  # --fp8-grad-reduce: what the FP8 reduce-scatters lost (the log's)
     fp8_scales: Fp8GatherScales | None = None
     fp8_dtypes: Fp8GatherDtypes | None = None
+    cast_keepers: tuple[nn.Module, ...] = ()  # TE layers keeping each step's FP8 weight casts (optim_grads)
 
     def __init__(self, model: nn.Module, keep_gathered_until_last_backward: bool, dtype: torch.dtype = torch.float32):
         """`dtype`: of the gradient shards (fp32, or bf16: FSDP2 adds its fp32 reduce-scatter output into them)."""
@@ -352,16 +359,34 @@ class ShardedGrads:
             self.fp8_scales.reclaim()
 
     def zero(self) -> None:
-        """After each optimizer step: the gradients start again, and the FP8 all-gather scales are out of date."""
+        """After each optimizer step: the gradients start again, and the FP8 all-gather scales and the TE layers'
+        kept FP8 weight casts are out of date (the casts are also forgotten before each gather, which follows a step
+        as its units were resharded after the last backward; this covers a unit that stayed gathered)."""
         torch._foreach_zero_([p.main_grad for p in self.params])
         if self.fp8_scales is not None:
             self.fp8_scales.stale = True
+        for layer in self.cast_keepers:
+            layer.forget_weight_casts()
 
     def remove_hooks(self) -> None:
         """Take the gradient hooks off the model at the end of a run (as `GradientBuffers.remove_hooks`)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+def _forget_casts_before_gathers(layers: list[nn.Module]) -> Callable[[nn.Module, object], None]:
+    """A forward pre-hook for the root, ahead of FSDP2's own (which starts the gathers): the TE layers whose weights
+    are sharded now (a DTensor in place of the gathered weight) are about to be gathered anew, after an optimizer
+    step, a checkpoint load or anything else that wrote their shards, so their kept FP8 casts are stale. FSDP2 keeps
+    the gathered weights' version counters through its all-gathers: the layers cannot tell by themselves."""
+
+    def forget(module: nn.Module, args: object) -> None:
+        for layer in layers:
+            if any(isinstance(linear.weight, DTensor) for linear in layer.te_modules()):
+                layer.forget_weight_casts()
+
+    return forget
 
 
 def build_fsdp(
@@ -393,14 +418,21 @@ def build_fsdp(
         shard_dtype=torch.float32 if shards_hold_main_weights(cfg) else params_dtype,
     )
     assert isinstance(model, FSDPModule)
-    # FP8 casts of a freed weight are not kept for the next micro-batch either: not by a local FP8 linear, nor
-    # asked of TE by its layers (TE 2.16 and later keep none under FSDP2 anyway: docs/fsdp.md; an older TE would hold
-    # a cast of every weight for the step, an unsharded copy of the model)
+    # FP8 casts of a freed weight (optim_grads_params) are not kept for the next micro-batch: not by a local FP8
+    # linear, nor by TE's layers (TE 2.16 and later keep none under FSDP2 unless told: docs/fsdp.md). Under
+    # optim_grads the step's first casts serve all its micro-batches, as under the distributed optimizer.
+    keep_casts = fsdp_keeps_weight_casts(cfg)
+    cast_keepers = []
     for module in model.modules():
         if getattr(module, "fp8", None) is not None and hasattr(module.fp8, "cache_weight"):
-            module.fp8.cache_weight = False  # a local FP8 linear
-        if hasattr(module, "cache_weight_casts"):
-            module.cache_weight_casts = False  # a Transformer Engine layer
+            # a local FP8 linear: its cache keys on the step (the FP8 manager drops it after each step and load)
+            module.fp8.cache_weight = keep_casts
+        if hasattr(module, "cache_weight_casts"):  # a Transformer Engine layer
+            if keep_casts:
+                module.keep_weight_casts_under_fsdp2()
+                cast_keepers.append(module)
+            else:
+                module.cache_weight_casts = False
     keep = par.data_parallel_sharding_strategy == "optim_grads"
     if initialize is not None:
         attributes = parallel_attributes(model)
@@ -409,6 +441,9 @@ def build_fsdp(
         initialize(model)
     share_padded_storage(model)
     grads = ShardedGrads(model, keep, torch.bfloat16 if main_grads_bf16(cfg) else torch.float32)
+    if cast_keepers:
+        grads.cast_keepers = tuple(cast_keepers)
+        model.register_forward_pre_hook(_forget_casts_before_gathers(cast_keepers), prepend=True)
     if par.fp8_grad_reduce:
         grads.fp8_stats = use_fp8_reduce_scatter(model)
     if fp8_gather:

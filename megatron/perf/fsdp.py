@@ -33,10 +33,12 @@ Bytes per element: b = the training dtype's (2 under --bf16), s = a weight shard
                                          on the fp32 shards in place)
     FP8 weights          --fp8-param-gather: per step the shards' amax and cast, (2s + 1) P8/D; per gather
                          that a backward uses (optim_grads_params: each micro-batch; optim_grads: once) the transposed
-                         FP8 weight the Hopper dgrad reads, 2 P8. With bf16 gathers the FP8 layers cast the gathered
-                         weight every micro-batch (nothing is cached under FSDP2): Transformer Engine in the forward
-                         (read 2, write 1) and again in the backward (it keeps no cast between them: docs/fsdp.md),
-                         6 P8 per micro-batch; the local linears once per forward, rows and transpose, 4 P8 (b = 2)
+                         FP8 weight the Hopper dgrad reads, 2 P8. With bf16 gathers under optim_grads_params the FP8
+                         layers cast the gathered weight every micro-batch (nothing is kept: it is freed after use):
+                         Transformer Engine in the forward (read 2, write 1) and again in the backward (docs/fsdp.md),
+                         6 P8 per micro-batch; the local linears once per forward, rows and transpose, 4 P8 (b = 2);
+                         under optim_grads (weights gathered for the step) both cast once per step and keep the cast,
+                         rows and transpose, 4 P8, as under the distributed optimizer (traffic.py)
 
 Categories: the copy-out and the reduce-scatter staging are `fsdp` (FSDP2's split_with_sizes_copy and chunk_cat
 kernels, report.py), the copy-in (a cast to the gather dtype) and the gradient add `elementwise`, the FP8 passes
@@ -58,7 +60,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config import Config
-from megatron.config.sharding import fsdp_layer_units, grad_comm_bf16, main_grads_bf16, shards_hold_main_weights
+from megatron.config.sharding import (
+    fsdp_keeps_weight_casts,
+    fsdp_layer_units,
+    grad_comm_bf16,
+    main_grads_bf16,
+    shards_hold_main_weights,
+)
 
 from .work import DTYPE_BYTES, CommWork, param_parts
 
@@ -172,6 +180,9 @@ def fsdp_memory(cfg: Config, vocab: int) -> list[Item]:
             ("cast/transpose", "FP8 shard amax + cast (FSDP)", (2 * s + 1) * p8 / dp, "(2s+1)P8/D", 1),
             ("cast/transpose", "FP8 weight transpose (FSDP, dgrad)", 2 * p8, "2 P8", backward_gathers),
         ]
+    elif fp8_weights and fsdp_keeps_weight_casts(cfg):
+        formula = "(b+2) P8 (rows + transpose, kept)"
+        items.append(("cast/transpose", "FP8 weight casts (FSDP, once per step)", (b + 2) * fp8_weights, formula, 1))
     elif fp8_weights:
         te = cfg.model.transformer_impl == "transformer_engine"
         per_micro = (2 * b + 2) * fp8_weights if te else (b + 2) * fp8_weights

@@ -12,9 +12,11 @@ Held for the whole run, in bytes per parameter of this rank:
 * Adam states: two fp32 moments, 8; with the precision-aware optimizer 4, 2 or 2.03, 1.03 each (fp32, bf16 or
   fp16, fp8).
 * Transformer Engine's FP8 weight casts: without FSDP, TE keeps each FP8 linear's weight cast for the step's later
-  micro-batches, with its transpose on Hopper (2 bytes per element; an FP8 parameter's transpose: 1). Under FSDP2
-  TE (2.16 and later) keeps none: it casts the gathered weight for each GEMM and frees the cast, so none is held
-  at the peak, under either strategy. The local layers' casts are not counted.
+  micro-batches, with its transpose on Hopper (2 bytes per element; an FP8 parameter's transpose: 1); so it does
+  under FSDP's optim_grads (without --fp8-param-gather), whose gathered weights live for the whole step: 2 bytes
+  per FP8 layer parameter beside them (`fsdp_keeps_weight_casts`). Under optim_grads_params TE (2.16 and later)
+  keeps none: it casts the gathered weight for each GEMM and frees the cast, so none is held at the peak. The
+  local layers' casts are not counted.
 
 The distributed optimizer keeps 1/dp of the main copy and the moments (the gradient buffer stays whole: it is
 reduce-scattered in place). FSDP keeps 1/dp of the weights, gradients and moments: fp32 weight shards that are the
@@ -57,7 +59,13 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import Config
-from megatron.config.sharding import fsdp_layer_units, grad_comm_bf16, main_grads_bf16, shards_hold_main_weights
+from megatron.config.sharding import (
+    fsdp_keeps_weight_casts,
+    fsdp_layer_units,
+    grad_comm_bf16,
+    main_grads_bf16,
+    shards_hold_main_weights,
+)
 from megatron.optim.states import state_bytes
 
 from .activation_memory import calibration_activation_units, recomputed_activation_units
@@ -245,7 +253,8 @@ def estimate_bytes(
     layer = _layer_params(cfg, num_params, vocab, pp_rank)
     fp8_layers = len(set(layers) & set(cfg.precision.fp8_layer_numbers(m.num_layers)))
     weight_casts = freed = 0.0
-    if _te(cfg) and cfg.precision.fp8 and not par.fsdp:  # kept for the step: data and transpose, 1 byte each
+    keeps_casts = not par.fsdp or fsdp_keeps_weight_casts(cfg)
+    if _te(cfg) and cfg.precision.fp8 and keeps_casts:  # kept for the step: data and transpose, 1 byte each
         weight_casts = fp8_params if fp8_params else 2.0 * fp8_layers * layer  # an FP8 parameter: its transpose
     if par.fsdp:  # --fp8-param-gather: the FP8 layers' parameters (norms counted as the linears, as gathered below)
         fp8_gathered = fp8_layers * layer if cfg.precision.fp8_param_gather else 0.0
@@ -332,6 +341,8 @@ def memory_estimate_lines(
     else:
         main = "no fp32 main params (the fp32 weights are the master copy)"
     casts = f", TE's FP8 weight casts {_size(est['weight_casts'])}" if est["weight_casts"] else ""
+    if casts and par.fsdp:  # optim_grads: beside the gathered weights, for the step
+        casts += " (kept for the step's micro-batches with the gathered weights, 2 B per FP8 layer parameter)"
     buffers = "gathered units, gradients in flight" if par.fsdp else "the output layer's gradients"
     step = ""
     if est["step"]:

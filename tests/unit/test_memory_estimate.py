@@ -281,7 +281,7 @@ def test_llama_1b_te_fsdp2_from_its_terms():
     bf16 one 2 + 2 and 8 (37); the loss: the bf16 logits (2 x s x b x V) with the final norm's and output layer's
     inputs (2 + 2); buffers: the output layer's bf16 weight and input gradients, and gathered the output unit (V x h)
     and the last layer in bf16; the reduce-scatter staging of a unit (65.5M x (2 + 4 + 2) B) is less than the logits
-    and output layer's tensors it replaces. TE keeps no FP8 weight casts under FSDP2; no step transient."""
+    and output layer's tensors it replaces. TE keeps no FP8 weight casts under optim_grads_params; no step transient."""
     cfg = llama("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer")
     est = estimate_bytes(cfg, L1B_N, L1B_V, torch.bfloat16)
     static = (2 + 2 + 4) * L1B_N
@@ -293,9 +293,20 @@ def test_llama_1b_te_fsdp2_from_its_terms():
     # within 1% of what two H100s measured (docs/benchmarks.md, "Third wave, second session": 17.27 GiB)
     assert est["total"] / 2**30 == pytest.approx(17.27, rel=0.01)
     # optim_grads keeps the whole model gathered (19.2 GiB measured on two H200s): 2 bytes per parameter
-    cfg = llama("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer")
-    gathered = estimate_bytes(cfg, L1B_N, L1B_V, torch.bfloat16)["buffers"] - buffers + 2 * (L1B_V * L1B_H + L1B_UNIT)
+    cfg_flags = "--use-megatron-fsdp --data-parallel-sharding-strategy"
+    cfg = llama(f"{cfg_flags} optim_grads --fsdp-double-buffer")
+    whole = estimate_bytes(cfg, L1B_N, L1B_V, torch.bfloat16)
+    gathered = whole["buffers"] - buffers + 2 * (L1B_V * L1B_H + L1B_UNIT)
     assert gathered == pytest.approx(2 * L1B_N)
+    # ... and lets TE keep the step's FP8 weight casts, as the distributed optimizer does: 2 B per element of the 15
+    # FP8 layers, in the static bytes and said on the startup line
+    assert whole["weight_casts"] == 2 * 15 * L1B_UNIT and whole["static"] == static + 2 * 15 * L1B_UNIT
+    (line,) = memory_estimate_lines(cfg, whole, L1B_N, torch.bfloat16)
+    assert "TE's FP8 weight casts" in line and "kept for the step's micro-batches" in line
+    local = estimate_bytes(
+        llama(f"{cfg_flags} optim_grads --fsdp-double-buffer", "local"), L1B_N, L1B_V, torch.bfloat16
+    )
+    assert local["weight_casts"] == 0  # the local layers' casts are not counted (as without FSDP)
 
 
 def test_llama_1b_te_distributed_optimizer_counts_the_cached_weight_casts():

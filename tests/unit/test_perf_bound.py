@@ -377,6 +377,14 @@ def test_fsdp_fp8_gathers_halve_the_linear_weights_bytes():
     assert memory_by_name(te)["FP8 weight casts (FSDP, per micro-batch)"] == 2 * 2 * (2 + 1) * LINEARS
     once = memory_by_name(fsdp_config(FP8 + OPTIM_GRADS + " --fp8-param-gather"))
     assert once["FP8 weight transpose (FSDP, dgrad)"] == 2 * LINEARS  # the gathered weight kept for the step
+    # bf16 gathers under optim_grads: the weights stay gathered for the step, and both the local linears and TE's
+    # cast them once per step (rows + transpose) and keep the cast, as under the distributed optimizer
+    for impl in ("local", "transformer_engine"):
+        cfg = fsdp_config(FP8 + OPTIM_GRADS)
+        cfg.model.transformer_impl = impl
+        kept = memory_by_name(cfg)
+        assert kept["FP8 weight casts (FSDP, once per step)"] == (2 + 2) * LINEARS, impl
+        assert "FP8 weight casts (FSDP, per micro-batch)" not in kept, impl
 
 
 def test_fsdp_communication_that_cannot_overlap():
