@@ -98,7 +98,7 @@ class MixedPrecisionAdamW:
             self.pieces = [(p, r) for p in self.params if (r := self.buffers.owned_range(p)) is not None]
             owned, starts = [p for p, _ in self.pieces], [a for _, (a, _) in self.pieces]
             targets = [p if is_fp8_param(p) else local_shard(p).view(-1)[a:b] for p, (a, b) in self.pieces]
-            self._grads = [p.main_grad.view(-1)[a:b] for p, (a, b) in self.pieces]
+            self._grads = [self.buffers.grad_piece(p, a, b) for p, (a, b) in self.pieces]
             if self.mixed:
                 targets, self._grads = [shard_data(t) for t in targets], [shard_data(g) for g in self._grads]
             self.main_params = (
