@@ -41,7 +41,6 @@ def _parity_body(rank, world_size):
     cases = [
         ("fp32", "", 1e-5),
         ("bf16", "--bf16", 1e-3),
-        ("bf16 gradient shards", "--bf16 --grad-reduce-in-bf16", 1e-3),
         ("FP8 delayed", f"--bf16 {FP8}", 1e-3),
         ("FP8 delayed, --fp8-param-gather", f"--bf16 {FP8} --fp8-param-gather", 1e-3),
         ("O2", f"--bf16 {FP8} {O2}", 1e-3),
@@ -51,8 +50,24 @@ def _parity_body(rank, world_size):
         got, trainer = _run(f"{FLAGS} {flags} {ZERO2}", world_size)
         _close(got, want, rel, label)
         _held_between_steps(trainer)
-        if "grad-reduce-in-bf16" in flags or O2 in flags:
+        if O2 in flags:
             assert trainer.optimizer.grads()[0].dtype == torch.bfloat16, label
+    # bf16 gradients round differently when each micro-batch is averaged and added into bf16 shards than when the
+    # micro-batches are added up in a bf16 bucket and averaged once: both are measured against fp32 gradients (the
+    # distributed optimizer's, ~3e-3 apart), and the engine's may not stray further than the distributed optimizer's
+    fp32, _ = _run(f"{FLAGS} --bf16 {DISTOPT}", world_size)
+    distopt, _ = _run(f"{FLAGS} --bf16 --grad-reduce-in-bf16 {DISTOPT}", world_size)
+    got, trainer = _run(f"{FLAGS} --bf16 --grad-reduce-in-bf16 {ZERO2}", world_size)
+    assert trainer.optimizer.grads()[0].dtype == torch.bfloat16
+    _held_between_steps(trainer)
+    comm, _ = _run(f"{FLAGS} --bf16 --megatron-fsdp-grad-comm-dtype bf16 {ZERO2}", world_size)  # fp32 shards
+    bound = 1.25 * _largest_error(distopt, fp32)
+    assert _largest_error(got, fp32) <= bound and _largest_error(comm, fp32) <= bound, (got, comm, distopt, fp32)
+
+
+def _largest_error(got: list[float], want: list[float]) -> float:
+    assert len(got) == len(want) == STEPS
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want))
 
 
 def test_grad_shards_match_the_distributed_optimizer():
