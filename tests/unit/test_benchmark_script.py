@@ -146,6 +146,7 @@ def test_the_fsdp_layouts_parse_with_the_local_configs():
     strategies = {
         "fsdp2": "optim_grads_params",
         "fsdp2_optim_grads": "optim_grads",
+        "mfsdp2_optim_grads": "optim_grads",
         "fsdp2_bf16grads": "optim_grads_params",
         "fsdp2_o2states": "optim_grads_params",
         "fsdp2_bf16comm": "optim_grads_params",

@@ -185,7 +185,7 @@ def test_fsdp_over_two_data_parallel_ranks():
     staging = layer * (2 + 4 + 2) - LOSS_SIDE
     assert est["buffers"] == BF16_BUFFERS + 2 * (vocab + layer) + staging
     assert est["total"] == 8 * N + BF16_ACTIVATIONS + est["buffers"]
-    flags = "--bf16 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
+    flags = "--bf16 --use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads"
     assert estimate_bytes(parse(flags, world_size=2), N, VOCAB, torch.bfloat16)["buffers"] == (
         BF16_BUFFERS + 2 * N + staging
     )
@@ -293,7 +293,7 @@ def test_llama_1b_te_fsdp2_from_its_terms():
     # within 1% of what two H100s measured (docs/benchmarks.md, "Third wave, second session": 17.27 GiB)
     assert est["total"] / 2**30 == pytest.approx(17.27, rel=0.01)
     # optim_grads keeps the whole model gathered (19.2 GiB measured on two H200s): 2 bytes per parameter
-    cfg = llama("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer")
+    cfg = llama("--use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer")
     gathered = estimate_bytes(cfg, L1B_N, L1B_V, torch.bfloat16)["buffers"] - buffers + 2 * (L1B_V * L1B_H + L1B_UNIT)
     assert gathered == pytest.approx(2 * L1B_N)
 
@@ -325,7 +325,7 @@ def test_fsdp_fp8_param_gather(impl, fp8_bytes, recipe):
     layer is an FP8 one, the output unit stays bf16; under optim_grads the 15 FP8 layers of 16 count so. Each rank
     also keeps its shards of the 15 FP8 layers cast to E4M3 from one step's cast to the next: 1 byte per element,
     halved."""
-    fsdp = "--use-megatron-fsdp --fsdp-double-buffer --fp8-param-gather --data-parallel-sharding-strategy"
+    fsdp = "--use-torch-fsdp2 --fsdp-double-buffer --fp8-param-gather --data-parallel-sharding-strategy"
     if recipe:
         fsdp = f"--fp8-recipe {recipe} --fp8-format e4m3 {fsdp}"
     est = estimate_bytes(llama(f"{fsdp} optim_grads_params", impl), L1B_N, L1B_V, torch.bfloat16)

@@ -266,7 +266,7 @@ def test_attention_probes_fall_back_from_fp8_to_bf16_and_from_te_to_sdpa():
 # FSDP on 2 ranks, 2 micro-batches each (global batch 8). The tiny model's units: embedding 128 x 64 = 8192, two
 # layers of 36864 linear weights + 2 norm weights = 36992, the output unit: final norm + output layer = 64 + 8192.
 FSDP = " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --global-batch-size 8"
-OPTIM_GRADS = FSDP.replace("optim_grads_params", "optim_grads")
+OPTIM_GRADS = FSDP.replace("optim_grads_params", "optim_grads").replace("--use-megatron-fsdp", "--use-torch-fsdp2")
 EMB, LAYER, LINEARS, OUT = 8192, 36992, 36864, 8256
 P = EMB + 2 * LAYER + OUT
 OUT_NAME = "output (final norm, output layer)"
