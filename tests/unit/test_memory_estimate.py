@@ -314,6 +314,30 @@ def test_llama_1b_te_distributed_optimizer_counts_the_cached_weight_casts():
     assert local["activations"] == pytest.approx((15 * 37 + 37 + 4) * L1B_SBH + 8 * 4096 * 2 * L1B_V)
 
 
+def test_llama_1b_te_grad_shards_hold_a_gradient_shard_and_one_bucket():
+    """--use-megatron-fsdp optim_grads on the flat buckets (grad_shards.py): the distributed optimizer's weights, main
+    copy, Adam states and TE weight casts, but fp32 gradient shards (4 / 2 B/param) instead of the whole buffer; at
+    the start of the backward one bucket more than the distributed optimizer holds: the untied output layer's
+    weight, 65.5M fp32 elements (more than --ddp-bucket-size's 40M: a bucket of its own). bf16 shards
+    (--grad-reduce-in-bf16) halve the shards; a bf16 reduce-scatter halves the bucket."""
+    zero2 = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --overlap-grad-reduce"
+    distopt = estimate_bytes(llama("--use-distributed-optimizer --overlap-grad-reduce"), L1B_N, L1B_V, torch.bfloat16)
+    est = estimate_bytes(llama(zero2), L1B_N, L1B_V, torch.bfloat16)
+    assert est["grads"] == 2 * L1B_N and distopt["grads"] == 4 * L1B_N
+    assert est["static"] == distopt["static"] - 2 * L1B_N
+    assert est["buffers"] - distopt["buffers"] == 4 * L1B_V * L1B_H
+    assert est["total"] == pytest.approx(distopt["total"] - 2 * L1B_N + 4 * L1B_V * L1B_H)
+    bf16 = estimate_bytes(llama(f"{zero2} --grad-reduce-in-bf16"), L1B_N, L1B_V, torch.bfloat16)
+    assert bf16["grads"] == L1B_N and bf16["buffers"] - distopt["buffers"] == 2 * L1B_V * L1B_H
+    assert bf16["step"] == 4 * L1B_N / 2  # torch's AdamW upcasts the bf16 shards
+    comm = estimate_bytes(llama(f"{zero2} --megatron-fsdp-grad-comm-dtype bf16"), L1B_N, L1B_V, torch.bfloat16)
+    assert comm["grads"] == 2 * L1B_N and comm["buffers"] - distopt["buffers"] == 2 * L1B_V * L1B_H
+    small = estimate_bytes(llama(f"{zero2} --ddp-bucket-size 100000000"), L1B_N, L1B_V, torch.bfloat16)
+    assert small["buffers"] - distopt["buffers"] == 4 * 100_000_000
+    (line,) = memory_estimate_lines(llama(zero2), est, L1B_N, torch.bfloat16)
+    assert "(2 B/param shards over 2 data-parallel ranks)" in line and "a gradient bucket" in line, line
+
+
 @pytest.mark.parametrize(
     "impl,fp8_bytes,recipe", [("transformer_engine", 2, ""), ("local", 1, ""), ("transformer_engine", 1, "blockwise")]
 )
