@@ -123,11 +123,6 @@ def _check_grad_shards(cfg: Config) -> None:
         " backward passes); use --use-distributed-optimizer",
     )
     require(
-        not par.sequence_parallel,
-        f"{strategy} with --sequence-parallel: not built (the sequence-parallel gradients are summed over the"
-        " tensor-parallel ranks after the step's reduction); use --use-distributed-optimizer or --use-torch-fsdp2",
-    )
-    require(
         cfg.training.cuda_graph_impl == "none",
         f"{strategy} with --cuda-graph-impl {cfg.training.cuda_graph_impl}: not built (the graphs capture the"
         " gradient buckets' addresses, which change every micro-batch); use --use-distributed-optimizer",

@@ -170,6 +170,12 @@ class GradShards(GradientBuffers):
         offset = self._offset_of[param] - shard_start
         return self._shard_of[id(self._bucket_of[param])][offset + start : offset + stop]
 
+    def reduced_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's piece of `param`'s reduced gradient in the shards (empty where it owns none): what
+        `reduce_sequence_parallel_grads` sums over the tensor-parallel peers, whose shards are laid out alike."""
+        owned = self.owned_range(param)
+        return self.shards[:0] if owned is None else self.grad_piece(param, *owned)
+
     def zero(self) -> None:
         """Clear the gradient shards for the next step, and drop any bucket left allocated: by a paused pass
         (`GradientBuffers.paused`: the fused wgrad GEMMs wrote into it; nothing is reduced)."""

@@ -1,8 +1,10 @@
 """--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads: sharded gradient accumulation on the distributed
 optimizer's flat buckets (megatron/parallel/grad_shards.py), at DP=2 against the distributed optimizer at DP=2 over
 20 steps of four micro-batches (small buckets, so that parameters are cut by bucket and shard boundaries): fp32
-within 1e-5 relative, bf16, bf16 gradient shards (--grad-reduce-in-bf16), FP8 delayed (local layers) with and
-without --fp8-param-gather and O2's states (precision-aware optimizer, FP8 gradient reduction) within 1e-3. Measured,
+within 1e-5 relative; bf16, FP8 delayed (local layers) with and without --fp8-param-gather, with every layer
+recomputed, bf16 with selective recomputation, and O2's states (precision-aware optimizer, FP8 gradient reduction)
+within 1e-3; bf16 gradient shards (--grad-reduce-in-bf16) and bf16 reduce-scatters no further from fp32 gradients
+than the distributed optimizer's bf16 buffers are. TP=2 + SP and CP=2 (4 ranks) within 1e-5 over 6 steps. Measured,
 not assumed: between steps no bucket holds storage and the gradient state is half the buckets' elements; between
 micro-batches only the buckets whose reduce-scatter is still in flight (at most LAG); during a backward at most a
 few buckets at once. A checkpoint saved under the engine resumes it exactly, and the distributed optimizer (DP=2;
@@ -22,6 +24,7 @@ FLAGS = f"{BASE} --train-iters {STEPS} --eval-iters 0 --global-batch-size 16 --d
 DISTOPT = "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
 ZERO2 = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --overlap-param-gather"
 O2 = "--fp8-optimizer-level O2"
+RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 
 
 def _bucket_elements(engine: GradShards) -> int:
@@ -34,7 +37,7 @@ def _held_between_steps(trainer: Trainer) -> None:
     assert all(b.data is None for b in engine.buckets)
     assert all(p.main_grad.device.type == "meta" for p in engine.params)
     itemsize = engine.shards.element_size()
-    assert engine.held_grad_bytes() == _bucket_elements(engine) // 2 * itemsize
+    assert engine.held_grad_bytes() == _bucket_elements(engine) // engine.dp * itemsize
 
 
 def _parity_body(rank, world_size):
@@ -42,6 +45,9 @@ def _parity_body(rank, world_size):
         ("fp32", "", 1e-5),
         ("bf16", "--bf16", 1e-3),
         ("FP8 delayed", f"--bf16 {FP8}", 1e-3),
+        # recomputed layers run their backward in a nested (reentrant) backward: their buckets are allocated there
+        ("FP8 delayed, every layer recomputed", f"--bf16 {FP8} {RECOMPUTE}", 1e-3),
+        ("bf16, selective recomputation", "--bf16 --recompute-activations", 1e-3),
         ("FP8 delayed, --fp8-param-gather", f"--bf16 {FP8} --fp8-param-gather", 1e-3),
         ("O2", f"--bf16 {FP8} {O2}", 1e-3),
     ]
@@ -103,6 +109,24 @@ def _memory_body(rank, world_size):
 
 def test_no_whole_gradient_buffer_between_micro_batches_or_steps():
     run_distributed(_memory_body, world_size=2)
+
+
+def _layouts_body(rank, world_size):
+    """Tensor (+ sequence: its norm weights' gradients summed over the tensor-parallel peers' shard pieces) and
+    context parallelism beside DP=2."""
+    for label, layout in (
+        ("TP=2 + SP", "--tensor-model-parallel-size 2 --sequence-parallel"),
+        ("CP=2", "--context-parallel-size 2"),
+    ):
+        flags = f"{BASE} --train-iters 6 --eval-iters 0 --global-batch-size 16 --ddp-bucket-size 3000 {layout}"
+        want, _ = _run(f"{flags} {DISTOPT}", world_size)
+        got, trainer = _run(f"{flags} {ZERO2}", world_size)
+        _close(got, want, 1e-5, label, steps=6)
+        _held_between_steps(trainer)
+
+
+def test_tensor_sequence_and_context_parallel_layouts_match_the_distributed_optimizer():
+    run_distributed(_layouts_body, world_size=4)
 
 
 CKPT = f"{BASE} --eval-iters 0 --global-batch-size 16 --ddp-bucket-size 3000 --train-iters 4"

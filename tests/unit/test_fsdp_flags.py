@@ -82,7 +82,6 @@ ZERO2 = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
             4,
             "optim_grads with --pipeline-model-parallel-size 2: not built",
         ),
-        (f"{ZERO2} --tensor-model-parallel-size 2 --sequence-parallel", 4, "optim_grads with --sequence-parallel"),
         (f"{ZERO2} --bf16 --cuda-graph-impl transformer_engine", 2, "optim_grads with --cuda-graph-impl"),
         (f"{ZERO2} --fp16", 2, "optim_grads with --fp16: not built yet"),
         (f"{ZERO2} --megatron-fsdp-main-grads-dtype fp16", 2, "--megatron-fsdp-main-grads-dtype fp16"),
