@@ -159,7 +159,8 @@ LAYOUTS = {  # name: (GPUs, flags)
     # buckets reduce-scattered into persistent fp32 gradient shards, every bucket allocated only while it is in use
     "mfsdp2_optim_grads": (
         2,
-        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --overlap-grad-reduce --overlap-param-gather",
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --overlap-grad-reduce"
+        " --overlap-param-gather",
     ),
     # units of at least 200M parameters (llama-1b: four layers; the 8B's layers are larger): fewer, larger
     # collectives and a quarter of the per-unit hooks, one more unit's worth of gathered weights

@@ -146,6 +146,7 @@ class GradientBuffers:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._bucket_of: dict[nn.Parameter, _Bucket] = {}
         self._offset_of: dict[nn.Parameter, int] = {}
+        self._stand_ins: dict[nn.Parameter, torch.Tensor] = {}
         for bucket in self.buckets:
             offset = 0
             for param in bucket.params:
@@ -161,8 +162,10 @@ class GradientBuffers:
         """Every parameter's `main_grad`: its view into the bucket's gradients (a storage-less stand-in of its shape
         while the bucket is not allocated: a write into it fails instead of going nowhere)."""
         for param in bucket.params:
-            if bucket.data is None:
-                param.main_grad = torch.empty(param.shape, dtype=bucket.dtype, device="meta")
+            if bucket.data is None:  # one per parameter, made once: the engine re-points it every micro-batch
+                if param not in self._stand_ins:
+                    self._stand_ins[param] = torch.empty(param.shape, dtype=bucket.dtype, device="meta")
+                param.main_grad = self._stand_ins[param]
             else:
                 offset = self._offset_of[param]
                 param.main_grad = bucket.data[offset : offset + param.numel()].view_as(param)
