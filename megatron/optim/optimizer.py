@@ -7,7 +7,9 @@ into the bf16 parameter once per step (not once per micro-batch).
 
 With sharded buffers (`--use-distributed-optimizer`) the same holds for the flattened *pieces* of the parameters
 that lie in this data-parallel rank's shard of each bucket: main copies, Adam moments, the update and the
-gradient-norm contribution cover those pieces only, and the buffers all-gather the updated parameters.
+gradient-norm contribution cover those pieces only, and the buffers all-gather the updated parameters. The pieces'
+gradients are where the buffers say (`grad_piece`): views of `main_grad`, or under --use-megatron-fsdp's optim_grads
+(megatron/parallel/grad_shards.py) of the persistent gradient shards, as no whole gradient buffer outlives a bucket.
 
 FP8 weights (--fp8-param-gather) are written from their fp32 main copies (or pieces) by casting straight into their
 FP8 bytes (`megatron.fp8.params.quantize_masters`), so with the distributed optimizer the all-gather moves FP8.

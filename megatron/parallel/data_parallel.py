@@ -24,6 +24,10 @@ owned shard, all-gathers every bucket's parameters in one collective (`gather_pa
 `--overlap-param-gather` those all-gathers run asynchronously, last bucket (the first layers) first, and the next
 forward pass waits for each bucket just before the first module that uses it (`wait_for_params_in_forward`), so
 the gathers overlap the forward pass instead of preceding it.
+
+`GradShards` (grad_shards.py, --use-megatron-fsdp's optim_grads) keeps these buckets, parameter buffers and shards
+but reduce-scatters every micro-batch into persistent gradient shards, each bucket's gradients allocated only while
+in use.
 """
 
 from __future__ import annotations
