@@ -162,6 +162,12 @@ LAYOUTS = {  # name: (GPUs, flags)
         "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --overlap-grad-reduce"
         " --overlap-param-gather",
     ),
+    # the same with each micro-batch's reduce-scatter in bf16 (half the bytes; fp32 gradient shards)
+    "mfsdp2_optim_grads_bf16comm": (
+        2,
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --overlap-grad-reduce"
+        " --overlap-param-gather --megatron-fsdp-grad-comm-dtype bf16",
+    ),
     # units of at least 200M parameters (llama-1b: four layers; the 8B's layers are larger): fewer, larger
     # collectives and a quarter of the per-unit hooks, one more unit's worth of gathered weights
     "fsdp2_units200m": (
