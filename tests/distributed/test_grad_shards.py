@@ -8,7 +8,8 @@ than the distributed optimizer's bf16 buffers are. TP=2 + SP and CP=2 (4 ranks) 
 not assumed: between steps no bucket holds storage and the gradient state is half the buckets' elements; between
 micro-batches only the buckets whose reduce-scatter is still in flight (at most LAG); during a backward at most a
 few buckets at once. A checkpoint saved under the engine resumes it exactly, and the distributed optimizer (DP=2;
-torch and torch_dist formats) and one process (torch_dist) within 1e-5."""
+torch and torch_dist formats) and one process (torch_dist) with the same first loss, bit for bit, and the next within
+1e-5."""
 
 import torch
 
@@ -140,6 +141,9 @@ def _checkpoint_body(rank, world_size, out_dir):
         resumed, _ = _run(f"{flags} {ZERO2} --load {saved}", world_size)
         assert resumed == whole[2:], (fmt, resumed, whole)
         resumed, _ = _run(f"{flags} {DISTOPT} --load {saved}", world_size)
+        # the first step after the load is the same forward on the same weights: the same loss, bit for bit; the
+        # next one's gradients were accumulated in another order
+        assert resumed[0] == whole[2], (fmt, resumed, whole)
         _close(resumed, whole[2:], 1e-5, f"the distributed optimizer from the engine's {fmt} checkpoint", steps=2)
     if rank == 0:
         torch.save(whole, f"{out_dir}/whole.pt")
@@ -148,6 +152,7 @@ def _checkpoint_body(rank, world_size, out_dir):
 def _one_process_body(rank, world_size, out_dir):
     whole = torch.load(f"{out_dir}/whole.pt")
     resumed, _ = _run(f"{CKPT} --ckpt-format torch_dist --load {out_dir}/torch_dist", world_size)
+    assert resumed[0] == whole[2], (resumed, whole)
     _close(resumed, whole[2:], 1e-5, "one process from the engine's torch_dist checkpoint", steps=2)
 
 
