@@ -26,6 +26,8 @@ are accumulated over the micro-batches of a step:
 The end of each micro-batch's backward (an autograd callback queued from the hook on the model's output, in the
 outer backward, not in a recomputed layer's nested one) starts the reduce-scatter of every bucket not yet started
 (a parameter that got no gradient), so that all ranks run the same collectives.
+A paused pass (`GradientBuffers.paused`: delayed scaling's calibration, whose gradients are thrown away) allocates
+the buckets alike and frees each, unreduced, once its gradients are in.
 
 With --fp8-grad-reduce each reduce-scatter sends FP8 (megatron/parallel/fp8_reduce.py), as the distributed
 optimizer's does. Not built (config/sharding.py refuses them): CUDA graphs (a captured wgrad GEMM writes into fixed
@@ -122,7 +124,14 @@ class GradShards(GradientBuffers):
 
     def _on_grad(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[param]
-        if bucket.data is None and not self._paused:
+        if self._paused:  # a pass whose gradients are thrown away (calibration): a bucket goes once complete
+            param.grad = None
+            param.grad_added_to_main_grad = False
+            bucket.pending -= 1
+            if bucket.pending == 0 and bucket.data is not None:
+                self._free(bucket)
+            return
+        if bucket.data is None:
             self._allocate(bucket)
         super()._on_grad(param)  # adds the gradient; starts the bucket's reduce-scatter once complete
 
@@ -148,9 +157,7 @@ class GradShards(GradientBuffers):
         """After a micro-batch's backward: reduce every bucket still waiting for a gradient (all ranks run the same
         collectives), then count the next micro-batch's gradients afresh."""
         self._callback_queued = False
-        if self._paused:
-            return
-        for bucket in self.buckets:
+        for bucket in self.buckets if not self._paused else []:
             if bucket.pending:
                 self._allocate(bucket)
                 bucket.pending = 0
@@ -177,8 +184,8 @@ class GradShards(GradientBuffers):
         return self.shards[:0] if owned is None else self.grad_piece(param, *owned)
 
     def zero(self) -> None:
-        """Clear the gradient shards for the next step, and drop any bucket left allocated: by a paused pass
-        (`GradientBuffers.paused`: the fused wgrad GEMMs wrote into it; nothing is reduced)."""
+        """Clear the gradient shards for the next step, and drop any bucket left allocated (a paused pass's: see
+        `GradientBuffers.paused`; nothing is reduced)."""
         for bucket in self.buckets:
             if bucket.data is not None:
                 self._free(bucket)
