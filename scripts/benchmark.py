@@ -154,7 +154,20 @@ LAYOUTS = {  # name: (GPUs, flags)
     # weights, gradients and states sharded, each layer gathered before use with the next one prefetched;
     # optim_grads keeps the gathered weights from the first forward to the last backward of a step
     "fsdp2": (2, "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer"),
-    "fsdp2_optim_grads": (2, "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"),
+    "fsdp2_optim_grads": (2, "--use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"),
+    # optim_grads on the distributed optimizer's flat buckets (megatron/parallel/grad_shards.py): each micro-batch's
+    # buckets reduce-scattered into persistent fp32 gradient shards, every bucket allocated only while it is in use
+    "mfsdp2_optim_grads": (
+        2,
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --overlap-grad-reduce"
+        " --overlap-param-gather",
+    ),
+    # the same with each micro-batch's reduce-scatter in bf16 (half the bytes; fp32 gradient shards)
+    "mfsdp2_optim_grads_bf16comm": (
+        2,
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --overlap-grad-reduce"
+        " --overlap-param-gather --megatron-fsdp-grad-comm-dtype bf16",
+    ),
     # units of at least 200M parameters (llama-1b: four layers; the 8B's layers are larger): fewer, larger
     # collectives and a quarter of the per-unit hooks, one more unit's worth of gathered weights
     "fsdp2_units200m": (
@@ -168,12 +181,12 @@ LAYOUTS = {  # name: (GPUs, flags)
     # Losses are bitwise those of one-layer units (each element's reduction is the same; CPU test in test_fsdp.py)
     "fsdp2_optim_grads_units100m": (
         2,
-        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"
+        "--use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"
         " --suggested-communication-unit-size 100000000",
     ),
     "fsdp2_optim_grads_units200m": (
         2,
-        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"
+        "--use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"
         " --suggested-communication-unit-size 200000000",
     ),
     # fp32 gradient shards, reduce-scattered in bf16 (half the bytes of each micro-batch's reduce-scatter)
@@ -191,7 +204,7 @@ LAYOUTS = {  # name: (GPUs, flags)
     ),
     "fsdp2_optim_grads_bf16comm": (
         2,
-        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"
+        "--use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"
         " --megatron-fsdp-grad-comm-dtype bf16",
     ),
     # bf16 gradient shards, reduce-scattered in bf16: 2 bytes per parameter less (the Llama-3-8B shape's fit on 80 GB)

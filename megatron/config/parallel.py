@@ -102,19 +102,25 @@ class ParallelConfig:
 
     use_megatron_fsdp: bool = False
     """Shard the data-parallel state as --data-parallel-sharding-strategy says (default optim_grads_params: weights,
-    gradients and optimizer states). Megatron-LM's flag; the engine here is PyTorch's FSDP2 (`fully_shard` over
-    DTensor, megatron/parallel/fsdp.py), not Megatron-LM's own flat-buffer FSDP, so --use-torch-fsdp2 means the
-    same. Each transformer layer is one unit (all-gathered before it runs, freed after), the embedding another, the
-    final norm and output layer a last one that stays gathered from its forward to its backward."""
+    gradients and optimizer states). Megatron-LM's flag. optim_grads runs on this project's flat-buffer engine
+    (megatron/parallel/grad_shards.py: the distributed optimizer's buckets, each micro-batch's gradients
+    reduce-scattered into persistent fp32 shards, no whole-model gradient buffer kept); optim_grads_params runs on
+    PyTorch's FSDP2 (`fully_shard` over DTensor, megatron/parallel/fsdp.py), as --use-torch-fsdp2: each transformer
+    layer is one unit (all-gathered before it runs, freed after), the embedding another, the final norm and output
+    layer a last one that stays gathered from its forward to its backward."""
     use_torch_fsdp2: bool = False
-    """PyTorch's FSDP2: the same engine and meaning as --use-megatron-fsdp here (Megatron-LM's name for it)."""
+    """PyTorch's FSDP2 (megatron/parallel/fsdp.py) for every sharding strategy, optim_grads included (which
+    --use-megatron-fsdp runs on the flat-buffer engine instead)."""
     data_parallel_sharding_strategy: str | None = option(None, choices=list(SHARDING_STRATEGIES))
     """What the data-parallel ranks shard, with --use-megatron-fsdp / --use-torch-fsdp2 (default optim_grads_params,
     Megatron-LM's): no_shard (plain data parallelism: whole gradient buffers all-reduced), optim (the distributed
     optimizer: optimizer states sharded, as --use-distributed-optimizer), optim_grads (also the gradients: each
     micro-batch's gradients are reduce-scattered into fp32 shards, no whole-model gradient buffer; the weights are
-    gathered once per step and kept whole from the first forward to the last backward), optim_grads_params (also
-    the weights: each unit is gathered before its forward and again before its backward, and freed after each)."""
+    gathered once per step and kept whole from the first forward to the last backward; with --use-megatron-fsdp on
+    the distributed optimizer's flat buckets, each allocated only while its gradients are formed and reduced, and
+    with the distributed optimizer's state layout and checkpoints; with --use-torch-fsdp2 on FSDP2's units),
+    optim_grads_params (also the weights: each unit is gathered before its forward and again before its backward,
+    and freed after each; FSDP2)."""
     fsdp_double_buffer: bool = False
     """FSDP: gather the next unit's weights while the current one computes, in both passes (explicit prefetch of
     one unit: two units' gathered weights are held at a time). Without it FSDP2 still issues each gather ahead
@@ -141,9 +147,18 @@ class ParallelConfig:
     values unit by unit, the same values as an ordinary initialization for the seed: no rank holds the whole model."""
 
     @property
+    def grad_shards(self) -> bool:
+        """Whether the flat-buffer ZeRO-2 engine runs (megatron/parallel/grad_shards.py): --use-megatron-fsdp with
+        strategy optim_grads, without --use-torch-fsdp2."""
+        strategy = self.data_parallel_sharding_strategy
+        return strategy == "optim_grads" and self.use_megatron_fsdp and not self.use_torch_fsdp2
+
+    @property
     def fsdp(self) -> bool:
-        """Whether FSDP holds the parameters (strategy optim_grads or optim_grads_params, once resolved)."""
-        return self.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+        """Whether FSDP2 holds the parameters (strategy optim_grads or optim_grads_params, once resolved, except
+        optim_grads on the flat-buffer engine: `grad_shards`)."""
+        strategy = self.data_parallel_sharding_strategy
+        return strategy in ("optim_grads", "optim_grads_params") and not self.grad_shards
 
     def _given(self, *names: str) -> list[str]:
         """The flags of `names` that were given (neither None nor a switch left off), as written on the command

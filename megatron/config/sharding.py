@@ -1,5 +1,7 @@
 """Data-parallel sharding (--use-megatron-fsdp / --use-torch-fsdp2 and their options): the one place that turns the
-flags into a strategy and rejects what is not built. The engine is PyTorch's FSDP2 (megatron/parallel/fsdp.py)."""
+flags into a strategy and rejects what is not built. The engines: PyTorch's FSDP2 (megatron/parallel/fsdp.py), and for
+--use-megatron-fsdp's optim_grads sharded gradient accumulation on the distributed optimizer's flat buckets
+(megatron/parallel/grad_shards.py)."""
 
 from __future__ import annotations
 
@@ -66,11 +68,67 @@ def resolve_sharding(cfg: Config) -> None:
             not opt.use_distributed_optimizer,
             "--data-parallel-sharding-strategy no_shard with --use-distributed-optimizer: choose optim, or drop one",
         )
+    if par.grad_shards:
+        _check_grad_shards(cfg)
+        return
     if not par.fsdp:  # no_shard and optim: the gradient buffers without and with the distributed optimizer
         extras = [_flag(n) for n in _FSDP_ONLY[1:] if getattr(par, n) not in (None, False)]
         require(not extras, f"{', '.join(extras)} need --data-parallel-sharding-strategy optim_grads(_params)")
         return
     _check_fsdp(cfg)
+
+
+def _check_dtypes(cfg: Config) -> None:
+    """The FSDP dtype flags' rules, the same for both engines."""
+    par, opt, prec = cfg.parallel, cfg.optimizer, cfg.precision
+    main_params = par.megatron_fsdp_main_params_dtype
+    if opt.use_precision_aware_optimizer:
+        require(
+            main_params in ("fp32", "auto"),
+            f"--megatron-fsdp-main-params-dtype {main_params} with --use-precision-aware-optimizer: the optimizer"
+            " holds the main weights (--main-params-dtype fp32|fp16), the shards the training dtype; drop the flag",
+        )
+    else:
+        require(
+            main_params == "fp32" or (main_params == "auto" and not (prec.bf16 or prec.fp16)),
+            f"--megatron-fsdp-main-params-dtype {main_params}: only fp32 main weights are built (the shards are the"
+            " main weights; units are gathered in the training dtype); or keep bf16 shards and fp16 or fp32 main"
+            " weights with --use-precision-aware-optimizer",
+        )
+    require(
+        par.megatron_fsdp_main_grads_dtype != "fp16",
+        "--megatron-fsdp-main-grads-dtype fp16: accumulate the gradient shards in fp32 or bf16",
+    )
+    require(
+        par.megatron_fsdp_grad_comm_dtype != "fp16",
+        "--megatron-fsdp-grad-comm-dtype fp16: reduce in fp32 or bf16",
+    )
+
+
+def _check_grad_shards(cfg: Config) -> None:
+    """--use-megatron-fsdp's optim_grads (megatron/parallel/grad_shards.py): the distributed optimizer's state and
+    buckets, so its rules hold; combinations the engine does not run, each a one-line error."""
+    par, opt, prec = cfg.parallel, cfg.optimizer, cfg.precision
+    strategy = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
+    if not opt.use_distributed_optimizer:
+        opt.use_distributed_optimizer = True
+        cfg.notes.append(f"{strategy}: the distributed optimizer's buckets, state and checkpoints")
+    require(cfg.data_parallel_size > 1, f"{strategy} shards over the data-parallel ranks: run at least two")
+    extras = [_flag(n) for n in _FSDP_ONLY[1:] if getattr(par, n) not in (None, False)]
+    require(not extras, f"{', '.join(extras)} configure FSDP2's units: add --use-torch-fsdp2, or drop them")
+    pp = par.pipeline_model_parallel_size
+    require(
+        pp == 1,
+        f"{strategy} with --pipeline-model-parallel-size {pp}: not built (the schedule interleaves the micro-batches'"
+        " backward passes); use --use-distributed-optimizer",
+    )
+    require(
+        cfg.training.cuda_graph_impl == "none",
+        f"{strategy} with --cuda-graph-impl {cfg.training.cuda_graph_impl}: not built (the graphs capture the"
+        " gradient buckets' addresses, which change every micro-batch); use --use-distributed-optimizer",
+    )
+    require(not prec.fp16, f"{strategy} with --fp16: not built yet; use --bf16")
+    _check_dtypes(cfg)
 
 
 def _check_fsdp(cfg: Config) -> None:
@@ -103,28 +161,7 @@ def _check_fsdp(cfg: Config) -> None:
         cfg.training.cuda_graph_impl == "none",
         f"{strategy} with --cuda-graph-impl {cfg.training.cuda_graph_impl}: not built yet",
     )
-    main_params = par.megatron_fsdp_main_params_dtype
-    if opt.use_precision_aware_optimizer:
-        require(
-            main_params in ("fp32", "auto"),
-            f"--megatron-fsdp-main-params-dtype {main_params} with --use-precision-aware-optimizer: the optimizer"
-            " holds the main weights (--main-params-dtype fp32|fp16), the shards the training dtype; drop the flag",
-        )
-    else:
-        require(
-            main_params == "fp32" or (main_params == "auto" and not (prec.bf16 or prec.fp16)),
-            f"--megatron-fsdp-main-params-dtype {main_params}: only fp32 main weights are built (the shards are the"
-            " main weights; units are gathered in the training dtype); or keep bf16 shards and fp16 or fp32 main"
-            " weights with --use-precision-aware-optimizer",
-        )
-    require(
-        par.megatron_fsdp_main_grads_dtype != "fp16",
-        "--megatron-fsdp-main-grads-dtype fp16: accumulate the gradient shards in fp32 or bf16",
-    )
-    require(
-        par.megatron_fsdp_grad_comm_dtype != "fp16",
-        "--megatron-fsdp-grad-comm-dtype fp16: reduce in fp32 or bf16",
-    )
+    _check_dtypes(cfg)
     ckpt = cfg.checkpoint
     require(
         not (ckpt.save or ckpt.load) or ckpt.ckpt_format == "torch_dist",

@@ -7,7 +7,9 @@ into the bf16 parameter once per step (not once per micro-batch).
 
 With sharded buffers (`--use-distributed-optimizer`) the same holds for the flattened *pieces* of the parameters
 that lie in this data-parallel rank's shard of each bucket: main copies, Adam moments, the update and the
-gradient-norm contribution cover those pieces only, and the buffers all-gather the updated parameters.
+gradient-norm contribution cover those pieces only, and the buffers all-gather the updated parameters. The pieces'
+gradients are where the buffers say (`grad_piece`): views of `main_grad`, or under --use-megatron-fsdp's optim_grads
+(megatron/parallel/grad_shards.py) of the persistent gradient shards, as no whole gradient buffer outlives a bucket.
 
 FP8 weights (--fp8-param-gather) are written from their fp32 main copies (or pieces) by casting straight into their
 FP8 bytes (`megatron.fp8.params.quantize_masters`), so with the distributed optimizer the all-gather moves FP8.
@@ -98,7 +100,7 @@ class MixedPrecisionAdamW:
             self.pieces = [(p, r) for p in self.params if (r := self.buffers.owned_range(p)) is not None]
             owned, starts = [p for p, _ in self.pieces], [a for _, (a, _) in self.pieces]
             targets = [p if is_fp8_param(p) else local_shard(p).view(-1)[a:b] for p, (a, b) in self.pieces]
-            self._grads = [p.main_grad.view(-1)[a:b] for p, (a, b) in self.pieces]
+            self._grads = [self.buffers.grad_piece(p, a, b) for p, (a, b) in self.pieces]
             if self.mixed:
                 targets, self._grads = [shard_data(t) for t in targets], [shard_data(g) for g in self._grads]
             self.main_params = (

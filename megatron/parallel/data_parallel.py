@@ -24,11 +24,16 @@ owned shard, all-gathers every bucket's parameters in one collective (`gather_pa
 `--overlap-param-gather` those all-gathers run asynchronously, last bucket (the first layers) first, and the next
 forward pass waits for each bucket just before the first module that uses it (`wait_for_params_in_forward`), so
 the gathers overlap the forward pass instead of preceding it.
+
+`GradShards` (grad_shards.py, --use-megatron-fsdp's optim_grads) keeps these buckets, parameter buffers and shards
+but reduce-scatters every micro-batch into persistent gradient shards, each bucket's gradients allocated only while
+in use.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -54,11 +59,14 @@ _SHARD_ALIGN = 128
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype, pad_to: int = 1):
+    def __init__(
+        self, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype, pad_to: int = 1, allocate=True
+    ):
         self.params = params
-        numel = sum(p.numel() for p in params)
-        numel = -(-numel // pad_to) * pad_to
-        self.data = torch.zeros(numel, dtype=dtype, device=device)
+        self.numel = -(-sum(p.numel() for p in params) // pad_to) * pad_to
+        self.device, self.dtype = device, dtype
+        # the gradients; None while not allocated (megatron/parallel/grad_shards.py allocates it per micro-batch)
+        self.data = torch.zeros(self.numel, dtype=dtype, device=device) if allocate else None
         self.param_data: torch.Tensor | None = None  # the distributed optimizer's parameter buffer
         self.pending = len(params)
         self.work: dist.Work | Fp8ReduceHandle | None = None
@@ -90,6 +98,9 @@ def _storage_kind(param: nn.Parameter) -> object:
 
 
 class GradientBuffers:
+    # Each bucket's whole gradient buffer is allocated at construction and kept (grad_shards.py's subclass: not)
+    _whole_buckets = True
+
     def __init__(
         self,
         model: nn.Module,
@@ -123,6 +134,7 @@ class GradientBuffers:
         params = [p for p in model.parameters() if p.requires_grad]
         self.params = params
         self.buckets: list[_Bucket] = []
+        new_bucket = functools.partial(_Bucket, dtype=grad_dtype, pad_to=pad_to, allocate=self._whole_buckets)
         # Sharded, a bucket's parameters share one storage type, which its all-gather moves: FP8 weights
         # (--fp8-param-gather) fill buckets of their own, interleaved in backward order with the others'.
         current: dict[object, list[nn.Parameter]] = {}
@@ -130,29 +142,42 @@ class GradientBuffers:
             kind = _storage_kind(param) if shard else None
             current.setdefault(kind, []).append(param)
             if sum(p.numel() for p in current[kind]) >= bucket_size:
-                self.buckets.append(_Bucket(current.pop(kind), param.device, grad_dtype, pad_to))
+                self.buckets.append(new_bucket(current.pop(kind), param.device))
         for rest in current.values():
-            self.buckets.append(_Bucket(rest, rest[0].device, grad_dtype, pad_to))
+            self.buckets.append(new_bucket(rest, rest[0].device))
         # Torch keeps a parameter's hooks on its C++ side, out of the garbage collector's sight: until they are
         # removed (`remove_hooks`), the parameters keep these buffers, and with them their process group, alive.
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._bucket_of: dict[nn.Parameter, _Bucket] = {}
         self._offset_of: dict[nn.Parameter, int] = {}
+        self._stand_ins: dict[nn.Parameter, torch.Tensor] = {}
         for bucket in self.buckets:
             offset = 0
             for param in bucket.params:
-                param.main_grad = bucket.data[offset : offset + param.numel()].view_as(param)
                 param.grad_added_to_main_grad = False
                 self._bucket_of[param], self._offset_of[param] = bucket, offset
                 offset += param.numel()
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+            self._point_main_grads(bucket)
             if shard:
                 self._move_params_into_buffer(bucket)
+
+    def _point_main_grads(self, bucket: _Bucket) -> None:
+        """Every parameter's `main_grad`: its view into the bucket's gradients (a storage-less stand-in of its shape
+        while the bucket is not allocated: a write into it fails instead of going nowhere)."""
+        for param in bucket.params:
+            if bucket.data is None:  # one per parameter, made once: the engine re-points it every micro-batch
+                if param not in self._stand_ins:
+                    self._stand_ins[param] = torch.empty(param.shape, dtype=bucket.dtype, device="meta")
+                param.main_grad = self._stand_ins[param]
+            else:
+                offset = self._offset_of[param]
+                param.main_grad = bucket.data[offset : offset + param.numel()].view_as(param)
 
     def _move_params_into_buffer(self, bucket: _Bucket) -> None:
         kind = _storage_kind(bucket.params[0])
         dtype = torch.uint8 if kind == "fp8" else kind
-        bucket.param_data = torch.zeros(bucket.data.numel(), dtype=dtype, device=bucket.data.device)
+        bucket.param_data = torch.zeros(bucket.numel, dtype=dtype, device=bucket.device)
         with torch.no_grad():
             for param in bucket.params:
                 offset = self._offset_of[param]
@@ -180,9 +205,14 @@ class GradientBuffers:
         if not self.sharded:
             return 0, param.numel()
         offset = self._offset_of[param]
-        shard_start, shard_stop = self._shard_bounds(self._bucket_of[param].data.numel())
+        shard_start, shard_stop = self._shard_bounds(self._bucket_of[param].numel)
         start, stop = max(offset, shard_start), min(offset + param.numel(), shard_stop)
         return (start - offset, stop - offset) if start < stop else None
+
+    def grad_piece(self, param: nn.Parameter, start: int, stop: int) -> torch.Tensor:
+        """Where the optimizer reads the reduced gradient of `param`'s flattened elements [start, stop) (a range of
+        `owned_range` when sharded): its `main_grad`."""
+        return param.main_grad.view(-1)[start:stop]
 
     def _on_grad(self, param: nn.Parameter) -> None:
         if self._paused:
@@ -192,11 +222,15 @@ class GradientBuffers:
             param.main_grad.add_(param.grad)
         param.grad = None
         param.grad_added_to_main_grad = False
-        if self.overlap and self.is_last_micro_batch:
+        if self._reduces_in_backward():
             bucket = self._bucket_of[param]
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._start(bucket)
+
+    def _reduces_in_backward(self) -> bool:
+        """Whether the backward running now starts each bucket's reduction once its gradients are in."""
+        return self.overlap and self.is_last_micro_batch
 
     def _start(self, bucket: _Bucket) -> None:
         if self.fp8_reduce:  # averages in fp32 after the sum: no division first

@@ -331,6 +331,9 @@ class ShardedGrads:
         numel = param.main_grad.numel()
         return (0, numel) if numel else None
 
+    def grad_piece(self, param: nn.Parameter, start: int, stop: int) -> torch.Tensor:
+        return param.main_grad.view(-1)[start:stop]
+
     def finish(self) -> None:
         """Nothing left to wait for: FSDP2's root waits for the last reduce-scatter at the end of the backward."""
 

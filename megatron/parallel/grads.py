@@ -12,6 +12,8 @@ param.grad_norm_duplicate = True   a copy whose gradient another rank already co
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -39,11 +41,17 @@ def reduce_tied_embedding_grads(params: list[nn.Parameter], dims: ParallelDims) 
         _all_reduce_coalesced(shared, dims.embedding_group)
 
 
-def reduce_sequence_parallel_grads(params: list[nn.Parameter], dims: ParallelDims) -> None:
+def reduce_sequence_parallel_grads(
+    params: list[nn.Parameter],
+    dims: ParallelDims,
+    reduced_grad: Callable[[nn.Parameter], torch.Tensor] = lambda p: p.main_grad,
+) -> None:
     """Sum the partial gradients of sequence-parallel parameters over the tensor-parallel group (call after the
-    data-parallel reduction, before clipping; tensor-parallel peers shard their buckets alike)."""
+    data-parallel reduction, before clipping; tensor-parallel peers shard their buckets alike). `reduced_grad`:
+    where a parameter's reduced gradient lives (megatron/parallel/grad_shards.py: this rank's piece of it)."""
     if dims.tp > 1:
-        _all_reduce_coalesced([p.main_grad for p in params if getattr(p, "sequence_parallel", False)], dims.tp_group)
+        sequence_parallel = [p for p in params if getattr(p, "sequence_parallel", False)]
+        _all_reduce_coalesced([reduced_grad(p) for p in sequence_parallel], dims.tp_group)
 
 
 def counts_in_grad_norm(param: nn.Parameter) -> bool:

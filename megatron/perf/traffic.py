@@ -36,8 +36,12 @@ the optimizer with --use-distributed-optimizer):
     FP8 weight casts            4*P8 (read bf16, write FP8 and its transpose); 2*P8 with --fp8-param-gather
                                 (the optimizer writes FP8, the transpose is read 1, write 1)
 
-Under FSDP (--data-parallel-sharding-strategy optim_grads / optim_grads_params) fsdp.py's terms replace the
-optimizer, the FP8 weight casts and the data-parallel communication here.
+Under FSDP2 (--data-parallel-sharding-strategy optim_grads / optim_grads_params) fsdp.py's terms replace the
+optimizer, the FP8 weight casts and the data-parallel communication here. --use-megatron-fsdp's optim_grads
+(megatron/parallel/grad_shards.py, gradient shards of gs bytes per element, buckets of gc: the reduce-scatter's
+dtype) keeps the distributed optimizer's terms except the gradients': the step reads and zeroes the shards only,
+(2mp+2m1+2m2+3gs)S + M*S/P, and every micro-batch zeroes each freshly allocated bucket and adds this rank's shard
+of each reduce-scatter into the shards: gc*P + (gc+2gs)S.
 
 Not counted (a lower bound): the wgrad GEMMs' fp32 accumulation into `main_grad` (in the GEMM epilogue, hidden
 behind its math at k = T), amax reductions, norm and bias weight gradients, dropout (benchmarks run without it),
@@ -52,11 +56,15 @@ Communication that cannot overlap, per iteration:
     per parameter (2 with bf16 gradients, 1 with --fp8-grad-reduce): all of it, or with --overlap-grad-reduce only
     the last bucket (--ddp-bucket-size elements, reduced after the backward ends); the distributed optimizer's
     all-gather of the updated weights (2 bytes, FP8 weights 1): all, or one bucket with --overlap-param-gather.
+    grad_shards.py reduce-scatters every micro-batch's buckets during its backward (gc bytes per element, 1 with
+    --fp8-grad-reduce), those of the micro-batches before the last overlapping the next forward: the last bucket of
+    the last micro-batch is left, whatever --overlap-grad-reduce says.
 """
 
 from __future__ import annotations
 
 from megatron.config import Config
+from megatron.config.sharding import grad_comm_bf16, main_grads_bf16
 
 from .fsdp import fsdp_communication, fsdp_memory
 from .work import DTYPE_BYTES, CommWork, MemoryWork, param_count, recomputed_layers
@@ -187,9 +195,15 @@ def memory_traffic(cfg: Config, vocab: int) -> list[MemoryWork]:
     g = grad_bytes(cfg)
     model_bytes = 2 * params - (fp8_weights if prec.fp8_param_gather else 0)  # per parameter: bf16, FP8 weights 1
     # S = the optimizer's shard of the P parameters, M = the model's weight bytes (2P, less P8 with FP8 weights)
-    step = (2 * mp + 2 * m1 + 2 * m2 + 2 * g) * shard + model_bytes * shard / params + g * params
-    formula = "(2mp+2m1+2m2+2g)S + M*S/P + gP"
-    add([("optimizer", "Adam step + grad zero + grad norm", step, formula)], 1)
+    if cfg.parallel.grad_shards:  # the step reads and zeroes the gradient shards; each micro-batch fills buckets
+        gc = 2 if grad_comm_bf16(cfg) else 4
+        step = (2 * mp + 2 * m1 + 2 * m2 + 3 * g) * shard + model_bytes * shard / params
+        add([("optimizer", "Adam step + grad zero + grad norm", step, "(2mp+2m1+2m2+3gs)S + M*S/P")], 1)
+        buckets = gc * params + (gc + 2 * g) * shard
+        add([("elementwise", "gradient bucket zero + shard add", buckets, "gc*P + (gc+2gs)S")], micro)
+    else:
+        step = (2 * mp + 2 * m1 + 2 * m2 + 2 * g) * shard + model_bytes * shard / params + g * params
+        add([("optimizer", "Adam step + grad zero + grad norm", step, "(2mp+2m1+2m2+2g)S + M*S/P + gP")], 1)
     if fp8_weights:
         cast = 2 * fp8_weights if prec.fp8_param_gather else 4 * fp8_weights
         add([("cast/transpose", "FP8 weight casts", cast, "2 P8" if prec.fp8_param_gather else "4 P8")], 1)
@@ -197,8 +211,10 @@ def memory_traffic(cfg: Config, vocab: int) -> list[MemoryWork]:
 
 
 def grad_bytes(cfg: Config) -> int:
-    """Bytes per element of the gradient buffers (`main_grad`)."""
+    """Bytes per element of the gradient buffers (`main_grad`; grad_shards.py's gradient shards)."""
     opt, par = cfg.optimizer, cfg.parallel
+    if par.grad_shards:
+        return 2 if main_grads_bf16(cfg) else 4
     bf16 = par.grad_reduce_in_bf16 or (opt.use_precision_aware_optimizer and opt.main_grads_dtype == "bf16")
     return 2 if bf16 else 4
 
@@ -231,8 +247,10 @@ def communication(cfg: Config, vocab: int) -> list[CommWork]:
         out += fsdp_communication(cfg, vocab)
     elif dp > 1:
         params, fp8_weights = param_count(cfg, vocab)
-        per_elem = 1 if par.fp8_grad_reduce else grad_bytes(cfg)
-        reduced = min(par.ddp_bucket_size, params) if par.overlap_grad_reduce else params
+        comm = (2 if grad_comm_bf16(cfg) else 4) if par.grad_shards else grad_bytes(cfg)
+        per_elem = 1 if par.fp8_grad_reduce else comm
+        overlapped = par.overlap_grad_reduce or par.grad_shards
+        reduced = min(par.ddp_bucket_size, params) if overlapped else params
         op = "reduce_scatter" if opt.use_distributed_optimizer else "all_reduce"
         out.append(CommWork("DP gradient reduction", op, reduced * per_elem, dp, 1))
         if opt.use_distributed_optimizer:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from megatron.config import Config
+from megatron.config.sharding import grad_comm_bf16, main_grads_bf16
 from megatron.fp8.linear import Fp8LinearState
 from megatron.fp8.monitor import Fp8Monitor, build_fp8_monitor
 from megatron.model import GPTModel, Stage
@@ -23,6 +24,7 @@ from megatron.optim import MixedPrecisionAdamW
 from megatron.parallel import GradientBuffers, ParallelDims
 from megatron.parallel.context_parallel import ContextParallel, attach_context_parallel
 from megatron.parallel.fsdp import ShardedGrads, build_fsdp, fp8_gather_pieces
+from megatron.parallel.grad_shards import GradShards
 from megatron.parallel.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -108,16 +110,30 @@ def build_grad_buffers(
     # Under the pipeline schedule the last micro-batch's backward is not the last backward of the step on every
     # stage, so the buckets are reduced after the schedule there.
     overlap = par.overlap_grad_reduce and dims.pp == 1
-    buffers = GradientBuffers(
-        model,
-        dims.dp_cp_group,
-        overlap,
-        par.ddp_bucket_size,
-        cfg.optimizer.use_distributed_optimizer,
-        par.overlap_param_gather,
-        grad_dtype=torch.bfloat16 if par.grad_reduce_in_bf16 else torch.float32,
-        fp8_reduce=par.fp8_grad_reduce,
-    )
+    if par.grad_shards:  # --use-megatron-fsdp optim_grads: each micro-batch reduce-scattered into gradient shards
+        layers = list(model.decoder.layers)
+        buffers = GradShards(
+            model,
+            dims.dp_cp_group,
+            par.ddp_bucket_size,
+            par.overlap_param_gather,
+            shard_dtype=torch.bfloat16 if main_grads_bf16(cfg) else torch.float32,
+            comm_dtype=torch.bfloat16 if grad_comm_bf16(cfg) else torch.float32,
+            fp8_reduce=par.fp8_grad_reduce,
+            # the previous micro-batch's last reduce-scatters overlap the forward up to the last layer
+            drain_before=layers[-1] if layers else None,
+        )
+    else:
+        buffers = GradientBuffers(
+            model,
+            dims.dp_cp_group,
+            overlap,
+            par.ddp_bucket_size,
+            cfg.optimizer.use_distributed_optimizer,
+            par.overlap_param_gather,
+            grad_dtype=torch.bfloat16 if par.grad_reduce_in_bf16 else torch.float32,
+            fp8_reduce=par.fp8_grad_reduce,
+        )
     if buffers.overlap_param_gather:
         buffers.wait_for_params_in_forward(model, list(model.decoder.layers))
     return buffers

@@ -19,7 +19,12 @@ Held for the whole run, in bytes per parameter of this rank:
   local layers' casts are not counted.
 
 The distributed optimizer keeps 1/dp of the main copy and the moments (the gradient buffer stays whole: it is
-reduce-scattered in place). FSDP keeps 1/dp of the weights, gradients and moments: fp32 weight shards that are the
+reduce-scattered in place). --use-megatron-fsdp's optim_grads (megatron/parallel/grad_shards.py) keeps what the
+distributed optimizer keeps but holds 1/dp of the gradients (persistent fp32 shards, bf16 with
+--megatron-fsdp-main-grads-dtype bf16 or --grad-reduce-in-bf16) and no whole gradient buffer: a bucket exists only
+while its gradients are formed and reduce-scattered (in --megatron-fsdp-grad-comm-dtype), and at the peak, the start
+of the backward, one is (the output layer's, or the last layers'; counted as a backward buffer).
+FSDP keeps 1/dp of the weights, gradients and moments: fp32 weight shards that are the
 main weights, or with --use-precision-aware-optimizer shards in the training dtype beside 1/dp of its main weights;
 with --fp8-param-gather also the FP8 layers' shards cast to E4M3 for the step's all-gathers (1 byte per element /
 dp, cast once per step and kept: megatron/fp8/fsdp_params.py). Those casts are all a step needs of the FP8 layers'
@@ -192,8 +197,21 @@ def _step_bytes(cfg: Config, num_params: int, fp8_params: int) -> float:
     shards = _optimizer_shards(cfg)
     if cfg.optimizer.use_precision_aware_optimizer:
         return 4 * fp8_params / shards
-    bf16 = main_grads_bf16(cfg) if cfg.parallel.fsdp else cfg.parallel.grad_reduce_in_bf16
+    bf16 = main_grads_bf16(cfg) if _sharded_grads(cfg) else cfg.parallel.grad_reduce_in_bf16
     return 4 * num_params / shards if bf16 else 0.0
+
+
+def _sharded_grads(cfg: Config) -> bool:
+    """Whether each rank keeps 1/dp of the gradients (FSDP2 or grad_shards.py), in --megatron-fsdp-main-grads-dtype."""
+    return cfg.parallel.fsdp or cfg.parallel.grad_shards
+
+
+def _first_bucket(cfg: Config, num_params: int, vocab: float) -> float:
+    """Bytes of the gradient bucket grad_shards.py holds at the start of the backward: --ddp-bucket-size elements
+    (a bucket closes once it holds that many), or the output layer's weight alone where that is larger, in the
+    reduce-scatter's dtype."""
+    elements = min(num_params, max(cfg.parallel.ddp_bucket_size, vocab))
+    return elements * (2 if grad_comm_bf16(cfg) else 4)
 
 
 def in_flight_layers(cfg: Config, pp_rank: int = 0) -> int:
@@ -281,6 +299,9 @@ def estimate_bytes(
     if par.fsdp:
         gathered, staging = _fsdp_buffers(cfg, num_params, vocab, layer, itemsize, loss_side)
         buffers += gathered + staging
+    if par.grad_shards:  # persistent gradient shards, and one bucket at the peak
+        grads = num_params * (2 if main_grads_bf16(cfg) else 4) / shards
+        buffers += _first_bucket(cfg, num_params, vocab)
     step = _step_bytes(cfg, num_params, fp8_params) + freed
     calibration = 0.0
     # delayed scaling's calibration pass: a fresh run assumed (a resumed one runs none), none with TE's userbuffers
@@ -327,8 +348,8 @@ def memory_estimate_lines(
         weights += f" {high}"
     else:
         weights = f"{_per(est['weights'] / n)} B/param, {high}"
-    bf16_grads = main_grads_bf16(cfg) if par.fsdp else par.grad_reduce_in_bf16
-    grads_dtype = ", bf16" if bf16_grads else ""
+    bf16_grads = main_grads_bf16(cfg) if _sharded_grads(cfg) else par.grad_reduce_in_bf16
+    grads_dtype = (", bf16" if bf16_grads else "") + (f" shards{over}" if par.grad_shards else "")
     moments = (
         "" if opt.exp_avg_dtype == opt.exp_avg_sq_dtype == "fp32" else f", {opt.exp_avg_dtype}/{opt.exp_avg_sq_dtype}"
     )
@@ -344,6 +365,7 @@ def memory_estimate_lines(
     if casts and par.fsdp:  # optim_grads: beside the gathered weights, for the step
         casts += " (kept for the step's micro-batches with the gathered weights, 2 B per FP8 layer parameter)"
     buffers = "gathered units, gradients in flight" if par.fsdp else "the output layer's gradients"
+    buffers += ", a gradient bucket" if par.grad_shards else ""
     step = ""
     if est["step"]:
         peak = " (the peak)" if est["step"] > est["activations"] + est["buffers"] else ""

@@ -38,7 +38,7 @@ OWN = {
     "block1": "--recompute-granularity full --recompute-method block --recompute-num-layers 1",
     "selective": "--recompute-granularity selective --recompute-modules core_attn mlp layernorm",
 }
-FSDP = "--use-megatron-fsdp --data-parallel-sharding-strategy"
+FSDP = "--use-torch-fsdp2 --data-parallel-sharding-strategy"
 
 
 class _Held:

@@ -30,7 +30,7 @@ from tests.distributed.test_parallel_layouts import BASE, FP8, TENSORWISE, _pars
 
 STEPS = 4
 PARAMS = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
-GRADS = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
+GRADS = "--use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads"
 FLAGS = f"{BASE} --train-iters {STEPS} --eval-iters 0 --bf16 {PA} --fp8-param-gather"
 
 

@@ -20,7 +20,7 @@ FLAGS = (
     " --ffn-hidden-size 64 --position-embedding-type rope --normalization RMSNorm --micro-batch-size 2"
     " --global-batch-size 16 --lr 1e-2 --hidden-dropout 0 --attention-dropout 0 --eval-iters 0"
     " --log-interval 100 --transformer-impl local --bf16 --untie-embeddings-and-output-weights"
-    f" --train-iters {STEPS} --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"
+    f" --train-iters {STEPS} --use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"
 )
 TWO_LAYERS = "--suggested-communication-unit-size 10000"  # about 9.3k elements per layer
 

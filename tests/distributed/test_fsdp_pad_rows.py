@@ -25,7 +25,7 @@ STEPS = 3
 FLAGS = f"{BASE} --train-iters {STEPS} --eval-iters 0 --bf16 --fp8-param-gather --global-batch-size 6"
 DISTOPT = "--use-distributed-optimizer"
 PARAMS = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
-GRADS = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
+GRADS = "--use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads"
 
 
 def _shards(trainer: Trainer) -> list[torch.Tensor]:

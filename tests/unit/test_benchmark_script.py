@@ -146,6 +146,8 @@ def test_the_fsdp_layouts_parse_with_the_local_configs():
     strategies = {
         "fsdp2": "optim_grads_params",
         "fsdp2_optim_grads": "optim_grads",
+        "mfsdp2_optim_grads": "optim_grads",
+        "mfsdp2_optim_grads_bf16comm": "optim_grads",
         "fsdp2_bf16grads": "optim_grads_params",
         "fsdp2_o2states": "optim_grads_params",
         "fsdp2_bf16comm": "optim_grads_params",
@@ -163,6 +165,8 @@ def test_the_fsdp_layouts_parse_with_the_local_configs():
                 flags = benchmark.train_flags(preset, config, 10, 5, layout)
                 cfg = parse_args(flags, world_size=gpus, device_type="cuda")
                 assert cfg.parallel.data_parallel_sharding_strategy == strategy, (preset, config, layout)
+                # mfsdp2_*: the flat-buffer engine (grad_shards.py); fsdp2_*: FSDP2
+                assert cfg.parallel.grad_shards == layout.startswith("mfsdp2_"), (preset, config, layout)
                 assert cfg.data_parallel_size == 2, (preset, config, layout)
     assert "--nproc-per-node=4" in benchmark.command("llama3-8b", "local-delayed-fp8params", 10, 5, "fsdp2_tp2")
 

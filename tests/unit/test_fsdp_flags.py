@@ -12,25 +12,40 @@ def parse(extra: str, world_size: int = 2):
 
 
 @pytest.mark.parametrize(
-    "extra, strategy, distopt",
+    "extra, strategy, distopt, engine",
     [
-        ("", None, False),
-        ("--use-megatron-fsdp", "optim_grads_params", False),  # Megatron-LM's default strategy
-        ("--use-torch-fsdp2", "optim_grads_params", False),
-        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads", "optim_grads", False),
-        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim", "optim", True),
-        ("--use-megatron-fsdp --data-parallel-sharding-strategy no_shard", "no_shard", False),
+        ("", None, False, None),
+        ("--use-megatron-fsdp", "optim_grads_params", False, "fsdp2"),  # Megatron-LM's default strategy
+        ("--use-torch-fsdp2", "optim_grads_params", False, "fsdp2"),
+        # the flat-buffer engine (grad_shards.py) on the distributed optimizer's buckets and state
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads", "optim_grads", True, "grad_shards"),
+        (
+            "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --use-distributed-optimizer",
+            "optim_grads",
+            True,
+            "grad_shards",
+        ),
+        ("--use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads", "optim_grads", False, "fsdp2"),
+        (
+            "--use-torch-fsdp2 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads",
+            "optim_grads",
+            False,
+            "fsdp2",
+        ),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim", "optim", True, None),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy no_shard", "no_shard", False, None),
     ],
 )
-def test_strategy_resolution(extra, strategy, distopt):
+def test_strategy_resolution(extra, strategy, distopt, engine):
     cfg = parse(extra)
     assert cfg.parallel.data_parallel_sharding_strategy == strategy
-    assert cfg.parallel.fsdp == (strategy in ("optim_grads", "optim_grads_params"))
+    assert (cfg.parallel.fsdp, cfg.parallel.grad_shards) == (engine == "fsdp2", engine == "grad_shards")
     assert cfg.optimizer.use_distributed_optimizer == distopt
     assert cfg.finalize().parallel.data_parallel_sharding_strategy == strategy  # idempotent
 
 
 FSDP = "--use-megatron-fsdp"
+ZERO2 = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
 
 
 @pytest.mark.parametrize(
@@ -59,6 +74,19 @@ FSDP = "--use-megatron-fsdp"
         (f"{FSDP} --megatron-fsdp-grad-comm-dtype fp16", 2, "--megatron-fsdp-grad-comm-dtype fp16"),
         (f"{FSDP} --save /tmp/x --ckpt-format torch", 2, "FSDP saves its shards with --ckpt-format torch_dist"),
         (f"{FSDP} --save /tmp/x --async-save", 2, "--async-save: not built yet"),
+        # --use-megatron-fsdp's optim_grads (grad_shards.py)
+        (f"{ZERO2}", 1, "optim_grads shards over the data-parallel ranks: run at least two"),
+        (f"{ZERO2} --fsdp-double-buffer", 2, "--fsdp-double-buffer configure FSDP2's units: add --use-torch-fsdp2"),
+        (
+            f"{ZERO2} --pipeline-model-parallel-size 2",
+            4,
+            "optim_grads with --pipeline-model-parallel-size 2: not built",
+        ),
+        (f"{ZERO2} --bf16 --cuda-graph-impl transformer_engine", 2, "optim_grads with --cuda-graph-impl"),
+        (f"{ZERO2} --fp16", 2, "optim_grads with --fp16: not built yet"),
+        (f"{ZERO2} --megatron-fsdp-main-grads-dtype fp16", 2, "--megatron-fsdp-main-grads-dtype fp16"),
+        (f"{ZERO2} --megatron-fsdp-grad-comm-dtype fp16", 2, "--megatron-fsdp-grad-comm-dtype fp16"),
+        (f"{ZERO2} --bf16 --megatron-fsdp-main-params-dtype bf16", 2, "--megatron-fsdp-main-params-dtype bf16"),
     ],
 )
 def test_combinations_not_built_fail_in_one_line(extra, world_size, message):

@@ -185,7 +185,7 @@ def test_fsdp_over_two_data_parallel_ranks():
     staging = layer * (2 + 4 + 2) - LOSS_SIDE
     assert est["buffers"] == BF16_BUFFERS + 2 * (vocab + layer) + staging
     assert est["total"] == 8 * N + BF16_ACTIVATIONS + est["buffers"]
-    flags = "--bf16 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
+    flags = "--bf16 --use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads"
     assert estimate_bytes(parse(flags, world_size=2), N, VOCAB, torch.bfloat16)["buffers"] == (
         BF16_BUFFERS + 2 * N + staging
     )
@@ -293,7 +293,7 @@ def test_llama_1b_te_fsdp2_from_its_terms():
     # within 1% of what two H100s measured (docs/benchmarks.md, "Third wave, second session": 17.27 GiB)
     assert est["total"] / 2**30 == pytest.approx(17.27, rel=0.01)
     # optim_grads keeps the whole model gathered (19.2 GiB measured on two H200s): 2 bytes per parameter
-    cfg_flags = "--use-megatron-fsdp --data-parallel-sharding-strategy"
+    cfg_flags = "--use-torch-fsdp2 --data-parallel-sharding-strategy"
     cfg = llama(f"{cfg_flags} optim_grads --fsdp-double-buffer")
     whole = estimate_bytes(cfg, L1B_N, L1B_V, torch.bfloat16)
     gathered = whole["buffers"] - buffers + 2 * (L1B_V * L1B_H + L1B_UNIT)
@@ -325,6 +325,30 @@ def test_llama_1b_te_distributed_optimizer_counts_the_cached_weight_casts():
     assert local["activations"] == pytest.approx((15 * 37 + 37 + 4) * L1B_SBH + 8 * 4096 * 2 * L1B_V)
 
 
+def test_llama_1b_te_grad_shards_hold_a_gradient_shard_and_one_bucket():
+    """--use-megatron-fsdp optim_grads on the flat buckets (grad_shards.py): the distributed optimizer's weights, main
+    copy, Adam states and TE weight casts, but fp32 gradient shards (4 / 2 B/param) instead of the whole buffer; at
+    the start of the backward one bucket more than the distributed optimizer holds: the untied output layer's
+    weight, 65.5M fp32 elements (more than --ddp-bucket-size's 40M: a bucket of its own). bf16 shards
+    (--grad-reduce-in-bf16) halve the shards; a bf16 reduce-scatter halves the bucket."""
+    zero2 = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --overlap-grad-reduce"
+    distopt = estimate_bytes(llama("--use-distributed-optimizer --overlap-grad-reduce"), L1B_N, L1B_V, torch.bfloat16)
+    est = estimate_bytes(llama(zero2), L1B_N, L1B_V, torch.bfloat16)
+    assert est["grads"] == 2 * L1B_N and distopt["grads"] == 4 * L1B_N
+    assert est["static"] == distopt["static"] - 2 * L1B_N
+    assert est["buffers"] - distopt["buffers"] == 4 * L1B_V * L1B_H
+    assert est["total"] == pytest.approx(distopt["total"] - 2 * L1B_N + 4 * L1B_V * L1B_H)
+    bf16 = estimate_bytes(llama(f"{zero2} --grad-reduce-in-bf16"), L1B_N, L1B_V, torch.bfloat16)
+    assert bf16["grads"] == L1B_N and bf16["buffers"] - distopt["buffers"] == 2 * L1B_V * L1B_H
+    assert bf16["step"] == 4 * L1B_N / 2  # torch's AdamW upcasts the bf16 shards
+    comm = estimate_bytes(llama(f"{zero2} --megatron-fsdp-grad-comm-dtype bf16"), L1B_N, L1B_V, torch.bfloat16)
+    assert comm["grads"] == 2 * L1B_N and comm["buffers"] - distopt["buffers"] == 2 * L1B_V * L1B_H
+    small = estimate_bytes(llama(f"{zero2} --ddp-bucket-size 100000000"), L1B_N, L1B_V, torch.bfloat16)
+    assert small["buffers"] - distopt["buffers"] == 4 * 100_000_000
+    (line,) = memory_estimate_lines(llama(zero2), est, L1B_N, torch.bfloat16)
+    assert "(2 B/param shards over 2 data-parallel ranks)" in line and "a gradient bucket" in line, line
+
+
 @pytest.mark.parametrize(
     "impl,fp8_bytes,recipe", [("transformer_engine", 2, ""), ("local", 1, ""), ("transformer_engine", 1, "blockwise")]
 )
@@ -336,7 +360,7 @@ def test_fsdp_fp8_param_gather(impl, fp8_bytes, recipe):
     layer is an FP8 one, the output unit stays bf16; under optim_grads the 15 FP8 layers of 16 count so. Each rank
     also keeps its shards of the 15 FP8 layers cast to E4M3 from one step's cast to the next: 1 byte per element,
     halved."""
-    fsdp = "--use-megatron-fsdp --fsdp-double-buffer --fp8-param-gather --data-parallel-sharding-strategy"
+    fsdp = "--use-torch-fsdp2 --fsdp-double-buffer --fp8-param-gather --data-parallel-sharding-strategy"
     if recipe:
         fsdp = f"--fp8-recipe {recipe} --fp8-format e4m3 {fsdp}"
     est = estimate_bytes(llama(f"{fsdp} optim_grads_params", impl), L1B_N, L1B_V, torch.bfloat16)

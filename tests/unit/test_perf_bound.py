@@ -166,6 +166,33 @@ def test_tensor_and_data_parallel_communication():
     }
 
 
+def test_grad_shards_traffic_and_communication():
+    """--use-megatron-fsdp optim_grads (grad_shards.py) at DP=2, two micro-batches: the distributed optimizer's step
+    without the whole buffer's zeroing (the shards instead: 3 x 4 bytes per shard element), and per micro-batch each
+    bucket zeroed (4P) and this rank's reduce-scatter output added into the shards (4 + 2 x 4 per shard element);
+    a bf16 reduce-scatter halves the buckets' bytes. One bucket's reduce-scatter is left exposed, as with
+    --overlap-grad-reduce."""
+    zero2 = " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --ddp-bucket-size 1000"
+    batch = " --global-batch-size 8"
+    cfg, distopt = config(zero2 + batch, world_size=2), config(" --use-distributed-optimizer" + batch, world_size=2)
+    params = work.param_count(cfg, 128)[0]
+    assert cfg.num_micro_batches == 2
+    got, want = memory_by_name(cfg), memory_by_name(distopt)
+    step = "Adam step + grad zero + grad norm"
+    assert got[step] == want[step] - 4 * params + 4 * params / 2
+    assert got["gradient bucket zero + shard add"] == 2 * (4 * params + (4 + 8) * params / 2)
+    assert {n: b for n, b in got.items() if n not in (step, "gradient bucket zero + shard add")} == {
+        n: b for n, b in want.items() if n != step
+    }
+    bf16 = memory_by_name(config(zero2 + batch + " --megatron-fsdp-grad-comm-dtype bf16", world_size=2))
+    assert bf16["gradient bucket zero + shard add"] == 2 * (2 * params + (2 + 8) * params / 2)
+    ops = {c.name: (c.op, c.nbytes) for c in traffic.communication(cfg, 128)}
+    assert ops == {
+        "DP gradient reduction": ("reduce_scatter", 4 * 1000),
+        "DP parameter all-gather": ("all_gather", 2 * params),
+    }
+
+
 def test_pipeline_layouts_are_not_modelled():
     with pytest.raises(perf.NotModelled, match="pipeline/context"):
         perf.lower_bound(config(" --pipeline-model-parallel-size 2", world_size=2), probes())
@@ -266,7 +293,7 @@ def test_attention_probes_fall_back_from_fp8_to_bf16_and_from_te_to_sdpa():
 # FSDP on 2 ranks, 2 micro-batches each (global batch 8). The tiny model's units: embedding 128 x 64 = 8192, two
 # layers of 36864 linear weights + 2 norm weights = 36992, the output unit: final norm + output layer = 64 + 8192.
 FSDP = " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --global-batch-size 8"
-OPTIM_GRADS = FSDP.replace("optim_grads_params", "optim_grads")
+OPTIM_GRADS = FSDP.replace("optim_grads_params", "optim_grads").replace("--use-megatron-fsdp", "--use-torch-fsdp2")
 EMB, LAYER, LINEARS, OUT = 8192, 36992, 36864, 8256
 P = EMB + 2 * LAYER + OUT
 OUT_NAME = "output (final norm, output layer)"

@@ -1,0 +1,197 @@
+"""Sharded gradient accumulation on the distributed optimizer's flat buckets (ZeRO-2): the engine of
+`--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads`.
+
+The buckets, their parameter buffers, their shards and the parameter all-gather after the step are the distributed
+optimizer's (`GradientBuffers` with `shard=True`, megatron/parallel/data_parallel.py), and so is the optimizer's
+state layout (its checkpoints load under the distributed optimizer and back). What differs is where the gradients
+are accumulated over the micro-batches of a step:
+
+* every micro-batch's backward reduce-scatters each bucket as soon as all of its parameters' gradients are in (the
+  distributed optimizer does so during the last micro-batch only), and this rank's shard of the average is added
+  into a persistent shard buffer (`shards`: one flat tensor, 1/dp of the buckets, fp32 or bf16:
+  --megatron-fsdp-main-grads-dtype, whose auto follows --grad-reduce-in-bf16). The optimizer reads its pieces of
+  the gradient there (`grad_piece`);
+* a bucket's whole gradient buffer (`bucket.data`, in the reduce-scatter's dtype: --megatron-fsdp-grad-comm-dtype)
+  lives only from just before its first gradient of a micro-batch is produced until its reduce-scatter has been
+  waited for and its shard added: it is allocated (zeroed) by a hook on the gradient of the output of each module
+  holding its parameters (that gradient is computed before the module's backward, where the fused wgrad GEMMs,
+  Transformer Engine's and megatron/model/grad_accumulation.py's, read `weight.main_grad`), or else by the
+  parameter's post-accumulate-grad hook (a gradient autograd accumulated, e.g. the tied output layer's), and every
+  parameter's `main_grad` is pointed at the new storage; between allocations `main_grad` is a storage-less (meta)
+  tensor of the parameter's shape, so no whole-model gradient buffer exists between micro-batches or steps.
+  Waiting for a reduce-scatter lags `LAG` buckets behind the latest started, keeping it overlapped with the
+  backward; the last buckets of a micro-batch are waited for during the next forward (before its last transformer
+  layer) or by `finish()` after the last micro-batch.
+
+The end of each micro-batch's backward (an autograd callback queued from the hook on the model's output, in the
+outer backward, not in a recomputed layer's nested one) starts the reduce-scatter of every bucket not yet started
+(a parameter that got no gradient), so that all ranks run the same collectives.
+A paused pass (`GradientBuffers.paused`: delayed scaling's calibration, whose gradients are thrown away) allocates
+the buckets alike and frees each, unreduced, once its gradients are in.
+
+With --fp8-grad-reduce each reduce-scatter sends FP8 (megatron/parallel/fp8_reduce.py), as the distributed
+optimizer's does. Not built (config/sharding.py refuses them): CUDA graphs (a captured wgrad GEMM writes into fixed
+`main_grad` addresses) and pipeline parallelism (the schedule interleaves micro-batches' backward passes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .data_parallel import GradientBuffers, _Bucket
+
+# Reduce-scatters in flight before the oldest is waited for: enough to overlap each with the next buckets' backward.
+LAG = 2
+
+
+def _first_grad_tensor(output: object) -> torch.Tensor | None:
+    """The first tensor of a module's output (a tensor, or a tuple or list of them) that will receive a gradient."""
+    for item in output if isinstance(output, (tuple, list)) else (output,):
+        if isinstance(item, torch.Tensor) and item.requires_grad:
+            return item
+    return None
+
+
+class GradShards(GradientBuffers):
+    _whole_buckets = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dp_group: dist.ProcessGroup | None,
+        bucket_size: int = 40_000_000,
+        overlap_param_gather: bool = False,
+        shard_dtype: torch.dtype = torch.float32,
+        comm_dtype: torch.dtype = torch.float32,
+        fp8_reduce: bool = False,
+        drain_before: nn.Module | None = None,
+    ):
+        """`shard_dtype`: of the persistent gradient shards; `comm_dtype`: of the transient buckets (the wgrad GEMMs'
+        output and the reduce-scatter); `drain_before`: the module before whose forward the previous micro-batch's
+        last reduce-scatters are waited for (default: the model's own forward). The rest as `GradientBuffers`."""
+        super().__init__(
+            model, dp_group, True, bucket_size, True, overlap_param_gather, grad_dtype=comm_dtype, fp8_reduce=fp8_reduce
+        )
+        if self.dp < 2:
+            raise ValueError("sharded gradient accumulation needs a data-parallel group of at least two ranks")
+        total = sum(b.numel for b in self.buckets) // self.dp
+        self.shards = torch.zeros(total, dtype=shard_dtype, device=self.params[0].device if self.params else None)
+        self._shard_of: dict[int, torch.Tensor] = {}
+        start = 0
+        for bucket in self.buckets:
+            self._shard_of[id(bucket)] = self.shards[start : start + bucket.numel // self.dp]
+            start += bucket.numel // self.dp
+        self._in_flight: list[_Bucket] = []
+        self._callback_queued = False
+        for module in model.modules():
+            owned = {id(b): b for p in module.parameters(recurse=False) if (b := self._bucket_of.get(p)) is not None}
+            if owned:
+                self._hooks.append(module.register_forward_hook(self._allocating_hook(list(owned.values()))))
+        self._hooks.append(model.register_forward_hook(self._end_of_backward_hook))
+        drain = drain_before if drain_before is not None else model
+        self._hooks.append(drain.register_forward_pre_hook(lambda module, args: self._retire(0)))
+
+    def _allocating_hook(self, buckets: list[_Bucket]):
+        def on_output_grad(grad: torch.Tensor) -> None:
+            for bucket in buckets:
+                self._allocate(bucket)
+
+        def hook(module: nn.Module, args: object, output: object) -> None:
+            if torch.is_grad_enabled() and (out := _first_grad_tensor(output)) is not None:
+                out.register_hook(on_output_grad)
+
+        return hook
+
+    def _end_of_backward_hook(self, module: nn.Module, args: object, output: object) -> None:
+        if torch.is_grad_enabled() and (out := _first_grad_tensor(output)) is not None:
+            out.register_hook(self._queue_end_of_backward)
+
+    def _queue_end_of_backward(self, grad: torch.Tensor) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _allocate(self, bucket: _Bucket) -> None:
+        if bucket.data is None:
+            bucket.data = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            self._point_main_grads(bucket)
+
+    def _free(self, bucket: _Bucket) -> None:
+        bucket.data = None
+        self._point_main_grads(bucket)
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        bucket = self._bucket_of[param]
+        if self._paused:  # a pass whose gradients are thrown away (calibration): a bucket goes once complete
+            param.grad = None
+            param.grad_added_to_main_grad = False
+            bucket.pending -= 1
+            if bucket.pending == 0 and bucket.data is not None:
+                self._free(bucket)
+            return
+        if bucket.data is None:
+            self._allocate(bucket)
+        super()._on_grad(param)  # adds the gradient; starts the bucket's reduce-scatter once complete
+
+    def _reduces_in_backward(self) -> bool:
+        return True  # every micro-batch's
+
+    def _start(self, bucket: _Bucket) -> None:
+        super()._start(bucket)
+        self._in_flight.append(bucket)
+        self._retire(LAG)
+
+    def _retire(self, keep: int) -> None:
+        """Wait for the oldest reduce-scatters until `keep` are in flight: add each one's shard of the average into
+        the persistent shards and free its bucket."""
+        while len(self._in_flight) > keep:
+            bucket = self._in_flight.pop(0)
+            bucket.work.wait()
+            bucket.work = None
+            self._shard_of[id(bucket)].add_(self._shard(bucket.data))
+            self._free(bucket)
+
+    def _end_of_backward(self) -> None:
+        """After a micro-batch's backward: reduce every bucket still waiting for a gradient (all ranks run the same
+        collectives), then count the next micro-batch's gradients afresh."""
+        self._callback_queued = False
+        for bucket in self.buckets if not self._paused else []:
+            if bucket.pending:
+                self._allocate(bucket)
+                bucket.pending = 0
+                self._start(bucket)
+        self._reset_pending()
+
+    def finish(self) -> None:
+        """Complete the step's gradient shards (after the last micro-batch's backward)."""
+        self.wait_for_params()
+        self._retire(0)
+        if any(bucket.data is not None for bucket in self.buckets):
+            raise RuntimeError("a gradient bucket was filled but never reduced: its backward did not end")
+
+    def grad_piece(self, param: nn.Parameter, start: int, stop: int) -> torch.Tensor:
+        """`param`'s flattened elements [start, stop), within this rank's shard, in the persistent shards."""
+        shard_start, _ = self._shard_bounds(self._bucket_of[param].numel)
+        offset = self._offset_of[param] - shard_start
+        return self._shard_of[id(self._bucket_of[param])][offset + start : offset + stop]
+
+    def reduced_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's piece of `param`'s reduced gradient in the shards (empty where it owns none): what
+        `reduce_sequence_parallel_grads` sums over the tensor-parallel peers, whose shards are laid out alike."""
+        owned = self.owned_range(param)
+        return self.shards[:0] if owned is None else self.grad_piece(param, *owned)
+
+    def zero(self) -> None:
+        """Clear the gradient shards for the next step, and drop any bucket left allocated (a paused pass's: see
+        `GradientBuffers.paused`; nothing is reduced)."""
+        for bucket in self.buckets:
+            if bucket.data is not None:
+                self._free(bucket)
+        self.shards.zero_()
+
+    def held_grad_bytes(self) -> int:
+        """Bytes of gradient storage this rank holds now: the shards and the buckets allocated at the moment."""
+        buckets = sum(b.data.untyped_storage().nbytes() for b in self.buckets if b.data is not None)
+        return self.shards.untyped_storage().nbytes() + buckets
