@@ -281,13 +281,19 @@ class Result:
     tflops: float | None = None
     mfu: float | None = None
     ms_per_iter: float | None = None
+    ms_min: float | None = None
+    ms_max: float | None = None
     loss: float | None = None
     peak_gib: float | None = None
     error: str | None = None
 
 
 def parse_log(text: str) -> dict[str, float]:
-    """Numbers from the last Megatron iteration line and the peak-memory line of a pretrain_gpt.py log."""
+    """Numbers from the Megatron iteration lines and the peak-memory line of a pretrain_gpt.py log. Each iteration
+    line averages its log interval; the first interval holds the first step's allocations, autotuning and lazily made
+    communicators, so with two or more intervals the time per iteration is the mean of the later ones (`ms_min` and
+    `ms_max` their range: one interval's hiccup on a shared host shows there instead of passing for the row's speed),
+    and tokens/s, TFLOP/s and MFU are the last line's scaled to that mean. The loss is the last line's."""
     lines = [line for line in text.splitlines() if " iteration " in line and "tokens/s:" in line]
     out: dict[str, float] = {}
     if lines:
@@ -295,6 +301,13 @@ def parse_log(text: str) -> dict[str, float]:
             match = re.search(pattern, lines[-1])
             if match:
                 out[name] = float(match.group(1))
+        intervals = [float(m.group(1)) for line in lines[1:] if (m := re.search(_FIELDS["ms_per_iter"], line))]
+        if intervals and "ms_per_iter" in out:
+            mean = sum(intervals) / len(intervals)
+            for name in ("tokens_per_s", "tflops", "mfu"):
+                if name in out:
+                    out[name] *= out["ms_per_iter"] / mean
+            out.update(ms_per_iter=mean, ms_min=min(intervals), ms_max=max(intervals))
     peak = re.search(r"peak memory allocated: ([\d.]+) GiB", text)
     if peak:
         out["peak_gib"] = float(peak.group(1))
@@ -453,10 +466,18 @@ def table(results: list[Result]) -> str:
         mfu = f"{r.mfu:.1f}%" if r.mfu is not None else ""
         rows.append(
             f"| {r.preset} | {r.config} | {r.layout} | {r.tokens_per_s / 1e3:.1f}k | {per_gpu / 1e3:.1f}k"
-            f" | {r.tflops:.0f} | {mfu} | {speedup} | {scaling} | {r.peak_gib:.1f} | {r.ms_per_iter:.0f}"
+            f" | {r.tflops:.0f} | {mfu} | {speedup} | {scaling} | {r.peak_gib:.1f} | {_ms(r)}"
             f" | {r.loss:.3f} |"
         )
     return "\n".join(rows)
+
+
+def _ms(r: Result) -> str:
+    """The ms/iter cell: the mean of the intervals after the first, with their range where they differ by 1 ms or
+    more (`parse_log`)."""
+    if r.ms_min is None or r.ms_max - r.ms_min < 1:
+        return f"{r.ms_per_iter:.0f}"
+    return f"{r.ms_per_iter:.0f} ({r.ms_min:.0f}-{r.ms_max:.0f})"
 
 
 def short_kernel_name(name: str) -> str:

@@ -4,6 +4,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark.py"
 spec = importlib.util.spec_from_file_location("benchmark", SCRIPT)
 benchmark = importlib.util.module_from_spec(spec)
@@ -64,7 +66,25 @@ def test_parse_log_reads_the_last_iteration_line_and_peak_memory():
         "mfu": 5.0,
         "loss": 8.0,
         "peak_gib": 3.25,
+        "ms_min": 8.0,
+        "ms_max": 8.0,
     }
+
+
+def test_parse_log_averages_the_intervals_after_the_first():
+    def line(it: int, ms: float, tokens: float) -> str:
+        return (
+            f" iteration {it}/15 | elapsed time per iteration (ms): {ms} | throughput per GPU (TFLOP/s/GPU): 4.00 |"
+            f" tokens/s: {tokens} | MFU: 10.0% | lm loss: {9 - it / 10}E+00 |\n"
+        )
+
+    # the first interval (warm-up) is left out; the last line's rates are scaled to the mean of 10 and 12 ms
+    got = benchmark.parse_log(line(5, 50.0, 40) + line(10, 10.0, 240) + line(15, 12.0, 200))
+    assert got["ms_per_iter"] == 11.0 and (got["ms_min"], got["ms_max"]) == (10.0, 12.0)
+    assert got["tokens_per_s"] == pytest.approx(200 * 12 / 11) and got["tflops"] == pytest.approx(4 * 12 / 11)
+    assert got["mfu"] == pytest.approx(10 * 12 / 11) and got["loss"] == 7.5
+    row = benchmark.Result("llama-1b", "te-bf16", peak_gib=1.0, **got)
+    assert row.ms_per_iter == 11.0 and "| 11 (10-12) |" in benchmark.table([row])
 
 
 def test_idle_between_kernels_splits_long_and_short_gaps():
