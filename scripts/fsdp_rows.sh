@@ -22,6 +22,11 @@
 #   bash scripts/fsdp_rows.sh megatron OUTDIR  llama3-8b: this project's FSDP row and Megatron-LM's FSDP (FP8,
 #                                            --fp8-param-gather, its precision-aware optimizer with fp16 masters and
 #                                            fp8/fp16 moments, every layer recomputed) in one call (about 7 minutes)
+#   bash scripts/fsdp_rows.sh zero2 OUTDIR   optim_grads on the flat buckets (megatron/parallel/grad_shards.py):
+#                                            llama-1b beside dp2_distopt twice over (A B A B: the eighth session's two
+#                                            calls disagreed by 15%), its profile after 30 iterations, then llama3-8b
+#                                            with its weights whole (FP8) and O2's states, with and without one layer
+#                                            recomputed (estimated 75.5 and 76.5 GiB) (about 9 minutes)
 #   bash scripts/fsdp_rows.sh parity OUTDIR  loss parity on real text at DP=2 of FSDP's FP8 reduce-scatter (O1) against
 #                                            the bf16 run in docs/loss_parity/llama-150m-fsdp-dp2.json (same data and
 #                                            seed), llama-150m, 1000 iterations (about 4 minutes; needs
@@ -29,8 +34,8 @@
 # OUTDIR gets a summary (summary.txt: the tables and each test's last lines) and every run's log (logs/). Megatron-LM's
 # sources must be where .devkit/anchors/megatron_run.sh looks (../shared/anchors/README.md).
 set -o pipefail
-PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|parity OUTDIR}
-OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|parity OUTDIR}
+PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|parity OUTDIR}
+OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|parity OUTDIR}
 mkdir -p "$OUT/logs"
 source .devkit/setup-te.sh || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -93,6 +98,16 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
 --megatron-fsdp-main-params-dtype fp16 --megatron-fsdp-main-grads-dtype bf16 --recompute-granularity full \
 --recompute-method uniform --recompute-num-layers 1" bash .devkit/anchors/megatron_run.sh l3_8b delayed_pg_o2 \
       | tee -a "$OUT/summary.txt";;
+  zero2)
+    common=(--presets llama-1b --iters 30 --log-interval 5 --timeout 100)
+    for pass in 1 2; do
+      bench "${common[@]}" --configs te-delayed-fp8params --layouts mfsdp2_optim_grads
+      bench "${common[@]}" --configs te-delayed --layouts dp2_distopt
+    done
+    timeout 100 python3 scripts/benchmark.py --profile llama-1b te-delayed-fp8params --layouts mfsdp2_optim_grads \
+      --profile-warmup 30 --profile-steps 3 --profile-top 30 2>&1 | grep -A60 "^step " | tee -a "$OUT/summary.txt"
+    bench --presets llama3-8b --iters 6 --log-interval 2 --timeout 150 --layouts mfsdp2_o2states \
+      --configs te-delayed-fp8params-nocalib-fp8attn-recompute-block1 te-delayed-fp8params-nocalib-fp8attn;;
   parity)
     mkdir -p data && tar -xJf .interop/parity.tar.xz -C data || exit 1
     D="--data-path data/parity/parity_text_document --split 98,1,1 --tokenizer-type GPT2BPETokenizer \
@@ -102,5 +117,5 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     timeout 560 python3 scripts/loss_parity.py --preset llama-150m --eval-iters 5 --nproc-per-node 2 --deadline 540 $D \
       --results "$OUT/parity.json" --log-dir "$OUT/logs" --out "$OUT/parity.md" \
       --configs te-delayed+fsdpo1 --config-flags "te-delayed+fsdpo1=$F --fp8-grad-reduce" 2>&1 | tail -12 | tee -a "$OUT/summary.txt";;
-  *) echo "unknown part $PART: tests, new, 1b, host, 8b, 8b-nccl, megatron or parity"; exit 2;;
+  *) echo "unknown part $PART: tests, new, 1b, host, 8b, 8b-nccl, megatron, zero2 or parity"; exit 2;;
 esac
