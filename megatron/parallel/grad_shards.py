@@ -13,12 +13,19 @@ are accumulated over the micro-batches of a step:
   the gradient there (`grad_piece`);
 * a bucket's whole gradient buffer (`bucket.data`, in the reduce-scatter's dtype: --megatron-fsdp-grad-comm-dtype)
   lives only from just before its first gradient of a micro-batch is produced until its reduce-scatter has been
-  waited for and its shard added: it is allocated (zeroed) by a hook on the gradient of the output of each module
-  holding its parameters (that gradient is computed before the module's backward, where the fused wgrad GEMMs,
-  Transformer Engine's and megatron/model/grad_accumulation.py's, read `weight.main_grad`), or else by the
-  parameter's post-accumulate-grad hook (a gradient autograd accumulated, e.g. the tied output layer's), and every
+  waited for and its shard added: it is allocated by a hook on the gradient of the output of each module holding
+  its parameters (that gradient is computed before the module's backward, where the fused wgrad GEMMs, Transformer
+  Engine's and megatron/model/grad_accumulation.py's, write `weight.main_grad`), or else by the parameter's
+  post-accumulate-grad hook (a gradient autograd accumulated, e.g. the tied output layer's), and every
   parameter's `main_grad` is pointed at the new storage; between allocations `main_grad` is a storage-less (meta)
   tensor of the parameter's shape, so no whole-model gradient buffer exists between micro-batches or steps.
+* a bucket is not zeroed (only its padding is): within its micro-batch each parameter gets one gradient (autograd
+  sums a parameter's uses before the post-accumulate-grad hook runs, and a recomputed layer runs its backward
+  once; a second one is an error), so the fused wgrad GEMMs write theirs instead of accumulating
+  (`overwrite_main_grad`, Transformer Engine's weight attribute, which grad_accumulation.py and
+  megatron/fp8/params.py honour too) and the hook copies the others' (norm weights, biases, embeddings). A
+  parameter that got no gradient has its slice zeroed before the reduce-scatter, so no unwritten element is ever
+  reduced.
   Waiting for a reduce-scatter lags `LAG` buckets behind the latest started, keeping it overlapped with the
   backward; the last buckets of a micro-batch are waited for during the next forward (before its last transformer
   layer) or by `finish()` after the last micro-batch.
@@ -56,6 +63,8 @@ def _first_grad_tensor(output: object) -> torch.Tensor | None:
 
 class GradShards(GradientBuffers):
     _whole_buckets = False
+    # Tests set NaN: a bucket region reduced without having been written or zeroed then reaches the losses.
+    fill_new_buckets: float | None = None
 
     def __init__(
         self,
@@ -85,6 +94,11 @@ class GradShards(GradientBuffers):
             start += bucket.numel // self.dp
         self._in_flight: list[_Bucket] = []
         self._callback_queued = False
+        # the elements of each bucket before its padding, and the parameters written in its current micro-batch
+        self._used = {id(b): sum(p.numel() for p in b.params) for b in self.buckets}
+        self._written: dict[int, set[nn.Parameter]] = {id(b): set() for b in self.buckets}
+        for param in self.params:  # read by the fused wgrad GEMMs (TE: at each forward)
+            param.overwrite_main_grad = True
         for module in model.modules():
             owned = {id(b): b for p in module.parameters(recurse=False) if (b := self._bucket_of.get(p)) is not None}
             if owned:
@@ -114,8 +128,15 @@ class GradShards(GradientBuffers):
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _allocate(self, bucket: _Bucket) -> None:
+        """Give a bucket storage for this micro-batch's gradients: uninitialized but for its padding (the module
+        docstring says why), `main_grad` pointed at it."""
         if bucket.data is None:
-            bucket.data = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            bucket.data = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            if self.fill_new_buckets is not None:
+                bucket.data.fill_(self.fill_new_buckets)
+            if (used := self._used[id(bucket)]) < bucket.numel:
+                bucket.data[used:].zero_()
+            self._written[id(bucket)].clear()
             self._point_main_grads(bucket)
 
     def _free(self, bucket: _Bucket) -> None:
@@ -133,12 +154,31 @@ class GradShards(GradientBuffers):
             return
         if bucket.data is None:
             self._allocate(bucket)
-        super()._on_grad(param)  # adds the gradient; starts the bucket's reduce-scatter once complete
-
-    def _reduces_in_backward(self) -> bool:
-        return True  # every micro-batch's
+        written = self._written[id(bucket)]
+        if param in written:  # its first gradient would be lost (a write) or its bucket reduced without the rest
+            raise RuntimeError(
+                "a parameter got two gradients in one micro-batch (used in two separately recomputed regions?):"
+                " optim_grads on the flat buckets takes one per parameter; use --use-distributed-optimizer"
+            )
+        if param.grad_added_to_main_grad or getattr(param, "fused_wgrad_accumulation", False):
+            written.add(param)  # its wgrad GEMM wrote main_grad (`overwrite_main_grad`)
+        elif param.grad is not None:
+            param.main_grad.copy_(param.grad)  # the bucket is not zeroed: the gradient is copied, not added
+            written.add(param)
+        param.grad = None
+        param.grad_added_to_main_grad = False
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._start(bucket)
 
     def _start(self, bucket: _Bucket) -> None:
+        written = self._written[id(bucket)]
+        if not written:
+            bucket.data.zero_()
+        elif len(written) < len(bucket.params):  # zero what no gradient wrote: nothing uninitialized is reduced
+            for param in bucket.params:
+                if param not in written:
+                    param.main_grad.zero_()
         super()._start(bucket)
         self._in_flight.append(bucket)
         self._retire(LAG)
@@ -190,6 +230,11 @@ class GradShards(GradientBuffers):
             if bucket.data is not None:
                 self._free(bucket)
         self.shards.zero_()
+
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        for param in self.params:  # gradient buffers built later for the model accumulate again
+            param.overwrite_main_grad = False
 
     def held_grad_bytes(self) -> int:
         """Bytes of gradient storage this rank holds now: the shards and the buckets allocated at the moment."""
