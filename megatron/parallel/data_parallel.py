@@ -98,8 +98,8 @@ def _storage_kind(param: nn.Parameter) -> object:
 
 
 class GradientBuffers:
-    # Each bucket's whole gradient buffer is allocated at construction and kept (grad_shards.py's subclass: not)
-    _whole_buckets = True
+    # Each bucket's whole gradient buffer is allocated at construction and kept (grad_shards.py's buckets: not)
+    _bucket_type = _Bucket
 
     def __init__(
         self,
@@ -134,7 +134,7 @@ class GradientBuffers:
         params = [p for p in model.parameters() if p.requires_grad]
         self.params = params
         self.buckets: list[_Bucket] = []
-        new_bucket = functools.partial(_Bucket, dtype=grad_dtype, pad_to=pad_to, allocate=self._whole_buckets)
+        new_bucket = functools.partial(self._bucket_type, dtype=grad_dtype, pad_to=pad_to)
         # Sharded, a bucket's parameters share one storage type, which its all-gather moves: FP8 weights
         # (--fp8-param-gather) fill buckets of their own, interleaved in backward order with the others'.
         current: dict[object, list[nn.Parameter]] = {}

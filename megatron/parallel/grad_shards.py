@@ -61,8 +61,19 @@ def _first_grad_tensor(output: object) -> torch.Tensor | None:
     return None
 
 
+class _FreshBucket(_Bucket):
+    """A bucket whose storage is allocated for each micro-batch, uninitialized, and which records the parameters
+    written since (`marks[i] == stamp` for its i-th parameter; plain ints: this runs once per parameter and
+    micro-batch, where a set of tensors would call their Python `__hash__`)."""
+
+    def __init__(self, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype, pad_to: int = 1):
+        super().__init__(params, device, dtype, pad_to, allocate=False)
+        self.used = sum(p.numel() for p in params)  # the elements before the padding
+        self.stamp, self.marks, self.written = 0, [0] * len(params), 0
+
+
 class GradShards(GradientBuffers):
-    _whole_buckets = False
+    _bucket_type = _FreshBucket
     # Tests set NaN: a bucket region reduced without having been written or zeroed then reaches the losses.
     fill_new_buckets: float | None = None
 
@@ -92,11 +103,9 @@ class GradShards(GradientBuffers):
         for bucket in self.buckets:
             self._shard_of[id(bucket)] = self.shards[start : start + bucket.numel // self.dp]
             start += bucket.numel // self.dp
-        self._in_flight: list[_Bucket] = []
+        self._in_flight: list[_FreshBucket] = []
         self._callback_queued = False
-        # the elements of each bucket before its padding, and the parameters written in its current micro-batch
-        self._used = {id(b): sum(p.numel() for p in b.params) for b in self.buckets}
-        self._written: dict[int, set[nn.Parameter]] = {id(b): set() for b in self.buckets}
+        self._slot_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for param in self.params:  # read by the fused wgrad GEMMs (TE: at each forward)
             param.overwrite_main_grad = True
         for module in model.modules():
@@ -107,7 +116,7 @@ class GradShards(GradientBuffers):
         drain = drain_before if drain_before is not None else model
         self._hooks.append(drain.register_forward_pre_hook(lambda module, args: self._retire(0)))
 
-    def _allocating_hook(self, buckets: list[_Bucket]):
+    def _allocating_hook(self, buckets: list[_FreshBucket]):
         def on_output_grad(grad: torch.Tensor) -> None:
             for bucket in buckets:
                 self._allocate(bucket)
@@ -127,24 +136,24 @@ class GradShards(GradientBuffers):
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _allocate(self, bucket: _Bucket) -> None:
+    def _allocate(self, bucket: _FreshBucket) -> None:
         """Give a bucket storage for this micro-batch's gradients: uninitialized but for its padding (the module
         docstring says why), `main_grad` pointed at it."""
         if bucket.data is None:
             bucket.data = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
             if self.fill_new_buckets is not None:
                 bucket.data.fill_(self.fill_new_buckets)
-            if (used := self._used[id(bucket)]) < bucket.numel:
-                bucket.data[used:].zero_()
-            self._written[id(bucket)].clear()
+            if bucket.used < bucket.numel:
+                bucket.data[bucket.used :].zero_()
+            bucket.stamp, bucket.written = bucket.stamp + 1, 0
             self._point_main_grads(bucket)
 
-    def _free(self, bucket: _Bucket) -> None:
+    def _free(self, bucket: _FreshBucket) -> None:
         bucket.data = None
         self._point_main_grads(bucket)
 
     def _on_grad(self, param: nn.Parameter) -> None:
-        bucket = self._bucket_of[param]
+        bucket, index = self._slot_of[param]
         if self._paused:  # a pass whose gradients are thrown away (calibration): a bucket goes once complete
             param.grad = None
             param.grad_added_to_main_grad = False
@@ -154,30 +163,28 @@ class GradShards(GradientBuffers):
             return
         if bucket.data is None:
             self._allocate(bucket)
-        written = self._written[id(bucket)]
-        if param in written:  # its first gradient would be lost (a write) or its bucket reduced without the rest
+        if bucket.marks[index] == bucket.stamp:  # its first gradient would be lost, or its bucket reduced early
             raise RuntimeError(
                 "a parameter got two gradients in one micro-batch (used in two separately recomputed regions?):"
                 " optim_grads on the flat buckets takes one per parameter; use --use-distributed-optimizer"
             )
         if param.grad_added_to_main_grad or getattr(param, "fused_wgrad_accumulation", False):
-            written.add(param)  # its wgrad GEMM wrote main_grad (`overwrite_main_grad`)
+            bucket.marks[index], bucket.written = bucket.stamp, bucket.written + 1  # its wgrad GEMM wrote main_grad
         elif param.grad is not None:
             param.main_grad.copy_(param.grad)  # the bucket is not zeroed: the gradient is copied, not added
-            written.add(param)
+            bucket.marks[index], bucket.written = bucket.stamp, bucket.written + 1
         param.grad = None
         param.grad_added_to_main_grad = False
         bucket.pending -= 1
         if bucket.pending == 0:
             self._start(bucket)
 
-    def _start(self, bucket: _Bucket) -> None:
-        written = self._written[id(bucket)]
-        if not written:
+    def _start(self, bucket: _FreshBucket) -> None:
+        if not bucket.written:
             bucket.data.zero_()
-        elif len(written) < len(bucket.params):  # zero what no gradient wrote: nothing uninitialized is reduced
-            for param in bucket.params:
-                if param not in written:
+        elif bucket.written < len(bucket.params):  # zero what no gradient wrote: nothing uninitialized is reduced
+            for param, mark in zip(bucket.params, bucket.marks):
+                if mark != bucket.stamp:
                     param.main_grad.zero_()
         super()._start(bucket)
         self._in_flight.append(bucket)

@@ -121,7 +121,7 @@ def _memory_body(rank, world_size):
         whole = _bucket_elements(engine) * engine.shards.element_size()
         assert engine.held_grad_bytes() <= whole // 2 + LAG * max(b.numel for b in engine.buckets) * 4
         # every parameter got its one gradient of the micro-batch (none zeroed before its reduce-scatter)
-        assert all(engine._written[id(b)] == set(b.params) for b in engine.buckets)
+        assert all(b.written == len(b.params) for b in engine.buckets)
     engine.finish()
     _held_between_steps(trainer)
     assert 1 < most[0] <= LAG + 2, most[0]  # a few at once, never all of them
