@@ -68,7 +68,11 @@ class _FreshBucket(_Bucket):
 
     def __init__(self, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype, pad_to: int = 1):
         super().__init__(params, device, dtype, pad_to, allocate=False)
-        self.used = sum(p.numel() for p in params)  # the elements before the padding
+        self.sizes = [p.numel() for p in params]
+        self.used = sum(self.sizes)  # the elements before the padding
+        # each parameter's `main_grad` between allocations: storage-less, so that a write into it fails
+        self.stand_ins = [torch.empty(p.shape, dtype=dtype, device="meta") for p in params]
+        # allocations so far, the allocation each parameter was last written in, and how many were in this one
         self.stamp, self.marks, self.written = 0, [0] * len(params), 0
 
 
@@ -105,6 +109,7 @@ class GradShards(GradientBuffers):
             start += bucket.numel // self.dp
         self._in_flight: list[_FreshBucket] = []
         self._callback_queued = False
+        # each parameter's bucket and its index there: the one dictionary lookup per gradient
         self._slot_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for param in self.params:  # read by the fused wgrad GEMMs (TE: at each forward)
             param.overwrite_main_grad = True
@@ -147,6 +152,17 @@ class GradShards(GradientBuffers):
                 bucket.data[bucket.used :].zero_()
             bucket.stamp, bucket.written = bucket.stamp + 1, 0
             self._point_main_grads(bucket)
+
+    def _point_main_grads(self, bucket: _FreshBucket) -> None:
+        """Every parameter's `main_grad`: its view into the bucket's storage, or while there is none its storage-less
+        stand-in (a write into it fails instead of going nowhere). Twice per bucket and micro-batch: from the bucket's
+        lists, no dictionary lookup of a parameter, one split for all of the views."""
+        if bucket.data is None:
+            for param, stand_in in zip(bucket.params, bucket.stand_ins):
+                param.main_grad = stand_in
+        else:
+            for param, view in zip(bucket.params, bucket.data[: bucket.used].split(bucket.sizes)):
+                param.main_grad = view.view_as(param)
 
     def _free(self, bucket: _FreshBucket) -> None:
         bucket.data = None
