@@ -206,9 +206,10 @@ def high_precision_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 def accumulate_weight_grad(weight: torch.Tensor, dw: torch.Tensor) -> torch.Tensor:
-    """main_grad += dw (fp32) for an FP8 weight, which can hold no gradient of its own; returns the zero-stride dummy
-    gradient autograd gets instead (the gradient buffers' hook frees it). A weight gathered by FSDP gets dw itself
-    (FSDP reduce-scatters the autograd gradient into the shards)."""
+    """main_grad += dw (fp32) for an FP8 weight, which can hold no gradient of its own (main_grad = dw for a weight
+    marked `overwrite_main_grad`: grad_shards.py's buffers); returns the zero-stride dummy gradient autograd gets
+    instead (the gradient buffers' hook frees it). A weight gathered by FSDP gets dw itself (FSDP reduce-scatters the
+    autograd gradient into the shards)."""
     if getattr(weight, "grad_to_autograd", False):
         return dw.to(weight.dtype)
     main_grad = getattr(weight, "main_grad", None)
@@ -217,7 +218,10 @@ def accumulate_weight_grad(weight: torch.Tensor, dw: torch.Tensor) -> torch.Tens
             "FP8 weights (--fp8-param-gather) add their gradients into main_grad: build"
             " megatron.parallel.GradientBuffers for the model before its first backward"
         )
-    main_grad.add_(dw)
+    if getattr(weight, "overwrite_main_grad", False):  # grad_shards.py's buffers: written, not accumulated
+        main_grad.copy_(dw)
+    else:
+        main_grad.add_(dw)
     weight.grad_added_to_main_grad = True
     return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
 

@@ -4,8 +4,10 @@ A linear whose weight has an fp32 gradient buffer (`weight.main_grad`, megatron/
 its weight gradient dY^T X straight into that buffer: one `addmm_` when the weight is fp32 (no gradient tensor
 in between), or the GEMM's product added into the fp32 buffer for bf16/fp16 weights. Autograd then gets a zero-stride
 placeholder and `weight.grad_added_to_main_grad` tells the buffers' hook not to add it (the contract Transformer
-Engine's fused wgrad accumulation follows). `--no-gradient-accumulation-fusion` uses plain F.linear: the gradient
-lands in `.grad` and the hook adds it.
+Engine's fused wgrad accumulation follows). A weight marked `overwrite_main_grad` (Transformer Engine's attribute, set
+by megatron/parallel/grad_shards.py, whose buffers live for one micro-batch and are not zeroed) gets the product
+written into `main_grad` instead: no read of the old contents. `--no-gradient-accumulation-fusion` uses plain
+F.linear: the gradient lands in `.grad` and the hook adds it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ class _LinearAccumulatingWgrad(torch.autograd.Function):
         grad_input = grad.matmul(weight)
         g2d, x2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
         main_grad = weight.main_grad
-        if main_grad.dtype == g2d.dtype:
+        if getattr(weight, "overwrite_main_grad", False):
+            if main_grad.dtype == g2d.dtype:
+                torch.mm(g2d.t(), x2d, out=main_grad)
+            else:
+                main_grad.copy_(g2d.t().mm(x2d))
+        elif main_grad.dtype == g2d.dtype:
             main_grad.addmm_(g2d.t(), x2d)
         else:
             main_grad.add_(g2d.t().mm(x2d))

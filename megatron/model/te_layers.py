@@ -26,7 +26,8 @@ What this layer does that the local one does not, and why:
     linears directly (`te_mlp._SwiGLU`).
   * with --fp8-param-gather, FP8-only weights (TE's quantized parameters; see `TEFp8Autocast.param_init`).
   * fused wgrad accumulation: when a weight carries the fp32 `main_grad` of `megatron.parallel.GradientBuffers`,
-    TE's weight-gradient GEMM accumulates into it in place (fp32 output, no bf16 gradient, no separate add). It
+    TE's weight-gradient GEMM accumulates into it in place (fp32 output, no bf16 gradient, no separate add; it
+    writes it instead for weights marked `overwrite_main_grad`: megatron/parallel/grad_shards.py's buckets). It
     then sets `weight.grad_added_to_main_grad = True` and returns a placeholder gradient, so the buffers'
     post-accumulate-grad hook still fires (it counts finished parameters to start overlapped all-reduces) but only
     frees it. Norm weights and biases come back as ordinary gradients that the hook adds.

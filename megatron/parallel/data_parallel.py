@@ -98,8 +98,8 @@ def _storage_kind(param: nn.Parameter) -> object:
 
 
 class GradientBuffers:
-    # Each bucket's whole gradient buffer is allocated at construction and kept (grad_shards.py's subclass: not)
-    _whole_buckets = True
+    # Each bucket's whole gradient buffer is allocated at construction and kept (grad_shards.py's buckets: not)
+    _bucket_type = _Bucket
 
     def __init__(
         self,
@@ -134,7 +134,7 @@ class GradientBuffers:
         params = [p for p in model.parameters() if p.requires_grad]
         self.params = params
         self.buckets: list[_Bucket] = []
-        new_bucket = functools.partial(_Bucket, dtype=grad_dtype, pad_to=pad_to, allocate=self._whole_buckets)
+        new_bucket = functools.partial(self._bucket_type, dtype=grad_dtype, pad_to=pad_to)
         # Sharded, a bucket's parameters share one storage type, which its all-gather moves: FP8 weights
         # (--fp8-param-gather) fill buckets of their own, interleaved in backward order with the others'.
         current: dict[object, list[nn.Parameter]] = {}
@@ -150,7 +150,6 @@ class GradientBuffers:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._bucket_of: dict[nn.Parameter, _Bucket] = {}
         self._offset_of: dict[nn.Parameter, int] = {}
-        self._stand_ins: dict[nn.Parameter, torch.Tensor] = {}
         for bucket in self.buckets:
             offset = 0
             for param in bucket.params:
@@ -163,16 +162,11 @@ class GradientBuffers:
                 self._move_params_into_buffer(bucket)
 
     def _point_main_grads(self, bucket: _Bucket) -> None:
-        """Every parameter's `main_grad`: its view into the bucket's gradients (a storage-less stand-in of its shape
-        while the bucket is not allocated: a write into it fails instead of going nowhere)."""
+        """Every parameter's `main_grad`: its view into the bucket's gradients (grad_shards.py re-points them at each
+        allocation)."""
         for param in bucket.params:
-            if bucket.data is None:  # one per parameter, made once: the engine re-points it every micro-batch
-                if param not in self._stand_ins:
-                    self._stand_ins[param] = torch.empty(param.shape, dtype=bucket.dtype, device="meta")
-                param.main_grad = self._stand_ins[param]
-            else:
-                offset = self._offset_of[param]
-                param.main_grad = bucket.data[offset : offset + param.numel()].view_as(param)
+            offset = self._offset_of[param]
+            param.main_grad = bucket.data[offset : offset + param.numel()].view_as(param)
 
     def _move_params_into_buffer(self, bucket: _Bucket) -> None:
         kind = _storage_kind(bucket.params[0])

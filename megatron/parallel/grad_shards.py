@@ -13,12 +13,19 @@ are accumulated over the micro-batches of a step:
   the gradient there (`grad_piece`);
 * a bucket's whole gradient buffer (`bucket.data`, in the reduce-scatter's dtype: --megatron-fsdp-grad-comm-dtype)
   lives only from just before its first gradient of a micro-batch is produced until its reduce-scatter has been
-  waited for and its shard added: it is allocated (zeroed) by a hook on the gradient of the output of each module
-  holding its parameters (that gradient is computed before the module's backward, where the fused wgrad GEMMs,
-  Transformer Engine's and megatron/model/grad_accumulation.py's, read `weight.main_grad`), or else by the
-  parameter's post-accumulate-grad hook (a gradient autograd accumulated, e.g. the tied output layer's), and every
+  waited for and its shard added: it is allocated by a hook on the gradient of the output of each module holding
+  its parameters (that gradient is computed before the module's backward, where the fused wgrad GEMMs, Transformer
+  Engine's and megatron/model/grad_accumulation.py's, write `weight.main_grad`), or else by the parameter's
+  post-accumulate-grad hook (a gradient autograd accumulated, e.g. the tied output layer's), and every
   parameter's `main_grad` is pointed at the new storage; between allocations `main_grad` is a storage-less (meta)
   tensor of the parameter's shape, so no whole-model gradient buffer exists between micro-batches or steps.
+* a bucket is not zeroed (only its padding is): within its micro-batch each parameter gets one gradient (autograd
+  sums a parameter's uses before the post-accumulate-grad hook runs, and a recomputed layer runs its backward
+  once; a second one is an error), so the fused wgrad GEMMs write theirs instead of accumulating
+  (`overwrite_main_grad`, Transformer Engine's weight attribute, which grad_accumulation.py and
+  megatron/fp8/params.py honour too) and the hook copies the others' (norm weights, biases, embeddings). A
+  parameter that got no gradient has its slice zeroed before the reduce-scatter, so no unwritten element is ever
+  reduced.
   Waiting for a reduce-scatter lags `LAG` buckets behind the latest started, keeping it overlapped with the
   backward; the last buckets of a micro-batch are waited for during the next forward (before its last transformer
   layer) or by `finish()` after the last micro-batch.
@@ -54,8 +61,25 @@ def _first_grad_tensor(output: object) -> torch.Tensor | None:
     return None
 
 
+class _FreshBucket(_Bucket):
+    """A bucket whose storage is allocated for each micro-batch, uninitialized, and which records the parameters
+    written since (`marks[i] == stamp` for its i-th parameter; plain ints: this runs once per parameter and
+    micro-batch, where a set of tensors would call their Python `__hash__`)."""
+
+    def __init__(self, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype, pad_to: int = 1):
+        super().__init__(params, device, dtype, pad_to, allocate=False)
+        self.sizes = [p.numel() for p in params]
+        self.used = sum(self.sizes)  # the elements before the padding
+        # each parameter's `main_grad` between allocations: storage-less, so that a write into it fails
+        self.stand_ins = [torch.empty(p.shape, dtype=dtype, device="meta") for p in params]
+        # allocations so far, the allocation each parameter was last written in, and how many were in this one
+        self.stamp, self.marks, self.written = 0, [0] * len(params), 0
+
+
 class GradShards(GradientBuffers):
-    _whole_buckets = False
+    _bucket_type = _FreshBucket
+    # Tests set NaN: a bucket region reduced without having been written or zeroed then reaches the losses.
+    fill_new_buckets: float | None = None
 
     def __init__(
         self,
@@ -83,8 +107,12 @@ class GradShards(GradientBuffers):
         for bucket in self.buckets:
             self._shard_of[id(bucket)] = self.shards[start : start + bucket.numel // self.dp]
             start += bucket.numel // self.dp
-        self._in_flight: list[_Bucket] = []
+        self._in_flight: list[_FreshBucket] = []
         self._callback_queued = False
+        # each parameter's bucket and its index there: the one dictionary lookup per gradient
+        self._slot_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        for param in self.params:  # read by the fused wgrad GEMMs (TE: at each forward)
+            param.overwrite_main_grad = True
         for module in model.modules():
             owned = {id(b): b for p in module.parameters(recurse=False) if (b := self._bucket_of.get(p)) is not None}
             if owned:
@@ -93,7 +121,7 @@ class GradShards(GradientBuffers):
         drain = drain_before if drain_before is not None else model
         self._hooks.append(drain.register_forward_pre_hook(lambda module, args: self._retire(0)))
 
-    def _allocating_hook(self, buckets: list[_Bucket]):
+    def _allocating_hook(self, buckets: list[_FreshBucket]):
         def on_output_grad(grad: torch.Tensor) -> None:
             for bucket in buckets:
                 self._allocate(bucket)
@@ -113,17 +141,35 @@ class GradShards(GradientBuffers):
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _allocate(self, bucket: _Bucket) -> None:
+    def _allocate(self, bucket: _FreshBucket) -> None:
+        """Give a bucket storage for this micro-batch's gradients: uninitialized but for its padding (the module
+        docstring says why), `main_grad` pointed at it."""
         if bucket.data is None:
-            bucket.data = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            bucket.data = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            if self.fill_new_buckets is not None:
+                bucket.data.fill_(self.fill_new_buckets)
+            if bucket.used < bucket.numel:
+                bucket.data[bucket.used :].zero_()
+            bucket.stamp, bucket.written = bucket.stamp + 1, 0
             self._point_main_grads(bucket)
 
-    def _free(self, bucket: _Bucket) -> None:
+    def _point_main_grads(self, bucket: _FreshBucket) -> None:
+        """Every parameter's `main_grad`: its view into the bucket's storage, or while there is none its storage-less
+        stand-in (a write into it fails instead of going nowhere). Twice per bucket and micro-batch: from the bucket's
+        lists, no dictionary lookup of a parameter, one split for all of the views."""
+        if bucket.data is None:
+            for param, stand_in in zip(bucket.params, bucket.stand_ins):
+                param.main_grad = stand_in
+        else:
+            for param, view in zip(bucket.params, bucket.data[: bucket.used].split(bucket.sizes)):
+                param.main_grad = view.view_as(param)
+
+    def _free(self, bucket: _FreshBucket) -> None:
         bucket.data = None
         self._point_main_grads(bucket)
 
     def _on_grad(self, param: nn.Parameter) -> None:
-        bucket = self._bucket_of[param]
+        bucket, index = self._slot_of[param]
         if self._paused:  # a pass whose gradients are thrown away (calibration): a bucket goes once complete
             param.grad = None
             param.grad_added_to_main_grad = False
@@ -133,12 +179,29 @@ class GradShards(GradientBuffers):
             return
         if bucket.data is None:
             self._allocate(bucket)
-        super()._on_grad(param)  # adds the gradient; starts the bucket's reduce-scatter once complete
+        if bucket.marks[index] == bucket.stamp:  # its first gradient would be lost, or its bucket reduced early
+            raise RuntimeError(
+                "a parameter got two gradients in one micro-batch (used in two separately recomputed regions?):"
+                " optim_grads on the flat buckets takes one per parameter; use --use-distributed-optimizer"
+            )
+        if param.grad_added_to_main_grad or getattr(param, "fused_wgrad_accumulation", False):
+            bucket.marks[index], bucket.written = bucket.stamp, bucket.written + 1  # its wgrad GEMM wrote main_grad
+        elif param.grad is not None:
+            param.main_grad.copy_(param.grad)  # the bucket is not zeroed: the gradient is copied, not added
+            bucket.marks[index], bucket.written = bucket.stamp, bucket.written + 1
+        param.grad = None
+        param.grad_added_to_main_grad = False
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._start(bucket)
 
-    def _reduces_in_backward(self) -> bool:
-        return True  # every micro-batch's
-
-    def _start(self, bucket: _Bucket) -> None:
+    def _start(self, bucket: _FreshBucket) -> None:
+        if not bucket.written:
+            bucket.data.zero_()
+        elif bucket.written < len(bucket.params):  # zero what no gradient wrote: nothing uninitialized is reduced
+            for param, mark in zip(bucket.params, bucket.marks):
+                if mark != bucket.stamp:
+                    param.main_grad.zero_()
         super()._start(bucket)
         self._in_flight.append(bucket)
         self._retire(LAG)
@@ -190,6 +253,11 @@ class GradShards(GradientBuffers):
             if bucket.data is not None:
                 self._free(bucket)
         self.shards.zero_()
+
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        for param in self.params:  # gradient buffers built later for the model accumulate again
+            param.overwrite_main_grad = False
 
     def held_grad_bytes(self) -> int:
         """Bytes of gradient storage this rank holds now: the shards and the buckets allocated at the moment."""

@@ -40,8 +40,8 @@ Under FSDP2 (--data-parallel-sharding-strategy optim_grads / optim_grads_params)
 optimizer, the FP8 weight casts and the data-parallel communication here. --use-megatron-fsdp's optim_grads
 (megatron/parallel/grad_shards.py, gradient shards of gs bytes per element, buckets of gc: the reduce-scatter's
 dtype) keeps the distributed optimizer's terms except the gradients': the step reads and zeroes the shards only,
-(2mp+2m1+2m2+3gs)S + M*S/P, and every micro-batch zeroes each freshly allocated bucket and adds this rank's shard
-of each reduce-scatter into the shards: gc*P + (gc+2gs)S.
+(2mp+2m1+2m2+3gs)S + M*S/P, and every micro-batch adds this rank's shard of each reduce-scatter into the shards:
+(gc+2gs)S (its fresh buckets are not zeroed: the wgrad GEMMs write them, other gradients are copied in).
 
 Not counted (a lower bound): the wgrad GEMMs' fp32 accumulation into `main_grad` (in the GEMM epilogue, hidden
 behind its math at k = T), amax reductions, norm and bias weight gradients, dropout (benchmarks run without it),
@@ -199,8 +199,7 @@ def memory_traffic(cfg: Config, vocab: int) -> list[MemoryWork]:
         gc = 2 if grad_comm_bf16(cfg) else 4
         step = (2 * mp + 2 * m1 + 2 * m2 + 3 * g) * shard + model_bytes * shard / params
         add([("optimizer", "Adam step + grad zero + grad norm", step, "(2mp+2m1+2m2+3gs)S + M*S/P")], 1)
-        buckets = gc * params + (gc + 2 * g) * shard
-        add([("elementwise", "gradient bucket zero + shard add", buckets, "gc*P + (gc+2gs)S")], micro)
+        add([("elementwise", "gradient shard add", (gc + 2 * g) * shard, "(gc+2gs)S")], micro)
     else:
         step = (2 * mp + 2 * m1 + 2 * m2 + 2 * g) * shard + model_bytes * shard / params + g * params
         add([("optimizer", "Adam step + grad zero + grad norm", step, "(2mp+2m1+2m2+2g)S + M*S/P + gP")], 1)

@@ -9,10 +9,25 @@ not assumed: between steps no bucket holds storage and the gradient state is hal
 micro-batches only the buckets whose reduce-scatter is still in flight (at most LAG); during a backward at most a few
 buckets at once, in a paused pass (calibration) one or two. A checkpoint saved under the engine resumes it exactly,
 and the distributed optimizer (DP=2; torch and torch_dist formats) and one process (torch_dist) with the same first
-loss, bit for bit, and the next within 1e-5."""
+loss, bit for bit, and the next within 1e-5.
 
+New buckets are not zeroed (the fused wgrad GEMMs write `main_grad`, the hook copies the other gradients): every run
+here fills them with NaN first, so a region reduced without being written or zeroed would reach the losses. On a
+small model of its own the engine is measured to zero only the buckets' padding and the slice of a parameter that got
+no gradient, its shards to hold the data-parallel average of the micro-batches' gradients, and a second gradient of
+one parameter in a micro-batch (two reentrant recomputed regions) to be refused."""
+
+import copy
+
+import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
+from megatron.model.layers import Linear
 from megatron.parallel.grad_shards import LAG, GradShards
 from megatron.training import Trainer
 from megatron.training.data_loading import to_device
@@ -42,6 +57,7 @@ def _held_between_steps(trainer: Trainer) -> None:
 
 
 def _parity_body(rank, world_size):
+    GradShards.fill_new_buckets = float("nan")
     cases = [
         ("fp32", "", 1e-5),
         ("bf16", "--bf16", 1e-3),
@@ -82,14 +98,19 @@ def test_grad_shards_match_the_distributed_optimizer():
 
 
 def _memory_body(rank, world_size):
+    GradShards.fill_new_buckets = float("nan")
     trainer = Trainer(_parse(f"{FLAGS} --train-iters 1 {ZERO2}", world_size))
     engine = trainer.grad_buffers
     assert len(engine.buckets) >= 6, len(engine.buckets)
     most, allocate = [0], engine._allocate
 
     def counting(bucket):  # the buckets holding storage at once, whenever one is allocated
+        fresh = bucket.data is None
         allocate(bucket)
         most[0] = max(most[0], sum(b.data is not None for b in engine.buckets))
+        if fresh:  # no parameter's slice zeroed: each still holds the fill, only the padding is zero
+            assert all(p.main_grad.isnan().all() for p in bucket.params)
+            assert not bucket.data[sum(p.numel() for p in bucket.params) :].any()
 
     engine._allocate = counting
     batches = iter(trainer.loader(trainer.datasets.train, 0))
@@ -99,6 +120,8 @@ def _memory_body(rank, world_size):
         assert len(alive) <= LAG and all(b.work is not None for b in alive), len(alive)
         whole = _bucket_elements(engine) * engine.shards.element_size()
         assert engine.held_grad_bytes() <= whole // 2 + LAG * max(b.numel for b in engine.buckets) * 4
+        # every parameter got its one gradient of the micro-batch (none zeroed before its reduce-scatter)
+        assert all(b.written == len(b.params) for b in engine.buckets)
     engine.finish()
     _held_between_steps(trainer)
     assert 1 < most[0] <= LAG + 2, most[0]  # a few at once, never all of them
@@ -123,6 +146,7 @@ def test_no_whole_gradient_buffer_between_micro_batches_or_steps():
 def _layouts_body(rank, world_size):
     """Tensor (+ sequence: its norm weights' gradients summed over the tensor-parallel peers' shard pieces) and
     context parallelism beside DP=2."""
+    GradShards.fill_new_buckets = float("nan")
     for label, layout in (
         ("TP=2 + SP", "--tensor-model-parallel-size 2 --sequence-parallel"),
         ("CP=2", "--context-parallel-size 2"),
@@ -167,3 +191,79 @@ def _one_process_body(rank, world_size, out_dir):
 def test_checkpoint_resumes_the_engine_the_distributed_optimizer_and_one_process(tmp_path):
     run_distributed(_checkpoint_body, world_size=2, args=(str(tmp_path),))
     run_distributed(_one_process_body, world_size=1, args=(str(tmp_path),))
+
+
+class _Toy(nn.Module):
+    """Fused weights (the local Linear's), a bias, a norm-like weight used twice and a tied embedding (gradients
+    through `.grad`, summed by autograd), and a parameter that gets no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(11, 8)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+        self.linear = Linear(8, 8, bias=True, init_std=0.3)
+        self.fc = Linear(8, 8, bias=False, init_std=0.3)
+        self.unused = nn.Parameter(torch.zeros(3))
+
+    def forward(self, tokens: torch.Tensor, fc_recomputed_twice: bool = False) -> torch.Tensor:
+        x = self.linear(self.embedding(tokens) * self.scale) * self.scale
+        if fc_recomputed_twice:  # two reentrant regions: fc's weight gets a gradient in each nested backward
+            x = checkpoint(self.fc, checkpoint(self.fc, x, use_reentrant=True), use_reentrant=True)
+        else:
+            x = self.fc(torch.tanh(x))
+        return F.linear(x, self.embedding.weight).logsumexp(-1).mean()
+
+
+class _ZeroedElements(TorchDispatchMode):
+    """Counts the elements that zeroing ops write into tensors whose storage has one of `sizes` bytes (the buckets'
+    storage: the toy model has no other tensor of those sizes)."""
+
+    def __init__(self, sizes: set[int]):
+        super().__init__()
+        self.sizes, self.count = sizes, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        aten = torch.ops.aten
+        op = func.overloadpacket
+        zeroing = op in (aten.zero_, aten.zeros, aten.zeros_like, aten.new_zeros) or (
+            op in (aten.fill_, aten.full) and args[1] == 0
+        )
+        if zeroing and isinstance(out, torch.Tensor) and out.untyped_storage().nbytes() in self.sizes:
+            self.count += out.numel()
+        return out
+
+
+def _toy_body(rank, world_size):
+    GradShards.fill_new_buckets = float("nan")
+    torch.manual_seed(0)
+    model = _Toy()
+    reference = copy.deepcopy(model)  # plain autograd: F.linear, no main_grad
+    engine = GradShards(model, dist.group.WORLD, bucket_size=60)
+    sizes = {b.numel * b.dtype.itemsize for b in engine.buckets}
+    assert len(engine.buckets) == 4 and sizes == {1024}  # padded to 256 elements; the toy's tensors are smaller
+    padding = sum(b.numel - sum(p.numel() for p in b.params) for b in engine.buckets)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        tokens = torch.randint(0, 11, (3, 5), generator=generator)
+        with _ZeroedElements(sizes) as zeroed:
+            model(tokens).backward()
+        # padding, and the slice of the parameter that got no gradient: no fused weight's slice, nothing else
+        assert zeroed.count == padding + model.unused.numel(), (zeroed.count, padding)
+        reference(tokens).backward()
+    engine.finish()
+    for param, want in zip(engine.params, reference.parameters()):
+        grad = torch.zeros_like(want) if want.grad is None else want.grad
+        dist.all_reduce(grad)
+        if (owned := engine.owned_range(param)) is not None:
+            got = engine.grad_piece(param, *owned)
+            torch.testing.assert_close(got, grad.view(-1)[owned[0] : owned[1]] / world_size, rtol=1e-6, atol=1e-7)
+    engine.zero()
+    with pytest.raises(RuntimeError, match="two gradients in one micro-batch"):
+        model(torch.randint(0, 11, (3, 5), generator=generator), fc_recomputed_twice=True).backward()
+    engine.remove_hooks()
+    assert not model.fc.weight.overwrite_main_grad  # gradient buffers built later accumulate again
+
+
+def test_buckets_are_written_not_zeroed_and_reduce_the_average():
+    run_distributed(_toy_body, world_size=2)

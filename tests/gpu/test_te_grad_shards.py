@@ -4,8 +4,10 @@ comparison of tests/distributed/test_grad_shards.py with TE's fused wgrad GEMMs,
 start of each linear's backward, after the engine has allocated the bucket and pointed `main_grad` at it. Six steps
 of four micro-batches, small buckets: bf16 within 2e-3, FP8 delayed (also with every layer recomputed, TE's
 checkpoint, and with --fp8-param-gather) within 1e-2 (tests/gpu/test_te_fsdp.py's tolerances). Between steps no
-bucket holds storage and the gradient state is half the buckets' elements."""
+bucket holds storage and the gradient state is half the buckets' elements. New buckets are filled with NaN: TE's
+wgrad GEMMs must write them (`overwrite_main_grad`), not accumulate into them, or the losses turn NaN."""
 
+from megatron.parallel.grad_shards import GradShards
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import _close, _run
 from tests.distributed.test_grad_shards import DISTOPT, RECOMPUTE, ZERO2, _held_between_steps
@@ -20,6 +22,7 @@ pytestmark = TE_ON_TWO_GPUS
 
 
 def _body(rank, world_size):
+    GradShards.fill_new_buckets = float("nan")
     cases = (("bf16", "", 2e-3), ("FP8", FP8, 1e-2), ("FP8 recomputed", f"{FP8} {RECOMPUTE}", 1e-2))
     for label, recipe, rel in (*cases, ("FP8 --fp8-param-gather", f"{FP8} --fp8-param-gather", 1e-2)):
         want, _ = _run(f"{FLAGS} {recipe} {DISTOPT}", world_size)
