@@ -23,10 +23,10 @@
 #                                            --fp8-param-gather, its precision-aware optimizer with fp16 masters and
 #                                            fp8/fp16 moments, every layer recomputed) in one call (about 7 minutes)
 #   bash scripts/fsdp_rows.sh zero2 OUTDIR   optim_grads on the flat buckets (megatron/parallel/grad_shards.py):
-#                                            llama-1b beside dp2_distopt twice over (A B A B: the eighth session's two
+#                                            its GPU test (TE writing unzeroed buckets), llama-1b beside dp2_distopt twice over (A B A B: the eighth session's two
 #                                            calls disagreed by 15%), its profile after 30 iterations, then llama3-8b
 #                                            with its weights whole (FP8) and O2's states, with and without one layer
-#                                            recomputed (estimated 75.5 and 76.5 GiB) (about 9 minutes)
+#                                            recomputed (estimated 75.5 and 76.5 GiB) (about 9.5 minutes)
 #   bash scripts/fsdp_rows.sh parity OUTDIR  loss parity on real text at DP=2 of FSDP's FP8 reduce-scatter (O1) against
 #                                            the bf16 run in docs/loss_parity/llama-150m-fsdp-dp2.json (same data and
 #                                            seed), llama-150m, 1000 iterations (about 4 minutes; needs
@@ -99,6 +99,9 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
 --recompute-method uniform --recompute-num-layers 1" bash .devkit/anchors/megatron_run.sh l3_8b delayed_pg_o2 \
       | tee -a "$OUT/summary.txt";;
   zero2)
+    # first: TE's wgrad GEMMs write the engine's unzeroed (here NaN-filled) buckets whole (overwrite_main_grad)
+    timeout 120 python3 -m pytest -q -x tests/gpu/test_te_grad_shards.py > "$OUT/logs/test_te_grad_shards.txt" 2>&1
+    echo "test_te_grad_shards: rc=$? $(tail -1 "$OUT/logs/test_te_grad_shards.txt")" | tee -a "$OUT/summary.txt"
     common=(--presets llama-1b --iters 30 --log-interval 5 --timeout 100)
     for pass in 1 2; do
       bench "${common[@]}" --configs te-delayed-fp8params --layouts mfsdp2_optim_grads
