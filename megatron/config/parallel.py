@@ -125,6 +125,18 @@ class ParallelConfig:
     """FSDP: gather the next unit's weights while the current one computes, in both passes (explicit prefetch of
     one unit: two units' gathered weights are held at a time). Without it FSDP2 still issues each gather ahead
     when the host runs ahead of the device, and prefetches one unit in the backward."""
+    torch_fsdp2_reshard_after_forward: bool = option(
+        True, flag="--torch-fsdp2-no-reshard-after-forward", action="store_false"
+    )
+    """--use-torch-fsdp2 (Megatron-LM's flag, which sets FSDP2's `reshard_after_forward=False`: its "ZeRO-2"): keep
+    each unit's gathered weights from its forward to its backward instead of freeing them after the forward and
+    gathering them again for the backward. Under optim_grads_params each unit is then gathered once per micro-batch
+    instead of twice (half the layers' all-gathers), and freed after its backward, so between steps a rank holds only
+    its shards; the cost is memory: at the end of each micro-batch's forward, the activation peak, every unit is
+    gathered (the whole model in the training dtype, as under optim_grads). Forwards without a backward (evaluation)
+    free the units at their end. Under optim_grads the weights are kept for the whole step already, so the flag is
+    accepted and changes nothing (a Megatron-LM user passing it asks for at least that). Megatron-LM reads it only
+    for torch FSDP2: with --use-megatron-fsdp alone, or without FSDP, it is an error naming --use-torch-fsdp2."""
     suggested_communication_unit_size: int | None = None
     """FSDP: parameter elements per communication unit: consecutive transformer layers are grouped into one unit
     (one all-gather, one reduce-scatter) until it holds at least this many; default one layer per unit. Larger

@@ -51,6 +51,12 @@ def resolve_sharding(cfg: Config) -> None:
     optim strategy turns on the distributed optimizer. Idempotent. Raises ConfigError naming the flags."""
     par, opt = cfg.parallel, cfg.optimizer
     engine = par.use_megatron_fsdp or par.use_torch_fsdp2
+    no_reshard = not par.torch_fsdp2_reshard_after_forward
+    require(
+        not no_reshard or par.use_torch_fsdp2,
+        "--torch-fsdp2-no-reshard-after-forward configures PyTorch FSDP2's units (Megatron-LM reads it for"
+        " --use-torch-fsdp2 only): add --use-torch-fsdp2, or drop it",
+    )
     if not engine:
         given = [_flag(n) for n in _FSDP_ONLY if getattr(par, n) not in (None, False)]
         given += [_flag(n) for n in _DTYPES if getattr(par, n) != _DTYPE_DEFAULTS.get(n, "auto")]
@@ -73,6 +79,7 @@ def resolve_sharding(cfg: Config) -> None:
         return
     if not par.fsdp:  # no_shard and optim: the gradient buffers without and with the distributed optimizer
         extras = [_flag(n) for n in _FSDP_ONLY[1:] if getattr(par, n) not in (None, False)]
+        extras += ["--torch-fsdp2-no-reshard-after-forward"] if no_reshard else []
         require(not extras, f"{', '.join(extras)} need --data-parallel-sharding-strategy optim_grads(_params)")
         return
     _check_fsdp(cfg)
@@ -168,6 +175,11 @@ def _check_fsdp(cfg: Config) -> None:
         f"{strategy} with --ckpt-format {ckpt.ckpt_format}: FSDP saves its shards with --ckpt-format torch_dist",
     )
     require(not ckpt.async_save, f"{strategy} with --async-save: not built yet; drop --async-save")
+    if not par.torch_fsdp2_reshard_after_forward and par.data_parallel_sharding_strategy == "optim_grads":
+        cfg.notes.append(
+            f"{strategy}: the units stay gathered from the first forward to the last backward of each step already"
+            " (--torch-fsdp2-no-reshard-after-forward changes nothing more)"
+        )
     if par.overlap_grad_reduce or par.overlap_param_gather:
         cfg.notes.append(
             f"{strategy}: FSDP2 overlaps every unit's all-gather and reduce-scatter with computation itself"

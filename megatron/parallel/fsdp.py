@@ -26,6 +26,9 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
     backward; optim_grads keeps them from the first forward to the last micro-batch's backward (one all-gather per
     step, as the distributed optimizer's), and so lets the FP8 linears (local and TE's) keep the step's first weight
     casts for its later micro-batches, as the distributed optimizer's do (`fsdp_keeps_weight_casts`);
+    optim_grads_params with --torch-fsdp2-no-reshard-after-forward keeps each unit from its forward to its backward
+    (one all-gather per unit and micro-batch; every unit gathered at the end of the forward) and frees it after the
+    backward; a forward without a backward (evaluation) frees them all at its end (`_reshard_after_no_grad_forward`);
   * with --fp8-param-gather, the FP8 linears' weights are all-gathered as E4M3 bytes with one scale per tensor
     (delayed, tensorwise) or per 128x128 block (blockwise) agreed by the ranks once per step
     (megatron/fp8/fsdp_params.py), and the linears read them as their FP8 operands: the local linears as their own
@@ -239,7 +242,7 @@ def apply_fsdp(
     (on `device`; the model may still be on the meta device);
     returns its units (their first modules) in forward order. `param_dtype`: the dtype units are gathered in (None:
     the fp32 of the shards); `reduce_dtype`: the gradient reduce-scatter's; `shard_params`: reshard each unit after
-    its forward (optim_grads_params); `prefetch`: gather the next unit while the current one computes;
+    its forward (optim_grads_params without --torch-fsdp2-no-reshard-after-forward); `prefetch`: gather the next unit while the current one computes;
     `fp8_gather`: all-gather the FP8 linears' weights as FP8 (the caller agrees their scales: `Fp8GatherScales`);
     `shard_dtype`: of the weight shards (fp32: the main weights; else the training dtype)."""
     mesh = DeviceMesh.from_group(group, device.type)
@@ -392,6 +395,19 @@ def _forget_casts_before_gathers(layers: list[nn.Module]) -> Callable[[nn.Module
     return forget
 
 
+def _reshard_after_no_grad_forward(units: list[nn.Module]) -> Callable[[nn.Module, object, object], None]:
+    """A forward hook for the root, after FSDP2's own (--torch-fsdp2-no-reshard-after-forward): a forward without
+    gradients (evaluation) has no backward to free the units it kept gathered, so they are freed here, and between
+    steps every rank holds its shards only, as without the flag."""
+
+    def reshard(module: nn.Module, args: object, output: object) -> None:
+        if not torch.is_grad_enabled():
+            for unit in units:
+                unit.reshard()
+
+    return reshard
+
+
 def build_fsdp(
     model: nn.Module,
     cfg: Config,
@@ -408,13 +424,14 @@ def build_fsdp(
     par = cfg.parallel
     params_dtype = cfg.precision.params_dtype
     fp8_gather = cfg.precision.fp8_param_gather
-    apply_fsdp(
+    shard_params = par.data_parallel_sharding_strategy == "optim_grads_params"
+    units = apply_fsdp(
         model,
         group,
         device,
         param_dtype=None if params_dtype == torch.float32 else params_dtype,
         reduce_dtype=torch.bfloat16 if grad_comm_bf16(cfg) else torch.float32,
-        shard_params=par.data_parallel_sharding_strategy == "optim_grads_params",
+        shard_params=shard_params and par.torch_fsdp2_reshard_after_forward,
         prefetch=par.fsdp_double_buffer,
         unit_size=par.suggested_communication_unit_size,
         fp8_gather=fp8_gather,
@@ -443,6 +460,8 @@ def build_fsdp(
         set_parallel_attributes(model, attributes)
         initialize(model)
     share_padded_storage(model)
+    if shard_params and not par.torch_fsdp2_reshard_after_forward:
+        model.register_forward_hook(_reshard_after_no_grad_forward(units))
     grads = ShardedGrads(model, keep, torch.bfloat16 if main_grads_bf16(cfg) else torch.float32)
     if cast_keepers:
         grads.cast_keepers = tuple(cast_keepers)

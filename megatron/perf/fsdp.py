@@ -14,7 +14,8 @@ piece, whole; U8 = those of them gathered as FP8: the FP8 layers' linear weights
 Gathers per iteration: optim_grads_params gathers the embedding and layer units before their forward and again
 before their backward, 2 per micro-batch (the root, the output unit and the last layer unit stay gathered from
 forward to backward: 1);
-optim_grads keeps every unit from the first forward to the last micro-batch's backward: 1 per step.
+optim_grads keeps every unit from the first forward to the last micro-batch's backward: 1 per step. optim_grads_params
+with --torch-fsdp2-no-reshard-after-forward keeps each unit from its forward to its backward: 1 per micro-batch.
 
 Bytes per element: b = the training dtype's (2 under --bf16), s = a weight shard's (4: the fp32 main weights; b with
 --use-precision-aware-optimizer), g = a gradient shard's (4, or 2 with bf16 gradient shards), r = the reduce-scatter's
@@ -99,9 +100,11 @@ def _bytes(cfg: Config) -> dict[str, int]:
 def fsdp_units(cfg: Config, vocab: int) -> list[Unit]:
     """The units of `cfg`'s model on this rank, in forward order (module docstring)."""
     parts, m, prec = param_parts(cfg, vocab), cfg.model, cfg.precision
-    micro = cfg.num_micro_batches
-    sharded = 2 * micro if cfg.parallel.data_parallel_sharding_strategy == "optim_grads_params" else 1
-    kept = micro if sharded > 1 else 1  # the root and the output unit: gathered once per micro-batch
+    micro, par = cfg.num_micro_batches, cfg.parallel
+    # the root and the output unit (and every unit without resharding after the forward): once per micro-batch
+    params = par.data_parallel_sharding_strategy == "optim_grads_params"
+    kept = micro if params else 1
+    sharded = 2 * micro if params and par.torch_fsdp2_reshard_after_forward else kept
     fp8_numbers = set(prec.fp8_layer_numbers(m.num_layers)) if prec.fp8_param_gather else set()
     units: list[Unit] = []
     if not parts["output_layer"]:

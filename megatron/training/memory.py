@@ -152,7 +152,9 @@ def _fsdp_buffers(
     gathered: the units FSDP holds gathered in the training dtype: under optim_grads_params the output unit (the
     final norm and untied output layer, kept from its forward to its backward; tied, the root with the embedding)
     and the last layer unit, which its backward prefetches (one or more layers: --suggested-communication-unit-size);
-    under optim_grads every unit, kept for the whole step. With --fp8-param-gather the FP8 layers' linears are
+    under optim_grads every unit, kept for the whole step, and so under optim_grads_params with
+    --torch-fsdp2-no-reshard-after-forward (each unit kept from its forward to its backward: all of them at the end of
+    the forward, the activation peak). With --fp8-param-gather the FP8 layers' linears are
     gathered as E4M3, 1 byte per element; Transformer Engine's layers also get a 1-byte transpose of each, allocated
     with the gathered unit and freed with it: 2 bytes, as in bf16 (then without TE's own cast of the bf16 weight,
     which is not held at the peak either: see the module docstring). Not blockwise: TE derives that layer's
@@ -169,7 +171,7 @@ def _fsdp_buffers(
     fp8 = prec.fp8_layer_numbers(m.num_layers)
     fp8_bytes = (2 if _te(cfg) and prec.fp8_recipe != "blockwise" else 1) if prec.fp8_param_gather else itemsize
     per_unit = _layers_per_unit(cfg, layer)
-    if par.data_parallel_sharding_strategy == "optim_grads":
+    if par.data_parallel_sharding_strategy == "optim_grads" or not par.torch_fsdp2_reshard_after_forward:
         gathered = (num_params - len(fp8) * layer) * itemsize + len(fp8) * layer * fp8_bytes
     else:
         last_fp8 = m.num_layers in fp8

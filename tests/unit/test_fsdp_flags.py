@@ -46,6 +46,8 @@ def test_strategy_resolution(extra, strategy, distopt, engine):
 
 FSDP = "--use-megatron-fsdp"
 ZERO2 = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
+TORCH = "--use-torch-fsdp2"
+NO_RESHARD = "--torch-fsdp2-no-reshard-after-forward"
 
 
 @pytest.mark.parametrize(
@@ -87,6 +89,11 @@ ZERO2 = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
         (f"{ZERO2} --megatron-fsdp-main-grads-dtype fp16", 2, "--megatron-fsdp-main-grads-dtype fp16"),
         (f"{ZERO2} --megatron-fsdp-grad-comm-dtype fp16", 2, "--megatron-fsdp-grad-comm-dtype fp16"),
         (f"{ZERO2} --bf16 --megatron-fsdp-main-params-dtype bf16", 2, "--megatron-fsdp-main-params-dtype bf16"),
+        # Megatron-LM reads --torch-fsdp2-no-reshard-after-forward for torch FSDP2 only
+        (NO_RESHARD, 2, "--torch-fsdp2-no-reshard-after-forward configures PyTorch FSDP2's units (Megatron-LM reads"),
+        (f"{FSDP} {NO_RESHARD}", 2, "add --use-torch-fsdp2, or drop it"),
+        (f"{ZERO2} {NO_RESHARD}", 2, "add --use-torch-fsdp2, or drop it"),
+        (f"{TORCH} --data-parallel-sharding-strategy optim {NO_RESHARD}", 2, "reshard-after-forward need --data-parallel"),
     ],
 )
 def test_combinations_not_built_fail_in_one_line(extra, world_size, message):
@@ -155,3 +162,16 @@ def test_fp8_grad_reduce_is_built(level):
     assert cfg.parallel.fsdp and cfg.parallel.fp8_grad_reduce
     o2 = level.endswith("O2")
     assert cfg.optimizer.use_precision_aware_optimizer == o2 and cfg.parallel.grad_reduce_in_bf16 == o2
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
+def test_no_reshard_after_forward_parses_as_megatron_lm_spells_it(strategy):
+    """Megatron-LM's store_false flag: FSDP2's units kept gathered from forward to backward (tests/distributed/
+    test_fsdp_no_reshard.py). Under optim_grads they are kept for the whole step already: a note says so."""
+    assert parse(TORCH).parallel.torch_fsdp2_reshard_after_forward
+    cfg = parse(f"{TORCH} --data-parallel-sharding-strategy {strategy} {NO_RESHARD}")
+    assert cfg.parallel.fsdp and not cfg.parallel.torch_fsdp2_reshard_after_forward
+    noted = any(NO_RESHARD in note and "changes nothing more" in note for note in cfg.notes)
+    assert noted == (strategy == "optim_grads"), cfg.notes
+    both = parse(f"{TORCH} {FSDP} --data-parallel-sharding-strategy {strategy} {NO_RESHARD}")  # FSDP2 runs both
+    assert both.parallel.fsdp and not both.parallel.torch_fsdp2_reshard_after_forward

@@ -189,6 +189,14 @@ def test_fsdp_over_two_data_parallel_ranks():
     assert estimate_bytes(parse(flags, world_size=2), N, VOCAB, torch.bfloat16)["buffers"] == (
         BF16_BUFFERS + 2 * N + staging
     )
+    # --torch-fsdp2-no-reshard-after-forward: every unit gathered at the end of the forward, the rest unchanged
+    flags = "--bf16 --use-torch-fsdp2 --torch-fsdp2-no-reshard-after-forward"
+    kept = estimate_bytes(parse(flags, world_size=2), N, VOCAB, torch.bfloat16)
+    assert kept["buffers"] == BF16_BUFFERS + 2 * N + staging
+    assert {k: v for k, v in kept.items() if k not in ("buffers", "total", "calibration")} == {
+        k: v for k, v in est.items() if k not in ("buffers", "total", "calibration")
+    }
+    assert kept["total"] == est["total"] + 2 * N - 2 * (vocab + layer)
     # bf16 gradient shards: 1 B/param, reduce-scattered in bf16 (2 + 2 + 2/2 B of staging); torch's AdamW steps on
     # fp32 copies of them (4 B per parameter of the shard), less than the activations here
     flags = "--bf16 --use-megatron-fsdp --megatron-fsdp-main-grads-dtype bf16"

@@ -297,6 +297,7 @@ OPTIM_GRADS = FSDP.replace("optim_grads_params", "optim_grads").replace("--use-m
 EMB, LAYER, LINEARS, OUT = 8192, 36992, 36864, 8256
 P = EMB + 2 * LAYER + OUT
 OUT_NAME = "output (final norm, output layer)"
+NO_RESHARD = " --torch-fsdp2-no-reshard-after-forward"
 
 
 def fsdp_config(extra: str = "", tied: bool = False):
@@ -326,6 +327,18 @@ def test_fsdp_units_follow_the_trainers_grouping():
     assert sum(u.elements for u in units) == P == work.param_count(fsdp_config(FSDP), 128)[0]
     grads = fsdp.fsdp_units(fsdp_config(OPTIM_GRADS), 128)
     assert [(u.name, u.gathers) for u in grads] == [("embedding", 1), ("layer 1", 1), ("layer 2", 1), (OUT_NAME, 1)]
+    # --torch-fsdp2-no-reshard-after-forward: every unit once per micro-batch, the whole step's copy-ins halved for
+    # the layers but the last; what nothing overlaps (the first unit's gather) unchanged
+    no_reshard = fsdp_config(FSDP.replace("--use-megatron-fsdp", "--use-torch-fsdp2") + NO_RESHARD)
+    kept = fsdp.fsdp_units(no_reshard, 128)
+    assert [(u.name, u.gathers) for u in kept] == [("embedding", 2), ("layer 1", 2), ("layer 2", 2), (OUT_NAME, 2)]
+    items, base = memory_by_name(no_reshard), memory_by_name(fsdp_config(FSDP))
+    assert items["FSDP all-gather copy-in [embedding]"] == base["FSDP all-gather copy-in [embedding]"] / 2
+    layers = "[2 units like layer 1]"  # alike now (the last layer unit was gathered half as often)
+    for name in ("FSDP all-gather copy-in", "FSDP all-gather copy-out"):  # 2 units x 2 gathers, 4 before
+        assert items[f"{name} {layers}"] == 2 * base[f"{name} [layer 1]"] / 2 == 2 * base[f"{name} [layer 2]"]
+    assert items[f"FSDP reduce-scatter staging {layers}"] == 2 * base["FSDP reduce-scatter staging [layer 1]"]
+    assert fsdp.fsdp_communication(no_reshard, 128) == fsdp.fsdp_communication(fsdp_config(FSDP), 128)
     tied = fsdp.fsdp_units(fsdp_config(FSDP, tied=True), 128)
     assert [(u.name, u.elements, u.gathers) for u in tied] == [
         ("root (embedding, final norm)", EMB + 64, 2),
