@@ -242,9 +242,10 @@ def apply_fsdp(
     (on `device`; the model may still be on the meta device);
     returns its units (their first modules) in forward order. `param_dtype`: the dtype units are gathered in (None:
     the fp32 of the shards); `reduce_dtype`: the gradient reduce-scatter's; `shard_params`: reshard each unit after
-    its forward (optim_grads_params without --torch-fsdp2-no-reshard-after-forward); `prefetch`: gather the next unit while the current one computes;
-    `fp8_gather`: all-gather the FP8 linears' weights as FP8 (the caller agrees their scales: `Fp8GatherScales`);
-    `shard_dtype`: of the weight shards (fp32: the main weights; else the training dtype)."""
+    its forward (optim_grads_params without --torch-fsdp2-no-reshard-after-forward); `prefetch`: gather the next
+    unit while the current one computes; `fp8_gather`: all-gather the FP8 linears' weights as FP8 (the caller agrees
+    their scales: `Fp8GatherScales`); `shard_dtype`: of the weight shards (fp32: the main weights; else the training
+    dtype)."""
     mesh = DeviceMesh.from_group(group, device.type)
     # Inputs keep their dtypes, as in a model cast to the training dtype (rotary tables stay fp32)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)

@@ -93,7 +93,7 @@ NO_RESHARD = "--torch-fsdp2-no-reshard-after-forward"
         (NO_RESHARD, 2, "--torch-fsdp2-no-reshard-after-forward configures PyTorch FSDP2's units (Megatron-LM reads"),
         (f"{FSDP} {NO_RESHARD}", 2, "add --use-torch-fsdp2, or drop it"),
         (f"{ZERO2} {NO_RESHARD}", 2, "add --use-torch-fsdp2, or drop it"),
-        (f"{TORCH} --data-parallel-sharding-strategy optim {NO_RESHARD}", 2, "reshard-after-forward need --data-parallel"),
+        (f"{TORCH} --data-parallel-sharding-strategy optim {NO_RESHARD}", 2, "after-forward need --data-parallel"),
     ],
 )
 def test_combinations_not_built_fail_in_one_line(extra, world_size, message):
