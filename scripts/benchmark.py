@@ -159,6 +159,13 @@ LAYOUTS = {  # name: (GPUs, flags)
     # optim_grads keeps the gathered weights from the first forward to the last backward of a step
     "fsdp2": (2, "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer"),
     "fsdp2_optim_grads": (2, "--use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"),
+    # Megatron-LM's FSDP2 "ZeRO-2": each unit kept gathered from its forward to its backward (one all-gather per unit
+    # and micro-batch instead of two; the whole model gathered at the end of each forward)
+    "fsdp2_noreshard": (
+        2,
+        "--use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads_params --torch-fsdp2-no-reshard-after-forward"
+        " --fsdp-double-buffer",
+    ),
     # optim_grads on the distributed optimizer's flat buckets (megatron/parallel/grad_shards.py): each micro-batch's
     # buckets reduce-scattered into persistent fp32 gradient shards, every bucket allocated only while it is in use
     "mfsdp2_optim_grads": (

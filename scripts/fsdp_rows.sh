@@ -27,6 +27,10 @@
 #                                            calls disagreed by 15%), its profile after 30 iterations, then llama3-8b
 #                                            with its weights whole (FP8) and O2's states, with and without one layer
 #                                            recomputed (estimated 75.5 and 76.5 GiB) (about 9.5 minutes)
+#   bash scripts/fsdp_rows.sh noreshard OUTDIR  --torch-fsdp2-no-reshard-after-forward: its GPU test (TE, bf16 and FP8,
+#                                            --fp8-param-gather over 30 steps), then llama-1b fsdp2_noreshard beside
+#                                            fsdp2 and dp2_distopt with their lower bounds (estimated 19.07 GiB
+#                                            against fsdp2's 17.24) (about 7 minutes)
 #   bash scripts/fsdp_rows.sh parity OUTDIR  loss parity on real text at DP=2 of FSDP's FP8 reduce-scatter (O1) against
 #                                            the bf16 run in docs/loss_parity/llama-150m-fsdp-dp2.json (same data and
 #                                            seed), llama-150m, 1000 iterations (about 4 minutes; needs
@@ -34,8 +38,8 @@
 # OUTDIR gets a summary (summary.txt: the tables and each test's last lines) and every run's log (logs/). Megatron-LM's
 # sources must be where .devkit/anchors/megatron_run.sh looks (../shared/anchors/README.md).
 set -o pipefail
-PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|parity OUTDIR}
-OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|parity OUTDIR}
+PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|noreshard|parity OUTDIR}
+OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|noreshard|parity OUTDIR}
 mkdir -p "$OUT/logs"
 source .devkit/setup-te.sh || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -111,6 +115,11 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
       --profile-warmup 30 --profile-steps 3 --profile-top 30 2>&1 | grep -A60 "^step " | tee -a "$OUT/summary.txt"
     bench --presets llama3-8b --iters 6 --log-interval 2 --timeout 150 --layouts mfsdp2_o2states \
       --configs te-delayed-fp8params-nocalib-fp8attn-recompute-block1 te-delayed-fp8params-nocalib-fp8attn;;
+  noreshard)
+    timeout 200 python3 -m pytest -q -x -s tests/gpu/test_te_fsdp.py -k no_reshard > "$OUT/logs/test_te_fsdp_no_reshard.txt" 2>&1
+    echo "test_te_fsdp -k no_reshard: rc=$? $(tail -1 "$OUT/logs/test_te_fsdp_no_reshard.txt")" | tee -a "$OUT/summary.txt"
+    common=(--presets llama-1b --iters 30 --log-interval 5 --timeout 100 --bound --probe-cache "$OUT/probes.json")
+    bench "${common[@]}" --configs te-delayed --layouts dp2_distopt fsdp2 fsdp2_noreshard;;
   parity)
     mkdir -p data && tar -xJf .interop/parity.tar.xz -C data || exit 1
     D="--data-path data/parity/parity_text_document --split 98,1,1 --tokenizer-type GPT2BPETokenizer \
@@ -120,5 +129,5 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     timeout 560 python3 scripts/loss_parity.py --preset llama-150m --eval-iters 5 --nproc-per-node 2 --deadline 540 $D \
       --results "$OUT/parity.json" --log-dir "$OUT/logs" --out "$OUT/parity.md" \
       --configs te-delayed+fsdpo1 --config-flags "te-delayed+fsdpo1=$F --fp8-grad-reduce" 2>&1 | tail -12 | tee -a "$OUT/summary.txt";;
-  *) echo "unknown part $PART: tests, new, 1b, host, 8b, 8b-nccl, megatron, zero2 or parity"; exit 2;;
+  *) echo "unknown part $PART: tests, new, 1b, host, 8b, 8b-nccl, megatron, zero2, noreshard or parity"; exit 2;;
 esac

@@ -28,6 +28,7 @@ from tests.distributed.test_fsdp import (
     _run,
     precision_aware_held,
 )
+from tests.distributed.test_fsdp_no_reshard import NO_RESHARD
 from tests.distributed.test_parallel_layouts import BASE, FP8
 from tests.gpu.marks import TE_ON_TWO_GPUS
 
@@ -97,3 +98,28 @@ def _fp8_gather(world_size):
 
 def test_te_fsdp_matches_distributed_optimizer(tmp_path):
     run_distributed(_body, world_size=2, args=(str(tmp_path),), backend="nccl")
+
+
+def _no_reshard_body(rank, world_size):
+    """--torch-fsdp2-no-reshard-after-forward: each unit's gathered weights serve its backward too (TE's bf16 weights;
+    with --fp8-param-gather the Float8Tensors, whose transpose TE's backward writes into FSDP's buffer, gathered
+    and marked invalid with the bytes: te_fsdp_params.py), against the distributed optimizer as above; after each
+    step no gathered byte and no transpose buffer is left, and no step was skipped."""
+    for recipe, rel in (("", 2e-3), (FP8, 1e-2), (FP8 + RECOMPUTE, 1e-2)):
+        want, _ = _run(f"{FLAGS} {recipe} {DISTOPT}", world_size)
+        got, trainer = _run(f"{FLAGS} {recipe} {NO_RESHARD}", world_size)
+        _close(got, want, rel, f"TE no reshard {recipe}", steps=STEPS)
+        assert _gathered_bytes(trainer.model) == 0, recipe
+    flags30 = f"{FLAGS} {FP8} --train-iters 30 --fp8-param-gather"
+    want, _ = _run(f"{flags30} {DISTOPT}", world_size)
+    got, trainer = _run(f"{flags30} {NO_RESHARD}", world_size)
+    _close(got, want, 2e-3, "TE FP8 all-gather, no reshard", steps=30)
+    assert trainer.state.skipped_iters == 0, trainer.state.skipped_iters
+    shards = [m.weight.to_local() for layer in trainer.model.decoder.layers[1:] for m in layer.te_modules()]
+    assert shards and all(isinstance(t, TeFp8ShardWeight) for t in shards)
+    buffers = [t._gather.transpose for t in shards if t._gather.transpose is not None]
+    assert all(b.untyped_storage().nbytes() == 0 for b in buffers) and _gathered_bytes(trainer.model) == 0
+
+
+def test_te_fsdp_no_reshard_after_forward_matches_distributed_optimizer():
+    run_distributed(_no_reshard_body, world_size=2, backend="nccl")
