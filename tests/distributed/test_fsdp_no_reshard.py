@@ -1,11 +1,11 @@
 """--use-torch-fsdp2 optim_grads_params with --torch-fsdp2-no-reshard-after-forward (Megatron-LM's flag) at DP=2
 against the distributed optimizer at DP=2 over 20 steps (two micro-batches per step): fp32 losses within 1e-5, bf16,
-FP8 delayed (with every layer recomputed, and with --fp8-param-gather) and untied two-layer units with explicit
-prefetch (--fsdp-double-buffer) within 1e-3; bf16 bitwise the losses without the flag. Measured: every unit is still
-gathered when a micro-batch's forward ends (without the flag only the root and the last layer unit are), none after
-its backward nor between steps (each rank holds its shards only), nor after an evaluation; the four layer units are
-gathered once per micro-batch (without the flag three of them twice). Its torch_dist checkpoint resumes exactly, and
-under the distributed optimizer within 1e-5."""
+FP8 delayed (with every layer recomputed, and with --fp8-param-gather, also with O2's precision-aware states) and
+untied two-layer units with explicit prefetch (--fsdp-double-buffer) within 1e-3; bf16 bitwise the losses without
+the flag. Measured: every unit is still gathered when a micro-batch's forward ends (without the flag only the root
+and the last layer unit are), none after its backward nor between steps (each rank holds its shards only), nor after
+an evaluation; the four layer units are gathered once per micro-batch (without the flag three of them twice). Its
+torch_dist checkpoint resumes exactly, and under the distributed optimizer within 1e-5."""
 
 from collections import Counter
 
@@ -17,6 +17,7 @@ from tests.distributed.test_fsdp import (
     CKPT,
     DISTOPT,
     FLAGS,
+    PA,
     STEPS,
     UNITS,
     _close,
@@ -46,6 +47,7 @@ def _micro_batch(trainer) -> list[bool]:
     gathered = _gathered_units(trainer)
     loss.backward()
     assert _gathered_bytes(trainer.model) == 0  # freed after the backward
+    trainer.optimizer.restore_freed_shards()  # no step follows (--use-precision-aware-optimizer's freed shards)
     trainer.optimizer.buffers.zero()
     return gathered
 
@@ -71,7 +73,9 @@ def _numerics_body(rank, world_size):
     assert all(_micro_batch(trainer))  # every unit still gathered for the backward
     assert sum(_micro_batch(resharded)) == 2  # without the flag: the root and the last layer unit
     # FP8 delayed (its calibration pass recomputes every layer), with activation recomputation, and FP8 all-gathers
-    for fp8, extra in ((FP8, ""), (FP8, RECOMPUTE), (f"{FP8} --fp8-param-gather", "")):
+    # with O2's states (bf16 shards, freed from the forward's cast to the step)
+    gather = f"{FP8} --fp8-param-gather"
+    for fp8, extra in ((FP8, ""), (FP8, RECOMPUTE), (gather, ""), (f"{gather} {PA}", "")):
         want, _ = _run(f"{FLAGS} --bf16 {fp8} {DISTOPT}", world_size)
         got, trainer = _run(f"{FLAGS} --bf16 {fp8} {extra} {NO_RESHARD}", world_size)
         _close(got, want, 1e-3, f"no reshard, {fp8} {extra}")
