@@ -208,6 +208,11 @@ class GradientBuffers:
         `owned_range` when sharded): its `main_grad`."""
         return param.main_grad.view(-1)[start:stop]
 
+    def reduced_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """`param`'s gradient after `finish()`, which `reduce_sequence_parallel_grads` sums over the tensor-parallel
+        peers: its `main_grad`."""
+        return param.main_grad
+
     def _on_grad(self, param: nn.Parameter) -> None:
         if self._paused:
             return
@@ -216,15 +221,11 @@ class GradientBuffers:
             param.main_grad.add_(param.grad)
         param.grad = None
         param.grad_added_to_main_grad = False
-        if self._reduces_in_backward():
+        if self.overlap and self.is_last_micro_batch:
             bucket = self._bucket_of[param]
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._start(bucket)
-
-    def _reduces_in_backward(self) -> bool:
-        """Whether the backward running now starts each bucket's reduction once its gradients are in."""
-        return self.overlap and self.is_last_micro_batch
 
     def _start(self, bucket: _Bucket) -> None:
         if self.fp8_reduce:  # averages in fp32 after the sum: no division first

@@ -338,6 +338,9 @@ class ShardedGrads:
     def grad_piece(self, param: nn.Parameter, start: int, stop: int) -> torch.Tensor:
         return param.main_grad.view(-1)[start:stop]
 
+    def reduced_grad(self, param: nn.Parameter) -> torch.Tensor:
+        return param.main_grad
+
     def finish(self) -> None:
         """Nothing left to wait for: FSDP2's root waits for the last reduce-scatter at the end of the backward."""
 

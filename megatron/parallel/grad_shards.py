@@ -74,6 +74,7 @@ class _FreshBucket(_Bucket):
         self.stand_ins = [torch.empty(p.shape, dtype=dtype, device="meta") for p in params]
         # allocations so far, the allocation each parameter was last written in, and how many were in this one
         self.stamp, self.marks, self.written = 0, [0] * len(params), 0
+        self.grad_shard: torch.Tensor | None = None  # this rank's shard of the step's gradients (`GradShards.shards`)
 
 
 class GradShards(GradientBuffers):
@@ -102,10 +103,9 @@ class GradShards(GradientBuffers):
             raise ValueError("sharded gradient accumulation needs a data-parallel group of at least two ranks")
         total = sum(b.numel for b in self.buckets) // self.dp
         self.shards = torch.zeros(total, dtype=shard_dtype, device=self.params[0].device if self.params else None)
-        self._shard_of: dict[int, torch.Tensor] = {}
         start = 0
         for bucket in self.buckets:
-            self._shard_of[id(bucket)] = self.shards[start : start + bucket.numel // self.dp]
+            bucket.grad_shard = self.shards[start : start + bucket.numel // self.dp]
             start += bucket.numel // self.dp
         self._in_flight: list[_FreshBucket] = []
         self._callback_queued = False
@@ -213,7 +213,7 @@ class GradShards(GradientBuffers):
             bucket = self._in_flight.pop(0)
             bucket.work.wait()
             bucket.work = None
-            self._shard_of[id(bucket)].add_(self._shard(bucket.data))
+            bucket.grad_shard.add_(self._shard(bucket.data))
             self._free(bucket)
 
     def _end_of_backward(self) -> None:
@@ -236,9 +236,9 @@ class GradShards(GradientBuffers):
 
     def grad_piece(self, param: nn.Parameter, start: int, stop: int) -> torch.Tensor:
         """`param`'s flattened elements [start, stop), within this rank's shard, in the persistent shards."""
-        shard_start, _ = self._shard_bounds(self._bucket_of[param].numel)
-        offset = self._offset_of[param] - shard_start
-        return self._shard_of[id(self._bucket_of[param])][offset + start : offset + stop]
+        bucket = self._bucket_of[param]
+        offset = self._offset_of[param] - self._shard_bounds(bucket.numel)[0]
+        return bucket.grad_shard[offset + start : offset + stop]
 
     def reduced_grad(self, param: nn.Parameter) -> torch.Tensor:
         """This rank's piece of `param`'s reduced gradient in the shards (empty where it owns none): what

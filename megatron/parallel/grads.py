@@ -44,11 +44,12 @@ def reduce_tied_embedding_grads(params: list[nn.Parameter], dims: ParallelDims) 
 def reduce_sequence_parallel_grads(
     params: list[nn.Parameter],
     dims: ParallelDims,
-    reduced_grad: Callable[[nn.Parameter], torch.Tensor] = lambda p: p.main_grad,
+    reduced_grad: Callable[[nn.Parameter], torch.Tensor],
 ) -> None:
     """Sum the partial gradients of sequence-parallel parameters over the tensor-parallel group (call after the
     data-parallel reduction, before clipping; tensor-parallel peers shard their buckets alike). `reduced_grad`:
-    where a parameter's reduced gradient lives (megatron/parallel/grad_shards.py: this rank's piece of it)."""
+    where a parameter's reduced gradient lives (the gradient buffers' `reduced_grad`: its `main_grad`, or under
+    megatron/parallel/grad_shards.py this rank's piece of it)."""
     if dims.tp > 1:
         sequence_parallel = [p for p in params if getattr(p, "sequence_parallel", False)]
         _all_reduce_coalesced([reduced_grad(p) for p in sequence_parallel], dims.tp_group)

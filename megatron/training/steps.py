@@ -23,7 +23,6 @@ from megatron.parallel import (
     reduce_tied_embedding_grads,
 )
 from megatron.parallel.context_parallel import ContextParallel
-from megatron.parallel.grad_shards import GradShards
 from megatron.parallel.interleaved import run_interleaved
 from megatron.parallel.pipeline import forward_backward_1f1b, forward_only
 from megatron.parallel.tensor_parallel import TensorParallel
@@ -152,10 +151,7 @@ class Steps:
         timers("all-grads-sync", 1).start()
         reduce_tied_embedding_grads(params, self.dims)
         self.grad_buffers.finish()
-        if isinstance(self.grad_buffers, GradShards):  # the reduced gradients live in its shards
-            reduce_sequence_parallel_grads(params, self.dims, self.grad_buffers.reduced_grad)
-        else:
-            reduce_sequence_parallel_grads(params, self.dims)
+        reduce_sequence_parallel_grads(params, self.dims, self.grad_buffers.reduced_grad)
         timers("all-grads-sync", 1).stop()
         self.loss_scaler.unscale_(self.optimizer.grads(), step.grad_factor(self.dims.dp_cp_group))
         self.stats.count_zeros()
