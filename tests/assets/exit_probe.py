@@ -18,5 +18,8 @@ def thread_names() -> list[str]:
 
 if __name__ == "__main__":
     code = pretrain_gpt.main(sys.argv[1:])
-    print(f"threads after main, rank {os.environ.get('RANK', '0')}: {thread_names()}", flush=True)
+    # One write with its newline: the ranks share torchrun's pipe, and print's separate write of the newline let two
+    # ranks' lines run together.
+    sys.stdout.write(f"threads after main, rank {os.environ.get('RANK', '0')}: {thread_names()}\n")
+    sys.stdout.flush()
     sys.exit(code)
