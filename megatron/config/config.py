@@ -17,7 +17,7 @@ from .optimizer import OptimizerConfig
 from .parallel import ParallelConfig
 from .pipeline_split import accounted_layout, chunk_layer_numbers, layout_stage_counts, stage_layer_numbers
 from .precision import LOCAL_FP8_PARAM_RECIPES, TE_FP8_PARAM_RECIPES, PrecisionConfig
-from .sharding import resolve_sharding
+from .sharding import check_meta_device_layers, resolve_sharding
 from .training import CheckpointConfig, LoggingConfig, TrainingConfig
 
 SECTIONS: dict[str, type] = {
@@ -97,6 +97,7 @@ class Config:
         )
         self._check_parallel_layout()
         self._resolve_transformer_impl()  # after the layout: TE's shape rules apply to the tensor-parallel shards
+        check_meta_device_layers(self)
         if prec.fp8 and self.device_type == "cuda" and not (prec.bf16 or prec.fp16):
             # FP8 GEMMs with fp32 weights would keep fp32 master copies *and* fp32 activations around the FP8 ops:
             # Megatron-LM silently does that. We imply bf16 instead and say so.

@@ -156,7 +156,9 @@ class ParallelConfig:
     --megatron-fsdp-main-grads-dtype)."""
     init_model_with_meta_device: bool = False
     """FSDP: build the model without storage (PyTorch's meta device), shard it, then give each rank its shards'
-    values unit by unit, the same values as an ordinary initialization for the seed: no rank holds the whole model."""
+    values unit by unit, the same values as an ordinary initialization for the seed: no rank holds the whole model.
+    Under --use-megatron-fsdp's optim_grads, whose ranks hold every weight, the model gets its storage on the device
+    and its values a part at a time, so that the host never holds the whole model."""
 
     @property
     def grad_shards(self) -> bool:

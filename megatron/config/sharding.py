@@ -38,6 +38,7 @@ _FSDP_ONLY = (
     "suggested_communication_unit_size",
     "init_model_with_meta_device",
 )
+_FSDP2_UNITS = ("fsdp_double_buffer", "suggested_communication_unit_size")  # PyTorch FSDP2's, not the flat buckets'
 _DTYPES = ("megatron_fsdp_main_params_dtype", "megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype")
 _DTYPE_DEFAULTS = {"megatron_fsdp_main_params_dtype": "fp32"}
 
@@ -78,11 +79,26 @@ def resolve_sharding(cfg: Config) -> None:
         _check_grad_shards(cfg)
         return
     if not par.fsdp:  # no_shard and optim: the gradient buffers without and with the distributed optimizer
-        extras = [_flag(n) for n in _FSDP_ONLY[1:] if getattr(par, n) not in (None, False)]
+        extras = [_flag(n) for n in _FSDP2_UNITS if getattr(par, n) not in (None, False)]
         extras += ["--torch-fsdp2-no-reshard-after-forward"] if no_reshard else []
         require(not extras, f"{', '.join(extras)} need --data-parallel-sharding-strategy optim_grads(_params)")
         return
     _check_fsdp(cfg)
+
+
+def check_meta_device_layers(cfg: Config) -> None:
+    """The one sharding rule that depends on the layers, checked once --transformer-impl is resolved: where every
+    rank holds every weight (no_shard, optim, --use-megatron-fsdp's optim_grads), a meta-device model gets its
+    storage and values right after it is built, which Transformer Engine's FP8 weights do not allow."""
+    par = cfg.parallel
+    te_fp8_weights = cfg.precision.fp8_param_gather and cfg.model.transformer_impl == "transformer_engine"
+    require(
+        not (par.init_model_with_meta_device and not par.fsdp and te_fp8_weights),
+        f"--data-parallel-sharding-strategy {par.data_parallel_sharding_strategy} with --init-model-with-meta-device"
+        " and --fp8-param-gather: Transformer Engine makes its FP8 weights as it builds them, which the meta device"
+        " defers (not built); drop one of the two flags, or shard the weights (optim_grads_params, or"
+        " --use-torch-fsdp2)",
+    )
 
 
 def _check_dtypes(cfg: Config) -> None:
@@ -121,7 +137,7 @@ def _check_grad_shards(cfg: Config) -> None:
         opt.use_distributed_optimizer = True
         cfg.notes.append(f"{strategy}: the distributed optimizer's buckets, state and checkpoints")
     require(cfg.data_parallel_size > 1, f"{strategy} shards over the data-parallel ranks: run at least two")
-    extras = [_flag(n) for n in _FSDP_ONLY[1:] if getattr(par, n) not in (None, False)]
+    extras = [_flag(n) for n in _FSDP2_UNITS if getattr(par, n) not in (None, False)]
     require(not extras, f"{', '.join(extras)} configure FSDP2's units: add --use-torch-fsdp2, or drop them")
     pp = par.pipeline_model_parallel_size
     require(

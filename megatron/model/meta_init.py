@@ -8,6 +8,11 @@ its values are the part's values in the whole model. Each twin is built where an
 Transformer Engine's layers on the GPU, initialized by TE as in an ordinary build), cast as the ordinary build casts
 (the training dtype; fp32 FSDP shards keep those values in fp32), copied into this rank's shards and dropped.
 
+The flat-bucket engine (--use-megatron-fsdp's optim_grads, megatron/parallel/grad_shards.py) keeps every weight whole,
+so there `materialize` gives the whole model its storage on the device and its values the same way, before the FP8
+state and the buckets see it: the host never holds more than one part, as FSDP's ranks never hold more than their
+shards and one part.
+
 Transformer Engine's modules are built with device="meta" inside the meta-device context (te_layers.py), which makes
 TE defer its own initialization. The FP8 state is real from the start: the local engine's amax state and the FP8
 all-gather scales are made on the run's device (training/build.py, parallel/fsdp.py); TE makes its own at the first
@@ -22,7 +27,7 @@ import torch
 from torch import nn
 
 from megatron.fp8.fsdp_params import shards_written
-from megatron.parallel.fsdp import flat_offset, local_shard
+from megatron.parallel.fsdp import flat_offset, local_shard, parallel_attributes, set_parallel_attributes
 
 from .gpt import Stage
 
@@ -59,6 +64,15 @@ class DeferredInit:
             self.model = build(stage=stage)
         self._rng_after = torch.get_rng_state()
         self.largest_part = 0
+
+    def materialize(self, device: torch.device) -> nn.Module:
+        """The model unsharded on `device` in the training dtype (an ordinary build's `model.to(device, dtype)`),
+        given its values part by part."""
+        attributes = parallel_attributes(self.model)
+        self.model.to(dtype=self._dtype).to_empty(device=device)
+        set_parallel_attributes(self.model, attributes)  # to_empty may give the parameters new objects
+        self(self.model)
+        return self.model
 
     @torch.no_grad()
     def __call__(self, model: nn.Module) -> None:

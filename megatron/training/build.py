@@ -72,6 +72,10 @@ def build_model(
         with times.phase("model built on the meta device"):
             deferred = DeferredInit(build, stage, cfg.precision.params_dtype)
         model = deferred.model
+        if not par.fsdp:  # the flat-bucket engine keeps the weights whole: its values now, a part at a time
+            with times.phase(f"model given its values on {device.type}, a part at a time"):
+                model = deferred.materialize(device)
+            deferred = None
     else:
         deferred = None
         with times.phase("model built, its weights drawn on the CPU"):

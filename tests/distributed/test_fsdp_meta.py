@@ -50,8 +50,10 @@ def _fp8_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def _attributes(param: torch.Tensor) -> dict[str, object]:
-    """The parallel attributes the gradient, optimizer and checkpoint code read (not the gradient shard itself)."""
-    return {k: v for k, v in vars(param).items() if not k.startswith("_") and not isinstance(v, torch.Tensor)}
+    """The parallel attributes the gradient, optimizer and checkpoint code read: values, not the gradient shard or an
+    FP8 weight's linear state (each run's own object)."""
+    values = (bool, int, float, str, tuple, torch.dtype, type(None))
+    return {k: v for k, v in vars(param).items() if not k.startswith("_") and isinstance(v, values)}
 
 
 def compare_meta_to_eager(flags: str, world_size: int, builds: list[tuple[bool, int]]) -> tuple[list, list]:
@@ -87,3 +89,24 @@ def _body(rank, world_size):
 
 def test_meta_device_init_with_local_fp8():
     run_distributed(_body, world_size=2)
+
+
+WHOLE = {  # the strategies whose ranks hold every weight: the model gets its storage and values before the buckets
+    "optim_grads": ["", "--fp8-param-gather"],  # the flat-bucket engine (ZeRO-2)
+    "optim": ["--fp8-param-gather"],  # the distributed optimizer
+    "no_shard": [""],  # DDP's buckets
+}
+
+
+def _whole_body(rank, world_size):
+    builds = record_deferred_builds()
+    for strategy, gathers in WHOLE.items():
+        for gather in gathers:
+            flags = f"{BASE} --train-iters {STEPS} --eval-iters 0 --bf16 --use-megatron-fsdp {FP8} {gather}"
+            flags += f" --data-parallel-sharding-strategy {strategy}"
+            got, want = compare_meta_to_eager(flags, world_size, builds)
+            assert len(got) == STEPS and got == want, (flags, got, want)
+
+
+def test_meta_device_init_where_every_rank_holds_every_weight():
+    run_distributed(_whole_body, world_size=2)

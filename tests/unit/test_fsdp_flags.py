@@ -3,6 +3,7 @@
 import pytest
 
 from megatron.config import ConfigError, parse_args
+from megatron.config.sharding import check_meta_device_layers
 
 BASE = "--mock-data --vocab-size 128 --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16"
 
@@ -175,3 +176,18 @@ def test_no_reshard_after_forward_parses_as_megatron_lm_spells_it(strategy):
     assert noted == (strategy == "optim_grads"), cfg.notes
     both = parse(f"{TORCH} {FSDP} --data-parallel-sharding-strategy {strategy} {NO_RESHARD}")  # FSDP2 runs both
     assert both.parallel.fsdp and not both.parallel.torch_fsdp2_reshard_after_forward
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim", "no_shard"])
+def test_meta_device_init_with_whole_weights_is_built(strategy):
+    """Strategies whose ranks hold every weight build the model on the meta device and give it its storage and values
+    at once (tests/distributed/test_fsdp_meta.py); Transformer Engine's FP8 weights are made as TE builds them."""
+    flags = f"{FSDP} --data-parallel-sharding-strategy {strategy} --bf16 --init-model-with-meta-device"
+    fp8 = "--fp8-format hybrid --fp8-param-gather" + ("" if strategy == "no_shard" else " --use-distributed-optimizer")
+    cfg = parse(f"{flags} {fp8}")
+    assert cfg.parallel.init_model_with_meta_device and not cfg.parallel.fsdp
+    cfg.model.transformer_impl = "transformer_engine"  # TE does not import on a CPU: its rule alone
+    with pytest.raises(ConfigError) as error:
+        check_meta_device_layers(cfg)
+    message = str(error.value)
+    assert "Transformer Engine makes its FP8 weights as it builds them" in message and "\n" not in message
