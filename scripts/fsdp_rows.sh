@@ -28,12 +28,14 @@
 #                                            with its weights whole (FP8) and O2's states, with and without one layer
 #                                            recomputed (estimated 75.5 and 76.5 GiB) (about 9.5 minutes)
 #   bash scripts/fsdp_rows.sh noreshard OUTDIR  --torch-fsdp2-no-reshard-after-forward: its GPU test (TE, bf16 and FP8,
-#                                            --fp8-param-gather over 30 steps), then llama-1b fsdp2_noreshard beside
+#                                            --fp8-param-gather over 30 steps), TE's meta-device init under the
+#                                            flat-bucket engine, then llama-1b fsdp2_noreshard beside
 #                                            fsdp2 and dp2_distopt with their lower bounds (estimated 19.07 GiB
 #                                            against fsdp2's 17.24) (about 7 minutes)
-#   bash scripts/fsdp_rows.sh parity OUTDIR  loss parity on real text at DP=2 of FSDP's FP8 reduce-scatter (O1) against
-#                                            the bf16 run in docs/loss_parity/llama-150m-fsdp-dp2.json (same data and
-#                                            seed), llama-150m, 1000 iterations (about 4 minutes; needs
+#   bash scripts/fsdp_rows.sh parity OUTDIR  loss parity on real text at DP=2 of the flat-bucket engine (FP8 weights)
+#                                            and of the distributed optimizer's te-delayed against the bf16 run in
+#                                            docs/loss_parity/llama-150m-fsdp-dp2.json (same data and seed),
+#                                            llama-150m, 1000 iterations each (about 8 minutes; needs
 #                                            .interop/parity.tar.xz: tools/build_parity_corpus.py's .bin/.idx, tarred)
 # OUTDIR gets a summary (summary.txt: the tables and each test's last lines) and every run's log (logs/). Megatron-LM's
 # sources must be where .devkit/anchors/megatron_run.sh looks (../shared/anchors/README.md).
@@ -118,16 +120,21 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
   noreshard)
     timeout 200 python3 -m pytest -q -x -s tests/gpu/test_te_fsdp.py -k no_reshard > "$OUT/logs/test_te_fsdp_no_reshard.txt" 2>&1
     echo "test_te_fsdp -k no_reshard: rc=$? $(tail -1 "$OUT/logs/test_te_fsdp_no_reshard.txt")" | tee -a "$OUT/summary.txt"
+    timeout 100 python3 -m pytest -q -x tests/gpu/test_te_fsdp_meta.py -k flat_bucket > "$OUT/logs/test_te_meta_zero2.txt" 2>&1
+    echo "test_te_fsdp_meta -k flat_bucket: rc=$? $(tail -1 "$OUT/logs/test_te_meta_zero2.txt")" | tee -a "$OUT/summary.txt"
     common=(--presets llama-1b --iters 30 --log-interval 5 --timeout 100 --bound --probe-cache "$OUT/probes.json")
     bench "${common[@]}" --configs te-delayed --layouts dp2_distopt fsdp2 fsdp2_noreshard;;
   parity)
     mkdir -p data && tar -xJf .interop/parity.tar.xz -C data || exit 1
     D="--data-path data/parity/parity_text_document --split 98,1,1 --tokenizer-type GPT2BPETokenizer \
 --vocab-file megatron/data/assets/stdlib-bpe-vocab.json --merge-file megatron/data/assets/stdlib-bpe-merges.txt"
-    F="--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
+    # the flat-bucket engine (optim_grads on the distributed optimizer's buckets) with FP8 weights, and the
+    # distributed optimizer's te-delayed at DP=2 (the seventh session's version-counter fix of its all-gathers)
+    Z="--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
     cp docs/loss_parity/llama-150m-fsdp-dp2.json "$OUT/parity.json"  # merged: runs of the same name are replaced
-    timeout 560 python3 scripts/loss_parity.py --preset llama-150m --eval-iters 5 --nproc-per-node 2 --deadline 540 $D \
+    timeout 580 python3 scripts/loss_parity.py --preset llama-150m --eval-iters 5 --nproc-per-node 2 --deadline 560 $D \
       --results "$OUT/parity.json" --log-dir "$OUT/logs" --out "$OUT/parity.md" \
-      --configs te-delayed+fsdpo1 --config-flags "te-delayed+fsdpo1=$F --fp8-grad-reduce" 2>&1 | tail -12 | tee -a "$OUT/summary.txt";;
+      --configs te-delayed-fp8params+zero2 te-delayed+distopt --config-flags "te-delayed-fp8params+zero2=$Z" --config-flags \
+      "te-delayed+distopt=--use-distributed-optimizer" 2>&1 | tail -12 | tee -a "$OUT/summary.txt";;
   *) echo "unknown part $PART: tests, new, 1b, host, 8b, 8b-nccl, megatron, zero2, noreshard or parity"; exit 2;;
 esac
