@@ -379,7 +379,8 @@ class Config:
                 recipe in LOCAL_FP8_PARAM_RECIPES,
                 f"--fp8-param-gather with --fp8-recipe {recipe}: the local engine keeps FP8 weights with one scale"
                 f" per tensor ({', '.join(LOCAL_FP8_PARAM_RECIPES)}); use one of those, --transformer-impl"
-                " transformer_engine or FSDP (--use-megatron-fsdp) for blockwise, or drop --fp8-param-gather",
+                " transformer_engine for blockwise, FSDP (--use-megatron-fsdp) for every recipe, or drop"
+                " --fp8-param-gather",
             )
         elif te and (self.optimizer.use_distributed_optimizer or self.parallel.fsdp):
             sharding = "FSDP" if self.parallel.fsdp else "--use-distributed-optimizer"

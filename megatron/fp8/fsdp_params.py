@@ -260,19 +260,18 @@ class Fp8ShardWeight(torch.Tensor):
         if scale.high_precision:
             return (_high_precision_input(self._tensor, orig_size, mesh, mp_policy.param_dtype),), None
         dtype = getattr(mp_policy, "param_dtype", None) or self._tensor.dtype  # the unit's other weights'
-        if scale.axes is not None:  # the cast(s) this pass needs; agreed first where no step did (a collective,
-            if not scale.fresh and scale.agreement is not None:  # as the gather is: every rank gathers the unit)
+        if orig_size[0] % mesh.size():  # FSDP2 wants a padded shard's input in the shard's shape: as bytes, on all
+            dtype = torch.uint8  # ranks (every rank's inputs must agree in dtype and element count)
+        if scale.axes is not None:  # the cast(s) this pass needs (fsdp_axes.py), agreed first where no step did (a
+            if not scale.fresh:  # collective, as the gather is: every rank gathers the unit)
+                assert scale.agreement is not None, "an FP8 weight cast per axis gathered without Fp8GatherScales"
                 scale.agreement.agree()
-            if not scale.fresh:
-                raise RuntimeError("a rowwise or mxfp8 FP8 weight was gathered before its scales were agreed")
             tensors, casts = scale.axes.inputs()
             return tuple(gather_view(t, dtype) for t in tensors), casts
         if not scale.fresh:  # gathered before this step's `agree` (no training step does): cast with today's scale
             rows = shard_rows(orig_size[0], mesh.size())
             first_row = 0 if scale.block is None else mesh.get_local_rank() * rows  # where the blocks start
             scale.fill(self._tensor, first_row, rows)
-        if orig_size[0] % mesh.size():  # FSDP2 wants a padded shard's input in the shard's shape: as bytes, on all
-            dtype = torch.uint8  # ranks (every rank's inputs must agree in dtype and element count)
         return (gather_view(scale.data, dtype),), (scale.scale_inv, scale.amax)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
