@@ -31,9 +31,10 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
     backward; a forward without a backward (evaluation) frees them all at its end (`_reshard_after_no_grad_forward`);
   * with --fp8-param-gather, the FP8 linears' weights are all-gathered as E4M3 bytes with one scale per tensor
     (delayed, tensorwise) or per 128x128 block (blockwise) agreed by the ranks once per step
-    (megatron/fp8/fsdp_params.py), and the linears read them as their FP8 operands: the local linears as their own
-    FP8 weights, Transformer Engine's as TE Float8Tensors (megatron/fp8/te_fsdp_params.py) or, blockwise,
-    Float8BlockwiseQTensors (megatron/fp8/te_blockwise_gather.py), which TE casts no more. With
+    (megatron/fp8/fsdp_params.py; rowwise and mxfp8, cast along both axes, gather the row cast for the forward and
+    the column cast for the backward: fsdp_axes.py), and the linears read them as their FP8 operands: the local
+    linears as their own FP8 weights, Transformer Engine's as TE Float8Tensors (megatron/fp8/te_fsdp_params.py)
+    or, blockwise, Float8BlockwiseQTensors (megatron/fp8/te_blockwise_gather.py), which TE casts no more. With
     --use-precision-aware-optimizer those weights' bf16 shards are freed once cast, from the training forward to the
     optimizer step (`reclaim_shards`).
 """
