@@ -2,7 +2,7 @@
 weights are cast along both axes (megatron/fp8/fsdp_axes.py), against the distributed optimizer with the same recipe
 (which casts the gathered weight itself) over 20 steps: within 1e-3 under optim_grads_params (and with activation
 recomputation and O2's precision-aware states), optim_grads and --torch-fsdp2-no-reshard-after-forward at DP=2, and
-at TP=2 x FSDP=2. Measured: a resharded unit's forward gathers carry the row cast only and its backward gathers the
+at TP=2 x FSDP=2 (with explicit prefetches). Measured: a resharded unit's forward gathers carry the row cast only and its backward gathers the
 column cast only, a unit kept gathered (or recomputed) gathers both at once; each layer's gather moves at most 0.55x
 the bf16 gather's bytes; one amax all-reduce per step. The gathered bytes and scales of both casts are the linear's
 own casts of the whole weight, `quantize(W)` and `quantize(W.t())`, byte for byte, at DP=2 and FSDP=4, where shard
@@ -138,7 +138,8 @@ def _four_body(rank, world_size):
     for name, recipe in RECIPES.items():
         flags = f"{FLAGS} --bf16 {recipe} --ffn-hidden-size 96 --tensor-model-parallel-size 2"
         want, _ = _run(f"{flags} {DISTOPT}", world_size)
-        (got, trainer, _), seen = _watched(f"{flags} --fp8-param-gather {PARAMS}", world_size)
+        # with explicit prefetches (--fsdp-double-buffer): FSDP2's state tells a backward prefetch too
+        (got, trainer, _), seen = _watched(f"{flags} --fp8-param-gather {PARAMS} --fsdp-double-buffer", world_size)
         _close(got, want, 1e-3, f"{name} TP=2 x FSDP=2")
         _check_phases(seen, split=True)
         _check_casts(trainer, name == "mxfp8")  # each tensor-parallel piece's casts are its own
