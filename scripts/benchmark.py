@@ -141,6 +141,10 @@ CONFIGS = {
     "local-rowwise": f"{LOCAL} --fp8-format hybrid --fp8-recipe rowwise",
     "local-blockwise": f"{LOCAL} --fp8-format e4m3 --fp8-recipe blockwise",
     "local-mxfp8": f"{LOCAL} --fp8-format e4m3 --fp8-recipe mxfp8",
+    # FSDP2 layouts (fsdp2*) only: the row cast gathered for the forward, the column cast for the backward
+    # (megatron/fp8/fsdp_axes.py); the distributed optimizer's local FP8 weights have one scale per tensor
+    "local-rowwise-fp8params": f"{LOCAL} --fp8-format hybrid --fp8-recipe rowwise --fp8-param-gather",
+    "local-mxfp8-fp8params": f"{LOCAL} --fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather",
 }
 
 GRAPHS = "+graphs"  # suffix of a config run with --cuda-graph-impl transformer_engine
