@@ -36,6 +36,9 @@ byte for byte):
   max-reduced in the same all-reduce, so that both ranks cast their rows of it with the whole block's scale. The
   scales ride in the gather, which FSDP2 allows only where the ranks divide the rows: a weight they do not divide
   stays a plain weight (gathered in the training dtype and cast by the linear, as without --fp8-param-gather).
+  The scales travel viewed as the unit's gather dtype, as the bytes do (fsdp_params.gather_view), with the same
+  caveat on CUDA: two E8M0 bytes reading as a bf16 NaN arrive as the canonical NaN's, which takes a block of amax in
+  (224, 448] beside one above 896 (or a NaN), far outside a weight's range.
 """
 
 from __future__ import annotations
