@@ -71,7 +71,7 @@ class AxesCast:
     def __init__(self, mx: bool, shape: tuple[int, ...], device: torch.device):
         self.mx, (self.rows, self.cols) = mx, shape
         self.amax = torch.zeros((), device=device)  # the whole weight's (agreed)
-        # rowwise: every row's and column's scale (agreed); the gathered operands' scale_inv views them
+        # rowwise: every row's and column's scale (agreed) and their reciprocals, the gathered operands' scale_inv
         self.row_scale = torch.ones(self.rows, device=device)
         self.col_scale = torch.ones(self.cols, device=device)
         self.row_scale_inv, self.col_scale_inv = self.row_scale.clone(), self.col_scale.clone()
@@ -162,7 +162,7 @@ class AxesCast:
         # the row cast: 1x32 blocks of this rank's rows, its own
         scale, scale_inv = block_scales(block_amax(shard, MX_BLOCK), E4M3, mx=True)
         self.row_data[:n].copy_(scaled_cast(shard, scale, MX_BLOCK, E4M3)[0].view(torch.uint8))
-        per_rank, slots, _ = self._mx_sizes(rows)
+        slots = self._mx_sizes(rows)[1]
         self.row_scales[: scale_inv.numel()].copy_(scale_inv.view(torch.uint8).reshape(-1))
         # the column cast: 32x1 blocks, those cut by a shard boundary with their agreed amaxes
         amax = self._column_block_amax(shard, first_row)
