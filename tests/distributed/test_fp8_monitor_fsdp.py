@@ -1,8 +1,8 @@
 """The FP8 monitor and guard under FSDP (optim_grads_params) on 2 gloo ranks, against the distributed optimizer with
 the same model, seed and flags: the same statistics and log lines, with and without --fp8-param-gather (where the
 weight's statistics count the cast of each rank's shard / main piece, not the FP8 weight read back; blockwise, rowwise
-and mxfp8, gathered as FP8 under FSDP only, against FSDP's high-precision gathers), and the guard names and moves the same layer to bf16
-(--fp8-auto-bf16; its gathered FP8 weights then dequantized)."""
+and mxfp8, gathered as FP8 under FSDP only, against FSDP's high-precision gathers), and the guard names and moves the
+same layer to bf16 (--fp8-auto-bf16; its gathered FP8 weights then dequantized)."""
 
 from __future__ import annotations
 
