@@ -380,14 +380,16 @@ class Config:
                 recipe in LOCAL_FP8_PARAM_RECIPES,
                 f"--fp8-param-gather with --fp8-recipe {recipe}: the local engine keeps FP8 weights with one scale"
                 f" per tensor ({', '.join(LOCAL_FP8_PARAM_RECIPES)}); use one of those, --transformer-impl"
-                " transformer_engine or FSDP (--use-megatron-fsdp) for blockwise, or drop --fp8-param-gather",
+                " transformer_engine for blockwise, FSDP (--use-megatron-fsdp) for every recipe, or drop"
+                " --fp8-param-gather",
             )
-        elif self.optimizer.use_distributed_optimizer:
+        elif te and (self.optimizer.use_distributed_optimizer or self.parallel.fsdp):
+            sharding = "FSDP" if self.parallel.fsdp else "--use-distributed-optimizer"
             require(
                 recipe in TE_FP8_PARAM_RECIPES,
-                f"--fp8-param-gather with --use-distributed-optimizer and --fp8-recipe {recipe}: Transformer"
-                f" Engine's {recipe} weights cannot be all-gathered as FP8 bytes; use --fp8-recipe"
-                f" {'|'.join(TE_FP8_PARAM_RECIPES)}, or drop one of the two flags",
+                f"--fp8-param-gather with {sharding} and --fp8-recipe {recipe}: Transformer Engine's {recipe}"
+                f" weights cannot be all-gathered as FP8 bytes; use --fp8-recipe {'|'.join(TE_FP8_PARAM_RECIPES)}"
+                " (or, under FSDP, --transformer-impl local, which gathers every recipe), or drop --fp8-param-gather",
             )
 
     def _check_context_parallel(self) -> None:

@@ -10,10 +10,10 @@ from .base import option, require
 #: `Fp8Parameter` has one scale per tensor; Transformer Engine's own quantized tensors (megatron/fp8/params.py).
 LOCAL_FP8_PARAM_RECIPES = ("delayed", "tensorwise")
 TE_FP8_PARAM_RECIPES = ("delayed", "tensorwise", "blockwise")
-#: Under FSDP the weights (local and Transformer Engine's) stay high-precision shards cast for the all-gathers, one
-#: scale per tensor or per 128x128 block (megatron/fp8/fsdp_params.py, te_fsdp_params.py, te_blockwise_gather.py).
-#: Rowwise and mxfp8 cast the weight along both axes for its two GEMMs: gathered FP8 bytes serve only one.
-FSDP_FP8_GATHER_RECIPES = ("delayed", "tensorwise", "blockwise")
+#: Under FSDP the weights stay high-precision shards cast for the all-gathers: Transformer Engine's with one scale per
+#: tensor or per 128x128 block (`TE_FP8_PARAM_RECIPES`: te_fsdp_params.py, te_blockwise_gather.py), the local
+#: layers' with every recipe (megatron/fp8/fsdp_params.py; rowwise and mxfp8, whose two GEMMs read casts along both
+#: axes of the weight, gather the cast each pass needs: megatron/fp8/fsdp_axes.py).
 
 
 @dataclass
@@ -81,8 +81,9 @@ class PrecisionConfig:
     copy, quantized straight into the weights after each step. Saves 2 bytes per weight (plus the FP8 copies that
     would otherwise be cached). With --use-distributed-optimizer each data-parallel rank casts its shard and the
     all-gather moves FP8 bytes (Megatron-LM's FP8 recipe). Recipes: delayed, tensorwise; blockwise on Transformer
-    Engine, or under FSDP with the local layers (which gathers FP8 weights, keeping fp32 shards). Checkpoints hold
-    the weights dequantized (so they load anywhere) and the fp32 main parameters."""
+    Engine; under FSDP (which gathers FP8 weights, keeping fp32 shards) every recipe with the local layers (rowwise
+    and mxfp8 gather the row cast for the forward and the column cast for the backward: docs/fsdp.md). Checkpoints
+    hold the weights dequantized (so they load anywhere) and the fp32 main parameters."""
     fp8_dot_product_attention: bool = False
     """Run attention's batched GEMMs (QK^T and softmax x V, forward and backward) in FP8 as well: Transformer
     Engine's `fp8_dpa` (cuDNN's FP8 fused attention; a beta feature of TE). Attention is about a quarter of an FP8

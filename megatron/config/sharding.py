@@ -12,7 +12,7 @@ from .base import require
 from .model import ModelConfig
 from .optimizer import OptimizerConfig
 from .parallel import ParallelConfig
-from .precision import FSDP_FP8_GATHER_RECIPES, PrecisionConfig
+from .precision import PrecisionConfig
 from .training import CheckpointConfig, TrainingConfig
 
 
@@ -170,12 +170,6 @@ def _check_fsdp(cfg: Config) -> None:
         pp == 1,
         f"{strategy} with --pipeline-model-parallel-size {pp}: not built yet (FSDP composes with tensor and context"
         " parallelism only)",
-    )
-    require(
-        not prec.fp8_param_gather or prec.fp8_recipe in FSDP_FP8_GATHER_RECIPES,
-        f"{strategy} with --fp8-param-gather and --fp8-recipe {prec.fp8_recipe}: its weight is cast along both axes"
-        " (the dgrad operand is a second cast, not the transpose), so FP8 all-gathered bytes cannot serve both GEMMs;"
-        f" use --fp8-recipe {'|'.join(FSDP_FP8_GATHER_RECIPES)} or drop --fp8-param-gather",
     )
     require(not prec.fp16, f"{strategy} with --fp16: not built yet; use --bf16")
     # --fp8-grad-reduce (and O1, O2): each unit's reduce-scatter sends FP8 (megatron/parallel/fsdp_fp8_reduce.py);

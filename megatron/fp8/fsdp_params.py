@@ -43,9 +43,9 @@ shards wherever a shard's rows are not a multiple of 128. `agree` max-reduces ev
 the weight (the tensor-parallel pieces are cast block by block on their own, as the linear casts them): every rank
 then holds the whole grid of scales, casts its rows with their blocks' scales, and the grid travels as metadata
 like the per-tensor scale. The gathered bytes and scales are those the linear casts from the whole weight, and, as
-the blocks are square, the transpose of q(W) is the dgrad operand q(W^T). Rowwise and mxfp8 are not gathered in
-FP8: their dgrad operand is a second cast of the weight along its other axis (recipes.py), which gathered q(W)
-bytes cannot give; gathering both casts would move two bytes per element, as bf16 does.
+the blocks are square, the transpose of q(W) is the dgrad operand q(W^T). Rowwise and mxfp8 cast the weight along
+both axes (their dgrad operand is a second cast, recipes.py): `GatherScale.axes` (fsdp_axes.py) casts both, and a
+gather moves the one its pass needs (or both), agreed in the same all-reduce as the block grids.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from .formats import E4M3, Role
+from .fsdp_axes import AXES_RECIPES, AxesCast
 from .quantize import (
     TENSOR,
     BLOCK_128x128,
@@ -111,6 +112,9 @@ class GatherScale:
         self.power_of_two = blockwise and state.recipe.power_of_two(Role.WEIGHT)  # the block scales' rule
         grid = tuple(-(-n // 128) for n in shape) if blockwise and shape is not None else ()
         self.scale = torch.ones(grid, device=device)
+        # rowwise and mxfp8: both casts of the shard, with their scales (fsdp_axes.py)
+        axes = state is not None and shape is not None and state.recipe.name in AXES_RECIPES
+        self.axes = AxesCast(state.recipe.mx, shape, device) if axes else None
         # The gathered weight's scale_inv and amax come from these tensors, which live as long as the weight: FSDP2
         # runs `fsdp_pre_all_gather` on its copy-in stream, and a tensor made there and freed once the gathered
         # weight has copied it (on the compute stream) could be handed to the next unit's pre-all-gather before the
@@ -127,9 +131,17 @@ class GatherScale:
         # parallel/fsdp.py, `Fp8GatherDtypes`): no scale agreed, no cast made
         self.high_precision = False
 
-    def local_amax(self, shard: torch.Tensor, first_row: int) -> torch.Tensor:
+    @property
+    def own_pieces(self) -> bool:
+        """Agreed over the ranks sharding the weight only (block and axis scales: a tensor-parallel piece's own)."""
+        return self.block is not None or self.axes is not None
+
+    def local_amax(self, shard: torch.Tensor, first_row: int, rows: int = 0) -> torch.Tensor:
         """What this rank contributes to the agreed amax: |shard|'s max (one scale), or the grid of block amaxes
-        over its rows [first_row, first_row + rows) of the whole weight, zeros in the blocks it holds no row of."""
+        over its rows [first_row, first_row + rows) of the whole weight, zeros in the blocks it holds no row of
+        (`rows`: FSDP's shard rows; axis scales: `AxesCast.local_amax`)."""
+        if self.axes is not None:
+            return self.axes.local_amax(shard, first_row, rows)
         if self.block is None:
             return tensor_amax(shard) if shard.numel() else self.amax.new_zeros(())
         grid = torch.zeros_like(self.scale)
@@ -150,10 +162,14 @@ class GatherScale:
         data, _ = scaled_cast(shard, self.scale[row_blocks], (1, cols), E4M3)  # each row with its blocks' scales
         return data
 
-    def fill(self, shard: torch.Tensor, first_row: int, rows: int) -> torch.Tensor:
+    def fill(self, shard: torch.Tensor, first_row: int, rows: int, ranks: int = 1) -> torch.Tensor | None:
         """`data`: the shard's `cast`, padded to `rows` (FSDP's shard rows) with zero rows; allocated once and
         written in place. One scale on CUDA: one fused kernel writing into it (`triton_kernels.tensor_cast`, the
-        same bytes, checked against the eager cast once per process)."""
+        same bytes, checked against the eager cast once per process). Axis scales: `AxesCast.fill` (over `ranks`)."""
+        if self.axes is not None:
+            self.axes.fill(shard, first_row, rows, ranks)
+            self.fresh = True
+            return None
         shape = (rows, *shard.shape[1:])
         if self.data is None or self.data.shape != shape:
             self.data = torch.zeros(shape, dtype=torch.uint8, device=shard.device)
@@ -167,10 +183,14 @@ class GatherScale:
         self.fresh = True
         return self.data
 
-    def set(self, amax: torch.Tensor) -> None:
+    def set(self, amax: torch.Tensor, rows: int = 0) -> None:
         """The weight's agreed amax (blockwise: the grid of block amaxes), and its scale: delayed scaling's current
         weight scale once it has one (the scale the distributed optimizer casts its FP8 weights with), else
         fp8_max / amax (blockwise: per block, powers of two unless --fp8-blockwise-fp32-scales, as the linear's)."""
+        if self.axes is not None:
+            self.axes.set(amax, rows)
+            return
+        amax = amax.reshape(self.scale.shape)
         if self.block is not None:
             self.amax.copy_(amax.amax())
             self.scale.copy_(scale_from_amax(amax, E4M3, self.power_of_two))
@@ -239,18 +259,27 @@ class Fp8ShardWeight(torch.Tensor):
         scale = self._scale
         if scale.high_precision:
             return (_high_precision_input(self._tensor, orig_size, mesh, mp_policy.param_dtype),), None
+        dtype = getattr(mp_policy, "param_dtype", None) or self._tensor.dtype  # the unit's other weights'
+        if orig_size[0] % mesh.size():  # FSDP2 wants a padded shard's input in the shard's shape: as bytes, on all
+            dtype = torch.uint8  # ranks (every rank's inputs must agree in dtype and element count)
+        if scale.axes is not None:  # the cast(s) this pass needs (fsdp_axes.py), agreed first where no step did (a
+            if not scale.fresh:  # collective, as the gather is: every rank gathers the unit)
+                assert scale.agreement is not None, "an FP8 weight cast per axis gathered without Fp8GatherScales"
+                scale.agreement.agree()
+            tensors, casts = scale.axes.inputs()
+            return tuple(gather_view(t, dtype) for t in tensors), casts
         if not scale.fresh:  # gathered before this step's `agree` (no training step does): cast with today's scale
             rows = shard_rows(orig_size[0], mesh.size())
             first_row = 0 if scale.block is None else mesh.get_local_rank() * rows  # where the blocks start
             scale.fill(self._tensor, first_row, rows)
-        dtype = getattr(mp_policy, "param_dtype", None) or self._tensor.dtype  # the unit's other weights'
-        if orig_size[0] % mesh.size():  # FSDP2 wants a padded shard's input in the shard's shape: as bytes, on all
-            dtype = torch.uint8  # ranks (every rank's inputs must agree in dtype and element count)
         return (gather_view(scale.data, dtype),), (scale.scale_inv, scale.amax)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         """The gathered weight (first gather), or nothing to do for `out`: its bytes are the re-allocated outputs
         already, and its scale and amax are the weight's own `GatherScale` tensors, which `agree` updates."""
+        if isinstance(metadata, str):  # cast per axis: `metadata` says which casts came (fsdp_axes.py)
+            casts = tuple(gathered_bytes(t) for t in outputs)
+            return self._scale.axes.gathered(casts, metadata, param_dtype, out), outputs
         (data,) = outputs
         if out is not None:
             return None
@@ -396,7 +425,7 @@ class Fp8GatherScales:
         shards = self._fp8_gathered()
         if self.stale and shards:
             with torch.no_grad():
-                blockwise = [s.to_local()._scale.block is not None for s in shards]
+                blockwise = [s.to_local()._scale.own_pieces for s in shards]
                 per_tensor = [s for s, blocks in zip(shards, blockwise) if not blocks]
                 if per_tensor:
                     self._agree(per_tensor, self.group)
@@ -445,13 +474,16 @@ class Fp8GatherScales:
     @staticmethod
     def _agree(shards: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
         locals_ = [s.to_local() for s in shards]
-        first_rows = [s.device_mesh.get_local_rank() * shard_rows(s.shape[0], s.device_mesh.size()) for s in shards]
-        amaxes = [t._scale.local_amax(t._tensor, row) for t, row in zip(locals_, first_rows)]
+        rows = [shard_rows(s.shape[0], s.device_mesh.size()) for s in shards]
+        first_rows = [s.device_mesh.get_local_rank() * n for s, n in zip(shards, rows)]
+        amaxes = [t._scale.local_amax(t._tensor, row, n) for t, row, n in zip(locals_, first_rows, rows)]
         flat = torch.cat([a.reshape(-1) for a in amaxes])
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
-        for shard, local, row, agreed in zip(shards, locals_, first_rows, flat.split([a.numel() for a in amaxes])):
-            local._scale.set(agreed.reshape(local._scale.scale.shape))
-            local._scale.fill(local._tensor, row, shard_rows(shard.shape[0], shard.device_mesh.size()))
+        for shard, local, row, n, agreed in zip(
+            shards, locals_, first_rows, rows, flat.split([a.numel() for a in amaxes])
+        ):
+            local._scale.set(agreed, n)
+            local._scale.fill(local._tensor, row, n, shard.device_mesh.size())
 
 
 def shards_written(model: torch.nn.Module) -> None:

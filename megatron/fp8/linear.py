@@ -63,7 +63,7 @@ class Fp8LinearState:
         this rank cast into it and the weight's row it starts at (the distributed optimizer's main piece, flat, at
         0; FSDP's shard [rows, in]; training/build.py sets it). The monitor counts that cast; the pieces of all
         ranks make up the weight once."""
-        self._weight_cache: tuple[Any, Fp8Tensor, Fp8Tensor] | None = None
+        self._weight_cache: tuple[Any, Fp8Tensor, Fp8Tensor | None] | None = None
         self.cache_weight = True
         """Keep the weight's casts for the step's later micro-batches. Off under FSDP (megatron/parallel/fsdp.py),
         which frees each gathered weight after use: cached casts of every layer would hold a byte or two per
@@ -122,9 +122,11 @@ class Fp8LinearState:
             self.stats.record(self.index, role, t, recipe, options.get("scale"))
         return q, q_t
 
-    def weight_operands(self, weight: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
+    def weight_operands(self, weight: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor | None]:
         """(q(W) along K for fprop, q(W^T) along N for dgrad), cached until the step ends or W changes. An FP8
-        weight (--fp8-param-gather) is its own q(W); only its transpose is made here."""
+        weight (--fp8-param-gather) is its own q(W); only its transpose is made here, but for a weight gathered per
+        axis under FSDP (rowwise, mxfp8: fsdp_axes.py), whose dgrad operand the backward reads from its own gather
+        (None here)."""
         if holds_fp8(weight):
             key: tuple = (id(weight), weight.version)
         else:
@@ -135,13 +137,13 @@ class Fp8LinearState:
             return w_q, w_t
         if holds_fp8(weight):
             w_q = weight.fp8_tensor()
-            w_t = w_q.t()
+            w_t = None if hasattr(weight, "dgrad_operand") else w_q.t()
             self.amax.record(self.index, Role.WEIGHT, w_q.amax)
             if self.stats is not None:
                 self._record_fp8_weight(weight)
         else:
             w_q, w_t = self.quantize(weight.detach(), Role.WEIGHT, rows=True, cols=True)
-        assert w_q is not None and w_t is not None
+        assert w_q is not None and (w_t is not None or holds_fp8(weight))
         if self.cache_weight:
             self._weight_cache = (key, w_q, w_t)
         return w_q, w_t
@@ -156,6 +158,9 @@ class Fp8LinearState:
             self.stats.record(self.index, Role.WEIGHT, weight.dequantize(), self.recipe, scale)
             return
         piece, first_row = self.weight_piece()
+        if hasattr(weight, "dgrad_operand") and piece.numel():  # rowwise, mxfp8: a row's scales are its own
+            self.stats.record(self.index, Role.WEIGHT, piece, self.recipe, None)  # (fsdp_axes.py)
+            return
         self.stats.record_cast(self.index, Role.WEIGHT, piece, first_row, weight.scale_inv.reciprocal(), self.recipe)
 
     def drop_weight_cache(self) -> None:
@@ -185,7 +190,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # an FP8 weight's gradient is formed in fp32 and added into main_grad (params.py)
         ctx.fp8_weight = weight if holds_fp8(weight) else None
         ctx.w_dtype = torch.float32 if ctx.fp8_weight is not None else weight.dtype
-        ctx.w_t = w_t  # FP8, shared with the weight cache
+        ctx.w_t = w_t  # FP8, shared with the weight cache (None: the gathered weight's, read in backward)
         ctx.x_t = x_t  # FP8 wgrad operand (None unless fp8 wgrad)
         ctx.save_for_backward(x if weight_grad and not recipe.fp8_wgrad else None)
         return y
@@ -202,7 +207,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
         dx = dw = db = None
         if need_dx:
-            dx = fp8_gemm(dy_q, ctx.w_t, ctx.x_dtype)[: ctx.tokens]
+            w_t = ctx.w_t if ctx.w_t is not None else ctx.fp8_weight.dgrad_operand()
+            dx = fp8_gemm(dy_q, w_t, ctx.x_dtype)[: ctx.tokens]
         if fp8_wgrad:
             dw = fp8_gemm(dy_t, ctx.x_t, ctx.w_dtype)
         elif need_dw:

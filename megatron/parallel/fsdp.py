@@ -31,9 +31,10 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
     backward; a forward without a backward (evaluation) frees them all at its end (`_reshard_after_no_grad_forward`);
   * with --fp8-param-gather, the FP8 linears' weights are all-gathered as E4M3 bytes with one scale per tensor
     (delayed, tensorwise) or per 128x128 block (blockwise) agreed by the ranks once per step
-    (megatron/fp8/fsdp_params.py), and the linears read them as their FP8 operands: the local linears as their own
-    FP8 weights, Transformer Engine's as TE Float8Tensors (megatron/fp8/te_fsdp_params.py) or, blockwise,
-    Float8BlockwiseQTensors (megatron/fp8/te_blockwise_gather.py), which TE casts no more. With
+    (megatron/fp8/fsdp_params.py; rowwise and mxfp8, cast along both axes, gather the row cast for the forward and
+    the column cast for the backward: fsdp_axes.py), and the linears read them as their FP8 operands: the local
+    linears as their own FP8 weights, Transformer Engine's as TE Float8Tensors (megatron/fp8/te_fsdp_params.py)
+    or, blockwise, Float8BlockwiseQTensors (megatron/fp8/te_blockwise_gather.py), which TE casts no more. With
     --use-precision-aware-optimizer those weights' bf16 shards are freed once cast, from the training forward to the
     optimizer step (`reclaim_shards`).
 """
@@ -60,6 +61,7 @@ from megatron.config.sharding import (
     main_grads_bf16,
     shards_hold_main_weights,
 )
+from megatron.fp8.fsdp_axes import bind_gather_phases, gathers_axes
 from megatron.fp8.fsdp_params import Fp8GatherScales, Fp8ShardWeight, shard_data, wrap_fp8_weight
 from megatron.fp8.linear import Fp8LinearState
 from megatron.fp8.te_blockwise_gather import wrap_te_weight
@@ -186,11 +188,12 @@ def te_gathers_fp8(model: nn.Module) -> Callable[[nn.Module], bool]:
     return gathers_fp8
 
 
-def _wrap_fp8_weights(modules: list[nn.Module], device: torch.device) -> None:
+def _wrap_fp8_weights(modules: list[nn.Module], device: torch.device, ranks: int) -> None:
     """--fp8-param-gather: the FP8 linears' (fp32) weights become shards whose all-gather moves E4M3 bytes: the local
     linears (their `fp8` state) and the Transformer Engine linears of the layers in FP8 (`te_modules()` of a layer
     whose autocast has it among its FP8 layers; layers kept in bf16 gather bf16). Their scales are made on `device`
-    (the weights may still be on the meta device)."""
+    (the weights may still be on the meta device). mxfp8 weights whose rows the `ranks` do not divide stay plain
+    (megatron/fp8/fsdp_axes.py, `gathers_axes`)."""
     for module in modules:
         for sub in module.modules():
             if hasattr(sub, "te_modules"):
@@ -200,7 +203,8 @@ def _wrap_fp8_weights(modules: list[nn.Module], device: torch.device) -> None:
                         if not isinstance(linear.weight, DTensor):
                             linear.weight = wrap_te_weight(linear.weight, autocast.recipe, device)
             elif isinstance(getattr(sub, "fp8", None), Fp8LinearState) and not isinstance(sub.weight, DTensor):
-                sub.weight = wrap_fp8_weight(sub.weight, sub.fp8, device)
+                if gathers_axes(sub.fp8.recipe.name, sub.weight.shape[0], ranks):
+                    sub.weight = wrap_fp8_weight(sub.weight, sub.fp8, device)
 
 
 def _cast_unsharded(modules: list[nn.Module], dtype: torch.dtype) -> None:
@@ -254,7 +258,7 @@ def apply_fsdp(
     def shard(modules: list[nn.Module], reshard: bool) -> nn.Module:
         _cast_unsharded(modules, shard_dtype)
         if fp8_gather:
-            _wrap_fp8_weights(modules, device)
+            _wrap_fp8_weights(modules, device, mesh.size())
         fully_shard(
             modules if len(modules) > 1 else modules[0], mesh=mesh, mp_policy=policy, reshard_after_forward=reshard
         )
@@ -464,6 +468,7 @@ def build_fsdp(
         set_parallel_attributes(model, attributes)
         initialize(model)
     share_padded_storage(model)
+    bind_gather_phases(_fp8_fsdp_params(model), recompute=cfg.model.recompute_granularity is not None)
     if shard_params and not par.torch_fsdp2_reshard_after_forward:
         model.register_forward_hook(_reshard_after_no_grad_forward(units))
     grads = ShardedGrads(model, keep, torch.bfloat16 if main_grads_bf16(cfg) else torch.float32)

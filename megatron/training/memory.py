@@ -71,6 +71,7 @@ from megatron.config.sharding import (
     main_grads_bf16,
     shards_hold_main_weights,
 )
+from megatron.fp8.fsdp_axes import AXES_RECIPES
 from megatron.optim.states import state_bytes
 
 from .activation_memory import calibration_activation_units, recomputed_activation_units
@@ -126,12 +127,19 @@ def _fsdp_weights_and_grads(cfg: Config, num_params: int, itemsize: int, fp8_gat
     """FSDP's weight and gradient shards per rank: fp32 (bf16 gradients with --megatron-fsdp-main-grads-dtype bf16;
     the weight shards are the main weights, or hold the training dtype with --use-precision-aware-optimizer, whose
     main weights `estimate_bytes` counts as the optimizer's), and the E4M3 cast of the `fp8_gathered` parameters'
-    shards that their all-gathers send (1 byte each, kept from one step's cast to the next). Under tensor
-    parallelism `num_params` is this rank's tensor-parallel piece, which FSDP shards over the data (x context)
-    parallel ranks."""
+    shards that their all-gathers send (1 byte each, 2 under rowwise and mxfp8: `_fp8_gathered_casts`; kept from one
+    step's cast to the next). Under tensor parallelism `num_params` is this rank's tensor-parallel piece, which FSDP
+    shards over the data (x context) parallel ranks."""
     dp = _optimizer_shards(cfg)
     shard_bytes = 4 if shards_hold_main_weights(cfg) else itemsize
-    return (num_params * shard_bytes + fp8_gathered) / dp, num_params * (2 if main_grads_bf16(cfg) else 4) / dp
+    casts = fp8_gathered * _fp8_gathered_casts(cfg)
+    return (num_params * shard_bytes + casts) / dp, num_params * (2 if main_grads_bf16(cfg) else 4) / dp
+
+
+def _fp8_gathered_casts(cfg: Config) -> int:
+    """E4M3 casts of an FP8-gathered weight FSDP keeps per step and gathers into a unit kept gathered: two (along
+    both axes, 1 byte each) for the local layers' rowwise and mxfp8 (megatron/fp8/fsdp_axes.py), else one."""
+    return 2 if cfg.precision.fp8_recipe in AXES_RECIPES and not _te(cfg) else 1
 
 
 def _fsdp_freed_shards(cfg: Config, fp8_gathered: float, itemsize: int) -> float:
@@ -159,8 +167,9 @@ def _fsdp_buffers(
     with the gathered unit and freed with it: 2 bytes, as in bf16 (then without TE's own cast of the bf16 weight,
     which is not held at the peak either: see the module docstring). Not blockwise: TE derives that layer's
     column-wise copy in its backward, one linear at a time, and drops it after the dgrad (te_blockwise_gather.py),
-    so 1 byte (its grid of block scales, 4 bytes per 16384 elements, is not counted). Norm weights are counted as
-    the linears.
+    so 1 byte (its grid of block scales, 4 bytes per 16384 elements, is not counted). The local layers' rowwise and
+    mxfp8 weights in a unit kept gathered hold both casts: 2 bytes (mxfp8's scales not counted). Norm weights are
+    counted as the linears.
 
     staging: after the output unit's backward, each unit's backward holds its unsharded gradient (training dtype)
     while the previous unit's reduce-scatter input and output (the reduce dtype: bf16 with bf16 gradient shards or
@@ -169,7 +178,8 @@ def _fsdp_buffers(
     the staging of the largest unit exceeds them by raises the peak."""
     par, prec, m = cfg.parallel, cfg.precision, cfg.model
     fp8 = prec.fp8_layer_numbers(m.num_layers)
-    fp8_bytes = (2 if _te(cfg) and prec.fp8_recipe != "blockwise" else 1) if prec.fp8_param_gather else itemsize
+    fp8_bytes = _fp8_gathered_casts(cfg) if prec.fp8_param_gather else itemsize
+    fp8_bytes = 2 if prec.fp8_param_gather and _te(cfg) and prec.fp8_recipe != "blockwise" else fp8_bytes
     per_unit = _layers_per_unit(cfg, layer)
     if par.data_parallel_sharding_strategy == "optim_grads" or not par.torch_fsdp2_reshard_after_forward:
         gathered = (num_params - len(fp8) * layer) * itemsize + len(fp8) * layer * fp8_bytes

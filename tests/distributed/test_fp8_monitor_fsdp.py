@@ -1,8 +1,8 @@
 """The FP8 monitor and guard under FSDP (optim_grads_params) on 2 gloo ranks, against the distributed optimizer with
 the same model, seed and flags: the same statistics and log lines, with and without --fp8-param-gather (where the
-weight's statistics count the cast of each rank's shard / main piece, not the FP8 weight read back; blockwise, gathered
-as FP8 under FSDP only, against FSDP's high-precision gathers), and the guard names and moves the same layer to bf16
-(--fp8-auto-bf16; its gathered FP8 weights then dequantized)."""
+weight's statistics count the cast of each rank's shard / main piece, not the FP8 weight read back; blockwise, rowwise
+and mxfp8, gathered as FP8 under FSDP only, against FSDP's high-precision gathers), and the guard names and moves the
+same layer to bf16 (--fp8-auto-bf16; its gathered FP8 weights then dequantized)."""
 
 from __future__ import annotations
 
@@ -65,11 +65,13 @@ def _body(rank: int, world_size: int) -> None:
 
     # blockwise FP8 gathers (FSDP only): each shard counted with its rows' blocks, a block cut by the shard boundary
     # (96 rows of linear_qkv: one 128x128 block over the two shards) as the linear's cast of the gathered weight
-    blocks = {}
-    for gather in ("", "--fp8-param-gather"):
-        rows, _, _, _ = _run(f"--fp8-recipe blockwise {gather} {FSDP}", world_size)
-        blocks[gather] = {key: value for key, value in rows.items() if key[2] == "weight"}
-    assert len(blocks[""]) == 8 and blocks["--fp8-param-gather"] == blocks[""]
+    # rowwise and mxfp8 gathered per axis (fp8/fsdp_axes.py): each shard's row cast counted, its scales its own
+    for recipe in ("blockwise", "rowwise", "mxfp8"):
+        blocks = {}
+        for gather in ("", "--fp8-param-gather"):
+            rows, _, _, _ = _run(f"--fp8-recipe {recipe} {gather} {FSDP}", world_size)
+            blocks[gather] = {key: value for key, value in rows.items() if key[2] == "weight"}
+        assert len(blocks[""]) == 8 and blocks["--fp8-param-gather"] == blocks[""], recipe
 
     moved = {}
     for layout in (DISTOPT, FSDP):

@@ -189,6 +189,11 @@ def test_the_fsdp_layouts_parse_with_the_local_configs():
                 assert cfg.parallel.grad_shards == layout.startswith("mfsdp2_"), (preset, config, layout)
                 assert cfg.data_parallel_size == 2, (preset, config, layout)
     assert "--nproc-per-node=4" in benchmark.command("llama3-8b", "local-delayed-fp8params", 10, 5, "fsdp2_tp2")
+    # rowwise and mxfp8 FP8 gathers: FSDP2 only (megatron/fp8/fsdp_axes.py)
+    for config in ("local-rowwise-fp8params", "local-mxfp8-fp8params"):
+        for layout in [name for name in strategies if name.startswith("fsdp2")]:
+            flags = benchmark.train_flags("llama-1b", config, 10, 5, layout)
+            assert parse_args(flags, world_size=benchmark.LAYOUTS[layout][0], device_type="cuda").precision.fp8
 
 
 def test_profile_kernel_names_keep_the_foreach_functor_in_view():

@@ -63,8 +63,6 @@ NO_RESHARD = "--torch-fsdp2-no-reshard-after-forward"
         (FSDP, 1, "run at least two"),
         (f"{FSDP} --pipeline-model-parallel-size 2", 4, "--pipeline-model-parallel-size 2: not built yet"),
         (f"{FSDP} --tensor-model-parallel-size 2", 2, "run at least two"),  # no data-parallel ranks left
-        (f"{FSDP} --bf16 --fp8-format e4m3 --fp8-recipe rowwise --fp8-param-gather", 2, "rowwise: its weight is cast"),
-        (f"{FSDP} --bf16 --fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather", 2, "mxfp8: its weight is cast"),
         (f"{FSDP} --fp16", 2, "--fp16: not built yet"),
         (
             f"{FSDP} --bf16 --use-precision-aware-optimizer --megatron-fsdp-main-params-dtype bf16",
@@ -119,14 +117,15 @@ def test_meta_device_init_with_the_local_fp8_engine_is_built(gather):
     assert cfg.parallel.init_model_with_meta_device and cfg.precision.fp8
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])
-def test_fp8_param_gather_with_per_tensor_and_block_recipes_is_built(recipe):
-    """Under FSDP with the local layers (tests/distributed/test_fsdp.py) and with Transformer Engine's (blockwise:
-    megatron/fp8/te_blockwise_gather.py, tests/gpu/test_te_fsdp_blockwise.py): no rule of the configuration depends
-    on the layers any more; blockwise not without FSDP with the local layers (no blockwise `Fp8Parameter`)."""
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "rowwise", "mxfp8"])
+def test_fp8_param_gather_with_every_recipe_is_built(recipe):
+    """Under FSDP with the local layers, every recipe (tests/distributed/test_fsdp.py; rowwise and mxfp8 cast per
+    axis: test_fsdp_fp8_axes.py), and with Transformer Engine's the per-tensor and blockwise ones
+    (megatron/fp8/te_blockwise_gather.py, tests/gpu/test_te_fsdp_blockwise.py; the others: test_te_backend.py);
+    without FSDP the local layers keep FP8 weights of one scale per tensor only (`Fp8Parameter`)."""
     cfg = parse(f"{FSDP} --bf16 --fp8-format hybrid --fp8-recipe {recipe} --fp8-param-gather")
     assert cfg.precision.fp8_param_gather and cfg.parallel.fsdp
-    if recipe == "blockwise":
+    if recipe not in ("delayed", "tensorwise"):
         with pytest.raises(ConfigError, match="the local engine keeps FP8 weights with one scale per tensor"):
             parse(f"--bf16 --fp8-format hybrid --fp8-recipe {recipe} --fp8-param-gather")
 

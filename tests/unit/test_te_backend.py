@@ -363,6 +363,11 @@ def test_distributed_optimizer_gathers_te_fp8_weights_of_the_recipes_that_have_t
         assert cfg.precision.fp8_param_gather and cfg.optimizer.use_distributed_optimizer
     with pytest.raises(ConfigError, match="mxfp8 weights cannot be all-gathered as FP8 bytes; use --fp8-recipe"):
         parse(f"{flags} --fp8-format e4m3 --fp8-recipe mxfp8", device_type="cuda", world_size=2)
+    # under FSDP too (the local layers gather every recipe: tests/unit/test_fsdp_flags.py)
+    fsdp = "--use-megatron-fsdp --bf16 --transformer-impl transformer_engine --fp8-param-gather --fp8-format e4m3"
+    with pytest.raises(ConfigError, match="FSDP and --fp8-recipe mxfp8: Transformer Engine's mxfp8 weights cannot"):
+        parse(f"{fsdp} --fp8-recipe mxfp8", device_type="cuda", world_size=2)
+    assert parse(f"{fsdp} --fp8-recipe blockwise", device_type="cuda", world_size=2).precision.fp8_param_gather
     with pytest.raises(ConfigError, match="rebuilds the weights' transposes outside the captured graphs"):
         parse(f"{flags} --fp8-format hybrid --cuda-graph-impl transformer_engine", device_type="cuda", world_size=2)
     assert parse(f"{flags} --fp8-format hybrid --cuda-graph-impl transformer_engine", device_type="cuda")
