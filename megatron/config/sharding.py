@@ -184,7 +184,6 @@ def _check_fsdp(cfg: Config) -> None:
         not (ckpt.save or ckpt.load) or ckpt.ckpt_format == "torch_dist",
         f"{strategy} with --ckpt-format {ckpt.ckpt_format}: FSDP saves its shards with --ckpt-format torch_dist",
     )
-    require(not ckpt.async_save, f"{strategy} with --async-save: not built yet; drop --async-save")
     if not par.torch_fsdp2_reshard_after_forward and par.data_parallel_sharding_strategy == "optim_grads":
         cfg.notes.append(
             f"{strategy}: the units stay gathered from the first forward to the last backward of each step already"

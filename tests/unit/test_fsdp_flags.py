@@ -74,7 +74,6 @@ NO_RESHARD = "--torch-fsdp2-no-reshard-after-forward"
         (f"{FSDP} --megatron-fsdp-main-grads-dtype fp16", 2, "--megatron-fsdp-main-grads-dtype fp16"),
         (f"{FSDP} --megatron-fsdp-grad-comm-dtype fp16", 2, "--megatron-fsdp-grad-comm-dtype fp16"),
         (f"{FSDP} --save /tmp/x --ckpt-format torch", 2, "FSDP saves its shards with --ckpt-format torch_dist"),
-        (f"{FSDP} --save /tmp/x --async-save", 2, "--async-save: not built yet"),
         # --use-megatron-fsdp's optim_grads (grad_shards.py)
         (f"{ZERO2}", 1, "optim_grads shards over the data-parallel ranks: run at least two"),
         (f"{ZERO2} --fsdp-double-buffer", 2, "--fsdp-double-buffer configure FSDP2's units: add --use-torch-fsdp2"),
@@ -190,3 +189,10 @@ def test_meta_device_init_with_whole_weights_is_built(strategy):
         check_meta_device_layers(cfg)
     message = str(error.value)
     assert "Transformer Engine makes its FP8 weights as it builds them" in message and "\n" not in message
+
+
+def test_async_save_is_built():
+    """FSDP's shards are staged and written in the background as the distributed optimizer's are
+    (tests/distributed/test_fsdp_async_save.py)."""
+    cfg = parse(f"{FSDP} --save /tmp/x --async-save")
+    assert cfg.parallel.fsdp and cfg.checkpoint.async_save
