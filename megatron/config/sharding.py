@@ -172,6 +172,8 @@ def _check_fsdp(cfg: Config) -> None:
         " parallelism only)",
     )
     require(not prec.fp16, f"{strategy} with --fp16: not built yet; use --bf16")
+    if prec.fp8_param_gather and prec.fp8_recipe == "mxfp8":
+        _note_mx_weights_gathered_in_bf16(cfg)
     # --fp8-grad-reduce (and O1, O2): each unit's reduce-scatter sends FP8 (megatron/parallel/fsdp_fp8_reduce.py);
     # O2's precision-aware states and bf16 gradients are FSDP's --use-precision-aware-optimizer and bf16 shards
     require(
@@ -193,6 +195,27 @@ def _check_fsdp(cfg: Config) -> None:
         cfg.notes.append(
             f"{strategy}: FSDP2 overlaps every unit's all-gather and reduce-scatter with computation itself"
             " (--overlap-grad-reduce / --overlap-param-gather change nothing more)"
+        )
+
+
+def _note_mx_weights_gathered_in_bf16(cfg: Config) -> None:
+    """mxfp8's FP8 all-gathers carry their E8M0 scales beside the bytes, which FSDP2 allows only where its ranks divide
+    a weight's rows (megatron/fp8/fsdp_axes.py): say which linears gather in the training dtype instead."""
+    model, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    ranks = cfg.data_parallel_size * cfg.parallel.context_parallel_size  # FSDP shards over data x context ranks
+    heads, groups = model.num_attention_heads, model.num_query_groups
+    rows = {  # each FP8 linear's output rows on this tensor-parallel rank
+        "linear_qkv": model.kv_channels * (heads + 2 * groups) // tp,
+        "linear_proj": model.hidden_size,
+        "linear_fc1": model.ffn_hidden_size * (2 if model.swiglu else 1) // tp,
+        "linear_fc2": model.hidden_size,
+    }
+    uneven = [f"{name} ({n} rows)" for name, n in rows.items() if n % ranks]
+    if uneven:
+        cfg.notes.append(
+            f"--fp8-param-gather with mxfp8 under FSDP: {', '.join(uneven)} gather in the training dtype, as {ranks}"
+            " FSDP ranks do not divide their rows (their E8M0 scales ride in the all-gather, which FSDP2 allows only"
+            " for evenly divided shards); the other FP8 linears gather FP8"
         )
 
 

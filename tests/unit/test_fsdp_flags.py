@@ -196,3 +196,14 @@ def test_async_save_is_built():
     (tests/distributed/test_fsdp_async_save.py)."""
     cfg = parse(f"{FSDP} --save /tmp/x --async-save")
     assert cfg.parallel.fsdp and cfg.checkpoint.async_save
+
+
+def test_mx_weights_the_ranks_do_not_divide_are_noted():
+    """mxfp8 gathers only weights whose rows the FSDP ranks divide in FP8 (megatron/fp8/fsdp_axes.py): a startup note
+    names the others (here the ffn's 2 x 48 rows over 3 ranks divide, the 32 of the attention projection do not)."""
+    mx = "--bf16 --fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather --ffn-hidden-size 48"
+    mx += " --micro-batch-size 1 --global-batch-size 6"
+    notes = " ".join(parse(f"{FSDP} {mx}", world_size=3).notes)
+    assert "linear_proj (32 rows), linear_fc2 (32 rows) gather in the training dtype" in notes, notes
+    assert "linear_fc1" not in notes and "linear_qkv" not in notes, notes
+    assert "gather in the training dtype" not in " ".join(parse(f"{FSDP} {mx}", world_size=2).notes)
