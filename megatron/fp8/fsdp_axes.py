@@ -12,8 +12,9 @@ steps), and a gather sends one of them or both, as Transformer Engine's MXFP8Ten
   only what its gather brought: the linear's backward reads the dgrad operand from the weight FSDP2 refilled for it
   (the same tensor object, `out=`), and nothing keeps the forward's bytes alive until then;
 * a unit kept gathered from its forward to its backward (optim_grads, --torch-fsdp2-no-reshard-after-forward, the
-  last layer unit and the output unit), and every unit under activation recomputation (the recomputed forward runs
-  inside the backward, on the weight gathered for it, and needs the row cast), gathers both casts in one go.
+  last layer unit and the output unit) gathers both casts in one go, and so does every weight whose linear activation
+  recomputation runs again (a layer full recomputation covers, fc1 and fc2 under selective `mlp`: the recomputed
+  forward runs inside the backward, on the weight gathered for it, and needs the row cast).
 
 Which gather is the backward's: FSDP2's parameter group says, in its (private) training state, PRE_BACKWARD for
 every all-gather made for a backward: the pre-backward unshard and the backward prefetches, which it issues from
@@ -302,10 +303,22 @@ class Fp8AxesWeight(torch.Tensor):
         return self.dgrad_operand().dequantize(dtype or self.dtype).t()
 
 
-def bind_gather_phases(params: Iterable[tuple[torch.nn.Module, Any]], recompute: bool) -> None:
+def rerun_in_backward(model: torch.nn.Module) -> Callable[[torch.nn.Module], bool]:
+    """Whether activation recomputation runs a module of `model` (a GPT model) forward again in the backward: the
+    layers full recomputation covers (`model.recompute`, the model's plan) and, under selective recomputation of
+    mlp, each layer's MLP. Selective core_attn and layernorm re-run no linear (the attention core; the norm alone)."""
+    plan, layers = model.recompute, list(model.decoder.layers)
+    again = [layers[i] for start, end, done in plan.chunks(len(layers)) if done for i in range(start, end)]
+    again += [layer.mlp for layer in layers] if plan.selective("mlp") else []
+    ids = {id(module) for part in again for module in part.modules()}
+    return lambda module: id(module) in ids
+
+
+def bind_gather_phases(params: Iterable[tuple[torch.nn.Module, Any]], rerun: Callable[[torch.nn.Module], bool]) -> None:
     """Tell each weight cast per axis (its `FSDPParam` with the FSDP unit holding it) whether its unit is resharded
     after its forward and, then, whether a gather is the backward's: FSDP2's parameter group's own records (see
-    the module docstring). `recompute`: activation recomputation is on; every gather then moves both casts."""
+    the module docstring). `rerun(linear)`: activation recomputation runs the linear's forward again in the
+    backward; every gather of its weight then moves both casts."""
     for unit, param in params:
         axes = param._sharded_local_tensor._scale.axes
         if axes is None:
@@ -318,5 +331,5 @@ def bind_gather_phases(params: Iterable[tuple[torch.nn.Module, Any]], recompute:
                 " which the rowwise and mxfp8 FP8 all-gathers read (megatron/fp8/fsdp_axes.py): use torch 2.11 to"
                 " 2.13, or drop --fp8-param-gather"
             )
-        axes.split = reshard and not recompute
+        axes.split = reshard and not rerun(param._module_info.module)
         axes.in_backward = lambda group=group: group._training_state.name == "PRE_BACKWARD"

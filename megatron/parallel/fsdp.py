@@ -61,7 +61,7 @@ from megatron.config.sharding import (
     main_grads_bf16,
     shards_hold_main_weights,
 )
-from megatron.fp8.fsdp_axes import bind_gather_phases, gathers_axes
+from megatron.fp8.fsdp_axes import bind_gather_phases, gathers_axes, rerun_in_backward
 from megatron.fp8.fsdp_params import Fp8GatherScales, Fp8ShardWeight, shard_data, wrap_fp8_weight
 from megatron.fp8.linear import Fp8LinearState
 from megatron.fp8.te_blockwise_gather import wrap_te_weight
@@ -468,7 +468,7 @@ def build_fsdp(
         set_parallel_attributes(model, attributes)
         initialize(model)
     share_padded_storage(model)
-    bind_gather_phases(_fp8_fsdp_params(model), recompute=cfg.model.recompute_granularity is not None)
+    bind_gather_phases(_fp8_fsdp_params(model), rerun_in_backward(model))
     if shard_params and not par.torch_fsdp2_reshard_after_forward:
         model.register_forward_hook(_reshard_after_no_grad_forward(units))
     grads = ShardedGrads(model, keep, torch.bfloat16 if main_grads_bf16(cfg) else torch.float32)

@@ -8,7 +8,8 @@ resharded layer's gather moves at most 0.55x the bf16 gather's bytes (rowwise 0.
 all-reduce per step. The gathered bytes and scales of both casts are the linear's own casts of the whole weight,
 `quantize(W)` and `quantize(W.t())`, byte for byte, at DP=2 and FSDP=4, where shard boundaries cut mx blocks of 32
 rows (shard rows 48, 16, 24 and 8), and rowwise at FSDP=3 (pad rows); there an mxfp8 weight whose rows the ranks do
-not divide stays plain."""
+not divide stays plain. Under recomputation only the weights of the linears it runs again gather both casts (selective
+core_attn and layernorm: none; mlp: fc1 and fc2; full, block: the covered layer's), within 1e-3 of the bf16 gather."""
 
 import torch
 import torch.distributed as dist
@@ -170,6 +171,38 @@ def _three_body(rank, world_size):
     plain = [m.weight for m in trainer.model.modules() if getattr(m, "fp8", None) is not None]
     plain = [w for w in plain if not isinstance(local_shard(w), Fp8ShardWeight)]
     assert len(_check_casts(trainer, True)) == 4 and len(plain) == 12  # fc1 only: 64 and 32 rows stay plain
+
+
+def _split_layers(trainer: Trainer) -> list[int]:
+    """The 1-based layer of each FP8-gathered weight whose gathers send one cast at a time (its unit resharded after
+    its forward and its linear's forward not run again in the backward)."""
+    names = {
+        id(local_shard(p)._scale): n for n, p in trainer.model.named_parameters() if hasattr(local_shard(p), "_scale")
+    }
+    shards = trainer.optimizer.buffers.fp8_scales.shards
+    return [int(names[id(s.to_local()._scale)].split(".")[2]) + 1 for s in shards if s.to_local()._scale.axes.split]
+
+
+def _recompute_body(rank, world_size):
+    """Recomputation re-runs a linear's forward in the backward, on the backward's gather, only where full
+    recomputation covers its layer or --recompute-modules names mlp (fc1 and fc2): those weights gather both casts,
+    every other weight of a resharded unit one cast per pass (selective core_attn or layernorm re-run no linear)."""
+    flags = f"{FLAGS.replace(f'--train-iters {STEPS}', '--train-iters 4')} --bf16 {RECIPES['mxfp8']}"
+    selective = "--recompute-granularity selective --recompute-modules"
+    for recompute, split in (
+        (f"{selective} core_attn layernorm", [1] * 4 + [2] * 4 + [3] * 4),  # the last layer unit stays gathered
+        (f"{selective} mlp", [1] * 2 + [2] * 2 + [3] * 2),  # linear_qkv and linear_proj
+        ("--recompute-granularity full --recompute-method block --recompute-num-layers 1", [2] * 4 + [3] * 4),
+    ):
+        want, _ = _run(f"{flags} {recompute} {PARAMS}", world_size)
+        (got, trainer, _), seen = _watched(f"{flags} {recompute} --fp8-param-gather {PARAMS}", world_size)
+        _close(got, want, 1e-3, recompute, steps=4)
+        _check_phases(seen, split=True)
+        assert sorted(_split_layers(trainer)) == split, (recompute, _split_layers(trainer))
+
+
+def test_recomputation_gathers_both_casts_only_for_the_linears_it_runs_again():
+    run_distributed(_recompute_body, world_size=2)
 
 
 def test_uneven_shards_rowwise_gathers_every_weight_mxfp8_only_those_the_ranks_divide():
