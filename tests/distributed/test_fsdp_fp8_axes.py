@@ -35,8 +35,8 @@ STEPS = 10  # half test_fsdp.py's 20: the suite's time on two CPU cores (each re
 FLAGS = FSDP_FLAGS.replace(f"--train-iters {FSDP_STEPS}", f"--train-iters {STEPS}")
 
 
-def _close(got: list[float], want: list[float], rel: float, label: str) -> None:
-    _close_steps(got, want, rel, label, steps=STEPS)
+def _close(got: list[float], want: list[float], rel: float, label: str, steps: int = STEPS) -> None:
+    _close_steps(got, want, rel, label, steps=steps)
 
 
 class Casts:
