@@ -32,13 +32,8 @@ class Config(Protocol):
     def data_parallel_size(self) -> int: ...
 
 
-_FSDP_ONLY = (
-    "data_parallel_sharding_strategy",
-    "fsdp_double_buffer",
-    "suggested_communication_unit_size",
-    "init_model_with_meta_device",
-)
 _FSDP2_UNITS = ("fsdp_double_buffer", "suggested_communication_unit_size")  # PyTorch FSDP2's, not the flat buckets'
+_FSDP_ONLY = ("data_parallel_sharding_strategy", *_FSDP2_UNITS, "init_model_with_meta_device")
 _DTYPES = ("megatron_fsdp_main_params_dtype", "megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype")
 _DTYPE_DEFAULTS = {"megatron_fsdp_main_params_dtype": "fp32"}
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from megatron.fp8.fsdp_params import shards_written
-from megatron.parallel.fsdp import flat_offset, local_shard, parallel_attributes, set_parallel_attributes
+from megatron.parallel.fsdp import flat_offset, local_shard, to_empty_keeping_attributes
 
 from .gpt import Stage
 
@@ -68,9 +68,7 @@ class DeferredInit:
     def materialize(self, device: torch.device) -> nn.Module:
         """The model unsharded on `device` in the training dtype (an ordinary build's `model.to(device, dtype)`),
         given its values part by part."""
-        attributes = parallel_attributes(self.model)
-        self.model.to(dtype=self._dtype).to_empty(device=device)
-        set_parallel_attributes(self.model, attributes)  # to_empty may give the parameters new objects
+        to_empty_keeping_attributes(self.model.to(dtype=self._dtype), device)
         self(self.model)
         return self.model
 

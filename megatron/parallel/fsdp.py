@@ -230,6 +230,14 @@ def set_parallel_attributes(model: nn.Module, attributes: dict[str, dict[str, ob
             setattr(param, key, value)
 
 
+def to_empty_keeping_attributes(model: nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device=device)` (storage for a model built on the meta device, its shards only once sharded),
+    with each parameter's parallel attributes put back on the new Parameter objects `to_empty` may make."""
+    attributes = parallel_attributes(model)
+    model.to_empty(device=device)
+    set_parallel_attributes(model, attributes)
+
+
 def apply_fsdp(
     model: nn.Module,
     group: dist.ProcessGroup,
@@ -463,12 +471,9 @@ def build_fsdp(
                 module.cache_weight_casts = False
     keep = par.data_parallel_sharding_strategy == "optim_grads"
     if initialize is not None:
-        attributes = parallel_attributes(model)
-        model.to_empty(device=device)
-        set_parallel_attributes(model, attributes)
+        to_empty_keeping_attributes(model, device)
         initialize(model)
     share_padded_storage(model)
-    bind_gather_phases(_fp8_fsdp_params(model), rerun_in_backward(model))
     if shard_params and not par.torch_fsdp2_reshard_after_forward:
         model.register_forward_hook(_reshard_after_no_grad_forward(units))
     grads = ShardedGrads(model, keep, torch.bfloat16 if main_grads_bf16(cfg) else torch.float32)
@@ -478,6 +483,7 @@ def build_fsdp(
     if par.fp8_grad_reduce:
         grads.fp8_stats = use_fp8_reduce_scatter(model)
     if fp8_gather:
+        bind_gather_phases(_fp8_fsdp_params(model), rerun_in_backward(model))
         shards = [p for p in model.parameters() if isinstance(local_shard(p), Fp8ShardWeight)]
         # Shards that are not the main weights only feed the step's cast: freed from it to the optimizer step
         release = not shards_hold_main_weights(cfg)
