@@ -178,8 +178,12 @@ def _fsdp_buffers(
     the staging of the largest unit exceeds them by raises the peak."""
     par, prec, m = cfg.parallel, cfg.precision, cfg.model
     fp8 = prec.fp8_layer_numbers(m.num_layers)
-    fp8_bytes = _fp8_gathered_casts(cfg) if prec.fp8_param_gather else itemsize
-    fp8_bytes = 2 if prec.fp8_param_gather and _te(cfg) and prec.fp8_recipe != "blockwise" else fp8_bytes
+    if not prec.fp8_param_gather:
+        fp8_bytes = itemsize
+    elif _te(cfg):  # the E4M3 weight and its transpose; blockwise: the weight alone
+        fp8_bytes = 1 if prec.fp8_recipe == "blockwise" else 2
+    else:
+        fp8_bytes = _fp8_gathered_casts(cfg)
     per_unit = _layers_per_unit(cfg, layer)
     if par.data_parallel_sharding_strategy == "optim_grads" or not par.torch_fsdp2_reshard_after_forward:
         gathered = (num_params - len(fp8) * layer) * itemsize + len(fp8) * layer * fp8_bytes
