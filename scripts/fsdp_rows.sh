@@ -24,9 +24,9 @@
 #                                            fp8/fp16 moments, every layer recomputed) in one call (about 7 minutes)
 #   bash scripts/fsdp_rows.sh zero2 OUTDIR   optim_grads on the flat buckets (megatron/parallel/grad_shards.py):
 #                                            its GPU test (TE writing unzeroed buckets), llama-1b beside dp2_distopt twice over (A B A B: the eighth session's two
-#                                            calls disagreed by 15%), its profile after 30 iterations, then llama3-8b
-#                                            with its weights whole (FP8) and O2's states, with and without one layer
-#                                            recomputed (estimated 75.5 and 76.5 GiB) (about 9.5 minutes)
+#                                            calls disagreed by 15%) and its profile after 30 iterations (~6 min)
+#   bash scripts/fsdp_rows.sh zero2-8b OUTDIR  llama3-8b on the flat buckets: weights whole (FP8), O2's states, four
+#                                            layers recomputed (~4 min)
 #   bash scripts/fsdp_rows.sh noreshard OUTDIR  --torch-fsdp2-no-reshard-after-forward: its GPU test (TE, bf16 and FP8,
 #                                            --fp8-param-gather over 30 steps), TE's meta-device init under the
 #                                            flat-bucket engine, then llama-1b fsdp2_noreshard beside
@@ -40,15 +40,16 @@
 # OUTDIR gets a summary (summary.txt: the tables and each test's last lines) and every run's log (logs/). Megatron-LM's
 # sources must be where .devkit/anchors/megatron_run.sh looks (../shared/anchors/README.md).
 set -o pipefail
-PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|noreshard|parity OUTDIR}
-OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|noreshard|parity OUTDIR}
+PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-8b|noreshard|parity OUTDIR}
+OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-8b|noreshard|parity OUTDIR}
 mkdir -p "$OUT/logs"
 source .devkit/setup-te.sh || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
 # how the two GPUs are joined (NV# = NVLink): a pair without NVLink runs the collectives several times slower
 nvidia-smi topo -m 2>&1 | head -3 | tee -a "$OUT/summary.txt"
-bench() { python3 scripts/benchmark.py --log-dir "$OUT/logs" "$@" 2>&1 | tee -a "$OUT/summary.txt"; }
+# (LOGS: another folder for a repeated row's logs, which would overwrite the first's)
+bench() { python3 scripts/benchmark.py --log-dir "${LOGS:-$OUT/logs}" "$@" 2>&1 | tee -a "$OUT/summary.txt"; }
 case $PART in
   tests)
     for t in test_te_calibration_recompute test_te_exit_gpu test_te_fsdp_transpose test_te_fsdp test_te_fsdp_blockwise test_te_fsdp_guard test_te_fsdp_free_shards \
@@ -106,17 +107,26 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
       | tee -a "$OUT/summary.txt";;
   zero2)
     # first: TE's wgrad GEMMs write the engine's unzeroed (here NaN-filled) buckets whole (overwrite_main_grad)
-    timeout 120 python3 -m pytest -q -x tests/gpu/test_te_grad_shards.py > "$OUT/logs/test_te_grad_shards.txt" 2>&1
-    echo "test_te_grad_shards: rc=$? $(tail -1 "$OUT/logs/test_te_grad_shards.txt")" | tee -a "$OUT/summary.txt"
+    # (NO_TEST=1 / NO_PROFILE=1 leave out the test / the profile, where a call has run it or lacks the time)
+    if [ -z "$NO_TEST" ]; then
+      timeout 120 python3 -m pytest -q -x tests/gpu/test_te_grad_shards.py > "$OUT/logs/test_te_grad_shards.txt" 2>&1
+      echo "test_te_grad_shards: rc=$? $(tail -1 "$OUT/logs/test_te_grad_shards.txt")" | tee -a "$OUT/summary.txt"
+    fi
     common=(--presets llama-1b --iters 30 --log-interval 5 --timeout 100)
     for pass in 1 2; do
-      bench "${common[@]}" --configs te-delayed-fp8params --layouts mfsdp2_optim_grads
-      bench "${common[@]}" --configs te-delayed --layouts dp2_distopt
+      mkdir -p "$OUT/logs/pass$pass"
+      LOGS="$OUT/logs/pass$pass" bench "${common[@]}" --configs te-delayed-fp8params --layouts mfsdp2_optim_grads
+      LOGS="$OUT/logs/pass$pass" bench "${common[@]}" --configs te-delayed --layouts dp2_distopt
     done
-    timeout 100 python3 scripts/benchmark.py --profile llama-1b te-delayed-fp8params --layouts mfsdp2_optim_grads \
-      --profile-warmup 30 --profile-steps 3 --profile-top 30 2>&1 | grep -A60 "^step " | tee -a "$OUT/summary.txt"
-    bench --presets llama3-8b --iters 6 --log-interval 2 --timeout 150 --layouts mfsdp2_o2states \
-      --configs te-delayed-fp8params-nocalib-fp8attn-recompute-block1 te-delayed-fp8params-nocalib-fp8attn;;
+    [ -n "$NO_PROFILE" ] || timeout 100 python3 scripts/benchmark.py --profile llama-1b te-delayed-fp8params \
+      --layouts mfsdp2_optim_grads --profile-warmup 30 --profile-steps 3 --profile-top 30 2>&1 | grep -A60 "^step " \
+      | tee -a "$OUT/summary.txt"
+;;
+  zero2-8b)
+    # llama3-8b with its weights whole (FP8) and O2's states: with none or one layer recomputed it ran out of memory
+    # on H100s (tenth session), so four; expandable segments against the fragmentation of the near-full card
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench --presets llama3-8b --iters 6 --log-interval 2 \
+      --timeout 230 --layouts mfsdp2_o2states --configs te-delayed-fp8params-nocalib-fp8attn-recompute-block4;;
   noreshard)
     timeout 200 python3 -m pytest -q -x -s tests/gpu/test_te_fsdp.py -k no_reshard > "$OUT/logs/test_te_fsdp_no_reshard.txt" 2>&1
     echo "test_te_fsdp -k no_reshard: rc=$? $(tail -1 "$OUT/logs/test_te_fsdp_no_reshard.txt")" | tee -a "$OUT/summary.txt"
@@ -136,5 +146,5 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
       --results "$OUT/parity.json" --log-dir "$OUT/logs" --out "$OUT/parity.md" \
       --configs te-delayed-fp8params+zero2 te-delayed+distopt --config-flags "te-delayed-fp8params+zero2=$Z" --config-flags \
       "te-delayed+distopt=--use-distributed-optimizer" 2>&1 | tail -12 | tee -a "$OUT/summary.txt";;
-  *) echo "unknown part $PART: tests, new, 1b, host, 8b, 8b-nccl, megatron, zero2, noreshard or parity"; exit 2;;
+  *) echo "unknown part $PART: tests, new, 1b, host, 8b, 8b-nccl, megatron, zero2, zero2-8b, noreshard or parity"; exit 2;;
 esac

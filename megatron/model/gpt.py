@@ -42,6 +42,7 @@ from megatron.parallel.tensor_parallel import (
 )
 
 from .cross_entropy import fused_cross_entropy
+from .grad_accumulation import OutputLinear
 from .init_draws import init_normal, parallel_draws, seeded
 from .layers import Linear, Norm, RotaryEmbedding, is_fp8_param, mark_tensor_parallel
 from .recompute import RecomputePlan, Runner, run_layers
@@ -210,7 +211,7 @@ class GPTModel(nn.Module):
         with parallel_draws(init_threads):
             self._build_parts(vocab_size, dtype, base_seed)
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, OutputLinear)):
                 module.gradient_accumulation_fusion = cfg.gradient_accumulation_fusion
         self.register_load_state_dict_pre_hook(_reconcile_extra_state)
         self.register_load_state_dict_pre_hook(_quantize_into_fp8_params)
@@ -241,7 +242,7 @@ class GPTModel(nn.Module):
         if not tied and stage.post_process:
             # Built on the meta device, then given storage on the default one: nn.Linear's own initialization (a
             # uniform draw of V/tp x h from the global generator, a few seconds at 8B) would be overwritten anyway
-            linear = nn.Linear(cfg.hidden_size, vocab_size // tp.size, bias=False, dtype=dtype, device="meta")
+            linear = OutputLinear(cfg.hidden_size, vocab_size // tp.size, bias=False, dtype=dtype, device="meta")
             self.output_layer = linear.to_empty(device=torch.get_default_device())
             with seeded(base_seed + cfg.num_layers + 1):
                 shape = (vocab_size, cfg.hidden_size)

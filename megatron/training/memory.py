@@ -41,9 +41,10 @@ The peak comes at the start of the backward pass, or in the optimizer step, whic
   cross-entropy keeps them in the training dtype and writes their gradient into them; the other losses 8 bytes per
   logit (fp32 logits and their gradient).
 * backward buffers: the output layer's weight gradient in the training dtype (added into `main_grad` or
-  reduce-scattered after the layer's backward) and its input gradient; under FSDP what is gathered (the output unit
-  being computed and the last layer's unit prefetched, or the whole model under optim_grads) and the reduce-scatter
-  staging where it outgrows what it replaces.
+  reduce-scattered after the layer's backward; none where the untied layer writes it straight into a gradient
+  buffer of its own dtype: `output_wgrad_in_buffer`) and its input gradient; under FSDP what is gathered (the
+  output unit being computed and the last layer's unit prefetched, or the whole model under optim_grads) and the
+  reduce-scatter staging where it outgrows what it replaces.
 * the optimizer step: torch's AdamW upcasts bf16 gradients to fp32 copies of this rank's whole shard at once; the
   precision-aware optimizer writes FP8 weights' new main values into fp32 pieces before casting them, and under FSDP
   the FP8 layers' freed shards get their storage back.
@@ -222,6 +223,18 @@ def _sharded_grads(cfg: Config) -> bool:
     return cfg.parallel.fsdp or cfg.parallel.grad_shards
 
 
+def output_wgrad_in_buffer(cfg: Config, dtype: torch.dtype) -> bool:
+    """Whether the untied output layer's weight gradient is written straight into its gradient buffer, with no
+    separate tensor (model/grad_accumulation.OutputLinear): gradient accumulation fusion on, a buffer (the
+    distributed optimizer's, DDP's or the flat-bucket engine's; FSDP2 reduce-scatters autograd's gradient), and
+    the buffer in the training dtype (an fp32 buffer for bf16 weights takes the product through a bf16 copy)."""
+    m, par = cfg.model, cfg.parallel
+    if not m.untie_embeddings_and_output_weights or not m.gradient_accumulation_fusion or par.fsdp:
+        return False
+    buffer_bf16 = grad_comm_bf16(cfg) if par.grad_shards else par.grad_reduce_in_bf16
+    return dtype == (torch.bfloat16 if buffer_bf16 else torch.float32)
+
+
 def _first_bucket(cfg: Config, num_params: int, vocab: float) -> float:
     """Bytes of the gradient bucket grad_shards.py holds at the start of the backward: --ddp-bucket-size elements
     (a bucket closes once it holds that many), or the output layer's weight alone where that is larger, in the
@@ -310,7 +323,7 @@ def estimate_bytes(
         loss_activations = logits + inputs
         activations += loss_activations
         # the output layer's backward: its weight gradient in the training dtype and its input gradient
-        buffers = vocab * itemsize + s * b * h * itemsize
+        buffers = (0 if output_wgrad_in_buffer(cfg, dtype) else vocab * itemsize) + s * b * h * itemsize
         loss_side = logits + inputs + buffers
     if par.fsdp:
         gathered, staging = _fsdp_buffers(cfg, num_params, vocab, layer, itemsize, loss_side)
@@ -402,6 +415,25 @@ def memory_estimate_lines(
         f" ({buffers}){step}{calibration}"
         f" (total ~{_size(est['total'])}; {_per(est['static'] / n)} B/param before activations)"
     ]
+
+
+# What a GPU needs beyond the estimate: the CUDA context, NCCL's buffers and the caching allocator's fragmentation.
+# On two 80 GB H100s (79.2 GiB each, docs/fsdp.md's tenth session) Llama-3-8B estimated at 73.2 GiB trained (peak
+# 73.7); estimated at 74.8 and 75.5 it made no step in two minutes; at 76.5 it ran out of memory.
+UNCOUNTED_GIB = 5.0
+
+
+def headroom_note(estimate_gib: float, capacity_gib: float) -> str | None:
+    """The start-of-run note where the estimate leaves a GPU of `capacity_gib` less than `UNCOUNTED_GIB` for what
+    it does not count (None otherwise)."""
+    left = capacity_gib - estimate_gib
+    if left >= UNCOUNTED_GIB:
+        return None
+    return (
+        f"note: the memory estimate leaves {left:.1f} GiB of this GPU's {capacity_gib:.1f} GiB for the CUDA context,"
+        f" NCCL's buffers and fragmentation (about {UNCOUNTED_GIB:g} GiB): runs this close have stalled or run out of"
+        " memory; recompute more layers (--recompute-num-layers) or shard more"
+    )
 
 
 def print_peak_memory(device: torch.device, estimate_gib: float) -> None:

@@ -17,7 +17,7 @@ from megatron.parallel import ParallelDims
 from megatron.parallel.pipeline import schedule_line
 
 from .logger import TensorBoardWriter, print_rank_0
-from .memory import estimate_bytes, memory_estimate_lines
+from .memory import estimate_bytes, headroom_note, memory_estimate_lines
 
 
 def print_arguments(cfg: Config) -> None:
@@ -70,11 +70,18 @@ def print_model(
     estimate = estimate_bytes(cfg, params, vocab_size, dtype, pp_rank=dims.pp_rank, fp8_params=fp8_params)
     for line in memory_estimate_lines(cfg, estimate, params, dtype, fp8_params=fp8_params):
         print_rank_0(f"> {line}")
+    device = next(model.parameters()).device
+    if device.type == "cuda" and (note := headroom_note(estimate["total"] / 2**30, _capacity_gib(device))):
+        print_rank_0(f"> {note}")
     for line in fp8_lines:
         print_rank_0(f"> fp8: {line}")
     for line in model.describe():
         print_rank_0(f"> {line}")
     return estimate["total"] / 2**30
+
+
+def _capacity_gib(device: torch.device) -> float:
+    return torch.cuda.get_device_properties(device).total_memory / 2**30
 
 
 def write_config(cfg: Config, dims: ParallelDims, tensorboard: TensorBoardWriter) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from megatron.config import parse_args
 from megatron.fp8.params import accumulate_weight_grad
+from megatron.model.grad_accumulation import OutputLinear
 from megatron.model.layers import Linear
 from megatron.training import Trainer
 from tests.e2e.test_training import TINY
@@ -28,7 +29,9 @@ def test_fused_linear_accumulates_its_weight_gradient_into_main_grad(dtype):
         rtol=2e-2 if dtype != torch.float32 else 1e-5,
         atol=1e-2 if dtype != torch.float32 else 1e-5,
     )
-    assert linear.weight.grad_added_to_main_grad and not linear.weight.grad.any()
+    # the placeholder autograd kept is the buffer itself (same dtype) or a zero-filled copy: nothing to add
+    assert linear.weight.grad_added_to_main_grad
+    assert linear.weight.grad.data_ptr() == linear.weight.main_grad.data_ptr() or not linear.weight.grad.any()
     torch.testing.assert_close(x.grad, grad_out @ linear.weight.detach())
     torch.testing.assert_close(linear.bias.grad, grad_out.reshape(-1, 8).sum(0))
 
@@ -80,9 +83,31 @@ def grads_of_one_step(flags: str) -> list[torch.Tensor]:
     return captured
 
 
-def test_the_flag_gives_the_same_gradients_through_dot_grad():
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_the_output_layer_writes_its_weight_gradient_into_its_buffer_and_makes_no_other(overwrite):
+    """The untied output layer's gradient (1 GB on Llama-3's vocabulary) is never a tensor of its own beside the
+    buffer: the product lands in `main_grad`, and autograd keeps `main_grad` itself as the placeholder."""
+    torch.manual_seed(0)
+    layer = OutputLinear(16, 40, bias=False, dtype=torch.bfloat16)
+    x = torch.randn(6, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+    grad_out = torch.randn(6, 2, 40, dtype=torch.bfloat16)
+    plain = grad_out.reshape(-1, 40).t() @ x.detach().reshape(-1, 16)
+    layer.weight.main_grad = torch.full((40, 16), float("nan") if overwrite else 0.0, dtype=torch.bfloat16)
+    layer.weight.overwrite_main_grad = overwrite
+    layer(x).backward(grad_out)
+    assert layer.weight.grad.data_ptr() == layer.weight.main_grad.data_ptr() and layer.weight.grad_added_to_main_grad
+    torch.testing.assert_close(layer.weight.main_grad, plain)
+    torch.testing.assert_close(x.grad, grad_out @ layer.weight.detach())
+    del layer.weight.main_grad  # no buffer (FSDP2's shards, evaluation): nn.Linear's own gradient
+    layer.weight.grad = None
+    layer(x).backward(grad_out)
+    torch.testing.assert_close(layer.weight.grad, plain)
+
+
+@pytest.mark.parametrize("tied", ["", "--untie-embeddings-and-output-weights"])
+def test_the_flag_gives_the_same_gradients_through_dot_grad(tied):
     assert parse_args(f"{TINY} --no-gradient-accumulation-fusion".split()).model.gradient_accumulation_fusion is False
-    fused, plain = grads_of_one_step(""), grads_of_one_step("--no-gradient-accumulation-fusion")
+    fused, plain = grads_of_one_step(tied), grads_of_one_step(f"{tied} --no-gradient-accumulation-fusion")
     assert len(fused) == len(plain)
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

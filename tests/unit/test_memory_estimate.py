@@ -15,7 +15,13 @@ import pytest
 import torch
 
 from megatron.config import Config, parse_args
-from megatron.training.memory import estimate_bytes, in_flight_layers, memory_estimate_lines
+from megatron.training.memory import (
+    estimate_bytes,
+    headroom_note,
+    in_flight_layers,
+    memory_estimate_lines,
+    output_wgrad_in_buffer,
+)
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 SHAPE = "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2"
@@ -338,7 +344,8 @@ def test_llama_1b_te_grad_shards_hold_a_gradient_shard_and_one_bucket():
     copy, Adam states and TE weight casts, but fp32 gradient shards (4 / 2 B/param) instead of the whole buffer; at
     the start of the backward one bucket more than the distributed optimizer holds: the untied output layer's
     weight, 65.5M fp32 elements (more than --ddp-bucket-size's 40M: a bucket of its own). bf16 shards
-    (--grad-reduce-in-bf16) halve the shards; a bf16 reduce-scatter halves the bucket."""
+    (--grad-reduce-in-bf16) halve the shards; a bf16 reduce-scatter halves the bucket, and the output layer's GEMM
+    writes its weight gradient there, with no copy beside it."""
     zero2 = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --overlap-grad-reduce"
     distopt = estimate_bytes(llama("--use-distributed-optimizer --overlap-grad-reduce"), L1B_N, L1B_V, torch.bfloat16)
     est = estimate_bytes(llama(zero2), L1B_N, L1B_V, torch.bfloat16)
@@ -347,10 +354,14 @@ def test_llama_1b_te_grad_shards_hold_a_gradient_shard_and_one_bucket():
     assert est["buffers"] - distopt["buffers"] == 4 * L1B_V * L1B_H
     assert est["total"] == pytest.approx(distopt["total"] - 2 * L1B_N + 4 * L1B_V * L1B_H)
     bf16 = estimate_bytes(llama(f"{zero2} --grad-reduce-in-bf16"), L1B_N, L1B_V, torch.bfloat16)
-    assert bf16["grads"] == L1B_N and bf16["buffers"] - distopt["buffers"] == 2 * L1B_V * L1B_H
+    # a bf16 bucket holds the output layer's weight gradient as its GEMM writes it: no separate copy beside it
+    # (model/grad_accumulation.OutputLinear), so the bucket takes the place of the distributed optimizer's copy
+    assert bf16["grads"] == L1B_N and bf16["buffers"] == distopt["buffers"]
     assert bf16["step"] == 4 * L1B_N / 2  # torch's AdamW upcasts the bf16 shards
     comm = estimate_bytes(llama(f"{zero2} --megatron-fsdp-grad-comm-dtype bf16"), L1B_N, L1B_V, torch.bfloat16)
-    assert comm["grads"] == 2 * L1B_N and comm["buffers"] - distopt["buffers"] == 2 * L1B_V * L1B_H
+    assert comm["grads"] == 2 * L1B_N and comm["buffers"] == distopt["buffers"]
+    plain = llama(f"{zero2} --megatron-fsdp-grad-comm-dtype bf16 --no-gradient-accumulation-fusion")
+    assert estimate_bytes(plain, L1B_N, L1B_V, torch.bfloat16)["buffers"] - distopt["buffers"] == 2 * L1B_V * L1B_H
     small = estimate_bytes(llama(f"{zero2} --ddp-bucket-size 100000000"), L1B_N, L1B_V, torch.bfloat16)
     assert small["buffers"] - distopt["buffers"] == 4 * 100_000_000
     (line,) = memory_estimate_lines(llama(zero2), est, L1B_N, torch.bfloat16)
@@ -496,3 +507,28 @@ def test_fp8_attention_keeps_fp8_copies_of_q_k_v_and_its_output():
     assert layer_activation_bytes(cfg, False) == bf16_layer  # the bf16 first layer: unchanged
     saved = sum(bf16.values()) - sum(fp8.values())
     assert 31 * saved * 8192 * 4096 / 2**30 == pytest.approx(68.90 - 66.48, rel=0.01)  # 31 FP8 layers
+
+
+@pytest.mark.parametrize(
+    "flags,dtype,fused",
+    [
+        ("--untie-embeddings-and-output-weights", torch.float32, True),  # fp32 weights, fp32 buffer: addmm_ in place
+        ("--untie-embeddings-and-output-weights --bf16", torch.bfloat16, False),  # fp32 buffer: through a bf16 copy
+        ("--untie-embeddings-and-output-weights --bf16 --grad-reduce-in-bf16", torch.bfloat16, True),
+        ("--bf16 --grad-reduce-in-bf16", torch.bfloat16, False),  # tied: the embedding's gradient, summed by autograd
+        ("--untie-embeddings-and-output-weights --no-gradient-accumulation-fusion", torch.float32, False),
+        ("--untie-embeddings-and-output-weights --bf16 --grad-reduce-in-bf16 --use-torch-fsdp2", torch.bfloat16, False),
+    ],
+)
+def test_the_output_layer_gradient_counts_only_where_it_is_not_written_into_its_buffer(flags, dtype, fused):
+    cfg = parse(f"{flags} --use-distributed-optimizer" if "fsdp" not in flags else flags, world_size=2)
+    assert output_wgrad_in_buffer(cfg, dtype) is fused
+    if "fsdp" not in flags:
+        est = estimate_bytes(cfg, N, VOCAB, dtype)
+        assert est["buffers"] == (0 if fused else VOCAB * 128 * dtype.itemsize) + SBH * dtype.itemsize
+
+
+def test_a_gpu_left_too_little_beyond_the_estimate_gets_a_note():
+    assert headroom_note(73.2, 79.18) is None  # trained: 73.7 GiB peak on an 80 GB H100
+    note = headroom_note(74.8, 79.18)  # made no step in two minutes
+    assert note is not None and "4.4 GiB of this GPU's 79.2 GiB" in note and "--recompute-num-layers" in note
