@@ -135,6 +135,22 @@ CONFIGS = {
     "te-delayed-fp8params-nocalib-fp8attn-recompute-block2": f"{TE} --fp8-format hybrid --fp8-recipe delayed"
     " --fp8-param-gather --no-fp8-calibration --fp8-dot-product-attention --recompute-granularity full"
     " --recompute-method block --recompute-num-layers 2",
+    # the same with the output layer's GEMM and the loss fused a slice of the vocabulary at a time (no logits kept)
+    **{
+        f"te-delayed-fp8params-nocalib-fp8attn-chunkce{tail}": f"{TE} --fp8-format hybrid --fp8-recipe delayed"
+        " --fp8-param-gather --no-fp8-calibration --fp8-dot-product-attention --cross-entropy-loss-fusion"
+        f" --cross-entropy-fusion-impl chunked{flags}"
+        for tail, flags in [
+            ("", ""),
+            *(
+                (
+                    f"-recompute-block{n}",
+                    f" --recompute-granularity full --recompute-method block --recompute-num-layers {n}",
+                )
+                for n in (1, 2)
+            ),
+        ]
+    },
     "te-tensorwise": f"{TE} --fp8-format hybrid --fp8-recipe tensorwise",
     "te-blockwise": f"{TE} --fp8-format e4m3 --fp8-recipe blockwise",
     # FP8 weights in 128x128 blocks (under FSDP: all-gathered as E4M3 bytes, megatron/fp8/te_blockwise_gather.py)

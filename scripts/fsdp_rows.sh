@@ -26,7 +26,7 @@
 #                                            its GPU test (TE writing unzeroed buckets), llama-1b beside dp2_distopt twice over (A B A B: the eighth session's two
 #                                            calls disagreed by 15%) and its profile after 30 iterations (~6 min)
 #   bash scripts/fsdp_rows.sh zero2-8b OUTDIR  llama3-8b on the flat buckets: weights whole (FP8), O2's states, four
-#                                            layers recomputed (~4 min)
+#                                            layers recomputed, and one with the chunked loss (~7.5 min)
 #   bash scripts/fsdp_rows.sh noreshard OUTDIR  --torch-fsdp2-no-reshard-after-forward: its GPU test (TE, bf16 and FP8,
 #                                            --fp8-param-gather over 30 steps), TE's meta-device init under the
 #                                            flat-bucket engine, then llama-1b fsdp2_noreshard beside
@@ -36,7 +36,9 @@
 #                                            and of the distributed optimizer's te-delayed against the bf16 run in
 #                                            docs/loss_parity/llama-150m-fsdp-dp2.json (same data and seed),
 #                                            llama-150m, 1000 iterations each (about 8 minutes; needs
-#                                            .interop/parity.tar.xz: tools/build_parity_corpus.py's .bin/.idx, tarred)
+#                                            .interop/parity.tar.xz: tools/build_parity_corpus.py's .bin/.idx, tarred);
+#                                            PARITY_CONFIGS=te-delayed-fp8params+zero2+chunkce: the same with the
+#                                            chunked loss (--cross-entropy-fusion-impl chunked)
 # OUTDIR gets a summary (summary.txt: the tables and each test's last lines) and every run's log (logs/). Megatron-LM's
 # sources must be where .devkit/anchors/megatron_run.sh looks (../shared/anchors/README.md).
 set -o pipefail
@@ -123,10 +125,13 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
       | tee -a "$OUT/summary.txt"
 ;;
   zero2-8b)
-    # llama3-8b with its weights whole (FP8) and O2's states: with none or one layer recomputed it ran out of memory
-    # on H100s (tenth session), so four; expandable segments against the fragmentation of the near-full card
+    # llama3-8b with its weights whole (FP8) and O2's states: with none, one or two layers recomputed it ran out of
+    # memory or stalled on H100s (tenth session), so four (2299 ms, 73.7 GiB); beside it the loss fused with the
+    # output layer (no logits kept, estimated 73.1 GiB with one layer recomputed). CONFIGS: other rows (each ~3.5 min:
+    # two fit a call). Expandable segments against the fragmentation of the near-full card.
+    CONFIGS=${CONFIGS:-te-delayed-fp8params-nocalib-fp8attn-recompute-block4 te-delayed-fp8params-nocalib-fp8attn-chunkce-recompute-block1}
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench --presets llama3-8b --iters 6 --log-interval 2 \
-      --timeout 230 --layouts mfsdp2_o2states --configs te-delayed-fp8params-nocalib-fp8attn-recompute-block4;;
+      --timeout 230 --layouts mfsdp2_o2states --configs $CONFIGS;;
   noreshard)
     timeout 200 python3 -m pytest -q -x -s tests/gpu/test_te_fsdp.py -k no_reshard > "$OUT/logs/test_te_fsdp_no_reshard.txt" 2>&1
     echo "test_te_fsdp -k no_reshard: rc=$? $(tail -1 "$OUT/logs/test_te_fsdp_no_reshard.txt")" | tee -a "$OUT/summary.txt"
@@ -144,7 +149,8 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     cp docs/loss_parity/llama-150m-fsdp-dp2.json "$OUT/parity.json"  # merged: runs of the same name are replaced
     timeout 580 python3 scripts/loss_parity.py --preset llama-150m --eval-iters 5 --nproc-per-node 2 --deadline 560 $D \
       --results "$OUT/parity.json" --log-dir "$OUT/logs" --out "$OUT/parity.md" \
-      --configs te-delayed-fp8params+zero2 te-delayed+distopt --config-flags "te-delayed-fp8params+zero2=$Z" --config-flags \
-      "te-delayed+distopt=--use-distributed-optimizer" 2>&1 | tail -12 | tee -a "$OUT/summary.txt";;
+      --configs ${PARITY_CONFIGS:-te-delayed-fp8params+zero2 te-delayed+distopt} --config-flags "te-delayed-fp8params+zero2=$Z" \
+      --config-flags "te-delayed+distopt=--use-distributed-optimizer" --config-flags "te-delayed-fp8params+zero2+chunkce=$Z \
+--cross-entropy-loss-fusion --cross-entropy-fusion-impl chunked" 2>&1 | tail -12 | tee -a "$OUT/summary.txt";;
   *) echo "unknown part $PART: tests, new, 1b, host, 8b, 8b-nccl, megatron, zero2, zero2-8b, noreshard or parity"; exit 2;;
 esac

@@ -107,9 +107,11 @@ class ModelConfig:
     holding fp32 log-probabilities of the whole vocabulary. With --transformer-impl transformer_engine the loss
     always uses Transformer Engine's fused kernel unless `native` is chosen here (or --fp16, whose logits that
     kernel does not take)."""
-    cross_entropy_fusion_impl: str = option("native", choices=["native", "te"])
-    """With --cross-entropy-loss-fusion: `native` (PyTorch, any device) or `te` (Transformer Engine's
-    parallel_cross_entropy; needs a CUDA GPU with Transformer Engine)."""
+    cross_entropy_fusion_impl: str = option("native", choices=["native", "te", "chunked"])
+    """With --cross-entropy-loss-fusion: `native` (PyTorch, any device), `te` (Transformer Engine's
+    parallel_cross_entropy; needs a CUDA GPU with Transformer Engine) or `chunked` (this project's: the output
+    layer's GEMM and the loss together, a slice of the vocabulary at a time, the logits recomputed in the backward:
+    no tensor of the whole logits is ever kept; megatron/model/linear_cross_entropy.py)."""
     transformer_impl: str | None = option(None, choices=["local", "transformer_engine"])
     """Layer implementation: `transformer_engine` (NVIDIA Transformer Engine modules: fused attention, native FP8
     recipes; CUDA only) or `local` (pure PyTorch: runs anywhere, emulates FP8 recipes the GPU lacks). Default:
@@ -257,9 +259,12 @@ class ModelConfig:
 
     def cross_entropy_impl(self, fp16_logits: bool) -> str:
         """The output layer's loss: `te` (Transformer Engine's fused cross-entropy: asked for, or by default with TE's
-        layers, whose kernel refuses fp16 logits), `native` (this project's fused one) or `vocab_parallel`. The model
+        layers, whose kernel refuses fp16 logits), `native` (this project's fused one), `chunked` (fused with the
+        output layer's GEMM) or `vocab_parallel`. The model
         computes with it and the memory estimate counts its bytes."""
         fused = self.cross_entropy_fusion_impl if self.cross_entropy_loss_fusion else None
+        if fused == "chunked":
+            return "chunked"
         if fused == "te" or (fused is None and self.transformer_impl == "transformer_engine" and not fp16_logits):
             return "te"
         return "native" if fused == "native" else "vocab_parallel"

@@ -42,9 +42,9 @@ from megatron.parallel.tensor_parallel import (
 )
 
 from .cross_entropy import fused_cross_entropy
-from .grad_accumulation import OutputLinear
 from .init_draws import init_normal, parallel_draws, seeded
 from .layers import Linear, Norm, RotaryEmbedding, is_fp8_param, mark_tensor_parallel
+from .output_layer import OutputLinear, linear_cross_entropy
 from .recompute import RecomputePlan, Runner, run_layers
 from .transformer import TransformerLayer
 
@@ -294,6 +294,8 @@ class GPTModel(nn.Module):
         x = gather_from_sp(x, self.tp.group) if self.tp.sequence_parallel else copy_to_tp(x, self.tp.group)
         # [s, b, V/tp]. The untied output layer runs as a module: under FSDP it shares a unit with the final norm,
         # and FSDP2 runs its forward and pre-backward logic only for modules whose forward ran (and warns)
+        if labels is not None and self.cfg.cross_entropy_impl(fp16_logits=False) == "chunked":
+            return self._chunked_loss(x, labels)
         logits = F.linear(x, self.output_weight()) if self.output_layer is None else self.output_layer(x)
         if labels is None:
             return gather_from_tp(logits, self.tp.group).transpose(0, 1)
@@ -305,6 +307,17 @@ class GPTModel(nn.Module):
         if impl == "native":
             return fused_cross_entropy(logits.transpose(0, 1), labels, self.tp.group)
         return vocab_parallel_cross_entropy(logits.transpose(0, 1), labels, self.tp.group)
+
+    def _chunked_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The per-token loss [b, s] of the output layer fused with the cross-entropy (output_layer.py), from the
+        final norm's output x [s, b, h] (whole over the tensor-parallel group) and labels [b, s]."""
+        s, b, h = x.shape
+        flat, targets = x.reshape(s * b, h), labels.t().reshape(s * b)
+        if self.output_layer is None:  # tied: the embedding gets a second gradient from its lookup, so none is fused
+            loss = linear_cross_entropy(flat, self.output_weight(), targets, self.tp.group)
+        else:
+            loss = self.output_layer(flat, targets, self.tp.group)
+        return loss.view(s, b).t()
 
     def describe(self) -> list[str]:
         """Startup log lines about the layer implementation (the local one has none) and the recomputation."""

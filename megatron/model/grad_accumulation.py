@@ -3,19 +3,18 @@
 A linear whose weight has an fp32 gradient buffer (`weight.main_grad`, megatron/parallel/data_parallel.py) computes
 its weight gradient dY^T X straight into that buffer: one `addmm_` when the weight is fp32 (no gradient tensor
 in between), or the GEMM's product added into the fp32 buffer for bf16/fp16 weights. Autograd then gets a
-placeholder (`_placeholder`) and `weight.grad_added_to_main_grad` tells the buffers' hook not to add it (the
+placeholder (`wgrad_placeholder`) and `weight.grad_added_to_main_grad` tells the buffers' hook not to add it (the
 contract Transformer Engine's fused wgrad accumulation follows). A weight marked `overwrite_main_grad` (Transformer
 Engine's attribute, set by megatron/parallel/grad_shards.py, whose buffers live for one micro-batch and are not
 zeroed) gets the product written into `main_grad` instead: no read of the old contents.
 `--no-gradient-accumulation-fusion` uses plain F.linear: the gradient lands in `.grad` and the hook adds it.
-The untied output layer (`OutputLinear`) fuses its weight gradient the same way.
+The untied output layer (model/output_layer.py) fuses its weight gradient the same way.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 
 class _LinearAccumulatingWgrad(torch.autograd.Function):
@@ -42,10 +41,10 @@ class _LinearAccumulatingWgrad(torch.autograd.Function):
             main_grad.add_(g2d.t().mm(x2d))
         weight.grad_added_to_main_grad = True
         grad_bias = g2d.sum(0) if ctx.has_bias else None
-        return grad_input, _placeholder(weight, main_grad), grad_bias
+        return grad_input, wgrad_placeholder(weight, main_grad), grad_bias
 
 
-def _placeholder(weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
+def wgrad_placeholder(weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
     """What autograd gets as the weight's gradient (the buffers' hook drops it). Autograd keeps a gradient laid out
     as the weight is, and copies any other, a zero-stride one too, into a new tensor of the weight's size: a
     transient copy of the layer's whole gradient. So where the dtypes agree it is `main_grad` itself (a view:
@@ -64,19 +63,3 @@ def fuses_wgrad(weight: torch.Tensor, enabled: bool) -> bool:
 def linear_accumulating_wgrad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear whose weight gradient is accumulated into `weight.main_grad` (see the module docstring)."""
     return _LinearAccumulatingWgrad.apply(x, weight, bias)
-
-
-class OutputLinear(nn.Linear):
-    """The untied output layer: an `nn.Linear` whose weight gradient goes straight into `weight.main_grad` where a
-    gradient buffer provides one, as the local linears' does (Megatron-LM's output layer fuses it alike). The output
-    layer's is the model's largest single gradient (V/tp x h: 1 GB in bf16 on Llama-3's 128k vocabulary), computed
-    while every activation is still held, so that the separate gradient tensor autograd would make, beside the buffer
-    it is then copied into, sits at the memory peak. Without a buffer (FSDP2's DTensor shards, fusion off,
-    evaluation) it is the plain `nn.Linear`."""
-
-    gradient_accumulation_fusion = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fuses_wgrad(self.weight, self.gradient_accumulation_fusion):
-            return linear_accumulating_wgrad(x, self.weight, self.bias)
-        return super().forward(x)

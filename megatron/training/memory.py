@@ -73,6 +73,7 @@ from megatron.config.sharding import (
     shards_hold_main_weights,
 )
 from megatron.fp8.fsdp_axes import AXES_RECIPES
+from megatron.model.output_layer import SLICE_BYTES_PER_ELEMENT, chunk_rows
 from megatron.optim.states import state_bytes
 
 from .activation_memory import calibration_activation_units, recomputed_activation_units
@@ -225,7 +226,7 @@ def _sharded_grads(cfg: Config) -> bool:
 
 def output_wgrad_in_buffer(cfg: Config, dtype: torch.dtype) -> bool:
     """Whether the untied output layer's weight gradient is written straight into its gradient buffer, with no
-    separate tensor (model/grad_accumulation.OutputLinear): gradient accumulation fusion on, a buffer (the
+    separate tensor (model/output_layer.OutputLinear): gradient accumulation fusion on, a buffer (the
     distributed optimizer's, DDP's or the flat-bucket engine's; FSDP2 reduce-scatters autograd's gradient), and
     the buffer in the training dtype (an fp32 buffer for bf16 weights takes the product through a bf16 copy)."""
     m, par = cfg.model, cfg.parallel
@@ -316,14 +317,17 @@ def estimate_bytes(
     activations = recomputed_activation_units(cfg, layers, held) * s * b * h * act_scale
     buffers = loss_side = loss_activations = 0.0
     if pp_rank == par.pipeline_model_parallel_size - 1:  # the stage that computes the loss
-        te_loss = cfg.model.cross_entropy_impl(fp16_logits=cfg.precision.fp16) == "te"
-        logits = (itemsize if te_loss else 8) * s * b * vocab_size / t
+        loss_impl = cfg.model.cross_entropy_impl(fp16_logits=cfg.precision.fp16)
+        logits = (itemsize if loss_impl == "te" else 8) * s * b * vocab_size / t
         # the final norm's input (a sequence-parallel shard) and the output layer's (gathered) input
         inputs = (2 / t if par.sequence_parallel else 2) * s * b * h * act_scale + 2 * s * b * h * act_scale
-        loss_activations = logits + inputs
-        activations += loss_activations
         # the output layer's backward: its weight gradient in the training dtype and its input gradient
         buffers = (0 if output_wgrad_in_buffer(cfg, dtype) else vocab * itemsize) + s * b * h * itemsize
+        if loss_impl == "chunked":  # no logits kept: a slice's at a time in the backward, and the fp32 input gradient
+            logits = 0.0
+            buffers += SLICE_BYTES_PER_ELEMENT * s * b * min(vocab_size / t, chunk_rows(s * b)) + 4 * s * b * h
+        loss_activations = logits + inputs
+        activations += loss_activations
         loss_side = logits + inputs + buffers
     if par.fsdp:
         gathered, staging = _fsdp_buffers(cfg, num_params, vocab, layer, itemsize, loss_side)

@@ -8,8 +8,8 @@ import torch
 
 from megatron.config import parse_args
 from megatron.fp8.params import accumulate_weight_grad
-from megatron.model.grad_accumulation import OutputLinear
 from megatron.model.layers import Linear
+from megatron.model.output_layer import OutputLinear
 from megatron.training import Trainer
 from tests.e2e.test_training import TINY
 

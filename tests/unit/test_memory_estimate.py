@@ -355,7 +355,7 @@ def test_llama_1b_te_grad_shards_hold_a_gradient_shard_and_one_bucket():
     assert est["total"] == pytest.approx(distopt["total"] - 2 * L1B_N + 4 * L1B_V * L1B_H)
     bf16 = estimate_bytes(llama(f"{zero2} --grad-reduce-in-bf16"), L1B_N, L1B_V, torch.bfloat16)
     # a bf16 bucket holds the output layer's weight gradient as its GEMM writes it: no separate copy beside it
-    # (model/grad_accumulation.OutputLinear), so the bucket takes the place of the distributed optimizer's copy
+    # (model/output_layer.OutputLinear), so the bucket takes the place of the distributed optimizer's copy
     assert bf16["grads"] == L1B_N and bf16["buffers"] == distopt["buffers"]
     assert bf16["step"] == 4 * L1B_N / 2  # torch's AdamW upcasts the bf16 shards
     comm = estimate_bytes(llama(f"{zero2} --megatron-fsdp-grad-comm-dtype bf16"), L1B_N, L1B_V, torch.bfloat16)

@@ -1,0 +1,127 @@
+"""--cross-entropy-fusion-impl chunked (megatron/model/output_layer.py): the output layer's GEMM and the loss a
+slice of the vocabulary at a time give the native fused loss's values and gradients (bit for bit in one slice), into
+`main_grad` where the weight has one, over a tensor-parallel group too, and the model trains with it."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.config import parse_args
+from megatron.model import GPTModel, output_layer
+from megatron.model.cross_entropy import fused_cross_entropy
+from megatron.model.output_layer import linear_cross_entropy
+from megatron.training.memory import estimate_bytes
+from tests.dist_utils import run_distributed
+from tests.e2e.test_training import TINY
+
+TOKENS, HIDDEN, VOCAB = 24, 16, 50
+
+
+def _inputs(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(TOKENS, HIDDEN, dtype=dtype)
+    weight = (0.5 * torch.randn(VOCAB, HIDDEN)).to(dtype)
+    labels = torch.randint(0, VOCAB, (TOKENS,))
+    return x, weight, labels, torch.rand(TOKENS)
+
+
+def _native(x, weight, labels, grad_out):
+    x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fused_cross_entropy(F.linear(x, weight), labels)
+    loss.backward(grad_out)
+    return loss, x.grad, weight.grad
+
+
+def _chunked(x, weight, labels, grad_out, **kwargs):
+    x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = linear_cross_entropy(x, weight, labels, **kwargs)
+    loss.backward(grad_out)
+    return loss, x.grad, weight.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_slice_is_the_native_loss_bit_for_bit(dtype):
+    args = _inputs(dtype)
+    for ours, theirs in zip(_chunked(*args), _native(*args)):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slices_of_the_vocabulary_give_the_same_loss_and_gradients(dtype, monkeypatch):
+    args = _inputs(dtype)
+    monkeypatch.setattr(output_layer, "CHUNK_ELEMENTS", TOKENS * 7)  # slices of 7 rows, the last one of 1
+    assert len(output_layer._slices(VOCAB, TOKENS)) == 8
+    (loss, dx, dw), (ref, ref_dx, ref_dw) = _chunked(*args), _native(*args)
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-3}
+    torch.testing.assert_close(dx, ref_dx, **tol)
+    torch.testing.assert_close(dw, ref_dw, **tol)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_the_weight_gradient_goes_into_main_grad(overwrite, monkeypatch):
+    x, weight, labels, grad_out = _inputs(torch.bfloat16)
+    monkeypatch.setattr(output_layer, "CHUNK_ELEMENTS", TOKENS * 16)
+    _, _, ref_dw = _chunked(x, weight, labels, grad_out)
+    param = torch.nn.Parameter(weight.clone())
+    param.main_grad = torch.full(weight.shape, float("nan") if overwrite else 0.0, dtype=torch.bfloat16)
+    param.overwrite_main_grad = overwrite
+    linear_cross_entropy(x, param, labels, fuse_wgrad=True).backward(grad_out)
+    assert torch.equal(param.main_grad, ref_dw) and param.grad_added_to_main_grad
+    assert param.grad.data_ptr() == param.main_grad.data_ptr()  # no gradient tensor beside the buffer
+
+
+def _tensor_parallel_body(rank, world):
+    x, weight, labels, grad_out = _inputs(torch.float32)
+    output_layer.CHUNK_ELEMENTS = TOKENS * 10  # three slices of this rank's 25 rows
+    ref, ref_dx, ref_dw = _native(x, weight, labels, grad_out)
+    rows = VOCAB // world
+    shard = weight[rank * rows : (rank + 1) * rows]
+    loss, dx, dw = _chunked(x, shard, labels, grad_out, group=dist.group.WORLD)
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    dist.all_reduce(dx)  # each rank's input gradient covers its vocabulary rows: the model all-reduces them
+    torch.testing.assert_close(dx, ref_dx, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dw, ref_dw[rank * rows : (rank + 1) * rows], rtol=1e-5, atol=1e-6)
+
+
+def test_over_a_tensor_parallel_group():
+    run_distributed(_tensor_parallel_body, world_size=2)
+
+
+def _nearest_nodes(node, depth: int = 3) -> str:
+    """The names of the autograd nodes up to `depth` steps before `node`."""
+    names, frontier = [], [node]
+    for _ in range(depth):
+        names += [n.name() for n in frontier]
+        frontier = [m for n in frontier for m, _ in n.next_functions if m is not None]
+    return " ".join(names)
+
+
+@pytest.mark.parametrize("tied", ["", "--untie-embeddings-and-output-weights"])
+def test_the_model_computes_its_loss_with_it(tied):
+    tokens = torch.randint(0, 128, (2, 32))
+    losses, grads = [], []
+    for impl in ("native", "chunked"):
+        cfg = parse_args(f"{TINY} {tied} --cross-entropy-loss-fusion --cross-entropy-fusion-impl {impl}".split())
+        torch.manual_seed(0)
+        model = GPTModel(cfg.model, 128)
+        loss = model(tokens, labels=tokens)
+        assert ("LinearCrossEntropy" in _nearest_nodes(loss.grad_fn)) == (impl == "chunked")
+        loss.mean().backward()
+        losses.append(loss)
+        grads.append([p.grad for p in model.parameters()])
+    assert torch.equal(losses[0], losses[1])  # one slice of TINY's vocabulary
+    for ours, theirs in zip(*grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+
+
+def test_the_memory_estimate_counts_no_logits():
+    flags = "--bf16 --untie-embeddings-and-output-weights --cross-entropy-loss-fusion --cross-entropy-fusion-impl"
+    native, chunked = (parse_args(f"{TINY} {flags} {impl}".split()) for impl in ("native", "chunked"))
+    a, b = (estimate_bytes(cfg, 10**6, 128, torch.bfloat16) for cfg in (native, chunked))
+    tokens = 32 * 2
+    # native: fp32 logits and their gradient kept, 8 bytes per logit; chunked: none kept, but a slice's work in the
+    # backward (6 bytes per logit; here the whole vocabulary is one slice) and the fp32 input gradient
+    assert a["activations"] - b["activations"] == 8 * tokens * 128
+    assert b["buffers"] - a["buffers"] == 6 * tokens * 128 + 4 * tokens * 32
