@@ -111,7 +111,7 @@ class ModelConfig:
     """With --cross-entropy-loss-fusion: `native` (PyTorch, any device), `te` (Transformer Engine's
     parallel_cross_entropy; needs a CUDA GPU with Transformer Engine) or `chunked` (this project's: the output
     layer's GEMM and the loss together, a slice of the vocabulary at a time, the logits recomputed in the backward:
-    no tensor of the whole logits is ever kept; megatron/model/linear_cross_entropy.py)."""
+    no tensor of the whole logits is ever kept; megatron/model/output_layer.py)."""
     transformer_impl: str | None = option(None, choices=["local", "transformer_engine"])
     """Layer implementation: `transformer_engine` (NVIDIA Transformer Engine modules: fused attention, native FP8
     recipes; CUDA only) or `local` (pure PyTorch: runs anywhere, emulates FP8 recipes the GPU lacks). Default:

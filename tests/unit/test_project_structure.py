@@ -4,6 +4,7 @@ lazy (every module imports on a CPU machine)."""
 import ast
 import importlib
 import pkgutil
+import re
 from pathlib import Path
 
 import megatron
@@ -97,3 +98,13 @@ def test_every_module_imports_on_a_cpu_machine():
         except ImportError as exc:
             failed[module.name] = str(exc)
     assert not failed, f"these modules do not import without a GPU's packages: {failed}"
+
+
+def test_the_flags_help_names_only_files_that_exist():
+    """--help points users at this project's modules (megatron/config's docstrings): a renamed or never-made module
+    leaves them a dead end."""
+    named = {
+        m for p in (ROOT / "megatron/config").rglob("*.py") for m in re.findall(r"megatron/[\w/]+\.py", p.read_text())
+    }
+    missing = sorted(name for name in named if not (ROOT / name).exists())
+    assert not missing, missing
