@@ -94,7 +94,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             softmax.scatter_add_(-1, (local_label - lo).clamp(0, hi - lo - 1).unsqueeze(-1), -here.unsqueeze(-1))
             dz = softmax.mul_(grad.unsqueeze(-1)).to(x.dtype)
             del softmax
-            grad_x += (dz @ rows).float()
+            grad_x.add_(dz @ rows)  # into fp32 as it is read: no fp32 copy of the product
             if main_grad is None:
                 torch.mm(dz.t(), x, out=grad_weight[lo:hi])
             elif overwrite and main_grad.dtype == dz.dtype:

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.config import parse_args
 from megatron.model import GPTModel, output_layer
@@ -70,6 +71,33 @@ def test_the_weight_gradient_goes_into_main_grad(overwrite, monkeypatch):
     linear_cross_entropy(x, param, labels, fuse_wgrad=True).backward(grad_out)
     assert torch.equal(param.main_grad, ref_dw) and param.grad_added_to_main_grad
     assert param.grad.data_ptr() == param.main_grad.data_ptr()  # no gradient tensor beside the buffer
+
+
+class _Fp32InputSized(TorchDispatchMode):
+    """The distinct storages of the fp32 [TOKENS, HIDDEN] tensors the ops inside make."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape == (TOKENS, HIDDEN):
+                self.storages.add(t.untyped_storage().data_ptr())
+        return out
+
+
+def test_the_input_gradient_is_summed_in_one_fp32_tensor(monkeypatch):
+    """The estimate (training/memory.py) counts one fp32 input gradient beside a slice's work: each slice's part is
+    added into it from the GEMM's 16-bit output, with no fp32 copy of that output."""
+    x, weight, labels, grad_out = _inputs(torch.bfloat16)
+    monkeypatch.setattr(output_layer, "CHUNK_ELEMENTS", TOKENS * 7)
+    x.requires_grad_()
+    loss = linear_cross_entropy(x, weight, labels)
+    with _Fp32InputSized() as mode:
+        loss.backward(grad_out)
+    assert len(mode.storages) == 1
 
 
 def _tensor_parallel_body(rank, world):
