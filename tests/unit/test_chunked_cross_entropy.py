@@ -117,6 +117,30 @@ def test_over_a_tensor_parallel_group():
     run_distributed(_tensor_parallel_body, world_size=2)
 
 
+def _layouts_body(rank, world):
+    from megatron.parallel.grad_shards import GradShards
+    from tests.distributed.test_fsdp import _close, _run
+    from tests.distributed.test_parallel_layouts import BASE
+
+    output_layer.CHUNK_ELEMENTS = 32 * 5  # slices of 5 rows of a rank's 64 (the vocabulary of 127 padded to 128)
+    GradShards.fill_new_buckets = float("nan")  # every row of the output layer's gradient must be written
+    flags = f"{BASE} --train-iters 2 --eval-iters 0 --untie-embeddings-and-output-weights --cross-entropy-loss-fusion"
+    layouts = {
+        "tp2 sp": "--tensor-model-parallel-size 2 --sequence-parallel",
+        "optim_grads": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads",  # overwrite_main_grad
+    }
+    for label, layout in layouts.items():
+        want, _ = _run(f"{flags} {layout} --cross-entropy-fusion-impl native", world)
+        got, _ = _run(f"{flags} {layout} --cross-entropy-fusion-impl chunked", world)
+        _close(got, want, 1e-6, label, steps=2)
+
+
+def test_training_under_tensor_pipeline_and_sharded_data_parallelism():
+    """Two steps of training on two ranks: the chunked loss, its weight gradient in the buffers (unzeroed ones
+    too), trains as the native fused loss does."""
+    run_distributed(_layouts_body, world_size=2)
+
+
 def _nearest_nodes(node, depth: int = 3) -> str:
     """The names of the autograd nodes up to `depth` steps before `node`."""
     names, frontier = [], [node]
