@@ -5,8 +5,8 @@
 #                                            freed bf16 shards, TE meta-device init, the FP8 gradient reduce-scatter,
 #                                            the cached FP8 shard cast, the calibration pass recomputed (one GPU) and
 #                                            TE's state released at exit (about 8 minutes)
-#   bash scripts/fsdp_rows.sh new OUTDIR     the GPU tests not yet run on a GPU since their last change: the RoPE
-#                                            kernel's, the recomputed calibration pass, TE's state at exit (~3 min)
+#   bash scripts/fsdp_rows.sh new OUTDIR     the GPU tests not yet run on a GPU since their last change: the chunked
+#                                            loss's, the TE model's, TE under the flat buckets (~4 min)
 #   bash scripts/fsdp_rows.sh 1b OUTDIR      llama-1b: FSDP with FP8 and bf16 all-gathers, one- and four-layer units,
 #                                            beside dp2_distopt, each row with its lower bound (about 9 minutes)
 #   bash scripts/fsdp_rows.sh host OUTDIR    llama-1b's host-bound FSDP step (optim_grads): the profile of
@@ -24,7 +24,8 @@
 #                                            fp8/fp16 moments, every layer recomputed) in one call (about 7 minutes)
 #   bash scripts/fsdp_rows.sh zero2 OUTDIR   optim_grads on the flat buckets (megatron/parallel/grad_shards.py):
 #                                            its GPU test (TE writing unzeroed buckets), llama-1b beside dp2_distopt twice over (A B A B: the eighth session's two
-#                                            calls disagreed by 15%) and its profile after 30 iterations (~6 min)
+#                                            calls disagreed by 15%; 60 iterations each) and its profile after 30
+#                                            iterations (~7 min)
 #   bash scripts/fsdp_rows.sh zero2-8b OUTDIR  llama3-8b on the flat buckets: weights whole (FP8), O2's states, four
 #                                            layers recomputed, and one with the chunked loss (~7.5 min)
 #   bash scripts/fsdp_rows.sh noreshard OUTDIR  --torch-fsdp2-no-reshard-after-forward: its GPU test (TE, bf16 and FP8,
@@ -61,9 +62,10 @@ case $PART in
       echo "$t: rc=$? $(tail -1 "$OUT/logs/$file.txt")" | tee -a "$OUT/summary.txt"
     done;;
   new)
-    # GPU tests that have not yet run (or not since a change) on a GPU: the RoPE kernel's (one GPU), the calibration
-    # pass recomputed (one GPU), TE's state released at exit
-    for t in test_rope_kernel test_te_calibration_recompute test_te_exit_gpu; do
+    # GPU tests that have not yet run (or not since a change) on a GPU: the chunked loss (one GPU), and since the
+    # untied output layer writes its weight gradient into the buffers (tenth session) the TE model against the local
+    # one and TE under the flat buckets
+    for t in test_chunked_loss_gpu test_te_model test_te_grad_shards; do
       timeout 150 python3 -m pytest -q -x "tests/gpu/$t.py" > "$OUT/logs/$t.txt" 2>&1
       echo "$t: rc=$? $(tail -1 "$OUT/logs/$t.txt")" | tee -a "$OUT/summary.txt"
     done;;
@@ -114,7 +116,8 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
       timeout 120 python3 -m pytest -q -x tests/gpu/test_te_grad_shards.py > "$OUT/logs/test_te_grad_shards.txt" 2>&1
       echo "test_te_grad_shards: rc=$? $(tail -1 "$OUT/logs/test_te_grad_shards.txt")" | tee -a "$OUT/summary.txt"
     fi
-    common=(--presets llama-1b --iters 30 --log-interval 5 --timeout 100)
+    # 60 iterations in intervals of 10: both engines' 5-iteration intervals moved by 10% within a run (tenth session)
+    common=(--presets llama-1b --iters 60 --log-interval 10 --timeout 110)
     for pass in 1 2; do
       mkdir -p "$OUT/logs/pass$pass"
       LOGS="$OUT/logs/pass$pass" bench "${common[@]}" --configs te-delayed-fp8params --layouts mfsdp2_optim_grads

@@ -71,13 +71,21 @@ def print_model(
     for line in memory_estimate_lines(cfg, estimate, params, dtype, fp8_params=fp8_params):
         print_rank_0(f"> {line}")
     device = next(model.parameters()).device
-    if device.type == "cuda" and (note := headroom_note(estimate["total"] / 2**30, _capacity_gib(device))):
-        print_rank_0(f"> {note}")
+    if device.type == "cuda" and (line := headroom_line(dims, estimate["total"] / 2**30, _capacity_gib(device))):
+        print(line, flush=True)
     for line in fp8_lines:
         print_rank_0(f"> fp8: {line}")
     for line in model.describe():
         print_rank_0(f"> {line}")
     return estimate["total"] / 2**30
+
+
+def headroom_line(dims: ParallelDims, estimate_gib: float, capacity_gib: float) -> str | None:
+    """This rank's line of `memory.headroom_note`, if any: each pipeline stage's own estimate (the last stage, with
+    the output layer, is often the tightest), printed once per stage, by its first rank."""
+    if dims.dp_rank or dims.cp_rank or dims.tp_rank or not (note := headroom_note(estimate_gib, capacity_gib)):
+        return None
+    return f"> {note}" if dims.pp == 1 else f"> pipeline stage {dims.pp_rank}: {note}"
 
 
 def _capacity_gib(device: torch.device) -> float:

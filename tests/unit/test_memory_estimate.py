@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron.config import Config, parse_args
+from megatron.parallel import ParallelDims
 from megatron.training.memory import (
     estimate_bytes,
     headroom_note,
@@ -22,6 +23,7 @@ from megatron.training.memory import (
     memory_estimate_lines,
     output_wgrad_in_buffer,
 )
+from megatron.training.startup import headroom_line
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 SHAPE = "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2"
@@ -532,3 +534,9 @@ def test_a_gpu_left_too_little_beyond_the_estimate_gets_a_note():
     assert headroom_note(73.2, 79.18) is None  # trained: 73.7 GiB peak on an 80 GB H100
     note = headroom_note(74.8, 79.18)  # made no step in two minutes
     assert note is not None and "4.4 GiB of this GPU's 79.2 GiB" in note and "--recompute-num-layers" in note
+    # printed by the first rank of each pipeline stage, naming the stage where there are several
+    assert headroom_line(ParallelDims(world_size=2, rank=0, tp=1, pp=1, dp=2), 74.8, 79.18) == f"> {note}"
+    assert headroom_line(ParallelDims(world_size=2, rank=1, tp=1, pp=1, dp=2, dp_rank=1), 74.8, 79.18) is None
+    last = ParallelDims(world_size=4, rank=2, tp=2, pp=2, dp=1, pp_rank=1)
+    assert headroom_line(last, 74.8, 79.18) == f"> pipeline stage 1: {note}"
+    assert headroom_line(last, 70.0, 79.18) is None
