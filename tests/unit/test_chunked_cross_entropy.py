@@ -9,12 +9,13 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.config import parse_args
-from megatron.model import GPTModel, output_layer
+from megatron.model import output_layer
 from megatron.model.cross_entropy import fused_cross_entropy
 from megatron.model.output_layer import linear_cross_entropy
 from megatron.training.memory import estimate_bytes
 from tests.dist_utils import run_distributed
 from tests.e2e.test_training import TINY
+from tests.unit.test_cross_entropy_fusion import model_loss_and_grads
 
 TOKENS, HIDDEN, VOCAB = 24, 16, 50
 
@@ -153,18 +154,14 @@ def _nearest_nodes(node, depth: int = 3) -> str:
 @pytest.mark.parametrize("tied", ["", "--untie-embeddings-and-output-weights"])
 def test_the_model_computes_its_loss_with_it(tied):
     tokens = torch.randint(0, 128, (2, 32))
-    losses, grads = [], []
-    for impl in ("native", "chunked"):
-        cfg = parse_args(f"{TINY} {tied} --cross-entropy-loss-fusion --cross-entropy-fusion-impl {impl}".split())
-        torch.manual_seed(0)
-        model = GPTModel(cfg.model, 128)
-        loss = model(tokens, labels=tokens)
-        assert ("LinearCrossEntropy" in _nearest_nodes(loss.grad_fn)) == (impl == "chunked")
-        loss.mean().backward()
-        losses.append(loss)
-        grads.append([p.grad for p in model.parameters()])
-    assert torch.equal(losses[0], losses[1])  # one slice of TINY's vocabulary
-    for ours, theirs in zip(*grads):
+    flags = f"{tied} --cross-entropy-loss-fusion --cross-entropy-fusion-impl"
+    (native, native_grads), (chunked, chunked_grads) = (
+        model_loss_and_grads(f"{flags} {impl}", tokens) for impl in ("native", "chunked")
+    )
+    assert "LinearCrossEntropy" in _nearest_nodes(chunked.grad_fn)
+    assert "LinearCrossEntropy" not in _nearest_nodes(native.grad_fn)
+    assert torch.equal(native, chunked)  # one slice of TINY's vocabulary
+    for ours, theirs in zip(chunked_grads, native_grads):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
 
 
