@@ -134,7 +134,11 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     # two fit a call). Expandable segments against the fragmentation of the near-full card.
     CONFIGS=${CONFIGS:-te-delayed-fp8params-nocalib-fp8attn-recompute-block4 te-delayed-fp8params-nocalib-fp8attn-chunkce-recompute-block1}
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench --presets llama3-8b --iters 6 --log-interval 2 \
-      --timeout 230 --layouts mfsdp2_o2states --configs $CONFIGS;;
+      --timeout 230 --layouts mfsdp2_o2states --configs $CONFIGS
+    # PROFILE=CONFIG: where that row's step goes (~3.5 min more)
+    [ -z "$PROFILE" ] || PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 230 python3 scripts/benchmark.py \
+      --profile llama3-8b "$PROFILE" --layouts mfsdp2_o2states --profile-top 40 2>&1 | grep -A80 "^step " \
+      | tee -a "$OUT/summary.txt";;
   noreshard)
     timeout 200 python3 -m pytest -q -x -s tests/gpu/test_te_fsdp.py -k no_reshard > "$OUT/logs/test_te_fsdp_no_reshard.txt" 2>&1
     echo "test_te_fsdp -k no_reshard: rc=$? $(tail -1 "$OUT/logs/test_te_fsdp_no_reshard.txt")" | tee -a "$OUT/summary.txt"
