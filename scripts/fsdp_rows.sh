@@ -118,9 +118,14 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     fi
     # 60 iterations in intervals of 10: both engines' 5-iteration intervals moved by 10% within a run (tenth session)
     common=(--presets llama-1b --iters 60 --log-interval 10 --timeout 110)
+    # ZERO2_LAYOUTS: the engine's rows of each pass. Its default reduce-scatters fp32 every micro-batch (4 here: 18 GB
+    # a step against the distributed optimizer's one fp32 reduction of 4.4 GB); mfsdp2_optim_grads_bf16comm halves
+    # it. Each row ~85 s: three rows a pass need NO_TEST=1 NO_PROFILE=1.
     for pass in 1 2; do
       mkdir -p "$OUT/logs/pass$pass"
-      LOGS="$OUT/logs/pass$pass" bench "${common[@]}" --configs te-delayed-fp8params --layouts mfsdp2_optim_grads
+      for layout in ${ZERO2_LAYOUTS:-mfsdp2_optim_grads}; do
+        LOGS="$OUT/logs/pass$pass" bench "${common[@]}" --configs te-delayed-fp8params --layouts "$layout"
+      done
       LOGS="$OUT/logs/pass$pass" bench "${common[@]}" --configs te-delayed --layouts dp2_distopt
     done
     [ -n "$NO_PROFILE" ] || timeout 100 python3 scripts/benchmark.py --profile llama-1b te-delayed-fp8params \
