@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 
-def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+def all_reduce_over_group(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    """all_reduce over `group`, nothing where there is no group or one rank (the tensor-parallel losses' sums)."""
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(x, op=op, group=group)
 
@@ -25,13 +26,13 @@ class _FusedCrossEntropy(torch.autograd.Function):
         start = (dist.get_rank(group) if group is not None else 0) * vocab_local
         z = logits.float()
         top = z.max(dim=-1).values
-        _all_reduce(top, group, dist.ReduceOp.MAX)
+        all_reduce_over_group(top, group, dist.ReduceOp.MAX)
         in_range = (labels >= start) & (labels < start + vocab_local)
         local_label = (labels - start).clamp(0, vocab_local - 1)
         label_logit = z.gather(-1, local_label.unsqueeze(-1)).squeeze(-1) * in_range
-        _all_reduce(label_logit, group)
+        all_reduce_over_group(label_logit, group)
         sum_exp = (z - top.unsqueeze(-1)).exp_().sum(dim=-1)
-        _all_reduce(sum_exp, group)
+        all_reduce_over_group(sum_exp, group)
         lse = top + sum_exp.log()
         ctx.group = group
         ctx.save_for_backward(logits, local_label, in_range, lse)

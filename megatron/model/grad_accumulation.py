@@ -30,18 +30,24 @@ class _LinearAccumulatingWgrad(torch.autograd.Function):
         grad_input = grad.matmul(weight)
         g2d, x2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
         main_grad = weight.main_grad
-        if getattr(weight, "overwrite_main_grad", False):
-            if main_grad.dtype == g2d.dtype:
-                torch.mm(g2d.t(), x2d, out=main_grad)
-            else:
-                main_grad.copy_(g2d.t().mm(x2d))
-        elif main_grad.dtype == g2d.dtype:
-            main_grad.addmm_(g2d.t(), x2d)
-        else:
-            main_grad.add_(g2d.t().mm(x2d))
+        write_wgrad(main_grad, g2d, x2d, overwrite=getattr(weight, "overwrite_main_grad", False))
         weight.grad_added_to_main_grad = True
         grad_bias = g2d.sum(0) if ctx.has_bias else None
         return grad_input, wgrad_placeholder(weight, main_grad), grad_bias
+
+
+def write_wgrad(target: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, overwrite: bool) -> None:
+    """target += dy^T x (or = with `overwrite`): straight from the GEMM where the dtypes agree, else through a product
+    in the inputs' dtype (a bf16 GEMM into an fp32 buffer)."""
+    if target.dtype == dy.dtype:
+        if overwrite:
+            torch.mm(dy.t(), x, out=target)
+        else:
+            target.addmm_(dy.t(), x)
+    elif overwrite:
+        target.copy_(dy.t().mm(x))
+    else:
+        target.add_(dy.t().mm(x))
 
 
 def wgrad_placeholder(weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:

@@ -29,18 +29,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .grad_accumulation import fuses_wgrad, linear_accumulating_wgrad, wgrad_placeholder
+from .cross_entropy import all_reduce_over_group
+from .grad_accumulation import fuses_wgrad, linear_accumulating_wgrad, wgrad_placeholder, write_wgrad
 
 # Elements of one slice's logits (256 MiB in fp32; a slice's work holds 6 bytes per element at most, the fp32 logits
 # beside the GEMM's 16-bit output or the 16-bit gradient): a sequence of 8192 takes 8192 vocabulary rows at a time,
 # 16 slices of Llama-3's vocabulary, each GEMM still large enough to run at the GEMM's full rate.
 CHUNK_ELEMENTS = 1 << 26
 SLICE_BYTES_PER_ELEMENT = 6
-
-
-def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
 
 
 def chunk_rows(tokens: int) -> int:
@@ -70,11 +66,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             lse = top + ((lse - top).exp() + z.sub_(top.unsqueeze(-1)).exp_().sum(dim=-1)).log()
         if group is not None and dist.get_world_size(group) > 1:  # log-sum-exp over the ranks' vocabulary slices
             top = lse.clone()
-            _all_reduce(top, group, dist.ReduceOp.MAX)
+            all_reduce_over_group(top, group, dist.ReduceOp.MAX)
             total = (lse - top).exp()
-            _all_reduce(total, group)
+            all_reduce_over_group(total, group)
             lse = top + total.log()
-        _all_reduce(label_logit, group)
+        all_reduce_over_group(label_logit, group)
         ctx.group, ctx.fuse = group, fuse
         ctx.save_for_backward(x, weight, local_label, lse)
         return lse - label_logit
@@ -84,9 +80,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         x, weight, local_label, lse = ctx.saved_tensors
         vocab_local = weight.shape[0]
         grad_x = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        main_grad = weight.main_grad if ctx.fuse else None
-        grad_weight = torch.empty_like(weight) if main_grad is None else None
-        overwrite = getattr(weight, "overwrite_main_grad", False)
+        # the weight gradient's rows, each slice's written whole: into the buffer, or into autograd's own gradient
+        target = weight.main_grad if ctx.fuse else torch.empty_like(weight)
+        overwrite = not ctx.fuse or getattr(weight, "overwrite_main_grad", False)
         for lo, hi in _slices(vocab_local, x.shape[0]):
             rows = weight[lo:hi]
             softmax = F.linear(x, rows).float().sub_(lse.unsqueeze(-1)).exp_()
@@ -95,20 +91,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dz = softmax.mul_(grad.unsqueeze(-1)).to(x.dtype)
             del softmax
             grad_x.add_(dz @ rows)  # into fp32 as it is read: no fp32 copy of the product
-            if main_grad is None:
-                torch.mm(dz.t(), x, out=grad_weight[lo:hi])
-            elif overwrite and main_grad.dtype == dz.dtype:
-                torch.mm(dz.t(), x, out=main_grad[lo:hi])
-            elif overwrite:
-                main_grad[lo:hi].copy_(dz.t() @ x)
-            elif main_grad.dtype == dz.dtype:
-                main_grad[lo:hi].addmm_(dz.t(), x)
-            else:
-                main_grad[lo:hi].add_(dz.t() @ x)
-        if main_grad is not None:
-            weight.grad_added_to_main_grad = True
-            grad_weight = wgrad_placeholder(weight, main_grad)
-        return grad_x.to(x.dtype), grad_weight, None, None, None
+            write_wgrad(target[lo:hi], dz, x, overwrite)
+        if not ctx.fuse:
+            return grad_x.to(x.dtype), target, None, None, None
+        weight.grad_added_to_main_grad = True
+        return grad_x.to(x.dtype), wgrad_placeholder(weight, target), None, None, None
 
 
 def linear_cross_entropy(
