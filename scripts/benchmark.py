@@ -72,6 +72,17 @@ PRESETS["llama3-8b"] = (
 )
 PRESETS["llama3-8b-32k"] = PRESETS["llama3-8b"].replace("8192", "32768")
 TE = "--transformer-impl transformer_engine"
+# the 8B's FSDP rows: FP8 weights, no calibration pass, FP8 attention; the chunked loss; the first n layers recomputed
+FP8ATTN = (
+    f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather --no-fp8-calibration --fp8-dot-product-attention"
+)
+CHUNKED_LOSS = " --cross-entropy-loss-fusion --cross-entropy-fusion-impl chunked"
+
+
+def recompute_block(n: int) -> str:
+    return f" --recompute-granularity full --recompute-method block --recompute-num-layers {n}"
+
+
 LOCAL = "--transformer-impl local"
 CONFIGS = {
     "te-bf16": TE,
@@ -122,34 +133,15 @@ CONFIGS = {
     "te-delayed-fp8params-nocalib": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather"
     " --no-fp8-calibration",
     # and FP8 attention: the Llama-3-8B's heads of 128 let cuDNN run it on Hopper
-    "te-delayed-fp8params-nocalib-fp8attn": f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather"
-    " --no-fp8-calibration --fp8-dot-product-attention",
-    # the same with the first layer recomputed whole: llama3-8b under mfsdp2_o2states estimated 75.5 GiB, 76.5 without
-    "te-delayed-fp8params-nocalib-fp8attn-recompute-block1": f"{TE} --fp8-format hybrid --fp8-recipe delayed"
-    " --fp8-param-gather --no-fp8-calibration --fp8-dot-product-attention --recompute-granularity full"
-    " --recompute-method block --recompute-num-layers 1",
-    # both ran out of memory on H100s (tenth session: 75.6 GiB allocated plus a 1 GB gradient bucket); four layers
-    "te-delayed-fp8params-nocalib-fp8attn-recompute-block4": f"{TE} --fp8-format hybrid --fp8-recipe delayed"
-    " --fp8-param-gather --no-fp8-calibration --fp8-dot-product-attention --recompute-granularity full"
-    " --recompute-method block --recompute-num-layers 4",
-    "te-delayed-fp8params-nocalib-fp8attn-recompute-block2": f"{TE} --fp8-format hybrid --fp8-recipe delayed"
-    " --fp8-param-gather --no-fp8-calibration --fp8-dot-product-attention --recompute-granularity full"
-    " --recompute-method block --recompute-num-layers 2",
-    # the same with the output layer's GEMM and the loss fused a slice of the vocabulary at a time (no logits kept)
+    "te-delayed-fp8params-nocalib-fp8attn": FP8ATTN,
+    # the same with the first N layers recomputed whole: llama3-8b under mfsdp2_o2states on two H100s ran out of
+    # memory with none recomputed and stalled with 1 or 2 (tenth session: estimates 76.5, 75.5, 74.8 GiB); 4 trained
+    **{f"te-delayed-fp8params-nocalib-fp8attn-recompute-block{n}": FP8ATTN + recompute_block(n) for n in (1, 2, 4)},
+    # and with the output layer's GEMM and the loss fused a slice of the vocabulary at a time (no logits kept)
+    "te-delayed-fp8params-nocalib-fp8attn-chunkce": FP8ATTN + CHUNKED_LOSS,
     **{
-        f"te-delayed-fp8params-nocalib-fp8attn-chunkce{tail}": f"{TE} --fp8-format hybrid --fp8-recipe delayed"
-        " --fp8-param-gather --no-fp8-calibration --fp8-dot-product-attention --cross-entropy-loss-fusion"
-        f" --cross-entropy-fusion-impl chunked{flags}"
-        for tail, flags in [
-            ("", ""),
-            *(
-                (
-                    f"-recompute-block{n}",
-                    f" --recompute-granularity full --recompute-method block --recompute-num-layers {n}",
-                )
-                for n in (1, 2)
-            ),
-        ]
+        f"te-delayed-fp8params-nocalib-fp8attn-chunkce-recompute-block{n}": FP8ATTN + CHUNKED_LOSS + recompute_block(n)
+        for n in (1, 2)
     },
     "te-tensorwise": f"{TE} --fp8-format hybrid --fp8-recipe tensorwise",
     "te-blockwise": f"{TE} --fp8-format e4m3 --fp8-recipe blockwise",
