@@ -10,7 +10,7 @@ Without a buffer (FSDP2's DTensor shards, fusion off, evaluation) it is the plai
 The other losses keep the logits, [tokens, V/tp], from the forward to the backward (Transformer Engine's and the
 native fused one in the training dtype, 2.1 GB for a sequence of 8192 on Llama-3's 128k vocabulary; the plain one
 fp32 log-probabilities), and form their gradient, as large, in the backward. This one keeps neither: the forward
-computes the logits of `vocab_chunk` rows of the weight at a time and keeps, per token, the running log-sum-exp (as
+computes the logits of `chunk_rows` rows of the weight at a time and keeps, per token, the running log-sum-exp (as
 flash attention does over keys) and the label's logit; the backward computes each slice's logits again (one more
 GEMM of the output layer's forward), its softmax from the kept log-sum-exp, the gradient of that slice, and from it
 the weight gradient of the slice's rows (whole: every token at once, one GEMM per slice, written into
