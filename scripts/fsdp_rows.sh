@@ -26,8 +26,8 @@
 #                                            its GPU test (TE writing unzeroed buckets), llama-1b beside dp2_distopt twice over (A B A B: the eighth session's two
 #                                            calls disagreed by 15%; 60 iterations each) and its profile after 30
 #                                            iterations (~7 min)
-#   bash scripts/fsdp_rows.sh zero2-8b OUTDIR  llama3-8b on the flat buckets: weights whole (FP8), O2's states, four
-#                                            layers recomputed, and one with the chunked loss (~7.5 min)
+#   bash scripts/fsdp_rows.sh zero2-8b OUTDIR  llama3-8b on the flat buckets: weights whole (FP8), O2's states, two
+#                                            and three layers recomputed (~6 min)
 #   bash scripts/fsdp_rows.sh noreshard OUTDIR  --torch-fsdp2-no-reshard-after-forward: its GPU test (TE, bf16 and FP8,
 #                                            --fp8-param-gather over 30 steps), TE's meta-device init under the
 #                                            flat-bucket engine, then llama-1b fsdp2_noreshard beside
@@ -38,8 +38,11 @@
 #                                            docs/loss_parity/llama-150m-fsdp-dp2.json (same data and seed),
 #                                            llama-150m, 1000 iterations each (about 8 minutes; needs
 #                                            .interop/parity.tar.xz: tools/build_parity_corpus.py's .bin/.idx, tarred);
-#                                            PARITY_CONFIGS=te-delayed-fp8params+zero2+chunkce: the same with the
-#                                            chunked loss (--cross-entropy-fusion-impl chunked)
+#                                            PARITY_CONFIGS=te-delayed-fp8params+zero2-chunkce: the same with the
+#                                            chunked loss (--cross-entropy-fusion-impl chunked);
+#                                            te-delayed-fp8params+zero2-bf16comm: bf16 reduce-scatters;
+#                                            PARITY_DEADLINE: seconds for the runs (560); PARITY_DRY_RUN=1:
+#                                            print the runs' commands only
 # OUTDIR gets a summary (summary.txt: the tables and each test's last lines) and every run's log (logs/). Megatron-LM's
 # sources must be where .devkit/anchors/megatron_run.sh looks (../shared/anchors/README.md).
 set -o pipefail
@@ -120,8 +123,8 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     common=(--presets llama-1b --iters 60 --log-interval 10 --timeout 110)
     # ZERO2_LAYOUTS: the engine's rows of each pass. Its default reduce-scatters fp32 every micro-batch (4 here: 18 GB
     # a step against the distributed optimizer's one fp32 reduction of 4.4 GB); mfsdp2_optim_grads_bf16comm halves
-    # it. Each row ~85 s: three rows a pass need NO_TEST=1 NO_PROFILE=1.
-    for pass in 1 2; do
+    # it. Each row ~85 s: three rows a pass need NO_TEST=1 NO_PROFILE=1 (PASSES=1: one pass).
+    for pass in $(seq "${PASSES:-2}"); do
       mkdir -p "$OUT/logs/pass$pass"
       for layout in ${ZERO2_LAYOUTS:-mfsdp2_optim_grads}; do
         LOGS="$OUT/logs/pass$pass" bench "${common[@]}" --configs te-delayed-fp8params --layouts "$layout"
@@ -133,11 +136,12 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
       | tee -a "$OUT/summary.txt"
 ;;
   zero2-8b)
-    # llama3-8b with its weights whole (FP8) and O2's states: with none, one or two layers recomputed it ran out of
-    # memory or stalled on H100s (tenth session), so four (2299 ms, 73.7 GiB); beside it the loss fused with the
-    # output layer (no logits kept, estimated 73.1 GiB with one layer recomputed). CONFIGS: other rows (each ~3.5 min:
-    # two fit a call). Expandable segments against the fragmentation of the near-full card.
-    CONFIGS=${CONFIGS:-te-delayed-fp8params-nocalib-fp8attn-recompute-block4 te-delayed-fp8params-nocalib-fp8attn-chunkce-recompute-block1}
+    # llama3-8b with its weights whole (FP8) and O2's states: with none or one layer recomputed it runs out of memory
+    # or stalls on H100s, so two (eleventh session: 2242 ms, 14.6k tokens/s per GPU, 74.3 GiB) beside three. CONFIGS:
+    # other rows (each ~3 min: two fit a call), e.g. te-bf16-recompute-block12 (bf16 on the same layout, 70.9 GiB) or
+    # the chunked loss (te-delayed-fp8params-nocalib-fp8attn-chunkce-recompute-block1: 73.8 GiB, but ~170 ms a step
+    # slower). Expandable segments against the fragmentation of the near-full card.
+    CONFIGS=${CONFIGS:-te-delayed-fp8params-nocalib-fp8attn-recompute-block2 te-delayed-fp8params-nocalib-fp8attn-recompute-block3}
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench --presets llama3-8b --iters 6 --log-interval 2 \
       --timeout 230 --layouts mfsdp2_o2states --configs $CONFIGS
     # PROFILE=CONFIG: where that row's step goes (~3.5 min more)
@@ -159,10 +163,15 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     # distributed optimizer's te-delayed at DP=2 (the seventh session's version-counter fix of its all-gathers)
     Z="--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
     cp docs/loss_parity/llama-150m-fsdp-dp2.json "$OUT/parity.json"  # merged: runs of the same name are replaced
-    timeout 580 python3 scripts/loss_parity.py --preset llama-150m --eval-iters 5 --nproc-per-node 2 --deadline 560 $D \
-      --results "$OUT/parity.json" --log-dir "$OUT/logs" --out "$OUT/parity.md" \
-      --configs ${PARITY_CONFIGS:-te-delayed-fp8params+zero2 te-delayed+distopt} --config-flags "te-delayed-fp8params+zero2=$Z" \
-      --config-flags "te-delayed+distopt=--use-distributed-optimizer" --config-flags "te-delayed-fp8params+zero2+chunkce=$Z \
---cross-entropy-loss-fusion --cross-entropy-fusion-impl chunked" 2>&1 | tail -12 | tee -a "$OUT/summary.txt";;
+    # each run's flags (loss_parity.py refuses flags for a run it is not given)
+    declare -A FLAGS=([te-delayed-fp8params+zero2]="$Z" [te-delayed+distopt]="--use-distributed-optimizer"
+      [te-delayed-fp8params+zero2-chunkce]="$Z --cross-entropy-loss-fusion --cross-entropy-fusion-impl chunked"
+      [te-delayed-fp8params+zero2-bf16comm]="$Z --megatron-fsdp-grad-comm-dtype bf16")
+    RUNS=(${PARITY_CONFIGS:-te-delayed-fp8params+zero2 te-delayed+distopt}) FLAG_ARGS=()
+    for run in "${RUNS[@]}"; do FLAG_ARGS+=(--config-flags "$run=${FLAGS[$run]:?no flags for $run}"); done
+    timeout $((${PARITY_DEADLINE:-560} + 20)) python3 scripts/loss_parity.py --preset llama-150m --eval-iters 5 \
+      --nproc-per-node 2 --deadline "${PARITY_DEADLINE:-560}" $D --results "$OUT/parity.json" --log-dir "$OUT/logs" \
+      --out "$OUT/parity.md" --configs "${RUNS[@]}" "${FLAG_ARGS[@]}" ${PARITY_DRY_RUN:+--dry-run} 2>&1 | tail -12 \
+      | tee -a "$OUT/summary.txt";;
   *) echo "unknown part $PART: tests, new, 1b, host, 8b, 8b-nccl, megatron, zero2, zero2-8b, noreshard or parity"; exit 2;;
 esac
