@@ -372,16 +372,22 @@ def _flag(flags: str, name: str, default: int = 1) -> int:
 
 
 def train_flags(
-    preset: str, config: str, iters: int, log_interval: int, layout: str = "1gpu", weak: bool = False
+    preset: str,
+    config: str,
+    iters: int,
+    log_interval: int,
+    layout: str = "1gpu",
+    weak: bool = False,
+    extra: str = "",
 ) -> list[str]:
     """pretrain_gpt.py's flags; `weak`: multiply the preset's global batch by the data-parallel size (each GPU then
     runs as many micro-batches per step as one GPU does: weak scaling). A config named `<config>+graphs` adds
-    --cuda-graph-impl transformer_engine."""
+    --cuda-graph-impl transformer_engine. `extra`: flags appended to every run (--extra-flags)."""
     gpus, layout_flags = LAYOUTS[layout]
     graphs = " --cuda-graph-impl transformer_engine" if config.endswith(GRAPHS) else ""
     config = config.removesuffix(GRAPHS)
     flags = f"{COMMON} {PRESETS[preset]} {CONFIGS[config]}{graphs} {layout_flags} --train-iters {iters}"
-    flags += f" --log-interval {log_interval}"
+    flags += f" --log-interval {log_interval} {extra}"
     if weak:
         model_parallel = _flag(layout_flags, "--tensor-model-parallel-size") * _flag(
             layout_flags, "--pipeline-model-parallel-size"
@@ -398,10 +404,10 @@ def launcher(gpus: int) -> list[str]:
 
 
 def command(
-    preset: str, config: str, iters: int, log_interval: int, layout: str = "1gpu", weak: bool = False
+    preset: str, config: str, iters: int, log_interval: int, layout: str = "1gpu", weak: bool = False, extra: str = ""
 ) -> list[str]:
     """The launch command of one benchmark run (see `train_flags`)."""
-    flags = train_flags(preset, config, iters, log_interval, layout, weak)
+    flags = train_flags(preset, config, iters, log_interval, layout, weak, extra)
     return [*launcher(LAYOUTS[layout][0]), str(ROOT / "pretrain_gpt.py"), *flags]
 
 
@@ -466,8 +472,9 @@ def run(
     log_dir: Path | None,
     layout: str = "1gpu",
     weak: bool = False,
+    extra: str = "",
 ) -> Result:
-    cmd = command(preset, config, iters, log_interval, layout, weak)
+    cmd = command(preset, config, iters, log_interval, layout, weak, extra)
     text, code = execute(cmd, timeout, run_env(layout))
     if log_dir is not None:
         name = f"{preset}.{config.replace(GRAPHS, '-graphs')}.{layout}.log"  # no '+' in file names
@@ -648,7 +655,9 @@ def _idle_between_kernels(spans: list[tuple[float, float, str]]) -> tuple[float,
     return long_us / 1e3, short_us / 1e3
 
 
-def profile_run(result: Result, timeout: int, log_dir: Path | None, weak: bool = False) -> tuple[dict | None, str]:
+def profile_run(
+    result: Result, timeout: int, log_dir: Path | None, weak: bool = False, extra: str = ""
+) -> tuple[dict | None, str]:
     """The `--profile` pass of a row in its own process (as its GPUs' only user): (its summary, "") or (None, why
     it failed)."""
     import tempfile
@@ -664,6 +673,7 @@ def profile_run(result: Result, timeout: int, log_dir: Path | None, weak: bool =
             result.config.removesuffix(GRAPHS),
         ]
         cmd += ["--layouts", result.layout, "--profile-json", str(out), *graphs, *(["--weak-scaling"] if weak else [])]
+        cmd += [f"--extra-flags={extra}"] if extra else []
         text, code = execute(cmd, timeout, run_env(result.layout))
         if log_dir is not None:
             name = f"{result.preset}.{result.config.replace(GRAPHS, '-graphs')}.{result.layout}.profile.log"
@@ -683,7 +693,9 @@ def bound_row(result: Result, args: argparse.Namespace, probes: perf.Probes) -> 
     row = perf.Row(result.preset, result.config, result.layout, measured_ms=result.ms_per_iter)
     if result.error:
         row.errors.append(f"run failed: {result.error}")
-    flags = train_flags(result.preset, result.config, args.iters, args.log_interval, result.layout, args.weak_scaling)
+    flags = train_flags(
+        result.preset, result.config, args.iters, args.log_interval, result.layout, args.weak_scaling, args.extra_flags
+    )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         cfg = parse_args(flags, world_size=result.gpus, device_type=device)
@@ -691,7 +703,7 @@ def bound_row(result: Result, args: argparse.Namespace, probes: perf.Probes) -> 
     except Exception as error:  # a configuration this machine cannot parse, a probe with no fallback, ...
         row.errors.append(f"no bound: {perf.one_line(error)}")
     if args.bound_profile and not result.error:
-        summary, why = profile_run(result, args.timeout, args.log_dir, args.weak_scaling)
+        summary, why = profile_run(result, args.timeout, args.log_dir, args.weak_scaling, args.extra_flags)
         if summary is None:
             row.errors.append(f"profile failed: {why}")
         else:
@@ -735,6 +747,9 @@ def main() -> int:
         "--log-interval", type=int, default=5, help="the reported numbers average the intervals after the first"
     )
     parser.add_argument("--timeout", type=int, default=600, help="seconds per run before it counts as failed")
+    parser.add_argument(
+        "--extra-flags", default="", help="pretrain_gpt.py flags added to every run, e.g. '--manual-gc' (printed)"
+    )
     parser.add_argument("--log-dir", type=Path, help="keep each run's full log here")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--profile", nargs=2, metavar=("PRESET", "CONFIG"), help="profile one run instead")
@@ -766,7 +781,8 @@ def main() -> int:
         if gpus > 1 and "LOCAL_RANK" not in os.environ:  # profile every rank under torchrun, report rank 0's
             cmd = [*launcher(gpus), str(Path(__file__).resolve()), *sys.argv[1:]]
             return subprocess.run(cmd, env=run_env(layout), cwd=ROOT).returncode
-        flags = train_flags(preset, config + (GRAPHS if args.cuda_graphs else ""), 100, 100, layout, args.weak_scaling)
+        config += GRAPHS if args.cuda_graphs else ""
+        flags = train_flags(preset, config, 100, 100, layout, args.weak_scaling, args.extra_flags)
         report, summary = profile(flags, steps=args.profile_steps, warmup=args.profile_warmup, top=args.profile_top)
         if os.environ.get("RANK", "0") == "0":
             print(report)
@@ -788,14 +804,22 @@ def main() -> int:
                 config += GRAPHS
             for layout in args.layouts:
                 result = run(
-                    preset, config, args.iters, args.log_interval, args.timeout, args.log_dir, layout, args.weak_scaling
+                    preset,
+                    config,
+                    args.iters,
+                    args.log_interval,
+                    args.timeout,
+                    args.log_dir,
+                    layout,
+                    args.weak_scaling,
+                    args.extra_flags,
                 )
                 results.append(result)
                 print(json.dumps(asdict(result)), flush=True)
                 if probes is not None:
                     rows.append(bound_row(result, args, probes))
                     print(perf.bound_table(rows[-1:]).splitlines()[-1], flush=True)  # progress, in case of a timeout
-    print(f"\n{environment()}\n")
+    print(f"\n{environment()}" + (f"; every run with {args.extra_flags}" if args.extra_flags else "") + "\n")
     print(table(results))
     if rows:
         print("\n" + bound_report(rows))

@@ -26,6 +26,9 @@
 #                                            its GPU test (TE writing unzeroed buckets), llama-1b beside dp2_distopt twice over (A B A B: the eighth session's two
 #                                            calls disagreed by 15%; 60 iterations each) and its profile after 30
 #                                            iterations (~7 min)
+#   bash scripts/fsdp_rows.sh zero2-1b OUTDIR  llama-1b: the flat buckets with bf16 reduce-scatters beside
+#                                            dp2_distopt, both configs on both engines (ROWS, PASSES, EXTRA: flags
+#                                            for every run), with each row's intervals (~6 min a pass)
 #   bash scripts/fsdp_rows.sh zero2-8b OUTDIR  llama3-8b on the flat buckets: weights whole (FP8), O2's states, two
 #                                            and three layers recomputed (~6 min)
 #   bash scripts/fsdp_rows.sh noreshard OUTDIR  --torch-fsdp2-no-reshard-after-forward: its GPU test (TE, bf16 and FP8,
@@ -46,8 +49,8 @@
 # OUTDIR gets a summary (summary.txt: the tables and each test's last lines) and every run's log (logs/). Megatron-LM's
 # sources must be where .devkit/anchors/megatron_run.sh looks (../shared/anchors/README.md).
 set -o pipefail
-PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-8b|noreshard|parity OUTDIR}
-OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-8b|noreshard|parity OUTDIR}
+PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-8b|noreshard|parity OUTDIR}
+OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-8b|noreshard|parity OUTDIR}
 mkdir -p "$OUT/logs"
 source .devkit/setup-te.sh || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -125,16 +128,32 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     # a step against the distributed optimizer's one fp32 reduction of 4.4 GB); mfsdp2_optim_grads_bf16comm halves
     # it. Each row ~85 s: three rows a pass need NO_TEST=1 NO_PROFILE=1 (PASSES=1: one pass).
     for pass in $(seq "${PASSES:-2}"); do
-      mkdir -p "$OUT/logs/pass$pass"
+      mkdir -p "$OUT/pass$pass"  # not under logs/: files deeper than OUTDIR/*/* do not come back from the device
       for layout in ${ZERO2_LAYOUTS:-mfsdp2_optim_grads}; do
-        LOGS="$OUT/logs/pass$pass" bench "${common[@]}" --configs te-delayed-fp8params --layouts "$layout"
+        LOGS="$OUT/pass$pass" bench "${common[@]}" --configs te-delayed-fp8params --layouts "$layout"
       done
-      LOGS="$OUT/logs/pass$pass" bench "${common[@]}" --configs te-delayed --layouts dp2_distopt
+      LOGS="$OUT/pass$pass" bench "${common[@]}" --configs te-delayed --layouts dp2_distopt
     done
     [ -n "$NO_PROFILE" ] || timeout 100 python3 scripts/benchmark.py --profile llama-1b te-delayed-fp8params \
       --layouts mfsdp2_optim_grads --profile-warmup 30 --profile-steps 3 --profile-top 30 2>&1 | grep -A60 "^step " \
       | tee -a "$OUT/summary.txt"
 ;;
+  zero2-1b)
+    # llama-1b, the flat buckets' bf16 reduce-scatters beside dp2_distopt like for like (each config on both
+    # engines), ROWS in turn (CONFIG:LAYOUT), PASSES times; EXTRA: flags for every run. The engine's intervals spread
+    # 10-20% within a run in the eleventh session (Python's garbage collector is not why: scripts/host_overhead.py
+    # counts ~1 young collection a step on both engines), so each row's 10-iteration intervals go to the summary.
+    ROWS=${ROWS:-te-delayed-fp8params:mfsdp2_optim_grads_bf16comm te-delayed-fp8params:dp2_distopt te-delayed:mfsdp2_optim_grads_bf16comm te-delayed:dp2_distopt}
+    for pass in $(seq "${PASSES:-1}"); do
+      mkdir -p "$OUT/pass$pass"
+      for row in $ROWS; do
+        LOGS="$OUT/pass$pass" bench --presets llama-1b --iters 60 --log-interval 10 --timeout 110 \
+          --extra-flags="${EXTRA:-}" --configs "${row%%:*}" --layouts "${row#*:}"
+        # the row's ms per 10-iteration interval, in order
+        echo "$row: $(sed -n 's/.*per iteration (ms): \([0-9.]*\).*/\1/p' \
+          "$OUT/pass$pass/llama-1b.${row%%:*}.${row#*:}.log" | paste -sd' ')" | tee -a "$OUT/summary.txt"
+      done
+    done;;
   zero2-8b)
     # llama3-8b with its weights whole (FP8) and O2's states: with none or one layer recomputed it runs out of memory
     # or stalls on H100s, so two (eleventh session: 2242 ms, 14.6k tokens/s per GPU, 74.3 GiB) beside three. CONFIGS:
@@ -173,5 +192,5 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
       --nproc-per-node 2 --deadline "${PARITY_DEADLINE:-560}" $D --results "$OUT/parity.json" --log-dir "$OUT/logs" \
       --out "$OUT/parity.md" --configs "${RUNS[@]}" "${FLAG_ARGS[@]}" ${PARITY_DRY_RUN:+--dry-run} 2>&1 | tail -12 \
       | tee -a "$OUT/summary.txt";;
-  *) echo "unknown part $PART: tests, new, 1b, host, 8b, 8b-nccl, megatron, zero2, zero2-8b, noreshard or parity"; exit 2;;
+  *) echo "unknown part $PART: tests, new, 1b, host, 8b, 8b-nccl, megatron, zero2, zero2-1b, zero2-8b, noreshard or parity"; exit 2;;
 esac

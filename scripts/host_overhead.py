@@ -7,6 +7,8 @@ autograd, the dispatcher and the hooks, the kernels themselves next to nothing. 
     collectives); 2 CPU cores shared with other work make both noisy: compare layouts within a run;
   * aten ops dispatched per step (torch.profiler CPU events): each is a kernel launch or more on a GPU, and the
     dispatcher's fixed cost per op is what the host pays regardless of the tensors' size;
+  * Python's garbage collections per step (full ones apart) and their time: the automatic collector runs by the
+    count of objects allocated, so an engine that makes more objects per step pays more collections (--manual-gc);
   * Python calls per step (cProfile: Python functions and the C functions they call), the most stable of the
     numbers, by where the function lives (FSDP2, megatron/..., torch); --cprofile N lists the top N functions
     (--sort ncalls|tottime|cumulative), --ranges the CPU time of FSDP2's hooks (its profiler ranges).
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import os
 import pstats
@@ -73,11 +76,24 @@ def _measure(argv: list[str], steps: int, cprofile_top: int, sort: str) -> dict:
     for _ in range(3):
         trainer.train_step(batches, lr)
     times, cpu_times = [], []
+    gc_stats = [0, 0, 0.0]  # collections, of them full (generation 2), seconds, over the timed steps
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_stats[0] += 1
+            gc_stats[1] += info["generation"] == 2
+            gc_stats[2] += time.perf_counter() - gc_start[0]
+
+    gc.callbacks.append(on_gc)
     for _ in range(steps):
         start, cpu_start = time.perf_counter(), time.thread_time()
         trainer.train_step(batches, lr)
         times.append(time.perf_counter() - start)
         cpu_times.append(time.thread_time() - cpu_start)
+    gc.callbacks.remove(on_gc)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         trainer.train_step(batches, lr)
     ops = sum(1 for e in prof.events() if e.name.startswith("aten::"))
@@ -95,6 +111,9 @@ def _measure(argv: list[str], steps: int, cprofile_top: int, sort: str) -> dict:
         "ops": ops,
         "top_ops": top_ops,
         "ranges": ranges,
+        "gc_per_step": gc_stats[0] / steps,
+        "gc_full_per_step": gc_stats[1] / steps,
+        "gc_ms_per_step": gc_stats[2] * 1e3 / steps,
     }
     profiler = cProfile.Profile()
     profiler.enable()
@@ -195,13 +214,14 @@ def main() -> None:
         rows.append((layout, result))
     print(
         f"| layout | host ms/step | main thread CPU ms/step | CPU ms/micro-batch | aten ops/step | top-level aten"
-        f" ops/step | calls/step |  ({args.extra or 'bf16'})"
+        f" ops/step | calls/step | GC runs/step (full) | GC ms/step |  ({args.extra or 'bf16'})"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for layout, r in rows:
         print(
             f"| {layout} | {r['ms']:.1f} | {r['cpu_ms']:.1f} | {r['cpu_ms'] / r['micro']:.1f} | {r['ops']}"
-            f" | {r['top_ops']} | {r['calls']} |"
+            f" | {r['top_ops']} | {r['calls']} | {r['gc_per_step']:.1f} ({r['gc_full_per_step']:.2f})"
+            f" | {r['gc_ms_per_step']:.1f} |"
         )
 
 

@@ -27,6 +27,8 @@ def test_multi_gpu_layouts_launch_torchrun_with_the_layout_flags():
     assert "--tp-comm-overlap" in overlap and "--sequence-parallel" in overlap
     assert benchmark.run_env("tp2_overlap")["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     assert benchmark.run_env("dp2")["NCCL_NVLS_ENABLE"] == "0"
+    gc = benchmark.command("llama-1b", "te-delayed", 10, 5, "dp2_distopt", extra="--manual-gc --manual-gc-interval 10")
+    assert gc[-3:] == ["--manual-gc", "--manual-gc-interval", "10"] and "--use-distributed-optimizer" in gc
 
 
 def test_table_reports_speedup_and_scaling():
@@ -145,7 +147,9 @@ def test_bound_rows_print_bound_measured_and_ratio_with_fake_probes():
         return {"gemm": 500.0, "hbm_copy": 3000.0}.get(kind, 2.0)  # TFLOP/s, GB/s, ms per attention
 
     probes = perf.Probes("fake GPU", fake)
-    args = argparse.Namespace(iters=10, log_interval=5, weak_scaling=False, bound_profile=False, timeout=60)
+    args = argparse.Namespace(
+        iters=10, log_interval=5, weak_scaling=False, bound_profile=False, timeout=60, extra_flags=""
+    )
     measured = benchmark.Result("llama-1b", "local-delayed", ms_per_iter=1000.0, tokens_per_s=1.0)
     row = benchmark.bound_row(measured, args, probes)
     assert row.errors == [] and row.bound.by_category()["attention"] == 2.0 * 16 * 8
