@@ -28,7 +28,8 @@
 #                                            iterations (~7 min)
 #   bash scripts/fsdp_rows.sh zero2-1b OUTDIR  llama-1b: the flat buckets with bf16 reduce-scatters beside
 #                                            dp2_distopt, both configs on both engines (ROWS, PASSES, EXTRA: flags
-#                                            for every run), with each row's intervals (~6 min a pass)
+#                                            for every run), with each row's intervals (~6 min a pass);
+#                                            PROFILE_AT="10 50": the first row profiled after 10 and 50 iterations
 #   bash scripts/fsdp_rows.sh zero2-8b OUTDIR  llama3-8b on the flat buckets: weights whole (FP8), O2's states, two
 #                                            and three layers recomputed (~6 min)
 #   bash scripts/fsdp_rows.sh noreshard OUTDIR  --torch-fsdp2-no-reshard-after-forward: its GPU test (TE, bf16 and FP8,
@@ -153,6 +154,14 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
         echo "$row: $(sed -n 's/.*per iteration (ms): \([0-9.]*\).*/\1/p' \
           "$OUT/pass$pass/llama-1b.${row%%:*}.${row#*:}.log" | paste -sd' ')" | tee -a "$OUT/summary.txt"
       done
+    done
+    # PROFILE_AT="10 50": the first row profiled after that many iterations each (~80 s apiece): whether what grows
+    # during a run (the eighth session's 408 -> 467 ms) is kernel time or the GPU waiting between kernels
+    first=${ROWS%% *}
+    for warmup in ${PROFILE_AT:-}; do
+      echo "profile of $first after $warmup iterations" | tee -a "$OUT/summary.txt"
+      timeout 120 python3 scripts/benchmark.py --profile llama-1b "${first%%:*}" --layouts "${first#*:}" \
+        --profile-warmup "$warmup" --profile-steps 3 --profile-top 25 2>&1 | grep -A50 "^step " | tee -a "$OUT/summary.txt"
     done;;
   zero2-8b)
     # llama3-8b with its weights whole (FP8) and O2's states: with none or one layer recomputed it runs out of memory
