@@ -60,6 +60,26 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/su
 nvidia-smi topo -m 2>&1 | head -3 | tee -a "$OUT/summary.txt"
 # (LOGS: another folder for a repeated row's logs, which would overwrite the first's)
 bench() { python3 scripts/benchmark.py --log-dir "${LOGS:-$OUT/logs}" "$@" 2>&1 | tee -a "$OUT/summary.txt"; }
+# llama-1b rows ("CONFIG:LAYOUT ...") in turn, PASSES times (default $1), 60 iterations each; each pass's logs in
+# OUTDIR/passN (not under logs/: files deeper than OUTDIR/*/* do not come back from the device), each row's ms per
+# 10-iteration interval in the summary (both engines' 5-iteration intervals moved by 10% within a run, tenth session)
+llama1b_passes() {
+  for pass in $(seq "${PASSES:-$1}"); do
+    mkdir -p "$OUT/pass$pass"
+    for row in $2; do
+      LOGS="$OUT/pass$pass" bench --presets llama-1b --iters 60 --log-interval 10 --timeout 110 \
+        --extra-flags="${EXTRA:-}" --configs "${row%%:*}" --layouts "${row#*:}"
+      echo "$row: $(sed -n 's/.*per iteration (ms): \([0-9.]*\).*/\1/p' \
+        "$OUT/pass$pass/llama-1b.${row%%:*}.${row#*:}.log" | paste -sd' ')" | tee -a "$OUT/summary.txt"
+    done
+  done
+}
+# the profile of llama-1b row $1 (CONFIG:LAYOUT) after $2 iterations, its top $3 kernels
+profile_1b() {
+  echo "profile of $1 after $2 iterations" | tee -a "$OUT/summary.txt"
+  timeout 120 python3 scripts/benchmark.py --profile llama-1b "${1%%:*}" --layouts "${1#*:}" --profile-warmup "$2" \
+    --profile-steps 3 --profile-top "$3" 2>&1 | grep -A$(($3 + 30)) "^step " | tee -a "$OUT/summary.txt"
+}
 case $PART in
   tests)
     for t in test_te_calibration_recompute test_te_exit_gpu test_te_fsdp_transpose test_te_fsdp test_te_fsdp_blockwise test_te_fsdp_guard test_te_fsdp_free_shards \
@@ -123,46 +143,24 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
       timeout 120 python3 -m pytest -q -x tests/gpu/test_te_grad_shards.py > "$OUT/logs/test_te_grad_shards.txt" 2>&1
       echo "test_te_grad_shards: rc=$? $(tail -1 "$OUT/logs/test_te_grad_shards.txt")" | tee -a "$OUT/summary.txt"
     fi
-    # 60 iterations in intervals of 10: both engines' 5-iteration intervals moved by 10% within a run (tenth session)
-    common=(--presets llama-1b --iters 60 --log-interval 10 --timeout 110)
-    # ZERO2_LAYOUTS: the engine's rows of each pass. Its default reduce-scatters fp32 every micro-batch (4 here: 18 GB
-    # a step against the distributed optimizer's one fp32 reduction of 4.4 GB); mfsdp2_optim_grads_bf16comm halves
-    # it. Each row ~85 s: three rows a pass need NO_TEST=1 NO_PROFILE=1 (PASSES=1: one pass).
-    for pass in $(seq "${PASSES:-2}"); do
-      mkdir -p "$OUT/pass$pass"  # not under logs/: files deeper than OUTDIR/*/* do not come back from the device
-      for layout in ${ZERO2_LAYOUTS:-mfsdp2_optim_grads}; do
-        LOGS="$OUT/pass$pass" bench "${common[@]}" --configs te-delayed-fp8params --layouts "$layout"
-      done
-      LOGS="$OUT/pass$pass" bench "${common[@]}" --configs te-delayed --layouts dp2_distopt
-    done
-    [ -n "$NO_PROFILE" ] || timeout 100 python3 scripts/benchmark.py --profile llama-1b te-delayed-fp8params \
-      --layouts mfsdp2_optim_grads --profile-warmup 30 --profile-steps 3 --profile-top 30 2>&1 | grep -A60 "^step " \
-      | tee -a "$OUT/summary.txt"
-;;
+    # ZERO2_LAYOUTS: the engine's rows of each pass, then dp2_distopt. Its default reduce-scatters fp32 every
+    # micro-batch (4 here: 18 GB a step against the distributed optimizer's one fp32 reduction of 4.4 GB);
+    # mfsdp2_optim_grads_bf16comm halves it. Each row ~85 s: three rows a pass need NO_TEST=1 NO_PROFILE=1 (PASSES=1:
+    # one pass).
+    rows=""
+    for layout in ${ZERO2_LAYOUTS:-mfsdp2_optim_grads}; do rows+="te-delayed-fp8params:$layout "; done
+    llama1b_passes 2 "${rows}te-delayed:dp2_distopt"
+    [ -n "$NO_PROFILE" ] || profile_1b te-delayed-fp8params:mfsdp2_optim_grads 30 30;;
   zero2-1b)
     # llama-1b, the flat buckets' bf16 reduce-scatters beside dp2_distopt like for like (each config on both
     # engines), ROWS in turn (CONFIG:LAYOUT), PASSES times; EXTRA: flags for every run. The engine's intervals spread
     # 10-20% within a run in the eleventh session (Python's garbage collector is not why: scripts/host_overhead.py
-    # counts ~1 young collection a step on both engines), so each row's 10-iteration intervals go to the summary.
+    # counts ~1 young collection a step on both engines).
     ROWS=${ROWS:-te-delayed-fp8params:mfsdp2_optim_grads_bf16comm te-delayed-fp8params:dp2_distopt te-delayed:mfsdp2_optim_grads_bf16comm te-delayed:dp2_distopt}
-    for pass in $(seq "${PASSES:-1}"); do
-      mkdir -p "$OUT/pass$pass"
-      for row in $ROWS; do
-        LOGS="$OUT/pass$pass" bench --presets llama-1b --iters 60 --log-interval 10 --timeout 110 \
-          --extra-flags="${EXTRA:-}" --configs "${row%%:*}" --layouts "${row#*:}"
-        # the row's ms per 10-iteration interval, in order
-        echo "$row: $(sed -n 's/.*per iteration (ms): \([0-9.]*\).*/\1/p' \
-          "$OUT/pass$pass/llama-1b.${row%%:*}.${row#*:}.log" | paste -sd' ')" | tee -a "$OUT/summary.txt"
-      done
-    done
+    llama1b_passes 1 "$ROWS"
     # PROFILE_AT="10 50": the first row profiled after that many iterations each (~80 s apiece): whether what grows
     # during a run (the eighth session's 408 -> 467 ms) is kernel time or the GPU waiting between kernels
-    first=${ROWS%% *}
-    for warmup in ${PROFILE_AT:-}; do
-      echo "profile of $first after $warmup iterations" | tee -a "$OUT/summary.txt"
-      timeout 120 python3 scripts/benchmark.py --profile llama-1b "${first%%:*}" --layouts "${first#*:}" \
-        --profile-warmup "$warmup" --profile-steps 3 --profile-top 25 2>&1 | grep -A50 "^step " | tee -a "$OUT/summary.txt"
-    done;;
+    for warmup in ${PROFILE_AT:-}; do profile_1b "${ROWS%% *}" "$warmup" 25; done;;
   zero2-8b)
     # llama3-8b with its weights whole (FP8) and O2's states: with none or one layer recomputed it runs out of memory
     # or stalls on H100s, so two (eleventh session: 2242 ms, 14.6k tokens/s per GPU, 74.3 GiB) beside three. CONFIGS:
