@@ -136,7 +136,7 @@ def _layouts_body(rank, world):
         _close(got, want, 1e-6, label, steps=2)
 
 
-def test_training_under_tensor_pipeline_and_sharded_data_parallelism():
+def test_training_under_tensor_parallelism_and_sharded_gradients():
     """Two steps of training on two ranks: the chunked loss, its weight gradient in the buffers (unzeroed ones
     too), trains as the native fused loss does."""
     run_distributed(_layouts_body, world_size=2)
