@@ -9,6 +9,8 @@ autograd, the dispatcher and the hooks, the kernels themselves next to nothing. 
     dispatcher's fixed cost per op is what the host pays regardless of the tensors' size;
   * Python's garbage collections per step (full ones apart) and their time: the automatic collector runs by the
     count of objects allocated, so an engine that makes more objects per step pays more collections (--manual-gc);
+  * the main thread's CPU ms in the first and the last quarter of the timed steps, and the Python objects the
+    collector tracks, gained per step: whether the host's work or its heap grows during a run (--steps 60);
   * Python calls per step (cProfile: Python functions and the C functions they call), the most stable of the
     numbers, by where the function lives (FSDP2, megatron/..., torch); --cprofile N lists the top N functions
     (--sort ncalls|tottime|cumulative), --ranges the CPU time of FSDP2's hooks (its profiler ranges).
@@ -88,12 +90,14 @@ def _measure(argv: list[str], steps: int, cprofile_top: int, sort: str) -> dict:
             gc_stats[2] += time.perf_counter() - gc_start[0]
 
     gc.callbacks.append(on_gc)
+    objects_before = len(gc.get_objects())
     for _ in range(steps):
         start, cpu_start = time.perf_counter(), time.thread_time()
         trainer.train_step(batches, lr)
         times.append(time.perf_counter() - start)
         cpu_times.append(time.thread_time() - cpu_start)
     gc.callbacks.remove(on_gc)
+    objects_after = len(gc.get_objects())
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         trainer.train_step(batches, lr)
     ops = sum(1 for e in prof.events() if e.name.startswith("aten::"))
@@ -107,6 +111,10 @@ def _measure(argv: list[str], steps: int, cprofile_top: int, sort: str) -> dict:
             entry[1] += event.cpu_time_total / 1e3
     result = {
         "ms": statistics.median(times) * 1e3,
+        # whether the host's work grows during a run: the first and the last quarter of the timed steps
+        "cpu_ms_first": statistics.median(cpu_times[: max(1, steps // 4)]) * 1e3,
+        "cpu_ms_last": statistics.median(cpu_times[-max(1, steps // 4) :]) * 1e3,
+        "objects_per_step": (objects_after - objects_before) / steps,
         "cpu_ms": statistics.median(cpu_times) * 1e3,
         "ops": ops,
         "top_ops": top_ops,
@@ -214,14 +222,16 @@ def main() -> None:
         rows.append((layout, result))
     print(
         f"| layout | host ms/step | main thread CPU ms/step | CPU ms/micro-batch | aten ops/step | top-level aten"
-        f" ops/step | calls/step | GC runs/step (full) | GC ms/step |  ({args.extra or 'bf16'})"
+        f" ops/step | calls/step | GC runs/step (full) | GC ms/step | CPU ms first/last quarter | objects gained/step"
+        f" |  ({args.extra or 'bf16'})"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for layout, r in rows:
         print(
             f"| {layout} | {r['ms']:.1f} | {r['cpu_ms']:.1f} | {r['cpu_ms'] / r['micro']:.1f} | {r['ops']}"
             f" | {r['top_ops']} | {r['calls']} | {r['gc_per_step']:.1f} ({r['gc_full_per_step']:.2f})"
-            f" | {r['gc_ms_per_step']:.1f} |"
+            f" | {r['gc_ms_per_step']:.1f} | {r['cpu_ms_first']:.1f} / {r['cpu_ms_last']:.1f}"
+            f" | {r['objects_per_step']:.1f} |"
         )
 
 
