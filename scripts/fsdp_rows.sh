@@ -28,8 +28,11 @@
 #                                            iterations (~7 min)
 #   bash scripts/fsdp_rows.sh zero2-1b OUTDIR  llama-1b: the flat buckets with bf16 reduce-scatters beside
 #                                            dp2_distopt, both configs on both engines (ROWS, PASSES, EXTRA: flags
-#                                            for every run), with each row's intervals (~6 min a pass);
-#                                            PROFILE_AT="10 50": the first row profiled after 10 and 50 iterations
+#                                            for every run), with each row's intervals (~55 s a row) and its
+#                                            gap to dp2_distopt per pass with their median (scripts/row_gaps.py);
+#                                            PROFILE_AT="10 50": the first row profiled after 10 and 50 iterations.
+#                                            Repeated pairs in one call: PASSES=4 ROWS="te-delayed-fp8params:
+#                                            mfsdp2_optim_grads_bf16comm te-delayed-fp8params:dp2_distopt" (~8 min)
 #   bash scripts/fsdp_rows.sh zero2-8b OUTDIR  llama3-8b on the flat buckets: weights whole (FP8), O2's states, two
 #                                            and three layers recomputed (~6 min)
 #   bash scripts/fsdp_rows.sh noreshard OUTDIR  --torch-fsdp2-no-reshard-after-forward: its GPU test (TE, bf16 and FP8,
@@ -60,19 +63,24 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/su
 nvidia-smi topo -m 2>&1 | head -3 | tee -a "$OUT/summary.txt"
 # (LOGS: another folder for a repeated row's logs, which would overwrite the first's)
 bench() { python3 scripts/benchmark.py --log-dir "${LOGS:-$OUT/logs}" "$@" 2>&1 | tee -a "$OUT/summary.txt"; }
-# llama-1b rows ("CONFIG:LAYOUT ...") in turn, PASSES times (default $1), 60 iterations each; each pass's logs in
-# OUTDIR/passN (not under logs/: files deeper than OUTDIR/*/* do not come back from the device), each row's ms per
-# 10-iteration interval in the summary (both engines' 5-iteration intervals moved by 10% within a run, tenth session)
+# llama-1b rows ("CONFIG:LAYOUT ...") in turn, PASSES times (default $1), 60 iterations each, then each row's gap
+# to dp2_distopt's of its config pass by pass and their median (scripts/row_gaps.py: calls, and runs within a call,
+# differ by 5-10%). Each row's ms per 10-iteration interval goes to the summary (both engines' intervals moved by 10%
+# within a run). The first pass's logs in OUTDIR/pass1 (not under logs/: files deeper than OUTDIR/*/* do not come
+# back from the device), later passes' in a scratch folder (at most 8 files come back).
 llama1b_passes() {
   for pass in $(seq "${PASSES:-$1}"); do
-    mkdir -p "$OUT/pass$pass"
+    local logs="$OUT/pass$pass"
+    [ "$pass" = 1 ] || logs="${TMPDIR:-/tmp}/fsdp_rows/pass$pass"
+    mkdir -p "$logs"
     for row in $2; do
-      LOGS="$OUT/pass$pass" bench --presets llama-1b --iters 60 --log-interval 10 --timeout 110 \
+      LOGS="$logs" bench --presets llama-1b --iters 60 --log-interval 10 --timeout 110 \
         --extra-flags="${EXTRA:-}" --configs "${row%%:*}" --layouts "${row#*:}"
       echo "$row: $(sed -n 's/.*per iteration (ms): \([0-9.]*\).*/\1/p' \
-        "$OUT/pass$pass/llama-1b.${row%%:*}.${row#*:}.log" | paste -sd' ')" | tee -a "$OUT/summary.txt"
+        "$logs/llama-1b.${row%%:*}.${row#*:}.log" | paste -sd' ')" | tee -a "$OUT/summary.txt"
     done
   done
+  python3 scripts/row_gaps.py --reference dp2_distopt "$OUT/summary.txt" 2>&1 | tee -a "$OUT/summary.txt"
 }
 # the profile of llama-1b row $1 (CONFIG:LAYOUT) after $2 iterations, its top $3 kernels
 profile_1b() {

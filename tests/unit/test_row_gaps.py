@@ -1,0 +1,109 @@
+"""scripts/row_gaps.py: benchmark rows paired with the reference layout's row of their config in the same pass; and
+scripts/fsdp_rows.sh zero2-1b run dry (python3 and nvidia-smi stubbed) to check that its passes end in that table
+and leave at most the 8 files a device call returns."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import row_gaps  # noqa: E402
+
+
+def _row(config: str, layout: str, ms: float, peak: float = 20.0) -> str:
+    return json.dumps(
+        {"preset": "llama-1b", "config": config, "layout": layout, "ms_per_iter": ms, "peak_gib": peak, "error": None}
+    )
+
+
+def test_rows_pair_within_their_pass_by_config():
+    text = "\n".join(
+        [
+            "NVIDIA H100 80GB HBM3, ...",
+            _row("fp8", "flat", 440.0, 19.3),
+            _row("fp8", "dp2_distopt", 400.0, 21.35),
+            _row("bf16", "flat", 500.0),
+            "te-delayed:flat: 520 450 449",  # the intervals' line: not a result
+            _row("bf16", "dp2_distopt", 520.0),
+            _row("fp8", "flat", 396.0, 19.3),  # a second pass starts: (fp8, flat) again
+            _row("fp8", "dp2_distopt", 420.0, 21.35),
+            json.dumps({"preset": "llama-1b", "config": "bf16", "layout": "flat", "ms_per_iter": None, "error": "OOM"}),
+        ]
+    )
+    found = row_gaps.rows(text)
+    assert len(found) == 6
+    assert [len(group) for group in row_gaps.passes(found)] == [4, 2]
+    gaps = row_gaps.gaps(found, "dp2_distopt")
+    assert gaps[("llama-1b", "fp8", "flat")] == pytest.approx([10.0, -5.714285714], abs=1e-6)
+    assert gaps[("llama-1b", "bf16", "flat")] == pytest.approx([-3.846153846], abs=1e-6)
+    table = row_gaps.table(found, "dp2_distopt")
+    assert "| llama-1b, fp8, `flat` | +10.0%, -5.7% | +2.1% | 19.3 (21.35) |" in table
+
+
+def test_no_reference_row_is_a_one_line_error(tmp_path, capsys):
+    path = tmp_path / "summary.txt"
+    path.write_text(_row("fp8", "flat", 440.0) + "\n")
+    assert row_gaps.main(["--reference", "dp2_distopt", str(path)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "row_gaps.py: error: no row has a dp2_distopt row of its config in its pass"
+    )
+
+
+# benchmark.py's stand-in: one result line per row (the flat buckets 10% slower) and its log with two intervals
+FAKE_PYTHON = """#!/bin/bash
+if [ "$1" = scripts/benchmark.py ]; then
+  while [ $# -gt 0 ]; do
+    case $1 in --log-dir) logs=$2;; --configs) config=$2;; --layouts) layout=$2;; esac; shift
+  done
+  ms=400; [ "$layout" = dp2_distopt ] || ms=440
+  printf 'per iteration (ms): %s |\\nper iteration (ms): %s |\\n' $ms $ms > "$logs/llama-1b.$config.$layout.log"
+  row='{"preset": "llama-1b", "config": "%s", "layout": "%s", "ms_per_iter": %s, "peak_gib": 19.3, "error": null}'
+  printf "$row\\n" "$config" "$layout" $ms
+else
+  exec "$REAL_PYTHON" "$@"
+fi
+"""
+
+
+def test_zero2_1b_passes_end_in_the_gap_table_and_keep_only_the_first_pass_logs(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / ".devkit").mkdir(parents=True)
+    (repo / ".devkit" / "setup-te.sh").write_text("true\n")
+    shutil.copytree(ROOT / "scripts", repo / "scripts")
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "python3").write_text(FAKE_PYTHON)
+    (stubs / "nvidia-smi").write_text("#!/bin/bash\necho 'NVIDIA H100 80GB HBM3, 81559 MiB'\n")
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "PATH": f"{stubs}:{os.environ['PATH']}",
+        "REAL_PYTHON": sys.executable,
+        "TMPDIR": str(tmp_path / "scratch"),
+        "PASSES": "4",  # the old layout kept 8 logs + the summary: one more than comes back
+        "ROWS": "te-delayed-fp8params:mfsdp2_optim_grads_bf16comm te-delayed-fp8params:dp2_distopt",
+    }
+    subprocess.run(
+        ["bash", "scripts/fsdp_rows.sh", "zero2-1b", str(out)], cwd=repo, env=env, check=True, capture_output=True
+    )
+    summary = (out / "summary.txt").read_text()
+    assert (
+        "| llama-1b, te-delayed-fp8params, `mfsdp2_optim_grads_bf16comm` | +10.0%, +10.0%, +10.0%, +10.0% | +10.0% |"
+        in summary
+    )
+    assert "te-delayed-fp8params:dp2_distopt: 400 400" in summary
+    returned = [path for path in out.rglob("*") if path.is_file()]
+    assert len(returned) <= 8, returned
+    assert sorted(path.name for path in (out / "pass1").iterdir()) == [
+        "llama-1b.te-delayed-fp8params.dp2_distopt.log",
+        "llama-1b.te-delayed-fp8params.mfsdp2_optim_grads_bf16comm.log",
+    ]
