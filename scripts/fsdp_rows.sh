@@ -5,8 +5,9 @@
 #                                            freed bf16 shards, TE meta-device init, the FP8 gradient reduce-scatter,
 #                                            the cached FP8 shard cast, the calibration pass recomputed (one GPU) and
 #                                            TE's state released at exit (about 8 minutes)
-#   bash scripts/fsdp_rows.sh new OUTDIR     the GPU tests not yet run on a GPU since their last change: the chunked
-#                                            loss's, the TE model's, TE under the flat buckets (~4 min)
+#   bash scripts/fsdp_rows.sh new OUTDIR     the GPU tests of the latest changes: the chunked loss's, the TE
+#                                            model's, TE under the flat buckets (~4 min; all passed in the eleventh
+#                                            and twelfth sessions)
 #   bash scripts/fsdp_rows.sh 1b OUTDIR      llama-1b: FSDP with FP8 and bf16 all-gathers, one- and four-layer units,
 #                                            beside dp2_distopt, each row with its lower bound (about 9 minutes)
 #   bash scripts/fsdp_rows.sh host OUTDIR    llama-1b's host-bound FSDP step (optim_grads): the profile of
@@ -97,9 +98,9 @@ case $PART in
       echo "$t: rc=$? $(tail -1 "$OUT/logs/$file.txt")" | tee -a "$OUT/summary.txt"
     done;;
   new)
-    # GPU tests that have not yet run (or not since a change) on a GPU: the chunked loss (one GPU), and since the
-    # untied output layer writes its weight gradient into the buffers (tenth session) the TE model against the local
-    # one and TE under the flat buckets
+    # the GPU tests of the latest changes: the chunked loss (one GPU), and since the untied output layer writes its
+    # weight gradient into the buffers (tenth session) the TE model against the local one and TE under the flat
+    # buckets
     for t in test_chunked_loss_gpu test_te_model test_te_grad_shards; do
       timeout 150 python3 -m pytest -q -x "tests/gpu/$t.py" > "$OUT/logs/$t.txt" 2>&1
       echo "$t: rc=$? $(tail -1 "$OUT/logs/$t.txt")" | tee -a "$OUT/summary.txt"
