@@ -64,10 +64,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/su
 nvidia-smi topo -m 2>&1 | head -3 | tee -a "$OUT/summary.txt"
 # (LOGS: another folder for a repeated row's logs, which would overwrite the first's)
 bench() { python3 scripts/benchmark.py --log-dir "${LOGS:-$OUT/logs}" "$@" 2>&1 | tee -a "$OUT/summary.txt"; }
-# llama-1b rows ("CONFIG:LAYOUT ...") in turn, PASSES times (default $1), 60 iterations each, then each row's gap
-# to dp2_distopt's of its config pass by pass and their median (scripts/row_gaps.py: calls, and runs within a call,
-# differ by 5-10%). Each row's ms per 10-iteration interval goes to the summary (both engines' intervals moved by 10%
-# within a run). The first pass's logs in OUTDIR/pass1 (not under logs/: files deeper than OUTDIR/*/* do not come
+# llama-1b rows ("CONFIG:LAYOUT ...") in turn, PASSES times (default $1), 60 iterations each. Each row's ms per
+# 10-iteration interval goes to the summary (both engines' intervals moved by 10% within a run). The first pass's logs in OUTDIR/pass1 (not under logs/: files deeper than OUTDIR/*/* do not come
 # back from the device), later passes' in a scratch folder (at most 8 files come back).
 llama1b_passes() {
   for pass in $(seq "${PASSES:-$1}"); do
@@ -81,7 +79,6 @@ llama1b_passes() {
         "$logs/llama-1b.${row%%:*}.${row#*:}.log" | paste -sd' ')" | tee -a "$OUT/summary.txt"
     done
   done
-  python3 scripts/row_gaps.py --reference dp2_distopt "$OUT/summary.txt" 2>&1 | tee -a "$OUT/summary.txt"
 }
 # the profile of llama-1b row $1 (CONFIG:LAYOUT) after $2 iterations, its top $3 kernels
 profile_1b() {
@@ -167,6 +164,9 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     # counts ~1 young collection a step on both engines).
     ROWS=${ROWS:-te-delayed-fp8params:mfsdp2_optim_grads_bf16comm te-delayed-fp8params:dp2_distopt te-delayed:mfsdp2_optim_grads_bf16comm te-delayed:dp2_distopt}
     llama1b_passes 1 "$ROWS"
+    # each row's gap to dp2_distopt's of its config, pass by pass, and their median: calls, and runs within a call,
+    # differ by 5-10% (zero2's rows are not like for like: its dp2_distopt row runs te-delayed, the others FP8 weights)
+    python3 scripts/row_gaps.py --reference dp2_distopt "$OUT/summary.txt" 2>&1 | tee -a "$OUT/summary.txt"
     # PROFILE_AT="10 50": the first row profiled after that many iterations each (~80 s apiece): whether what grows
     # during a run (the eighth session's 408 -> 467 ms) is kernel time or the GPU waiting between kernels
     for warmup in ${PROFILE_AT:-}; do profile_1b "${ROWS%% *}" "$warmup" 25; done;;
