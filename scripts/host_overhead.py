@@ -98,6 +98,7 @@ def _measure(argv: list[str], steps: int, cprofile_top: int, sort: str) -> dict:
         cpu_times.append(time.thread_time() - cpu_start)
     gc.callbacks.remove(on_gc)
     objects_after = len(gc.get_objects())
+    quarter = max(1, steps // 4)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         trainer.train_step(batches, lr)
     ops = sum(1 for e in prof.events() if e.name.startswith("aten::"))
@@ -112,8 +113,8 @@ def _measure(argv: list[str], steps: int, cprofile_top: int, sort: str) -> dict:
     result = {
         "ms": statistics.median(times) * 1e3,
         # whether the host's work grows during a run: the first and the last quarter of the timed steps
-        "cpu_ms_first": statistics.median(cpu_times[: max(1, steps // 4)]) * 1e3,
-        "cpu_ms_last": statistics.median(cpu_times[-max(1, steps // 4) :]) * 1e3,
+        "cpu_ms_first": statistics.median(cpu_times[:quarter]) * 1e3,
+        "cpu_ms_last": statistics.median(cpu_times[-quarter:]) * 1e3,
         "objects_per_step": (objects_after - objects_before) / steps,
         "cpu_ms": statistics.median(cpu_times) * 1e3,
         "ops": ops,
