@@ -64,15 +64,19 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/su
 nvidia-smi topo -m 2>&1 | head -3 | tee -a "$OUT/summary.txt"
 # (LOGS: another folder for a repeated row's logs, which would overwrite the first's)
 bench() { python3 scripts/benchmark.py --log-dir "${LOGS:-$OUT/logs}" "$@" 2>&1 | tee -a "$OUT/summary.txt"; }
-# llama-1b rows ("CONFIG:LAYOUT ...") in turn, PASSES times (default $1), 60 iterations each. Each row's ms per
-# 10-iteration interval goes to the summary (both engines' intervals moved by 10% within a run). The first pass's logs in OUTDIR/pass1 (not under logs/: files deeper than OUTDIR/*/* do not come
-# back from the device), later passes' in a scratch folder (at most 8 files come back).
+# llama-1b rows ("CONFIG:LAYOUT ...") in turn, PASSES times (default $1), 60 iterations each, every second pass in
+# reverse order (a drift over the call, e.g. the GPUs warming, then favours no row). Each row's ms per 10-iteration
+# interval goes to the summary (both engines' intervals moved by 10% within a run). The first pass's logs in
+# OUTDIR/pass1 (not under logs/: files deeper than OUTDIR/*/* do not come back from the device), later passes' in a
+# scratch folder (at most 8 files come back).
 llama1b_passes() {
   for pass in $(seq "${PASSES:-$1}"); do
     local logs="$OUT/pass$pass"
     [ "$pass" = 1 ] || logs="${TMPDIR:-/tmp}/fsdp_rows/pass$pass"
     mkdir -p "$logs"
-    for row in $2; do
+    local rows=$2
+    [ $((pass % 2)) = 1 ] || rows=$(tr ' ' '\n' <<< "$2" | tac | paste -sd' ')
+    for row in $rows; do
       LOGS="$logs" bench --presets llama-1b --iters 60 --log-interval 10 --timeout 110 \
         --extra-flags="${EXTRA:-}" --configs "${row%%:*}" --layouts "${row#*:}"
       echo "$row: $(sed -n 's/.*per iteration (ms): \([0-9.]*\).*/\1/p' \

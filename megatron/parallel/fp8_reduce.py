@@ -240,6 +240,8 @@ class Fp8ReduceHandle:
             return
         if self._work is not None:
             self._work.wait()
+        if self._recv.is_cuda:  # waited for on another stream than it was allocated on (grad_shards.py's)
+            self._recv.record_stream(torch.cuda.current_stream(self._recv.device))
         if not self._all_reduce:
             _decode_sum(self._recv, self._cols, self._out, self._average)
         else:

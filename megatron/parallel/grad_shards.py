@@ -29,6 +29,13 @@ are accumulated over the micro-batches of a step:
   Waiting for a reduce-scatter lags `LAG` buckets behind the latest started, keeping it overlapped with the
   backward; the last buckets of a micro-batch are waited for during the next forward (before its last transformer
   layer) or by `finish()` after the last micro-batch.
+* on a GPU that wait, and the add of the shard into the persistent shards, run on a stream of their own
+  (`_retire`), not the compute stream: the compute stream meets the peers' reduce-scatters only in `finish()`, as
+  under the distributed optimizer. Waiting on the compute stream made it stop at every bucket until the slowest
+  rank had started that bucket's reduce-scatter, so any delay on one rank's host stalled every GPU. A bucket's
+  storage goes back to the allocator once that stream's add is done (`record_stream`).
+* a step's first reduce-scatter of each bucket is copied into its shard, later ones added: the shards are not
+  zeroed between steps (`zero()` only marks them stale; `finish()` zeroes a shard no micro-batch reached).
 
 The end of each micro-batch's backward (an autograd callback queued from the hook on the model's output, in the
 outer backward, not in a recomputed layer's nested one) starts the reduce-scatter of every bucket not yet started
@@ -42,6 +49,8 @@ optimizer's does. Not built (config/sharding.py refuses them): CUDA graphs (a ca
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -75,6 +84,7 @@ class _FreshBucket(_Bucket):
         # allocations so far, the allocation each parameter was last written in, and how many were in this one
         self.stamp, self.marks, self.written = 0, [0] * len(params), 0
         self.grad_shard: torch.Tensor | None = None  # this rank's shard of the step's gradients (`GradShards.shards`)
+        self.shard_stale = True  # grad_shard holds no gradient of this step yet: the next reduce-scatter is copied
 
 
 class GradShards(GradientBuffers):
@@ -108,6 +118,9 @@ class GradShards(GradientBuffers):
             bucket.grad_shard = self.shards[start : start + bucket.numel // self.dp]
             start += bucket.numel // self.dp
         self._in_flight: list[_FreshBucket] = []
+        # where reduce-scatters are waited for and added into the shards (module docstring); None: the current stream
+        device = self.shards.device
+        self._reduce_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._callback_queued = False
         # each parameter's bucket and its index there: the one dictionary lookup per gradient
         self._slot_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -209,11 +222,19 @@ class GradShards(GradientBuffers):
     def _retire(self, keep: int) -> None:
         """Wait for the oldest reduce-scatters until `keep` are in flight: add each one's shard of the average into
         the persistent shards and free its bucket."""
+        stream = self._reduce_stream
         while len(self._in_flight) > keep:
             bucket = self._in_flight.pop(0)
-            bucket.work.wait()
-            bucket.work = None
-            bucket.grad_shard.add_(self._shard(bucket.data))
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                bucket.work.wait()
+                shard = self._shard(bucket.data)
+                if bucket.shard_stale:
+                    bucket.grad_shard.copy_(shard)
+                else:
+                    bucket.grad_shard.add_(shard)
+            bucket.work, bucket.shard_stale = None, False
+            if stream is not None:  # the allocator reuses the storage only once that stream's add is done
+                bucket.data.record_stream(stream)
             self._free(bucket)
 
     def _end_of_backward(self) -> None:
@@ -233,6 +254,11 @@ class GradShards(GradientBuffers):
         self._retire(0)
         if any(bucket.data is not None for bucket in self.buckets):
             raise RuntimeError("a gradient bucket was filled but never reduced: its backward did not end")
+        if self._reduce_stream is not None:
+            torch.cuda.current_stream(self.shards.device).wait_stream(self._reduce_stream)
+        for bucket in self.buckets:
+            if bucket.shard_stale:  # no micro-batch's backward reached it (none ran): no gradient, not last step's
+                bucket.grad_shard.zero_()
 
     def grad_piece(self, param: nn.Parameter, start: int, stop: int) -> torch.Tensor:
         """`param`'s flattened elements [start, stop), within this rank's shard, in the persistent shards."""
@@ -247,12 +273,12 @@ class GradShards(GradientBuffers):
         return self.shards[:0] if owned is None else self.grad_piece(param, *owned)
 
     def zero(self) -> None:
-        """Clear the gradient shards for the next step, and drop any bucket left allocated (a paused pass's: see
-        `GradientBuffers.paused`; nothing is reduced)."""
+        """Start the next step's gradient shards (each is overwritten by its first reduce-scatter, not zeroed here),
+        and drop any bucket left allocated (a paused pass's: see `GradientBuffers.paused`; nothing is reduced)."""
         for bucket in self.buckets:
             if bucket.data is not None:
                 self._free(bucket)
-        self.shards.zero_()
+            bucket.shard_stale = True
 
     def remove_hooks(self) -> None:
         super().remove_hooks()

@@ -39,9 +39,10 @@ the optimizer with --use-distributed-optimizer):
 Under FSDP2 (--data-parallel-sharding-strategy optim_grads / optim_grads_params) fsdp.py's terms replace the
 optimizer, the FP8 weight casts and the data-parallel communication here. --use-megatron-fsdp's optim_grads
 (megatron/parallel/grad_shards.py, gradient shards of gs bytes per element, buckets of gc: the reduce-scatter's
-dtype) keeps the distributed optimizer's terms except the gradients': the step reads and zeroes the shards only,
-(2mp+2m1+2m2+3gs)S + M*S/P, and every micro-batch adds this rank's shard of each reduce-scatter into the shards:
-(gc+2gs)S (its fresh buckets are not zeroed: the wgrad GEMMs write them, other gradients are copied in).
+dtype) keeps the distributed optimizer's terms except the gradients': the step reads the shards only, zeroing
+nothing, (2mp+2m1+2m2+2gs)S + M*S/P; a step's first micro-batch copies this rank's shard of each reduce-scatter
+into the shards, (gc+gs)S, and every later one adds it, (gc+2gs)S (its fresh buckets are not zeroed: the wgrad
+GEMMs write them, other gradients are copied in).
 
 Not counted (a lower bound): the wgrad GEMMs' fp32 accumulation into `main_grad` (in the GEMM epilogue, hidden
 behind its math at k = T), amax reductions, norm and bias weight gradients, dropout (benchmarks run without it),
@@ -195,11 +196,13 @@ def memory_traffic(cfg: Config, vocab: int) -> list[MemoryWork]:
     g = grad_bytes(cfg)
     model_bytes = 2 * params - (fp8_weights if prec.fp8_param_gather else 0)  # per parameter: bf16, FP8 weights 1
     # S = the optimizer's shard of the P parameters, M = the model's weight bytes (2P, less P8 with FP8 weights)
-    if cfg.parallel.grad_shards:  # the step reads and zeroes the gradient shards; each micro-batch fills buckets
+    if cfg.parallel.grad_shards:  # the step reads the gradient shards; the first micro-batch overwrites them
         gc = 2 if grad_comm_bf16(cfg) else 4
-        step = (2 * mp + 2 * m1 + 2 * m2 + 3 * g) * shard + model_bytes * shard / params
-        add([("optimizer", "Adam step + grad zero + grad norm", step, "(2mp+2m1+2m2+3gs)S + M*S/P")], 1)
-        add([("elementwise", "gradient shard add", (gc + 2 * g) * shard, "(gc+2gs)S")], micro)
+        step = (2 * mp + 2 * m1 + 2 * m2 + 2 * g) * shard + model_bytes * shard / params
+        add([("optimizer", "Adam step + grad norm", step, "(2mp+2m1+2m2+2gs)S + M*S/P")], 1)
+        add([("elementwise", "gradient shard copy", (gc + g) * shard, "(gc+gs)S")], 1)
+        if micro > 1:
+            add([("elementwise", "gradient shard add", (gc + 2 * g) * shard, "(gc+2gs)S")], micro - 1)
     else:
         step = (2 * mp + 2 * m1 + 2 * m2 + 2 * g) * shard + model_bytes * shard / params + g * params
         add([("optimizer", "Adam step + grad zero + grad norm", step, "(2mp+2m1+2m2+2g)S + M*S/P + gP")], 1)

@@ -168,10 +168,10 @@ def test_tensor_and_data_parallel_communication():
 
 def test_grad_shards_traffic_and_communication():
     """--use-megatron-fsdp optim_grads (grad_shards.py) at DP=2, two micro-batches: the distributed optimizer's step
-    without the whole buffer's zeroing (the shards instead: 3 x 4 bytes per shard element), and per micro-batch this
-    rank's reduce-scatter output added into the shards (4 + 2 x 4 per shard element; the buckets are not zeroed);
-    a bf16 reduce-scatter halves the buckets' bytes. One bucket's reduce-scatter is left exposed, as with
-    --overlap-grad-reduce."""
+    without the whole buffer's zeroing (the shards are read, 2 x 4 bytes per shard element, never zeroed), the first
+    micro-batch's reduce-scatter output copied into the shards (4 + 4 per shard element) and the second's added
+    (4 + 2 x 4; the buckets are not zeroed); a bf16 reduce-scatter halves the buckets' bytes. One bucket's
+    reduce-scatter is left exposed, as with --overlap-grad-reduce."""
     zero2 = " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --ddp-bucket-size 1000"
     batch = " --global-batch-size 8"
     cfg, distopt = config(zero2 + batch, world_size=2), config(" --use-distributed-optimizer" + batch, world_size=2)
@@ -179,13 +179,12 @@ def test_grad_shards_traffic_and_communication():
     assert cfg.num_micro_batches == 2
     got, want = memory_by_name(cfg), memory_by_name(distopt)
     step = "Adam step + grad zero + grad norm"
-    assert got[step] == want[step] - 4 * params + 4 * params / 2
-    assert got["gradient shard add"] == 2 * (4 + 8) * params / 2
-    assert {n: b for n, b in got.items() if n not in (step, "gradient shard add")} == {
-        n: b for n, b in want.items() if n != step
-    }
+    assert got["Adam step + grad norm"] == want[step] - 4 * params
+    assert (got["gradient shard copy"], got["gradient shard add"]) == ((4 + 4) * params / 2, (4 + 8) * params / 2)
+    shards = ("Adam step + grad norm", "gradient shard copy", "gradient shard add")
+    assert {n: b for n, b in got.items() if n not in shards} == {n: b for n, b in want.items() if n != step}
     bf16 = memory_by_name(config(zero2 + batch + " --megatron-fsdp-grad-comm-dtype bf16", world_size=2))
-    assert bf16["gradient shard add"] == 2 * (2 + 8) * params / 2
+    assert (bf16["gradient shard copy"], bf16["gradient shard add"]) == ((2 + 4) * params / 2, (2 + 8) * params / 2)
     ops = {c.name: (c.op, c.nbytes) for c in traffic.communication(cfg, 128)}
     assert ops == {
         "DP gradient reduction": ("reduce_scatter", 4 * 1000),
