@@ -50,8 +50,6 @@ optimizer's does. Not built (config/sharding.py refuses them): CUDA graphs (a ca
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -225,7 +223,7 @@ class GradShards(GradientBuffers):
         stream = self._reduce_stream
         while len(self._in_flight) > keep:
             bucket = self._in_flight.pop(0)
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            with torch.cuda.stream(stream):  # None (no GPU): the current stream, a no-op context
                 bucket.work.wait()
                 shard = self._shard(bucket.data)
                 if bucket.shard_stale:
