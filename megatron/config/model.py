@@ -112,7 +112,8 @@ class ModelConfig:
     parallel_cross_entropy; needs a CUDA GPU with Transformer Engine) or `chunked` (this project's: the output
     layer's GEMM and the loss together, a slice of the vocabulary at a time, the logits recomputed in the backward:
     no tensor of the whole logits is ever kept; megatron/model/output_layer.py). It trades time for memory: on
-    Llama-3-8B, ~42 ms per micro-batch on an H100, more than recomputing two layers saves (docs/te.md)."""
+    Llama-3-8B, ~42 ms per micro-batch on an H100, more than recomputing two layers saves (docs/te.md). Without
+    --cross-entropy-loss-fusion, `chunked` is an error; the other two are accepted and ignored, as Megatron-LM does."""
     transformer_impl: str | None = option(None, choices=["local", "transformer_engine"])
     """Layer implementation: `transformer_engine` (NVIDIA Transformer Engine modules: fused attention, native FP8
     recipes; CUDA only) or `local` (pure PyTorch: runs anywhere, emulates FP8 recipes the GPU lacks). Default:
@@ -202,6 +203,12 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
             require(0.0 <= value < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
+        # Megatron-LM ignores the choice without the fusion; `chunked` is this project's, so no script of theirs
+        # passes it alone, and ignoring it would silently keep the whole logits it exists to avoid
+        require(
+            self.cross_entropy_loss_fusion or self.cross_entropy_fusion_impl != "chunked",
+            "--cross-entropy-fusion-impl chunked takes effect only with --cross-entropy-loss-fusion: add it",
+        )
         self._check_recompute()
 
     def _check_recompute(self) -> None:

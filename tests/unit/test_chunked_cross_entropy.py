@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron.config import parse_args
+from megatron.config import ConfigError, parse_args
 from megatron.model import output_layer
 from megatron.model.cross_entropy import fused_cross_entropy
 from megatron.model.output_layer import linear_cross_entropy
@@ -174,3 +174,11 @@ def test_the_memory_estimate_counts_no_logits():
     # backward (6 bytes per logit; here the whole vocabulary is one slice) and the fp32 input gradient
     assert a["activations"] - b["activations"] == 8 * tokens * 128
     assert b["buffers"] - a["buffers"] == 6 * tokens * 128 + 4 * tokens * 32
+
+
+def test_chunked_without_the_fusion_is_a_one_line_error():
+    """Without --cross-entropy-loss-fusion the choice would be ignored and the whole logits kept."""
+    with pytest.raises(ConfigError, match="chunked takes effect only with --cross-entropy-loss-fusion") as error:
+        parse_args(f"{TINY} --cross-entropy-fusion-impl chunked".split())
+    assert "\n" not in str(error.value)
+    parse_args(f"{TINY} --cross-entropy-fusion-impl native".split())  # Megatron-LM's default, accepted alone
