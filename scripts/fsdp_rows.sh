@@ -41,6 +41,8 @@
 #                                            flat-bucket engine, then llama-1b fsdp2_noreshard beside
 #                                            fsdp2 and dp2_distopt with their lower bounds (estimated 19.07 GiB
 #                                            against fsdp2's 17.24) (about 7 minutes)
+#   bash scripts/fsdp_rows.sh blockwise OUTDIR  llama-1b with TE's blockwise FP8 weights gathered as FP8 under FSDP
+#                                            (fsdp2) beside the same config on dp2_distopt (~4 min)
 #   bash scripts/fsdp_rows.sh parity OUTDIR  loss parity on real text at DP=2 of the flat-bucket engine (FP8 weights)
 #                                            and of the distributed optimizer's te-delayed against the bf16 run in
 #                                            docs/loss_parity/llama-150m-fsdp-dp2.json (same data and seed),
@@ -49,13 +51,17 @@
 #                                            PARITY_CONFIGS=te-delayed-fp8params+zero2-chunkce: the same with the
 #                                            chunked loss (--cross-entropy-fusion-impl chunked);
 #                                            te-delayed-fp8params+zero2-bf16comm: bf16 reduce-scatters;
+#                                            te-delayed+fsdp2-optim-grads: PyTorch's FSDP2 under optim_grads
+#                                            gathering bf16, where TE keeps its weight casts for the step (two
+#                                            micro-batches per rank, so that the second reuses the first's);
+#                                            te-delayed-fp8params+fsdp2-optim-grads: the same with FP8 gathers;
 #                                            PARITY_DEADLINE: seconds for the runs (560); PARITY_DRY_RUN=1:
 #                                            print the runs' commands only
 # OUTDIR gets a summary (summary.txt: the tables and each test's last lines) and every run's log (logs/). Megatron-LM's
 # sources must be where .devkit/anchors/megatron_run.sh looks (../shared/anchors/README.md).
 set -o pipefail
-PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-8b|noreshard|parity OUTDIR}
-OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-8b|noreshard|parity OUTDIR}
+PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-8b|noreshard|blockwise|parity OUTDIR}
+OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-8b|noreshard|blockwise|parity OUTDIR}
 mkdir -p "$OUT/logs"
 source .devkit/setup-te.sh || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -194,6 +200,11 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     echo "test_te_fsdp_meta -k flat_bucket: rc=$? $(tail -1 "$OUT/logs/test_te_meta_zero2.txt")" | tee -a "$OUT/summary.txt"
     common=(--presets llama-1b --iters 30 --log-interval 5 --timeout 100 --bound --probe-cache "$OUT/probes.json")
     bench "${common[@]}" --configs te-delayed --layouts dp2_distopt fsdp2 fsdp2_noreshard;;
+  blockwise)
+    # TE's blockwise-scaled FP8 weights gathered as FP8 (their test: tests/gpu/test_te_fsdp_blockwise.py, in `tests`)
+    for layout in fsdp2 dp2_distopt; do
+      bench --presets llama-1b --iters 30 --log-interval 5 --timeout 110 --configs te-blockwise-fp8params --layouts $layout
+    done;;
   parity)
     mkdir -p data && tar -xJf .interop/parity.tar.xz -C data || exit 1
     D="--data-path data/parity/parity_text_document --split 98,1,1 --tokenizer-type GPT2BPETokenizer \
@@ -201,16 +212,22 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     # the flat-bucket engine (optim_grads on the distributed optimizer's buckets) with FP8 weights, and the
     # distributed optimizer's te-delayed at DP=2 (the seventh session's version-counter fix of its all-gathers)
     Z="--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
-    cp docs/loss_parity/llama-150m-fsdp-dp2.json "$OUT/parity.json"  # merged: runs of the same name are replaced
+    # PyTorch's FSDP2 under optim_grads, two micro-batches per rank (the others run one of 16), so that with bf16
+    # gathers the second reuses the FP8 weight casts TE keeps from the first
+    OG="--use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads --micro-batch-size 8"
+    # named as in docs/loss_parity/ (the report links its plot by name), so the three files copy there as they are
+    P="$OUT/llama-150m-fsdp-dp2"
+    cp docs/loss_parity/llama-150m-fsdp-dp2.json "$P.json"  # merged: runs of the same name are replaced
     # each run's flags (loss_parity.py refuses flags for a run it is not given)
     declare -A FLAGS=([te-delayed-fp8params+zero2]="$Z" [te-delayed+distopt]="--use-distributed-optimizer"
       [te-delayed-fp8params+zero2-chunkce]="$Z --cross-entropy-loss-fusion --cross-entropy-fusion-impl chunked"
-      [te-delayed-fp8params+zero2-bf16comm]="$Z --megatron-fsdp-grad-comm-dtype bf16")
+      [te-delayed-fp8params+zero2-bf16comm]="$Z --megatron-fsdp-grad-comm-dtype bf16"
+      [te-delayed+fsdp2-optim-grads]="$OG" [te-delayed-fp8params+fsdp2-optim-grads]="$OG")
     RUNS=(${PARITY_CONFIGS:-te-delayed-fp8params+zero2 te-delayed+distopt}) FLAG_ARGS=()
     for run in "${RUNS[@]}"; do FLAG_ARGS+=(--config-flags "$run=${FLAGS[$run]:?no flags for $run}"); done
     timeout $((${PARITY_DEADLINE:-560} + 20)) python3 scripts/loss_parity.py --preset llama-150m --eval-iters 5 \
-      --nproc-per-node 2 --deadline "${PARITY_DEADLINE:-560}" $D --results "$OUT/parity.json" --log-dir "$OUT/logs" \
-      --out "$OUT/parity.md" --configs "${RUNS[@]}" "${FLAG_ARGS[@]}" ${PARITY_DRY_RUN:+--dry-run} 2>&1 | tail -12 \
+      --nproc-per-node 2 --deadline "${PARITY_DEADLINE:-560}" $D --results "$P.json" --log-dir "$OUT/logs" \
+      --out "$P.md" --configs "${RUNS[@]}" "${FLAG_ARGS[@]}" ${PARITY_DRY_RUN:+--dry-run} 2>&1 | tail -12 \
       | tee -a "$OUT/summary.txt";;
-  *) echo "unknown part $PART: tests, new, 1b, host, 8b, 8b-nccl, megatron, zero2, zero2-1b, zero2-8b, noreshard or parity"; exit 2;;
+  *) echo "unknown part $PART: tests, new, 1b, host, 8b, 8b-nccl, megatron, zero2, zero2-1b, zero2-8b, noreshard, blockwise or parity"; exit 2;;
 esac
