@@ -201,6 +201,19 @@ LAYOUTS = {  # name: (GPUs, flags)
         "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --overlap-grad-reduce"
         " --overlap-param-gather --megatron-fsdp-grad-comm-dtype bf16",
     ),
+    # bf16 gradient shards too (half their bytes; each shard add in bf16, not the mixed bf16-into-fp32 one)
+    "mfsdp2_bf16grads": (
+        2,
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --overlap-grad-reduce"
+        " --overlap-param-gather --megatron-fsdp-main-grads-dtype bf16",
+    ),
+    # each micro-batch's reduce-scatter sent as FP8 and summed in fp32 (O1's gradient communication): half the
+    # bytes of the bf16 one
+    "mfsdp2_fp8comm": (
+        2,
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --overlap-grad-reduce"
+        " --overlap-param-gather --fp8-grad-reduce",
+    ),
     # and O2's states (as fsdp2_o2states below): the 8B's weights stay whole (FP8), gradients and states sharded
     "mfsdp2_o2states": (
         2,

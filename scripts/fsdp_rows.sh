@@ -42,7 +42,9 @@
 #                                            fsdp2 and dp2_distopt with their lower bounds (estimated 19.07 GiB
 #                                            against fsdp2's 17.24) (about 7 minutes)
 #   bash scripts/fsdp_rows.sh blockwise OUTDIR  llama-1b with TE's blockwise FP8 weights gathered as FP8 under FSDP
-#                                            (fsdp2) beside the same config on dp2_distopt (~4 min)
+#                                            (fsdp2) beside the same config on dp2_distopt and per-tensor FP8
+#                                            gathers under fsdp2 (COMPARE: other rows; ~5 min); PROFILE=1: and the
+#                                            blockwise FSDP step's profile (~2 min more)
 #   bash scripts/fsdp_rows.sh parity OUTDIR  loss parity on real text at DP=2 of the flat-bucket engine (FP8 weights)
 #                                            and of the distributed optimizer's te-delayed against the bf16 run in
 #                                            docs/loss_parity/llama-150m-fsdp-dp2.json (same data and seed),
@@ -51,6 +53,8 @@
 #                                            PARITY_CONFIGS=te-delayed-fp8params+zero2-chunkce: the same with the
 #                                            chunked loss (--cross-entropy-fusion-impl chunked);
 #                                            te-delayed-fp8params+zero2-bf16comm: bf16 reduce-scatters;
+#                                            +zero2-bf16grads: bf16 gradient shards and reduce-scatters;
+#                                            +zero2-fp8comm: FP8 reduce-scatters (O1's communication);
 #                                            te-delayed+fsdp2-optim-grads: PyTorch's FSDP2 under optim_grads
 #                                            gathering bf16, where TE keeps its weight casts for the step (two
 #                                            micro-batches per rank, so that the second reuses the first's);
@@ -202,9 +206,13 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     bench "${common[@]}" --configs te-delayed --layouts dp2_distopt fsdp2 fsdp2_noreshard;;
   blockwise)
     # TE's blockwise-scaled FP8 weights gathered as FP8 (their test: tests/gpu/test_te_fsdp_blockwise.py, in `tests`)
-    for layout in fsdp2 dp2_distopt; do
-      bench --presets llama-1b --iters 30 --log-interval 5 --timeout 110 --configs te-blockwise-fp8params --layouts $layout
-    done;;
+    # beside the distributed optimizer and beside per-tensor FP8 gathers on the same layout (the fourteenth session's
+    # blockwise FSDP row ran 1.74x the distributed optimizer's step); PROFILE=1: then where its step goes
+    for row in te-blockwise-fp8params:fsdp2 te-blockwise-fp8params:dp2_distopt ${COMPARE:-te-delayed-fp8params:fsdp2}; do
+      bench --presets llama-1b --iters 30 --log-interval 5 --timeout 110 --configs "${row%%:*}" --layouts "${row#*:}"
+    done
+    [ -z "$PROFILE" ] || timeout 150 python3 scripts/benchmark.py --profile llama-1b te-blockwise-fp8params \
+      --layouts fsdp2 --profile-steps 3 --profile-top 30 2>&1 | grep -A60 "^step " | tee -a "$OUT/summary.txt";;
   parity)
     mkdir -p data && tar -xJf .interop/parity.tar.xz -C data || exit 1
     D="--data-path data/parity/parity_text_document --split 98,1,1 --tokenizer-type GPT2BPETokenizer \
@@ -222,6 +230,8 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     declare -A FLAGS=([te-delayed-fp8params+zero2]="$Z" [te-delayed+distopt]="--use-distributed-optimizer"
       [te-delayed-fp8params+zero2-chunkce]="$Z --cross-entropy-loss-fusion --cross-entropy-fusion-impl chunked"
       [te-delayed-fp8params+zero2-bf16comm]="$Z --megatron-fsdp-grad-comm-dtype bf16"
+      [te-delayed-fp8params+zero2-bf16grads]="$Z --megatron-fsdp-main-grads-dtype bf16"
+      [te-delayed-fp8params+zero2-fp8comm]="$Z --fp8-grad-reduce"
       [te-delayed+fsdp2-optim-grads]="$OG" [te-delayed-fp8params+fsdp2-optim-grads]="$OG")
     RUNS=(${PARITY_CONFIGS:-te-delayed-fp8params+zero2 te-delayed+distopt}) FLAG_ARGS=()
     for run in "${RUNS[@]}"; do FLAG_ARGS+=(--config-flags "$run=${FLAGS[$run]:?no flags for $run}"); done

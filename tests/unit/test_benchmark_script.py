@@ -166,12 +166,15 @@ def test_the_fsdp_layouts_parse_with_the_local_configs():
     """Issue 30's runs: llama-1b and the Llama-3-8B shape under FSDP at DP=2, and with TP=2 or CP=2 on 4 GPUs (local
     layers, bf16 and FP8)."""
     from megatron.config import parse_args
+    from megatron.config.sharding import main_grads_bf16
 
     strategies = {
         "fsdp2": "optim_grads_params",
         "fsdp2_optim_grads": "optim_grads",
         "mfsdp2_optim_grads": "optim_grads",
         "mfsdp2_optim_grads_bf16comm": "optim_grads",
+        "mfsdp2_bf16grads": "optim_grads",
+        "mfsdp2_fp8comm": "optim_grads",
         "fsdp2_bf16grads": "optim_grads_params",
         "fsdp2_o2states": "optim_grads_params",
         "fsdp2_bf16comm": "optim_grads_params",
@@ -192,6 +195,8 @@ def test_the_fsdp_layouts_parse_with_the_local_configs():
                 # mfsdp2_*: the flat-buffer engine (grad_shards.py); fsdp2_*: FSDP2
                 assert cfg.parallel.grad_shards == layout.startswith("mfsdp2_"), (preset, config, layout)
                 assert cfg.data_parallel_size == 2, (preset, config, layout)
+                assert main_grads_bf16(cfg) == layout.endswith(("bf16grads", "o2states")), (preset, config, layout)
+                assert cfg.parallel.fp8_grad_reduce == layout.endswith("fp8comm"), (preset, config, layout)
     assert "--nproc-per-node=4" in benchmark.command("llama3-8b", "local-delayed-fp8params", 10, 5, "fsdp2_tp2")
     # rowwise and mxfp8 FP8 gathers: FSDP2 only (megatron/fp8/fsdp_axes.py)
     for config in ("local-rowwise-fp8params", "local-mxfp8-fp8params"):
