@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_faults_never_lose_a_checkpoint_or_fail_silently(tmp_path):
     driver = ROOT / "tests" / "e2e" / "checkpoint_faults.py"
-    cmd = [sys.executable, str(driver), "--trials", "20", "--seed", "19", "--workdir", str(tmp_path)]
+    # Two trials at a time: each run trains on one thread, and the driver waits (two cores)
+    cmd = [sys.executable, str(driver), "--trials", "20", "--seed", "19", "--workdir", str(tmp_path), "--jobs", "2"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     print(out.stdout[-3000:], out.stderr[-3000:])
     assert out.returncode == 0, out.stderr[-2000:]
