@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -255,14 +256,19 @@ def test_real_runs_exit_2_with_one_line(tmp_path, monkeypatch):
     monkeypatch.delenv(TRUST_ENV, raising=False)
     marker = tmp_path / "marker"
     root = _crafted(tmp_path / "a", "torch format", payloads(marker)["os.system"], checksums=False)
-    line = _one_line_exit_2(["pretrain_gpt.py", *FLAGS.split(), "--train-iters", "6", "--load", str(root)])
-    assert str(root) in line and "posix.system" in line and "--trust-checkpoint" in line
     damaged = _crafted(tmp_path / "b", "torch format", None)
     (damaged / "latest_checkpointed_iteration.txt").write_bytes(b"4\xff")
-    line = _one_line_exit_2(["pretrain_gpt.py", *FLAGS.split(), "--train-iters", "6", "--load", str(damaged)])
-    assert "latest_checkpointed_iteration.txt is corrupt" in line
     mlm = _mlm_legacy(tmp_path / "mlm", payloads(marker)["subprocess.call"])
-    argv = ["tools/checkpoint/convert.py", "--loader", "mcore", "--saver", "native", "--load-dir", str(mlm)]
-    line = _one_line_exit_2([*argv, "--save-dir", str(tmp_path / "out")])
-    assert "subprocess.call" in line and not (tmp_path / "out").exists()
+    convert = ["tools/checkpoint/convert.py", "--loader", "mcore", "--saver", "native", "--load-dir", str(mlm)]
+    runs = [
+        ["pretrain_gpt.py", *FLAGS.split(), "--train-iters", "6", "--load", str(root)],
+        ["pretrain_gpt.py", *FLAGS.split(), "--train-iters", "6", "--load", str(damaged)],
+        [*convert, "--save-dir", str(tmp_path / "out")],
+    ]
+    # Three independent processes, each mostly a single-threaded Python start-up: run side by side on the cores
+    with ThreadPoolExecutor(len(runs)) as pool:
+        crafted, pointer, converted = pool.map(_one_line_exit_2, runs)
+    assert str(root) in crafted and "posix.system" in crafted and "--trust-checkpoint" in crafted
+    assert "latest_checkpointed_iteration.txt is corrupt" in pointer
+    assert "subprocess.call" in converted and not (tmp_path / "out").exists()
     assert not marker.exists()
