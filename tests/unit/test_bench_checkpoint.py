@@ -1,9 +1,12 @@
 """scripts/bench_checkpoint.py: the runs it launches, the log lines it reads, and a CPU run of a tiny model whose
 table holds the save, blocked and load seconds."""
 
+import builtins
 import importlib.util
 import re
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -44,20 +47,32 @@ def test_parse_times_reads_the_checkpointer_lines():
 
 
 @pytest.mark.slow
-def test_a_tiny_cpu_run_fills_the_table(capsys):
-    results = bench.main(["--presets", "tiny", "--configs", "local-bf16", "--iters", "2"] + ["--formats", "torch"])
-    results += bench.main(
-        ["--presets", "tiny", "--configs", "local-bf16", "--iters", "1", "--saves", "2", "--formats"]
-        + ["torch_dist_async"]
-    )
+def test_a_tiny_cpu_run_fills_the_table(capsys, monkeypatch):
+    # The two invocations are independent (each its own scratch folder) and each mostly waits for its
+    # single-threaded pretrain_gpt.py runs: side by side on the two cores. One print at a time, so that each table's
+    # lines stay whole; its rows are told apart by their format.
+    lock, builtin_print = threading.Lock(), builtins.print
+
+    def whole_lines(*args, **kwargs) -> None:
+        with lock:
+            builtin_print(*args, **kwargs)
+
+    monkeypatch.setattr(builtins, "print", whole_lines)
+    tiny = ["--presets", "tiny", "--configs", "local-bf16"]
+    with ThreadPoolExecutor(2) as pool:
+        sync = pool.submit(bench.main, [*tiny, "--iters", "2", "--formats", "torch"])
+        queued = pool.submit(bench.main, [*tiny, "--iters", "1", "--saves", "2", "--formats", "torch_dist_async"])
+        results = sync.result() + queued.result()
     out = capsys.readouterr().out
     assert [r.error for r in results] == [None, None], out
-    rows = [line for line in out.splitlines() if line.startswith("| tiny |")]
+    rows = {line.split("|")[3].strip(): line for line in out.splitlines() if line.startswith("| tiny |")}
+    assert sorted(rows) == ["torch", "torch_dist_async"], out
     number = r"\d+\.\d\d"
-    assert re.fullmatch(rf"\| tiny \| local-bf16 \| torch \| {number} \|  \|  \| {number} \| {number} \|", rows[0])
+    sync_row = rows["torch"]
+    assert re.fullmatch(rf"\| tiny \| local-bf16 \| torch \| {number} \|  \|  \| {number} \| {number} \|", sync_row)
     assert re.fullmatch(
         rf"\| tiny \| local-bf16 \| torch_dist_async \|  \| {number} \(first {number}\) \| {number} \| {number}"
         rf" \| {number} \|",
-        rows[1],
+        rows["torch_dist_async"],
     )
     assert results[0].size_gib > 0 and results[1].size_gib > 0
