@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# What a rank's first run imports anyway (torch._dynamo: FSDP2's first call; pytest: the test modules)
+# What a rank's first run imports anyway (torch._dynamo: FSDP2's first call; pytest: the test modules), then the
+# freeze of what they loaded (tests/assets/frozen_preload.py)
 PRELOAD = [
     "torch",
     "torch._dynamo",
@@ -39,6 +40,7 @@ PRELOAD = [
     "torch.distributed.checkpoint",
     "pytest",
     "megatron.training",
+    "tests.assets.frozen_preload",
 ]
 multiprocessing.set_forkserver_preload(PRELOAD)
 
