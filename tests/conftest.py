@@ -1,9 +1,21 @@
 """Shared test fixtures: the `gpu` marker skips with a reason when no CUDA device is present."""
 
+import multiprocessing.forkserver
 import os
+import sys
 
 import pytest
 import torch
+
+
+def pytest_sessionstart(session):
+    """Start the fork server of the gloo ranks (tests/dist_utils.py) now, in the background: its imports take about
+    3 s of one core, which overlap the collection (single-threaded, about 8 s) instead of delaying the first
+    distributed test. Each rank still runs with the running test's environment (run_distributed passes it)."""
+    if sys.platform.startswith("linux"):
+        from tests import dist_utils  # noqa: F401  (sets the fork server's preload list)
+
+        multiprocessing.forkserver.ensure_running()
 
 
 def pytest_collection_modifyitems(config, items):
