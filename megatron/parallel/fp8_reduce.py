@@ -240,8 +240,13 @@ class Fp8ReduceHandle:
             return
         if self._work is not None:
             self._work.wait()
-        if self._recv.is_cuda:  # waited for on another stream than it was allocated on (grad_shards.py's)
-            self._recv.record_stream(torch.cuda.current_stream(self._recv.device))
+        if self._recv.is_cuda:  # waited for on another stream than they were allocated on (grad_shards.py's)
+            # Both buffers: the all-to-all may still be reading `_send` when the host gets here; dropped below without
+            # this, its memory would go back to the allocating stream, which could overwrite it before the collective
+            # is done. Recorded on the stream that waited, the block is reused only after that stream passes this point.
+            stream = torch.cuda.current_stream(self._recv.device)
+            self._send.record_stream(stream)
+            self._recv.record_stream(stream)
         if not self._all_reduce:
             _decode_sum(self._recv, self._cols, self._out, self._average)
         else:

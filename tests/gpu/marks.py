@@ -8,13 +8,18 @@ import torch
 
 from megatron.config.te_rules import te_import_error
 
-#: Transformer Engine on two GPUs (nvidia-h100-x2): the FSDP tests' pytestmark
-TE_ON_TWO_GPUS = [
+#: Two GPUs (nvidia-h100-x2), NCCL between them
+TWO_GPUS = [
     pytest.mark.gpu,
-    pytest.mark.skipif(te_import_error() is not None, reason=f"needs Transformer Engine ({te_import_error()})"),
     pytest.mark.skipif(
         not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (nvidia-h100-x2)"
     ),
+]
+
+#: Transformer Engine on two GPUs: the FSDP tests' pytestmark
+TE_ON_TWO_GPUS = [
+    *TWO_GPUS,
+    pytest.mark.skipif(te_import_error() is not None, reason=f"needs Transformer Engine ({te_import_error()})"),
 ]
 
 #: Triton's interpreter runs the kernels on the CPU (TRITON_INTERPRET=1, read when Triton is imported)
