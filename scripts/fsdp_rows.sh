@@ -87,12 +87,39 @@ llama1b_passes() {
     local rows=$2
     [ $((pass % 2)) = 1 ] || rows=$(tr ' ' '\n' <<< "$2" | tac | paste -sd' ')
     for row in $rows; do
+      watch_start
       LOGS="$logs" bench --presets llama-1b --iters 60 --log-interval 10 --timeout 110 \
         --extra-flags="${EXTRA:-}" --configs "${row%%:*}" --layouts "${row#*:}"
       echo "$row: $(sed -n 's/.*per iteration (ms): \([0-9.]*\).*/\1/p' \
-        "$logs/llama-1b.${row%%:*}.${row#*:}.log" | paste -sd' ')" | tee -a "$OUT/summary.txt"
+        "$logs/llama-1b.${row%%:*}.${row#*:}.log" | paste -sd' ') | $(watch_stop)" | tee -a "$OUT/summary.txt"
     done
   done
+}
+# What the machine did during a row, beside its times: runs of one call differ by 10-12% and a slow run is slow in
+# every interval (fourteenth session), so each row records its GPUs' mean SM clock (MHz), power (W), peak temperature
+# and the share of busy samples held back by a clock-event reason (power or thermal caps: reasons other than idle,
+# 0x1) with the commonest one (0x4, the software power cap, on every row of the fifteenth session), and the CPU
+# time the host stole from this machine's vCPUs (/proc/stat), which would slow a host-bound step. A row that runs
+# slow at a high clock and low power left its GPUs waiting (on the host or the peer), not throttled.
+watch_start() {
+  nvidia-smi --query-gpu=index,clocks.sm,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active \
+    --format=csv,noheader,nounits -lms 1000 > /tmp/fsdp_rows_watch.csv 2>/dev/null &
+  WATCH=$!
+  read -r _ user nice system idle iowait irq softirq steal _ < /proc/stat
+  STAT0=($((user + nice + system + idle + iowait + irq + softirq + steal)) "$steal")
+}
+watch_stop() {
+  kill "$WATCH" 2> /dev/null; wait "$WATCH" 2> /dev/null
+  read -r _ user nice system idle iowait irq softirq steal _ < /proc/stat
+  local total=$((user + nice + system + idle + iowait + irq + softirq + steal - STAT0[0]))
+  awk -F', *' -v steal=$((steal - STAT0[1])) -v total="$total" '
+    $5 >= 50 { n[$1]++; mhz[$1] += $2; w[$1] += $3; if ($4 > t[$1]) t[$1] = $4
+               r = $6; sub(/^0x0*/, "", r); if (r ~ /^[0-9a-fA-F]+$/ && r != "1") { held[$1]++; why[$1 " 0x" r]++ } }
+    END { for (g in n) { top = ""; for (k in why) if (index(k, g " ") == 1 && (top == "" || why[k] > why[top])) top = k
+                         sub(/^[^ ]* /, "", top)
+                         printf "gpu%s %d MHz %d W %d C held %d%% %s; ", g, mhz[g] / n[g], w[g] / n[g], t[g],
+                                100 * held[g] / n[g], top }
+          printf "steal %.1f%%", total ? 100 * steal / total : 0 }' /tmp/fsdp_rows_watch.csv
 }
 # the profile of llama-1b row $1 (CONFIG:LAYOUT) after $2 iterations, its top $3 kernels
 profile_1b() {
