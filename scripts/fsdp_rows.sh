@@ -32,6 +32,8 @@
 #                                            for every run), with each row's intervals (~55 s a row) and its
 #                                            gap to dp2_distopt per pass with their median (scripts/row_gaps.py);
 #                                            PROFILE_AT="10 50": the first row profiled after 10 and 50 iterations.
+#                                            NCCL_INFO=1: and how NCCL joined the GPUs (transports,
+#                                            ring graph types) beside each row.
 #                                            Repeated pairs in one call: PASSES=4 ROWS="te-delayed-fp8params:
 #                                            mfsdp2_optim_grads_bf16comm te-delayed-fp8params:dp2_distopt" (~8 min)
 #   bash scripts/fsdp_rows.sh zero2-8b OUTDIR  llama3-8b on the flat buckets: weights whole (FP8), O2's states, two
@@ -91,7 +93,8 @@ llama1b_passes() {
       LOGS="$logs" bench --presets llama-1b --iters 60 --log-interval 10 --timeout 110 \
         --extra-flags="${EXTRA:-}" --configs "${row%%:*}" --layouts "${row#*:}"
       echo "$row: $(sed -n 's/.*per iteration (ms): \([0-9.]*\).*/\1/p' \
-        "$logs/llama-1b.${row%%:*}.${row#*:}.log" | paste -sd' ') | $(watch_stop)" | tee -a "$OUT/summary.txt"
+        "$logs/llama-1b.${row%%:*}.${row#*:}.log" | paste -sd' ') | $(watch_stop)$(nccl_links \
+        "$logs/llama-1b.${row%%:*}.${row#*:}.log")" | tee -a "$OUT/summary.txt"
     done
   done
 }
@@ -120,6 +123,18 @@ watch_stop() {
                          printf "gpu%s %d MHz %d W %d C held %d%% %s; ", g, mhz[g] / n[g], w[g] / n[g], t[g],
                                 100 * held[g] / n[g], top }
           printf "steal %.1f%%", total ? 100 * steal / total : 0 }' /tmp/fsdp_rows_watch.csv
+}
+# NCCL_INFO=1: each row's ranks log NCCL's set-up (NCCL_DEBUG=INFO, subsystems INIT and GRAPH), and the row's line
+# gets how NCCL joined the GPUs: its transports (P2P over NVLink, or SHM through host memory) and the type and
+# bandwidth of its ring graphs. The fifteenth session's profiles showed only low-latency (LL) NCCL kernels on an NV18
+# pair, the protocol NCCL keeps to where it sees no NVLink (LL128 needs it); a host path would also make the
+# collectives' speed follow the host's.
+[ -z "${NCCL_INFO:-}" ] || export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH
+nccl_links() {
+  [ -n "${NCCL_INFO:-}" ] || return 0
+  printf ' | nccl: %s%s' \
+    "$(grep -o 'via [A-Za-z0-9/_]*' "$1" | sort | uniq -c | awk '{printf "%s x%d; ", $3, $1}')" \
+    "$(grep -o 'bw [0-9.]*/[0-9.]*, type [A-Z/]*' "$1" | sort | uniq -c | awk '{printf "%s %s %s x%d; ", $2, $3, $5, $1}')"
 }
 # the profile of llama-1b row $1 (CONFIG:LAYOUT) after $2 iterations, its top $3 kernels
 profile_1b() {
