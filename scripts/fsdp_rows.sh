@@ -30,7 +30,7 @@
 #   bash scripts/fsdp_rows.sh zero2-1b OUTDIR  llama-1b: the flat buckets with bf16 reduce-scatters beside
 #                                            dp2_distopt, both configs on both engines (ROWS, PASSES, EXTRA: flags
 #                                            for every run), with each row's intervals (~55 s a row) and its
-#                                            gap to dp2_distopt per pass with their median (scripts/row_gaps.py);
+#                                            gap to dp2_distopt per pass with their median and mean (row_gaps.py);
 #                                            PROFILE_AT="10 50": the first row profiled after 10 and 50 iterations.
 #                                            NCCL_INFO=1: and how NCCL joined the GPUs (transports,
 #                                            ring graph types) beside each row.
@@ -220,8 +220,9 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     # counts ~1 young collection a step on both engines).
     ROWS=${ROWS:-te-delayed-fp8params:mfsdp2_optim_grads_bf16comm te-delayed-fp8params:dp2_distopt te-delayed:mfsdp2_optim_grads_bf16comm te-delayed:dp2_distopt}
     llama1b_passes 1 "$ROWS"
-    # each row's gap to dp2_distopt's of its config, pass by pass, and their median: calls, and runs within a call,
-    # differ by 5-10% (zero2's rows are not like for like: its dp2_distopt row runs te-delayed, the others FP8 weights)
+    # each row's gap to dp2_distopt's of its config, pass by pass, their median and mean: calls, and runs within a
+    # call, differ by 5-10% (zero2's rows are not like for like: its dp2_distopt row runs te-delayed, the others FP8
+    # weights)
     python3 scripts/row_gaps.py --reference dp2_distopt "$OUT/summary.txt" 2>&1 | tee -a "$OUT/summary.txt"
     # PROFILE_AT="10 50": the first row profiled after that many iterations each (~80 s apiece): whether what grows
     # during a run (the eighth session's 408 -> 467 ms) is kernel time or the GPU waiting between kernels
