@@ -36,6 +36,9 @@
 #                                            ring graph types) beside each row.
 #                                            Repeated pairs in one call: PASSES=4 ROWS="te-delayed-fp8params:
 #                                            mfsdp2_optim_grads_bf16comm te-delayed-fp8params:dp2_distopt" (~8 min)
+#   bash scripts/fsdp_rows.sh zero2-nccl OUTDIR  llama-1b ROWS (default: the flat buckets and dp2_distopt) with
+#                                            NCCL's transports and graphs beside each row, once with NCCL's own
+#                                            protocol and once with NCCL_PROTO=Simple (~6 min)
 #   bash scripts/fsdp_rows.sh zero2-8b OUTDIR  llama3-8b on the flat buckets: weights whole (FP8), O2's states, two
 #                                            and three layers recomputed (~6 min)
 #   bash scripts/fsdp_rows.sh noreshard OUTDIR  --torch-fsdp2-no-reshard-after-forward: its GPU test (TE, bf16 and FP8,
@@ -66,8 +69,8 @@
 # OUTDIR gets a summary (summary.txt: the tables and each test's last lines) and every run's log (logs/). Megatron-LM's
 # sources must be where .devkit/anchors/megatron_run.sh looks (../shared/anchors/README.md).
 set -o pipefail
-PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-8b|noreshard|blockwise|parity OUTDIR}
-OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-8b|noreshard|blockwise|parity OUTDIR}
+PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-nccl|zero2-8b|noreshard|blockwise|parity OUTDIR}
+OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-nccl|zero2-8b|noreshard|blockwise|parity OUTDIR}
 mkdir -p "$OUT/logs"
 source .devkit/setup-te.sh || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -83,7 +86,7 @@ bench() { python3 scripts/benchmark.py --log-dir "${LOGS:-$OUT/logs}" "$@" 2>&1 
 # scratch folder (at most 8 files come back).
 llama1b_passes() {
   for pass in $(seq "${PASSES:-$1}"); do
-    local logs="$OUT/pass$pass"
+    local logs="$OUT/${PASS_DIR:-pass}$pass"
     [ "$pass" = 1 ] || logs="${TMPDIR:-/tmp}/fsdp_rows/pass$pass"
     mkdir -p "$logs"
     local rows=$2
@@ -227,6 +230,17 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     # PROFILE_AT="10 50": the first row profiled after that many iterations each (~80 s apiece): whether what grows
     # during a run (the eighth session's 408 -> 467 ms) is kernel time or the GPU waiting between kernels
     for warmup in ${PROFILE_AT:-}; do profile_1b "${ROWS%% *}" "$warmup" 25; done;;
+  zero2-nccl)
+    # how NCCL joins the two GPUs beside each row (NCCL_INFO: transports, ring graphs), and what its protocol costs:
+    # a pass of ROWS with NCCL's own choice (the fifteenth session's profiles: only low-latency kernels, RING_LL),
+    # then the same pass with NCCL_PROTO=Simple (logs in OUTDIR/simple1), in one call (~6 min for two rows)
+    export NCCL_INFO=1 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH
+    ROWS=${ROWS:-te-delayed-fp8params:mfsdp2_optim_grads_bf16comm te-delayed-fp8params:dp2_distopt}
+    llama1b_passes 1 "$ROWS"
+    echo "NCCL_PROTO=Simple:" | tee -a "$OUT/summary.txt"
+    NCCL_PROTO=Simple PASS_DIR=simple llama1b_passes 1 "$ROWS"
+    # pass 1 NCCL's choice, pass 2 Simple: each engine's gap to dp2_distopt under both
+    python3 scripts/row_gaps.py --reference dp2_distopt "$OUT/summary.txt" 2>&1 | tee -a "$OUT/summary.txt";;
   zero2-8b)
     # llama3-8b with its weights whole (FP8) and O2's states: with none or one layer recomputed it runs out of memory
     # or stalls on H100s, so two (eleventh session: 2242 ms, 14.6k tokens/s per GPU, 74.3 GiB) beside three. CONFIGS:

@@ -68,7 +68,13 @@ if [ "$1" = scripts/benchmark.py ]; then
     case $1 in --log-dir) logs=$2;; --configs) config=$2;; --layouts) layout=$2;; esac; shift
   done
   ms=400; [ "$layout" = dp2_distopt ] || ms=440
+  [ "$layout" = dp2_distopt ] || [ "${NCCL_PROTO:-}" != Simple ] || ms=420
   printf 'per iteration (ms): %s |\\nper iteration (ms): %s |\\n' $ms $ms > "$logs/llama-1b.$config.$layout.log"
+  if [ -n "${NCCL_DEBUG:-}" ]; then  # NCCL's set-up lines, as NCCL_DEBUG=INFO prints them
+    log="$logs/llama-1b.$config.$layout.log"
+    echo "h:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read" >> "$log"
+    echo "h:1:1 [0] NCCL INFO Pattern 4, crossNic 0, nChannels 24, bw 40.000000/40.000000, type NVL/PIX" >> "$log"
+  fi
   row='{"preset": "llama-1b", "config": "%s", "layout": "%s", "ms_per_iter": %s, "peak_gib": 19.3, "error": null}'
   printf "$row\\n" "$config" "$layout" $ms
 else
@@ -77,7 +83,8 @@ fi
 """
 
 
-def test_zero2_1b_passes_end_in_the_gap_table_and_keep_only_the_first_pass_logs(tmp_path):
+def _dry_run(tmp_path: Path, part: str, **env: str) -> Path:
+    """scripts/fsdp_rows.sh PART run with benchmark.py and nvidia-smi stubbed; returns its OUTDIR."""
     repo = tmp_path / "repo"
     (repo / ".devkit").mkdir(parents=True)
     (repo / ".devkit" / "setup-te.sh").write_text("true\n")
@@ -89,16 +96,25 @@ def test_zero2_1b_passes_end_in_the_gap_table_and_keep_only_the_first_pass_logs(
     for stub in stubs.iterdir():
         stub.chmod(0o755)
     out = tmp_path / "out"
-    env = {
+    full_env = {
         **os.environ,
         "PATH": f"{stubs}:{os.environ['PATH']}",
         "REAL_PYTHON": sys.executable,
         "TMPDIR": str(tmp_path / "scratch"),
-        "PASSES": "4",  # the old layout kept 8 logs + the summary: one more than comes back
-        "ROWS": "te-delayed-fp8params:mfsdp2_optim_grads_bf16comm te-delayed-fp8params:dp2_distopt",
+        **env,
     }
     subprocess.run(
-        ["bash", "scripts/fsdp_rows.sh", "zero2-1b", str(out)], cwd=repo, env=env, check=True, capture_output=True
+        ["bash", "scripts/fsdp_rows.sh", part, str(out)], cwd=repo, env=full_env, check=True, capture_output=True
+    )
+    return out
+
+
+def test_zero2_1b_passes_end_in_the_gap_table_and_keep_only_the_first_pass_logs(tmp_path):
+    out = _dry_run(
+        tmp_path,
+        "zero2-1b",
+        PASSES="4",  # the old layout kept 8 logs + the summary: one more than comes back
+        ROWS="te-delayed-fp8params:mfsdp2_optim_grads_bf16comm te-delayed-fp8params:dp2_distopt",
     )
     summary = (out / "summary.txt").read_text()
     assert (
@@ -114,4 +130,21 @@ def test_zero2_1b_passes_end_in_the_gap_table_and_keep_only_the_first_pass_logs(
     assert sorted(path.name for path in (out / "pass1").iterdir()) == [
         "llama-1b.te-delayed-fp8params.dp2_distopt.log",
         "llama-1b.te-delayed-fp8params.mfsdp2_optim_grads_bf16comm.log",
+    ]
+
+
+def test_zero2_nccl_runs_the_rows_with_nccls_protocol_then_simple_and_prints_its_links(tmp_path):
+    out = _dry_run(tmp_path, "zero2-nccl")
+    summary = (out / "summary.txt").read_text()
+    # the stub's flat row is 10% slower under NCCL's own protocol and 5% under NCCL_PROTO=Simple: the variable
+    # reached the second pass's runs and not the first's
+    assert "| llama-1b, te-delayed-fp8params, `mfsdp2_optim_grads_bf16comm` | +10.0%, +5.0% |" in summary
+    links = [line for line in summary.splitlines() if line.startswith("te-delayed-fp8params:")]
+    assert len(links) == 4
+    assert all("nccl: P2P/CUMEM/read x1; bw 40.000000/40.000000, NVL/PIX x1;" in line for line in links), links
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.log")) == [
+        "pass1/llama-1b.te-delayed-fp8params.dp2_distopt.log",
+        "pass1/llama-1b.te-delayed-fp8params.mfsdp2_optim_grads_bf16comm.log",
+        "simple1/llama-1b.te-delayed-fp8params.dp2_distopt.log",
+        "simple1/llama-1b.te-delayed-fp8params.mfsdp2_optim_grads_bf16comm.log",
     ]
