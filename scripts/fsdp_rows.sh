@@ -85,6 +85,7 @@ bench() { python3 scripts/benchmark.py --log-dir "${LOGS:-$OUT/logs}" "$@" 2>&1 
 # OUTDIR/pass1 (not under logs/: files deeper than OUTDIR/*/* do not come back from the device), later passes' in a
 # scratch folder (at most 8 files come back).
 llama1b_passes() {
+  [ -z "${NCCL_INFO:-}" ] || export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH  # nccl_links reads what they print
   for pass in $(seq "${PASSES:-$1}"); do
     local logs="$OUT/${PASS_DIR:-pass}$pass"
     [ "$pass" = 1 ] || logs="${TMPDIR:-/tmp}/fsdp_rows/pass$pass"
@@ -92,12 +93,12 @@ llama1b_passes() {
     local rows=$2
     [ $((pass % 2)) = 1 ] || rows=$(tr ' ' '\n' <<< "$2" | tac | paste -sd' ')
     for row in $rows; do
+      local log="$logs/llama-1b.${row%%:*}.${row#*:}.log"
       watch_start
       LOGS="$logs" bench --presets llama-1b --iters 60 --log-interval 10 --timeout 110 \
         --extra-flags="${EXTRA:-}" --configs "${row%%:*}" --layouts "${row#*:}"
-      echo "$row: $(sed -n 's/.*per iteration (ms): \([0-9.]*\).*/\1/p' \
-        "$logs/llama-1b.${row%%:*}.${row#*:}.log" | paste -sd' ') | $(watch_stop)$(nccl_links \
-        "$logs/llama-1b.${row%%:*}.${row#*:}.log")" | tee -a "$OUT/summary.txt"
+      echo "$row: $(sed -n 's/.*per iteration (ms): \([0-9.]*\).*/\1/p' "$log" | paste -sd' ') |" \
+        "$(watch_stop)$(nccl_links "$log")" | tee -a "$OUT/summary.txt"
     done
   done
 }
@@ -132,7 +133,6 @@ watch_stop() {
 # bandwidth of its ring graphs. The fifteenth session's profiles showed only low-latency (LL) NCCL kernels on an NV18
 # pair, the protocol NCCL keeps to where it sees no NVLink (LL128 needs it); a host path would also make the
 # collectives' speed follow the host's.
-[ -z "${NCCL_INFO:-}" ] || export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH
 nccl_links() {
   [ -n "${NCCL_INFO:-}" ] || return 0
   printf ' | nccl: %s%s' \
@@ -234,7 +234,7 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     # how NCCL joins the two GPUs beside each row (NCCL_INFO: transports, ring graphs), and what its protocol costs:
     # a pass of ROWS with NCCL's own choice (the fifteenth session's profiles: only low-latency kernels, RING_LL),
     # then the same pass with NCCL_PROTO=Simple (logs in OUTDIR/simple1), in one call (~6 min for two rows)
-    export NCCL_INFO=1 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH
+    export NCCL_INFO=1
     ROWS=${ROWS:-te-delayed-fp8params:mfsdp2_optim_grads_bf16comm te-delayed-fp8params:dp2_distopt}
     llama1b_passes 1 "$ROWS"
     echo "NCCL_PROTO=Simple:" | tee -a "$OUT/summary.txt"
