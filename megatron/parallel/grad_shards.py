@@ -13,12 +13,14 @@ are accumulated over the micro-batches of a step:
   the gradient there (`grad_piece`);
 * a bucket's whole gradient buffer (`bucket.data`, in the reduce-scatter's dtype: --megatron-fsdp-grad-comm-dtype)
   lives only from just before its first gradient of a micro-batch is produced until its reduce-scatter has been
-  waited for and its shard added: it is allocated by a hook on the gradient of the output of each module holding
-  its parameters (that gradient is computed before the module's backward, where the fused wgrad GEMMs, Transformer
-  Engine's and megatron/model/grad_accumulation.py's, write `weight.main_grad`), or else by the parameter's
-  post-accumulate-grad hook (a gradient autograd accumulated, e.g. the tied output layer's), and every
-  parameter's `main_grad` is pointed at the new storage; between allocations `main_grad` is a storage-less (meta)
-  tensor of the parameter's shape, so no whole-model gradient buffer exists between micro-batches or steps.
+  waited for and its shard added: it is allocated by a hook on the gradient of the output of each transformer layer
+  holding its parameters, or of each other module holding them directly (that gradient is computed before the
+  layer's or module's backward, where the fused wgrad GEMMs, Transformer Engine's and
+  megatron/model/grad_accumulation.py's, write `weight.main_grad`; one hook a layer, not one per module in it:
+  the host registers it every micro-batch), or else by the parameter's post-accumulate-grad hook (a gradient
+  autograd accumulated, e.g. the tied output layer's), and every parameter's `main_grad` is pointed at the new
+  storage; between allocations `main_grad` is a storage-less (meta) tensor of the parameter's shape, so no
+  whole-model gradient buffer exists between micro-batches or steps.
 * a bucket is not zeroed (only its padding is): within its micro-batch each parameter gets one gradient (autograd
   sums a parameter's uses before the post-accumulate-grad hook runs, and a recomputed layer runs its backward
   once; a second one is an error), so the fused wgrad GEMMs write theirs instead of accumulating
@@ -49,6 +51,8 @@ optimizer's does. Not built (config/sharding.py refuses them): CUDA graphs (a ca
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -99,11 +103,13 @@ class GradShards(GradientBuffers):
         shard_dtype: torch.dtype = torch.float32,
         comm_dtype: torch.dtype = torch.float32,
         fp8_reduce: bool = False,
-        drain_before: nn.Module | None = None,
+        layers: Sequence[nn.Module] = (),
     ):
         """`shard_dtype`: of the persistent gradient shards; `comm_dtype`: of the transient buckets (the wgrad GEMMs'
-        output and the reduce-scatter); `drain_before`: the module before whose forward the previous micro-batch's
-        last reduce-scatters are waited for (default: the model's own forward). The rest as `GradientBuffers`."""
+        output and the reduce-scatter); `layers`: the transformer layers, whose output gradient allocates the buckets
+        of all their parameters (the module docstring), and before whose last one's forward the previous
+        micro-batch's last reduce-scatters are waited for (without layers: per module holding parameters, and before
+        the model's forward). The rest as `GradientBuffers`."""
         super().__init__(
             model, dp_group, True, bucket_size, True, overlap_param_gather, grad_dtype=comm_dtype, fp8_reduce=fp8_reduce
         )
@@ -124,12 +130,17 @@ class GradShards(GradientBuffers):
         self._slot_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for param in self.params:  # read by the fused wgrad GEMMs (TE: at each forward)
             param.overwrite_main_grad = True
+        inside_layers = {id(m) for layer in layers for m in layer.modules()}
         for module in model.modules():
-            owned = {id(b): b for p in module.parameters(recurse=False) if (b := self._bucket_of.get(p)) is not None}
+            if id(module) in inside_layers and not any(module is layer for layer in layers):
+                continue  # its layer's hook allocates its buckets
+            params = module.parameters(recurse=id(module) in inside_layers)
+            owned = {id(b): b for p in params if (b := self._bucket_of.get(p)) is not None}
             if owned:
                 self._hooks.append(module.register_forward_hook(self._allocating_hook(list(owned.values()))))
         self._hooks.append(model.register_forward_hook(self._end_of_backward_hook))
-        drain = drain_before if drain_before is not None else model
+        # the previous micro-batch's last reduce-scatters overlap the forward up to the last layer
+        drain = layers[-1] if layers else model
         self._hooks.append(drain.register_forward_pre_hook(lambda module, args: self._retire(0)))
 
     def _allocating_hook(self, buckets: list[_FreshBucket]):

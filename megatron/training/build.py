@@ -115,7 +115,6 @@ def build_grad_buffers(
     # stage, so the buckets are reduced after the schedule there.
     overlap = par.overlap_grad_reduce and dims.pp == 1
     if par.grad_shards:  # --use-megatron-fsdp optim_grads: each micro-batch reduce-scattered into gradient shards
-        layers = list(model.decoder.layers)
         buffers = GradShards(
             model,
             dims.dp_cp_group,
@@ -124,8 +123,7 @@ def build_grad_buffers(
             shard_dtype=torch.bfloat16 if main_grads_bf16(cfg) else torch.float32,
             comm_dtype=torch.bfloat16 if grad_comm_bf16(cfg) else torch.float32,
             fp8_reduce=par.fp8_grad_reduce,
-            # the previous micro-batch's last reduce-scatters overlap the forward up to the last layer
-            drain_before=layers[-1] if layers else None,
+            layers=list(model.decoder.layers),
         )
     else:
         buffers = GradientBuffers(

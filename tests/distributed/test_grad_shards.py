@@ -116,8 +116,26 @@ def _memory_body(rank, world_size):
 
     engine._allocate = counting
     batches = iter(trainer.loader(trainer.datasets.train, 0))
-    for _ in range(3):  # micro-batches of one step
-        trainer.steps.loss(to_device(next(batches), trainer.device)).backward()
+    # the host registers an allocating hook per transformer layer each micro-batch, not one per module in it
+    layers = list(trainer.model.decoder.layers)
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    others = [m for m in trainer.model.modules() if id(m) not in inside and next(m.parameters(False), None) is not None]
+    allocating, register = [], torch.Tensor.register_hook
+
+    def recording(tensor, hook):
+        if hook.__qualname__.endswith("on_output_grad"):
+            allocating.append(hook)
+        return register(tensor, hook)
+
+    for micro_batch in range(3):  # of one step
+        torch.Tensor.register_hook = recording if micro_batch == 0 else register
+        try:
+            loss = trainer.steps.loss(to_device(next(batches), trainer.device))
+        finally:
+            torch.Tensor.register_hook = register
+        if micro_batch == 0:
+            assert len(allocating) == len(layers) + len(others) and len(layers) > 1, (len(allocating), len(others))
+        loss.backward()
         alive = [b for b in engine.buckets if b.data is not None]
         assert len(alive) <= LAG and all(b.work is not None for b in alive), len(alive)
         whole = _bucket_elements(engine) * engine.shards.element_size()
