@@ -548,11 +548,15 @@ def short_kernel_name(name: str) -> str:
     return name
 
 
-def profile(argv: list[str], steps: int, warmup: int = 2, top: int = 15) -> tuple[str, dict]:
+def profile(
+    argv: list[str], steps: int, warmup: int = 2, top: int = 15, host_top: int = 0, host_stats: Path | None = None
+) -> tuple[str, dict]:
     """Build the trainer for `argv`, time `steps` optimizer steps, then profile as many with torch.profiler, and
     report GPU kernel time by category (the lower bound's, megatron/perf/report.py), the top kernels, and how much
     of the step the GPU was busy; also as a dict (step, busy and kernel ms per step, ms per category). Under
-    torchrun every rank profiles and the report is rank 0's."""
+    torchrun every rank profiles and the report is rank 0's. `host_top`: then as many steps again under cProfile,
+    and the host functions taking the most of their own time (where a step whose GPU idles in gaps spends it);
+    `host_stats`: and the whole cProfile of each rank written there (`rank<r>.pstats`)."""
     import torch
 
     from megatron.config import parse_args
@@ -609,7 +613,52 @@ def profile(argv: list[str], steps: int, warmup: int = 2, top: int = 15) -> tupl
     for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"| {short_kernel_name(name)[:110]} | {ms:.1f} |")
     summary = {"step_ms": wall_ms, "busy_ms": busy, "kernel_ms": total, "categories": by_category}
+    if host_top:
+        summary["host"] = host_profile(lambda: trainer.train_step(batches, lr), steps, host_top, host_stats)
+        lines += ["", *summary["host"]]
     return "\n".join(lines), summary
+
+
+def host_profile(step: Callable[[], object], steps: int, top: int, stats_dir: Path | None = None) -> list[str]:
+    """`steps` calls of `step` under cProfile: the `top` functions by their own time per step (cProfile's overhead
+    inflates Python-heavy functions; the ranking is what it is for). A step that waits for the GPU spends it in the
+    call that waits (a synchronization, or a tensor read on the host). `stats_dir`: the whole profile is written
+    there as `rank<RANK>.pstats` (`python -m pstats`, or two layouts' files compared function by function)."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    if torch.distributed.is_initialized():  # every rank's window starts together (their reports took unequal time)
+        torch.distributed.barrier()
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    profiler.disable()
+    wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    if stats_dir is not None:
+        stats_dir.mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(stats_dir / f"rank{os.environ.get('RANK', '0')}.pstats")
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, ...)
+    calls = sum(entry[1] for entry in stats.values()) / steps
+    lines = [
+        f"host (cProfile, rank's main thread): {wall_ms:.1f} ms per step, {calls:.0f} calls per step",
+        "",
+        "| host function | calls/step | own ms/step | cumulative ms/step |",
+        "|---|---:|---:|---:|",
+    ]
+    for (file, line, name), (_, ncalls, own, cumulative, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]:
+        where = name if file == "~" else f"{Path(file).name}:{line} {name}"
+        lines.append(
+            f"| {where[:100]} | {ncalls / steps:.0f} | {own * 1e3 / steps:.1f} | {cumulative * 1e3 / steps:.1f} |"
+        )
+    return lines
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -773,6 +822,16 @@ def main() -> int:
     parser.add_argument("--profile-top", type=int, default=15, help="how many kernels the profile lists")
     parser.add_argument("--profile-json", type=Path, help="with --profile: also write its summary here (rank 0)")
     parser.add_argument(
+        "--profile-host",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --profile: the N host functions taking the most of their own time (cProfile, after the GPU profile)",
+    )
+    parser.add_argument(
+        "--profile-host-stats", type=Path, metavar="DIR", help="with --profile-host: each rank's whole cProfile there"
+    )
+    parser.add_argument(
         "--bound", action="store_true", help="print each row's lower bound, measured/bound and where the rest goes"
     )
     parser.add_argument(
@@ -785,6 +844,8 @@ def main() -> int:
         help="--bound's microbenchmark results, per device and shape",
     )
     args = parser.parse_args()
+    if args.profile_host and not args.profile or args.profile_host_stats and not args.profile_host:
+        parser.error("--profile-host N profiles a --profile run's host; --profile-host-stats DIR needs --profile-host")
     if args.profile:
         preset, config = args.profile
         if len(args.layouts) != 1:
@@ -796,8 +857,13 @@ def main() -> int:
             return subprocess.run(cmd, env=run_env(layout), cwd=ROOT).returncode
         config += GRAPHS if args.cuda_graphs else ""
         flags = train_flags(preset, config, 100, 100, layout, args.weak_scaling, args.extra_flags)
-        report, summary = profile(flags, steps=args.profile_steps, warmup=args.profile_warmup, top=args.profile_top)
-        if os.environ.get("RANK", "0") == "0":
+        report, summary = profile(
+            flags, args.profile_steps, args.profile_warmup, args.profile_top, args.profile_host, args.profile_host_stats
+        )
+        rank = os.environ.get("RANK", "0")
+        if rank != "0":  # which rank is behind: the others' step, busy and gap lines, and host profile, marked
+            print("\n".join(f"[rank {rank}] {line}" for line in [*report.splitlines()[1:4], *summary.get("host", [])]))
+        if rank == "0":
             print(report)
             if args.profile_json:
                 args.profile_json.write_text(json.dumps(summary, indent=1) + "\n")

@@ -1,7 +1,11 @@
 """scripts/benchmark.py without a GPU: the command lines it launches and the table it prints."""
 
 import importlib.util
+import pstats
+import re
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -212,3 +216,36 @@ def test_profile_kernel_names_keep_the_foreach_functor_in_view():
     )
     assert "CopyFunctor<BFloat16" in benchmark.short_kernel_name(name)[:110]
     assert benchmark.short_kernel_name("ncclDevKernel_AllGather_RING_LL") == "ncclDevKernel_AllGather_RING_LL"
+
+
+def test_host_profile_ranks_functions_by_their_own_time_per_step(tmp_path):
+    def slow():  # own time: a busy loop, not a sleep (cProfile counts the thread's wall time in the function)
+        end = time.perf_counter() + 0.02
+        while time.perf_counter() < end:
+            pass
+
+    def fast():
+        return sum(range(10))
+
+    def step():
+        slow()
+        for _ in range(3):
+            fast()
+
+    lines = benchmark.host_profile(step, steps=2, top=3, stats_dir=tmp_path)
+    assert re.match(r"host \(cProfile, rank's main thread\): [\d.]+ ms per step, \d+ calls per step", lines[0])
+    rows = [line for line in lines if line.startswith("| ") and "test_benchmark_script.py" in line]
+    name, calls, _, cumulative = (cell.strip() for cell in rows[0].strip("|").split("|"))
+    # per step, and first of this file's functions by own time (its clock reads are perf_counter's own time)
+    assert name.endswith(" slow") and calls == "1" and float(cumulative) >= 19
+    # the whole profile, for pstats
+    stats = pstats.Stats(str(tmp_path / "rank0.pstats")).stats
+    assert any(name == "slow" and entry[1] == 2 for (_, _, name), entry in stats.items())
+
+
+@pytest.mark.parametrize(
+    "flags", [["--profile-host", "5"], ["--profile", "llama-1b", "te-bf16", "--profile-host-stats", "x"]]
+)
+def test_host_profile_flags_without_what_they_need_are_one_line_errors(flags):
+    run = subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True, text=True)
+    assert run.returncode == 2 and "error: --profile-host N profiles a --profile run's host" in run.stderr
