@@ -39,6 +39,10 @@
 #   bash scripts/fsdp_rows.sh zero2-nccl OUTDIR  llama-1b ROWS (default: the flat buckets and dp2_distopt) with
 #                                            NCCL's transports and graphs beside each row, once with NCCL's own
 #                                            protocol and once with NCCL_PROTO=Simple (~6 min)
+#   bash scripts/fsdp_rows.sh host-1b OUTDIR  llama-1b: where each engine's host spends the step, the flat buckets
+#                                            against dp2_distopt (LAYOUTS: others, the first against the second):
+#                                            GPU profile, every rank's cProfile (OUTDIR/<layout>/rank<r>.pstats) and
+#                                            their function-by-function difference per rank (~3 min)
 #   bash scripts/fsdp_rows.sh zero2-8b OUTDIR  llama3-8b on the flat buckets: weights whole (FP8), O2's states, two
 #                                            and three layers recomputed (~6 min)
 #   bash scripts/fsdp_rows.sh noreshard OUTDIR  --torch-fsdp2-no-reshard-after-forward: its GPU test (TE, bf16 and FP8,
@@ -69,8 +73,8 @@
 # OUTDIR gets a summary (summary.txt: the tables and each test's last lines) and every run's log (logs/). Megatron-LM's
 # sources must be where .devkit/anchors/megatron_run.sh looks (../shared/anchors/README.md).
 set -o pipefail
-PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-nccl|zero2-8b|noreshard|blockwise|parity OUTDIR}
-OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-nccl|zero2-8b|noreshard|blockwise|parity OUTDIR}
+PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-nccl|host-1b|zero2-8b|noreshard|blockwise|parity OUTDIR}
+OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-nccl|host-1b|zero2-8b|noreshard|blockwise|parity OUTDIR}
 mkdir -p "$OUT/logs"
 source .devkit/setup-te.sh || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -241,6 +245,24 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     NCCL_PROTO=Simple PASS_DIR=simple llama1b_passes 1 "$ROWS"
     # pass 1 NCCL's choice, pass 2 Simple: each engine's gap to dp2_distopt under both
     python3 scripts/row_gaps.py --reference dp2_distopt "$OUT/summary.txt" 2>&1 | tee -a "$OUT/summary.txt";;
+  host-1b)
+    # where each engine's host spends the step: each layout (LAYOUTS) profiled on the GPU (rank 0's kernels, every
+    # rank's busy and gap lines) and then under cProfile on every rank (--profile-host), its whole profile in
+    # OUTDIR/<layout>/rank<r>.pstats; then the first layout's functions against the second's, rank by rank: what the
+    # sixteenth session found by hand (~1 min a layout)
+    set -- ${LAYOUTS:-mfsdp2_optim_grads_bf16comm dp2_distopt}
+    for layout; do
+      echo "profile of $layout (host: 4 steps)" | tee -a "$OUT/summary.txt"
+      timeout 170 python3 scripts/benchmark.py --profile llama-1b te-delayed-fp8params --layouts "$layout" \
+        --profile-warmup 20 --profile-steps 4 --profile-top 30 --profile-host 40 --profile-host-stats "$OUT/$layout" \
+        > "$OUT/logs/profile.$layout.log" 2>&1
+      grep -E -A75 "^step |^\[rank [0-9]+\] (step|GPU|comm|host)" "$OUT/logs/profile.$layout.log" | tee -a "$OUT/summary.txt"
+    done
+    for rank in 0 1; do
+      echo "rank $rank: $1 against $2" | tee -a "$OUT/summary.txt"
+      python3 scripts/pstats_diff.py "$OUT/$1/rank$rank.pstats" "$OUT/$2/rank$rank.pstats" --steps 4 --top 20 2>&1 \
+        | tee -a "$OUT/summary.txt"
+    done;;
   zero2-8b)
     # llama3-8b with its weights whole (FP8) and O2's states: with none or one layer recomputed it runs out of memory
     # or stalls on H100s, so two (eleventh session: 2242 ms, 14.6k tokens/s per GPU, 74.3 GiB) beside three. CONFIGS:

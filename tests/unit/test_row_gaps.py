@@ -4,6 +4,7 @@ and leave at most the 8 files a device call returns."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -65,8 +66,22 @@ def test_no_reference_row_is_a_one_line_error(tmp_path, capsys):
 FAKE_PYTHON = """#!/bin/bash
 if [ "$1" = scripts/benchmark.py ]; then
   while [ $# -gt 0 ]; do
-    case $1 in --log-dir) logs=$2;; --configs) config=$2;; --layouts) layout=$2;; esac; shift
+    case $1 in --log-dir) logs=$2;; --configs) config=$2;; --layouts) layout=$2;; --profile-host-stats) stats=$2;; esac
+    shift
   done
+  if [ -n "${stats:-}" ]; then  # a host profile: each rank's pstats, the flat buckets calling their hook 3 times a step
+    mkdir -p "$stats"
+    calls=1; [ "$layout" = dp2_distopt ] || calls=3
+    for rank in 0 1; do
+      "$REAL_PYTHON" -c "import cProfile
+def engine_hook(): pass
+p = cProfile.Profile(); p.enable()
+for _ in range(4 * $calls): engine_hook()
+p.disable(); p.dump_stats('$stats/rank$rank.pstats')"
+    done
+    echo "step 400.0 ms (unprofiled), GPU busy 300.0 ms per step (75.0%), kernels 320.0 ms"
+    exit 0
+  fi
   ms=400; [ "$layout" = dp2_distopt ] || ms=440
   [ "$layout" = dp2_distopt ] || [ "${NCCL_PROTO:-}" != Simple ] || ms=420
   printf 'per iteration (ms): %s |\\nper iteration (ms): %s |\\n' $ms $ms > "$logs/llama-1b.$config.$layout.log"
@@ -148,3 +163,14 @@ def test_zero2_nccl_runs_the_rows_with_nccls_protocol_then_simple_and_prints_its
         "simple1/llama-1b.te-delayed-fp8params.dp2_distopt.log",
         "simple1/llama-1b.te-delayed-fp8params.mfsdp2_optim_grads_bf16comm.log",
     ]
+
+
+def test_host_1b_profiles_each_layout_on_every_rank_and_diffs_the_first_against_the_second(tmp_path):
+    out = _dry_run(tmp_path, "host-1b")
+    summary = (out / "summary.txt").read_text()
+    assert summary.count("step 400.0 ms (unprofiled)") == 2
+    for rank in (0, 1):
+        section = summary[summary.index(f"rank {rank}: mfsdp2_optim_grads_bf16comm against dp2_distopt") :]
+        assert re.search(r"\| <string>:2 engine_hook \| [+-][\d.]+ \| 3, 1 \|", section), section  # per step
+    returned = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert len(returned) <= 8 and "dp2_distopt/rank1.pstats" in returned, returned
