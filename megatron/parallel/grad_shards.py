@@ -125,6 +125,9 @@ class GradShards(GradientBuffers):
         # where reduce-scatters are waited for and added into the shards (module docstring); None: the current stream
         device = self.shards.device
         self._reduce_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # entered once per bucket and micro-batch: made once (a new context looks the device up each time), and a
+        # no-op without a GPU
+        self._on_reduce_stream = torch.cuda.stream(self._reduce_stream)
         self._callback_queued = False
         # each parameter's bucket and its index there: the one dictionary lookup per gradient
         self._slot_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -234,7 +237,7 @@ class GradShards(GradientBuffers):
         stream = self._reduce_stream
         while len(self._in_flight) > keep:
             bucket = self._in_flight.pop(0)
-            with torch.cuda.stream(stream):  # None (no GPU): the current stream, a no-op context
+            with self._on_reduce_stream:
                 bucket.work.wait()
                 shard = self._shard(bucket.data)
                 if bucket.shard_stale:
