@@ -9,10 +9,10 @@ hn], tensor_format="sbhd")` (non-interleaved), which the attention layers used b
         out[i] = x[i] c - x[i + h] n  (i < h),   out[i] = x[i] c + x[i - h] n  (h <= i < d),
     rounded once to the input dtype; the backward applies the transpose (sin(angle[i + h]) and -sin(angle[i - h])).
 The cosines and sines are CUDA's `cosf` / `sinf` (torch's, as `apply_rotary` takes them; TE's `sincosf` is the
-same correctly reduced function), computed once per call into an fp32 [2, s, d] table (`trig_table`): evaluated
-per thread inside the kernel they cost as much as the memory traffic (tens of instructions each, for every column
-each thread holds). Results equal TE's up to how the compilers contract `a c + b n` into an fma: within one ulp of
-the output dtype.
+same correctly reduced function), computed into an fp32 [2, s, d] table (`trig_table`) once per angles tensor and
+length, which every layer of a forward and their backwards share: evaluated per thread inside the kernel they cost
+as much as the memory traffic (tens of instructions each, for every column each thread holds). Results equal TE's
+up to how the compilers contract `a c + b n` into an fma: within one ulp of the output dtype.
 
 Why not TE's kernel: it runs at about a third of the memory bandwidth (llama-1b 22.4 ms per step against 7.1 ms of
 bytes; issue 31): its threads move one 2-byte element at a time and read each element twice. Here one program takes
@@ -228,14 +228,28 @@ def config(
 
 def trig_table(angles: torch.Tensor, seq: int) -> torch.Tensor:
     """cos and sin of the first `seq` positions' angles ([s2 >= seq, 1, 1, d]) as one fp32 [2, seq, d] tensor: two
-    small torch kernels (CUDA's `cosf` / `sinf`, as TE's kernel and `apply_rotary` compute them) each call, so
-    that the main kernel's threads read them instead of each evaluating the same sines for every head."""
+    small torch kernels (CUDA's `cosf` / `sinf`, as TE's kernel and `apply_rotary` compute them), so that the main
+    kernel's threads read them instead of each evaluating the same sines for every head.
+
+    The table is kept on `angles` (an attribute: it goes with the tensor) for the next call with the same length
+    and the angles unchanged since (their version): the model computes its angles once a forward and every layer,
+    forward and backward, rotates by them, so the table is made once a micro-batch instead of twice a layer (2 x 16
+    x 4 small kernels and their host work a step on llama-1b). Not while a CUDA graph is captured: a graph computes
+    its own, into its memory pool, and the replays refresh it."""
     if angles.dim() != 4 or angles.shape[1] != 1 or angles.shape[2] != 1 or angles.shape[0] < seq:
         raise ValueError(f"angles of shape {tuple(angles.shape)}: the kernel takes [s2 >= {seq}, 1, 1, d]")
+    # inference tensors (torch.inference_mode) count no versions: theirs are made each call
+    keep = not angles.is_inference() and not (angles.is_cuda and torch.cuda.is_current_stream_capturing())
+    key = (seq, angles._version) if keep else None
+    kept = getattr(angles, "_rope_trig_table", None)
+    if keep and kept is not None and kept[0] == key:
+        return kept[1]
     theta = angles[:seq].reshape(seq, angles.shape[-1]).float()
     table = torch.empty((2, *theta.shape), dtype=torch.float32, device=theta.device)
     torch.cos(theta, out=table[0])
     torch.sin(theta, out=table[1])
+    if keep:
+        angles._rope_trig_table = (key, table)
     return table
 
 

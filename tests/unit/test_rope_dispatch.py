@@ -93,6 +93,24 @@ def test_trig_table_is_the_angles_cos_and_sin():
             rope_kernel.trig_table(bad, 10)
 
 
+def test_trig_table_is_made_once_per_angles_and_length_while_they_are_unchanged():
+    rotary = RotaryEmbedding(16, 10000)
+    angles = rotary(12)
+    table = rope_kernel.trig_table(angles, 10)
+    assert rope_kernel.trig_table(angles, 10) is table  # every layer of a forward and its backward
+    other_length = rope_kernel.trig_table(angles, 12)
+    assert other_length.shape == (2, 12, 16) and torch.equal(other_length[0], angles[:, 0, 0].cos())
+    # new angles (the next micro-batch's, or per-sample positions) and angles changed in place get a new table
+    fresh = rotary(12)
+    assert rope_kernel.trig_table(fresh, 12) is not other_length
+    angles.mul_(2)
+    again = rope_kernel.trig_table(angles, 12)
+    assert again is not other_length and torch.equal(again[1], angles[:, 0, 0].sin())
+    with torch.inference_mode():  # tensors without a version counter: a table each call
+        frozen = rotary(12)
+        assert rope_kernel.trig_table(frozen, 12) is not rope_kernel.trig_table(frozen, 12)
+
+
 def test_launch_without_triton_names_the_fix(monkeypatch):
     monkeypatch.setattr(rope_kernel, "build", lambda: None)
     packed = torch.zeros(4, 1, 2, 6 * 8)
