@@ -27,6 +27,7 @@ numerical oracle) never runs this kernel; the tests run it under Triton's interp
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -226,6 +227,10 @@ def config(
     )  # fmt: skip
 
 
+# `config` of a launch: the same few shapes every layer and micro-batch (the dict is shared: read only)
+_launch_config = functools.lru_cache(maxsize=256)(config)
+
+
 def trig_table(angles: torch.Tensor, seq: int) -> torch.Tensor:
     """cos and sin of the first `seq` positions' angles ([s2 >= seq, 1, 1, d]) as one fp32 [2, seq, d] tensor: two
     small torch kernels (CUDA's `cosf` / `sinf`, as TE's kernel and `apply_rotary` compute them), so that the main
@@ -265,7 +270,7 @@ def launch(
     s, b, heads, hn = q.shape
     groups = k.shape[2]
     table = trig_table(angles, s)
-    sizes = config(heads, groups, hn, table.shape[2], s * b, **tune)
+    sizes = _launch_config(heads, groups, hn, table.shape[2], s * b, **tune)
     grid = (s * b // sizes["ROWS"],)
     args = (packed, q, k, v, table, b, table[0].numel())
     # fma contraction on, as nvcc compiles TE's kernel (Triton's default changes after 3.9)
