@@ -5,9 +5,10 @@
 #                                            freed bf16 shards, TE meta-device init, the FP8 gradient reduce-scatter,
 #                                            the cached FP8 shard cast, the calibration pass recomputed (one GPU) and
 #                                            TE's state released at exit (about 8 minutes)
-#   bash scripts/fsdp_rows.sh new OUTDIR     the GPU tests of the latest changes: the chunked loss's, the TE
-#                                            model's, TE under the flat buckets (~4 min; all passed in the eleventh
-#                                            and twelfth sessions)
+#   bash scripts/fsdp_rows.sh new OUTDIR     the GPU tests of the latest changes (the sixteenth session's): the fused
+#                                            RoPE kernel (its cos/sin table kept on the angles), CUDA graphs (which
+#                                            build their own), the TE model, TE under the flat buckets (one
+#                                            bucket-allocating hook per layer) (~6 min)
 #   bash scripts/fsdp_rows.sh 1b OUTDIR      llama-1b: FSDP with FP8 and bf16 all-gathers, one- and four-layer units,
 #                                            beside dp2_distopt, each row with its lower bound (about 9 minutes)
 #   bash scripts/fsdp_rows.sh host OUTDIR    llama-1b's host-bound FSDP step (optim_grads): the profile of
@@ -158,10 +159,10 @@ case $PART in
       echo "$t: rc=$? $(tail -1 "$OUT/logs/$file.txt")" | tee -a "$OUT/summary.txt"
     done;;
   new)
-    # the GPU tests of the latest changes: the chunked loss (one GPU), and since the untied output layer writes its
-    # weight gradient into the buffers (tenth session) the TE model against the local one and TE under the flat
-    # buckets
-    for t in test_chunked_loss_gpu test_te_model test_te_grad_shards; do
+    # the GPU tests of the latest changes: the RoPE kernel's cos/sin table kept on the angles tensor between layers,
+    # and not while a graph is captured (sixteenth session); the TE model against the local one; TE under the flat
+    # buckets, which since the sixteenth session allocate a layer's buckets from one hook on its output's gradient
+    for t in test_rope_kernel test_cuda_graphs test_te_model test_te_grad_shards; do
       timeout 150 python3 -m pytest -q -x "tests/gpu/$t.py" > "$OUT/logs/$t.txt" 2>&1
       echo "$t: rc=$? $(tail -1 "$OUT/logs/$t.txt")" | tee -a "$OUT/summary.txt"
     done;;
