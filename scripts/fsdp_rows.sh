@@ -40,6 +40,8 @@
 #   bash scripts/fsdp_rows.sh zero2-nccl OUTDIR  llama-1b ROWS (default: the flat buckets and dp2_distopt) with
 #                                            NCCL's transports and graphs beside each row, once with NCCL's own
 #                                            protocol and once with NCCL_PROTO=Simple (~6 min)
+#   bash scripts/fsdp_rows.sh ab-1b OUTDIR    llama-1b: the flat buckets against dp2_distopt in one process per rank,
+#                                            steps alternated in blocks (scripts/ab_steps.py; AB_FLAGS) (~4 min)
 #   bash scripts/fsdp_rows.sh host-1b OUTDIR  llama-1b: where each engine's host spends the step, the flat buckets
 #                                            against dp2_distopt (LAYOUTS: others, the first against the second):
 #                                            GPU profile, every rank's cProfile (OUTDIR/<layout>/rank<r>.pstats) and
@@ -74,8 +76,8 @@
 # OUTDIR gets a summary (summary.txt: the tables and each test's last lines) and every run's log (logs/). Megatron-LM's
 # sources must be where .devkit/anchors/megatron_run.sh looks (../shared/anchors/README.md).
 set -o pipefail
-PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-nccl|host-1b|zero2-8b|noreshard|blockwise|parity OUTDIR}
-OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-nccl|host-1b|zero2-8b|noreshard|blockwise|parity OUTDIR}
+PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-nccl|ab-1b|host-1b|zero2-8b|noreshard|blockwise|parity OUTDIR}
+OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-nccl|ab-1b|host-1b|zero2-8b|noreshard|blockwise|parity OUTDIR}
 mkdir -p "$OUT/logs"
 source .devkit/setup-te.sh || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -246,6 +248,14 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     NCCL_PROTO=Simple PASS_DIR=simple llama1b_passes 1 "$ROWS"
     # pass 1 NCCL's choice, pass 2 Simple: each engine's gap to dp2_distopt under both
     python3 scripts/row_gaps.py --reference dp2_distopt "$OUT/summary.txt" 2>&1 | tee -a "$OUT/summary.txt";;
+  ab-1b)
+    # llama-1b: the flat buckets and dp2_distopt built side by side in one process per rank, their steps alternated in
+    # blocks (scripts/ab_steps.py: the machine's drift over minutes cancels in each pair of blocks; no start-up per
+    # row). AB_FLAGS: ab_steps.py's flags (default 12 blocks of 10 steps: ~4 min)
+    timeout 420 python3 scripts/ab_steps.py --preset llama-1b --config te-delayed-fp8params \
+      --layouts mfsdp2_optim_grads_bf16comm dp2_distopt ${AB_FLAGS:-} > "$OUT/logs/ab_steps.log" 2>&1
+    echo "ab_steps.py: rc=$?" | tee -a "$OUT/summary.txt"
+    grep -E "^\||median|^\{" "$OUT/logs/ab_steps.log" | tee -a "$OUT/summary.txt";;
   host-1b)
     # where each engine's host spends the step: each layout (LAYOUTS) profiled on the GPU (rank 0's kernels, every
     # rank's busy and gap lines) and then under cProfile on every rank (--profile-host), its whole profile in

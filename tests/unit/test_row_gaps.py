@@ -64,7 +64,10 @@ def test_no_reference_row_is_a_one_line_error(tmp_path, capsys):
 
 # benchmark.py's stand-in: one result line per row (the flat buckets 10% slower) and its log with two intervals
 FAKE_PYTHON = """#!/bin/bash
-if [ "$1" = scripts/benchmark.py ]; then
+if [ "$1" = scripts/ab_steps.py ]; then  # its table and summary lines, and the flags it was given
+  echo "| block | mfsdp2_optim_grads_bf16comm | dp2_distopt | gap |"
+  echo "mfsdp2_optim_grads_bf16comm against dp2_distopt: median +1.0%, mean +2.0% over 12 blocks ($*)"
+elif [ "$1" = scripts/benchmark.py ]; then
   while [ $# -gt 0 ]; do
     case $1 in --log-dir) logs=$2;; --configs) config=$2;; --layouts) layout=$2;; --profile-host-stats) stats=$2;; esac
     shift
@@ -174,3 +177,11 @@ def test_host_1b_profiles_each_layout_on_every_rank_and_diffs_the_first_against_
         assert re.search(r"\| <string>:2 engine_hook \| [+-][\d.]+ \| 3, 1 \|", section), section  # per step
     returned = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert len(returned) <= 8 and "dp2_distopt/rank1.pstats" in returned, returned
+
+
+def test_ab_1b_runs_the_two_engines_in_one_process_and_keeps_the_summary(tmp_path):
+    out = _dry_run(tmp_path, "ab-1b", AB_FLAGS="--blocks 4")
+    summary = (out / "summary.txt").read_text()
+    assert "ab_steps.py: rc=0" in summary
+    line = next(line for line in summary.splitlines() if line.startswith("mfsdp2_optim_grads_bf16comm against"))
+    assert "--layouts mfsdp2_optim_grads_bf16comm dp2_distopt --blocks 4)" in line

@@ -1,0 +1,137 @@
+"""Two layouts' training steps alternated in one process per rank: their speed compared block by block, minutes of
+machine drift cancelled.
+
+    python3 scripts/ab_steps.py --preset llama-1b --config te-delayed-fp8params \
+        --layouts mfsdp2_optim_grads_bf16comm dp2_distopt --blocks 12 --block-steps 10
+
+Separate benchmark rows of llama-1b on two H100s differ by 5-20% from run to run and within a run (docs/benchmarks.md,
+third wave, twelfth to sixteenth sessions), more than the 3% issue 30 asks to show, and each row pays ~55 s of
+start-up. Here each rank builds both trainers (benchmark.py's flags for each layout: the same preset, config and
+GPUs; both models in memory at once, ~40 GiB on llama-1b) and runs them in turn: `--block-steps` steps of the
+first, then of the second, the order swapped every block (A B, B A, ...), the ranks meeting at a barrier before
+each block. A block's time is its steps' wall time over the steps (each step ends in the optimizer's norm, read on
+the host). Rank 0 prints every block, each layout's median and mean ms per step, and the gap of the first layout to
+the second within each pair of adjacent blocks, with its median and mean, then one JSON line. Peak memory is the
+process's, both models together: take it from benchmark.py's rows.
+
+Under torchrun when launched without it (each layout's GPU count, which must agree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark import LAYOUTS, PRESETS, ROOT, launcher, run_env, train_flags  # noqa: E402  (no torch at import)
+
+
+def build_trainers(preset: str, config: str, layouts: list[str], extra: str, steps: int, device_type: str) -> list:
+    """One Trainer per layout, in this order on every rank (each builds its own process groups)."""
+    import torch.distributed as dist
+
+    from megatron.config import parse_args
+    from megatron.training.trainer import Trainer
+
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    trainers = []
+    for layout in layouts:
+        argv = train_flags(preset, config, steps, steps, layout, extra=extra)
+        trainers.append(Trainer(parse_args(argv, world_size=world_size, device_type=device_type)))
+    return trainers
+
+
+def alternate(trainers: list, blocks: int, block_steps: int, warmup: int) -> list[list[float]]:
+    """ms per step of each trainer in each block ([block][trainer]); the order swaps every block."""
+    import torch
+    import torch.distributed as dist
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if dist.is_initialized():
+            dist.barrier()
+
+    runs = []
+    for trainer in trainers:
+        batches = iter(trainer.loader(trainer.datasets.train, 0))
+        runs.append((trainer, batches, trainer.cfg.optimizer.lr))  # the step's speed does not depend on the rate
+    for trainer, batches, lr in runs:
+        for _ in range(warmup):
+            trainer.train_step(batches, lr)
+    times = []
+    for block in range(blocks):
+        order = range(len(runs)) if block % 2 == 0 else reversed(range(len(runs)))
+        row = [0.0] * len(runs)
+        for i in order:
+            trainer, batches, lr = runs[i]
+            sync()
+            start = time.perf_counter()
+            for _ in range(block_steps):
+                trainer.train_step(batches, lr)
+            sync()
+            row[i] = (time.perf_counter() - start) * 1e3 / block_steps
+        times.append(row)
+    return times
+
+
+def report(layouts: list[str], times: list[list[float]]) -> tuple[list[str], dict]:
+    """The blocks, each layout's median and mean, and the first layout's gap to the second per block."""
+    gaps = [100 * (row[0] / row[1] - 1) for row in times]
+    lines = ["| block | " + " | ".join(layouts) + " | gap |", "|---:|" + "---:|" * (len(layouts) + 1)]
+    for block, (row, gap) in enumerate(zip(times, gaps)):
+        lines.append(f"| {block + 1} | " + " | ".join(f"{ms:.1f}" for ms in row) + f" | {gap:+.1f}% |")
+    summary = {"layouts": layouts, "blocks": times, "gaps_percent": gaps}
+    for i, layout in enumerate(layouts):
+        column = [row[i] for row in times]
+        summary[layout] = {"median_ms": statistics.median(column), "mean_ms": statistics.fmean(column)}
+        lines.append(f"{layout}: median {statistics.median(column):.1f} ms, mean {statistics.fmean(column):.1f} ms")
+    summary["gap_median"], summary["gap_mean"] = statistics.median(gaps), statistics.fmean(gaps)
+    lines.append(
+        f"{layouts[0]} against {layouts[1]}: median {summary['gap_median']:+.1f}%, mean {summary['gap_mean']:+.1f}%"
+        f" over {len(gaps)} blocks"
+    )
+    return lines, summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="llama-1b", choices=sorted(PRESETS))
+    parser.add_argument("--config", default="te-delayed-fp8params")
+    parser.add_argument("--layouts", nargs=2, default=["mfsdp2_optim_grads_bf16comm", "dp2_distopt"])
+    parser.add_argument("--blocks", type=int, default=12, help="blocks of each layout (pairs of adjacent blocks)")
+    parser.add_argument("--block-steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=10, help="steps of each layout before the first block")
+    parser.add_argument("--extra-flags", default="", help="pretrain_gpt.py flags added to both layouts' runs")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo ranks (tests)")
+    args = parser.parse_args(argv)
+    unknown = [layout for layout in args.layouts if layout not in LAYOUTS]
+    if unknown:
+        parser.error(f"unknown layout {unknown[0]}: one of benchmark.py's LAYOUTS")
+    gpus = {LAYOUTS[layout][0] for layout in args.layouts}
+    if len(gpus) != 1:
+        parser.error(f"{' and '.join(args.layouts)} run on different numbers of GPUs: compare layouts of one size")
+    if min(args.blocks, args.block_steps) < 1 or args.warmup < 0:
+        parser.error("--blocks and --block-steps must be at least 1, --warmup at least 0")
+    (world,) = gpus
+    if world > 1 and "LOCAL_RANK" not in os.environ:
+        cmd = [*launcher(world), str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv)]
+        return subprocess.run(cmd, env=run_env(args.layouts[0]), cwd=ROOT).returncode
+    steps = args.warmup + args.blocks * args.block_steps + 1  # the schedules' length: never reached
+    trainers = build_trainers(args.preset, args.config, args.layouts, args.extra_flags, steps, args.device)
+    times = alternate(trainers, args.blocks, args.block_steps, args.warmup)
+    if os.environ.get("RANK", "0") == "0":
+        lines, summary = report(args.layouts, times)
+        print("\n".join(lines))
+        print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,80 @@
+"""scripts/ab_steps.py on two gloo ranks: both layouts' trainers in one process, their blocks alternated."""
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import run_distributed
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ab_steps.py"
+# benchmark.py's llama-1b preset and a local config, every width tiny (the later flags win)
+TINY = (
+    "--num-layers 2 --hidden-size 32 --ffn-hidden-size 64 --num-attention-heads 4 --num-query-groups 2"
+    " --seq-length 16 --max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 8 --vocab-size 63"
+)
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("ab_steps", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _body(rank, world_size, capture):
+    ab_steps = _load()
+    os.environ["LOCAL_RANK"] = str(rank)  # as under torchrun: no relaunch
+    layouts = ["mfsdp2_optim_grads", "dp2_distopt"]
+    trainers = ab_steps.build_trainers("llama-1b", "local-bf16", layouts, TINY, 20, "cpu")
+    assert [t.cfg.parallel.grad_shards for t in trainers] == [True, False]  # each its own layout
+    calls = []  # which trainer stepped when
+
+    def recorded(i, step):
+        def train_step(*args):
+            calls.append(i)
+            return step(*args)
+
+        return train_step
+
+    for i, trainer in enumerate(trainers):
+        trainer.train_step = recorded(i, trainer.train_step)
+    times = ab_steps.alternate(trainers, blocks=3, block_steps=2, warmup=1)
+    assert calls == [0, 1] + [0, 0, 1, 1] + [1, 1, 0, 0] + [0, 0, 1, 1]  # warm-up, then A B, B A, A B
+    assert len(times) == 3 and all(len(row) == 2 and min(row) > 0 for row in times)
+    if rank == 0:
+        lines, summary = ab_steps.report(layouts, times)
+        Path(capture).write_text(json.dumps({"lines": lines, "summary": summary}))
+
+
+def test_both_layouts_alternate_in_blocks_and_the_gaps_are_paired(tmp_path):
+    capture = tmp_path / "report.json"
+    run_distributed(_body, world_size=2, args=(str(capture),))
+    got = json.loads(capture.read_text())
+    times, gaps = got["summary"]["blocks"], got["summary"]["gaps_percent"]
+    assert gaps == pytest.approx([100 * (a / b - 1) for a, b in times])
+    assert got["lines"][-1].startswith("mfsdp2_optim_grads against dp2_distopt: median ")
+    assert got["lines"][-1].endswith("over 3 blocks")
+
+
+def test_report_of_known_blocks():
+    lines, summary = _load().report(["a", "b"], [[110.0, 100.0], [95.0, 100.0], [120.0, 100.0]])
+    assert summary["gap_median"] == pytest.approx(10.0) and summary["gap_mean"] == pytest.approx(25 / 3)
+    assert "| 2 | 95.0 | 100.0 | -5.0% |" in lines
+    assert summary["a"] == {"median_ms": 110.0, "mean_ms": pytest.approx(325 / 3)}
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--layouts", "dp2_distopt", "1gpu"], "run on different numbers of GPUs"),
+        (["--layouts", "dp2_distopt", "nope"], "unknown layout nope"),
+        (["--blocks", "0"], "--blocks and --block-steps must be at least 1"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _load().main(flags)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
