@@ -133,11 +133,12 @@ class GradShards(GradientBuffers):
         self._slot_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for param in self.params:  # read by the fused wgrad GEMMs (TE: at each forward)
             param.overwrite_main_grad = True
-        inside_layers = {id(m) for layer in layers for m in layer.modules()}
+        layer_ids = {id(layer) for layer in layers}
+        inside = {id(m) for layer in layers for m in layer.modules()} - layer_ids  # their layer's hook allocates
         for module in model.modules():
-            if id(module) in inside_layers and not any(module is layer for layer in layers):
-                continue  # its layer's hook allocates its buckets
-            params = module.parameters(recurse=id(module) in inside_layers)
+            if id(module) in inside:
+                continue
+            params = module.parameters(recurse=id(module) in layer_ids)
             owned = {id(b): b for p in params if (b := self._bucket_of.get(p)) is not None}
             if owned:
                 self._hooks.append(module.register_forward_hook(self._allocating_hook(list(owned.values()))))
