@@ -9,10 +9,10 @@ third wave, twelfth to sixteenth sessions), more than the 3% issue 30 asks to sh
 start-up. Here each rank builds both trainers (benchmark.py's flags for each layout: the same preset, config and
 GPUs; both models in memory at once, ~40 GiB on llama-1b) and runs them in turn: `--block-steps` steps of the
 first, then of the second, the order swapped every block (A B, B A, ...), the ranks meeting at a barrier before
-each block. A block's time is its steps' wall time over the steps (each step ends in the optimizer's norm, read on
-the host). Rank 0 prints every block, each layout's median and mean ms per step, and the gap of the first layout to
-the second within each pair of adjacent blocks, with its median and mean, then one JSON line. Peak memory is the
-process's, both models together: take it from benchmark.py's rows.
+each layout's turn. A turn's time is its steps' wall time over the steps (each step ends in the optimizer's norm,
+read on the host). Rank 0 prints every block, each layout's median and mean ms per step, and the gap of the first
+layout to the second within each block (their turns back to back), with its median and mean, then one JSON line.
+Peak memory is the process's, both models together: take it from benchmark.py's rows.
 
 Under torchrun when launched without it (each layout's GPU count, which must agree).
 """
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="llama-1b", choices=sorted(PRESETS))
     parser.add_argument("--config", default="te-delayed-fp8params")
     parser.add_argument("--layouts", nargs=2, default=["mfsdp2_optim_grads_bf16comm", "dp2_distopt"])
-    parser.add_argument("--blocks", type=int, default=12, help="blocks of each layout (pairs of adjacent blocks)")
+    parser.add_argument("--blocks", type=int, default=12, help="blocks: a turn of each layout, back to back")
     parser.add_argument("--block-steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=10, help="steps of each layout before the first block")
     parser.add_argument("--extra-flags", default="", help="pretrain_gpt.py flags added to both layouts' runs")

@@ -250,7 +250,7 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     python3 scripts/row_gaps.py --reference dp2_distopt "$OUT/summary.txt" 2>&1 | tee -a "$OUT/summary.txt";;
   ab-1b)
     # llama-1b: the flat buckets and dp2_distopt built side by side in one process per rank, their steps alternated in
-    # blocks (scripts/ab_steps.py: the machine's drift over minutes cancels in each pair of blocks; no start-up per
+    # blocks (scripts/ab_steps.py: the machine's drift over minutes cancels in each block's two turns; no start-up per
     # row). AB_FLAGS: ab_steps.py's flags (default 12 blocks of 10 steps: ~4 min)
     timeout 420 python3 scripts/ab_steps.py --preset llama-1b --config te-delayed-fp8params \
       --layouts mfsdp2_optim_grads_bf16comm dp2_distopt ${AB_FLAGS:-} > "$OUT/logs/ab_steps.log" 2>&1
