@@ -26,56 +26,38 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import LAYOUTS, PRESETS, ROOT, launcher, run_env, train_flags  # noqa: E402  (no torch at import)
+from benchmark import LAYOUTS, PRESETS, ROOT, launcher, meet, run_env, train_flags, trainer_step  # noqa: E402  (no torch at import)
 
 
-def build_trainers(preset: str, config: str, layouts: list[str], extra: str, steps: int, device_type: str) -> list:
-    """One Trainer per layout, in this order on every rank (each builds its own process groups)."""
-    import torch.distributed as dist
-
-    from megatron.config import parse_args
-    from megatron.training.trainer import Trainer
-
-    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    trainers = []
-    for layout in layouts:
-        argv = train_flags(preset, config, steps, steps, layout, extra=extra)
-        trainers.append(Trainer(parse_args(argv, world_size=world_size, device_type=device_type)))
-    return trainers
+def build_trainers(
+    preset: str, config: str, layouts: list[str], extra: str, steps: int, device_type: str
+) -> list[tuple[object, Callable[[], object]]]:
+    """(Trainer, its step) per layout, in this order on every rank (each builds its own process groups)."""
+    return [
+        trainer_step(train_flags(preset, config, steps, steps, layout, extra=extra), device_type) for layout in layouts
+    ]
 
 
-def alternate(trainers: list, blocks: int, block_steps: int, warmup: int) -> list[list[float]]:
-    """ms per step of each trainer in each block ([block][trainer]); the order swaps every block."""
-    import torch
-    import torch.distributed as dist
-
-    def sync() -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        if dist.is_initialized():
-            dist.barrier()
-
-    runs = []
-    for trainer in trainers:
-        batches = iter(trainer.loader(trainer.datasets.train, 0))
-        runs.append((trainer, batches, trainer.cfg.optimizer.lr))  # the step's speed does not depend on the rate
-    for trainer, batches, lr in runs:
+def alternate(steps: list[Callable[[], object]], blocks: int, block_steps: int, warmup: int) -> list[list[float]]:
+    """ms per step of each layout's step in each block ([block][layout]); the order swaps every block."""
+    for step in steps:
         for _ in range(warmup):
-            trainer.train_step(batches, lr)
+            step()
     times = []
     for block in range(blocks):
-        order = range(len(runs)) if block % 2 == 0 else reversed(range(len(runs)))
-        row = [0.0] * len(runs)
+        order = range(len(steps)) if block % 2 == 0 else reversed(range(len(steps)))
+        row = [0.0] * len(steps)
         for i in order:
-            trainer, batches, lr = runs[i]
-            sync()
+            step = steps[i]
+            meet()
             start = time.perf_counter()
             for _ in range(block_steps):
-                trainer.train_step(batches, lr)
-            sync()
+                step()
+            meet()
             row[i] = (time.perf_counter() - start) * 1e3 / block_steps
         times.append(row)
     return times
@@ -124,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [*launcher(world), str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv)]
         return subprocess.run(cmd, env=run_env(args.layouts[0]), cwd=ROOT).returncode
     steps = args.warmup + args.blocks * args.block_steps + 1  # the schedules' length: never reached
-    trainers = build_trainers(args.preset, args.config, args.layouts, args.extra_flags, steps, args.device)
-    times = alternate(trainers, args.blocks, args.block_steps, args.warmup)
+    runs = build_trainers(args.preset, args.config, args.layouts, args.extra_flags, steps, args.device)
+    times = alternate([step for _, step in runs], args.blocks, args.block_steps, args.warmup)
     if os.environ.get("RANK", "0") == "0":
         lines, summary = report(args.layouts, times)
         print("\n".join(lines))

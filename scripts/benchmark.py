@@ -548,6 +548,33 @@ def short_kernel_name(name: str) -> str:
     return name
 
 
+def trainer_step(argv: list[str], device_type: str = "cuda") -> tuple[object, Callable[[], object]]:
+    """A Trainer for `argv` built in this process (one rank: of the process group already started, or of torchrun's
+    WORLD_SIZE), and its training step as a call: the next batch of its training data at the configured learning
+    rate (a step's time does not depend on the rate). What --profile, scripts/sync_check.py and scripts/ab_steps.py
+    run."""
+    import torch.distributed as dist
+
+    from megatron.config import parse_args
+    from megatron.training.trainer import Trainer
+
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = Trainer(parse_args(argv, world_size=world_size, device_type=device_type))
+    batches, lr = iter(trainer.loader(trainer.datasets.train, 0)), trainer.cfg.optimizer.lr
+    return trainer, lambda: trainer.train_step(batches, lr)
+
+
+def meet() -> None:
+    """Wait for this rank's GPU work, then for the other ranks (where a process group is started): timed windows
+    start together on every rank."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
 def profile(
     argv: list[str], steps: int, warmup: int = 2, top: int = 15, host_top: int = 0, host_stats: Path | None = None
 ) -> tuple[str, dict]:
@@ -559,24 +586,18 @@ def profile(
     `host_stats`: and the whole cProfile of each rank written there (`rank<r>.pstats`)."""
     import torch
 
-    from megatron.config import parse_args
-    from megatron.training.trainer import Trainer
-
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    trainer = Trainer(parse_args(argv, world_size=world_size, device_type="cuda"))
-    batches = iter(trainer.loader(trainer.datasets.train, 0))
-    lr = trainer.cfg.optimizer.lr  # the profile times steps; the schedule's value does not matter here
+    _, step = trainer_step(argv)
     for _ in range(warmup):
-        trainer.train_step(batches, lr)
+        step()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
-        trainer.train_step(batches, lr)
+        step()
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - start) * 1e3 / steps
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            trainer.train_step(batches, lr)
+            step()
         torch.cuda.synchronize()
     cuda = torch.autograd.DeviceType.CUDA
     kernels: dict[str, float] = {}
@@ -614,7 +635,7 @@ def profile(
         lines.append(f"| {short_kernel_name(name)[:110]} | {ms:.1f} |")
     summary = {"step_ms": wall_ms, "busy_ms": busy, "kernel_ms": total, "categories": by_category}
     if host_top:
-        summary["host"] = host_profile(lambda: trainer.train_step(batches, lr), steps, host_top, host_stats)
+        summary["host"] = host_profile(step, steps, host_top, host_stats)
         lines += ["", *summary["host"]]
     return "\n".join(lines), summary
 
@@ -629,10 +650,7 @@ def host_profile(step: Callable[[], object], steps: int, top: int, stats_dir: Pa
 
     import torch
 
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    if torch.distributed.is_initialized():  # every rank's window starts together (their reports took unequal time)
-        torch.distributed.barrier()
+    meet()  # every rank's window starts together (their reports took unequal time)
     profiler = cProfile.Profile()
     start = time.perf_counter()
     profiler.enable()
@@ -861,12 +879,12 @@ def main() -> int:
             flags, args.profile_steps, args.profile_warmup, args.profile_top, args.profile_host, args.profile_host_stats
         )
         rank = os.environ.get("RANK", "0")
-        if rank != "0":  # which rank is behind: the others' step, busy and gap lines, and host profile, marked
-            print("\n".join(f"[rank {rank}] {line}" for line in [*report.splitlines()[1:4], *summary.get("host", [])]))
         if rank == "0":
             print(report)
             if args.profile_json:
                 args.profile_json.write_text(json.dumps(summary, indent=1) + "\n")
+        else:  # which rank is behind: the others' step, busy and gap lines, and host profile, marked
+            print("\n".join(f"[rank {rank}] {line}" for line in [*report.splitlines()[1:4], *summary.get("host", [])]))
         return 0
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)

@@ -26,28 +26,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's megatron, not an installed copy
 
-from benchmark import LAYOUTS, launcher, run_env, train_flags  # noqa: E402  (scripts/; no torch at import)
+from benchmark import LAYOUTS, launcher, run_env, train_flags, trainer_step  # noqa: E402  (scripts/; no torch at import)
 
 
 def count_syncs(argv: list[str], steps: int, warmup: int = 3) -> tuple[int, collections.Counter]:
     """(synchronizations in `steps` training steps, their count per call site)."""
     import torch
 
-    from megatron.config import parse_args
-    from megatron.training.trainer import Trainer
-
-    trainer = Trainer(parse_args(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")), device_type="cuda"))
-    batches = iter(trainer.loader(trainer.datasets.train, 0))
-    lr = trainer.cfg.optimizer.lr
+    _, step = trainer_step(argv)
     for _ in range(warmup):
-        trainer.train_step(batches, lr)
+        step()
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # every occurrence, not once per call site
         torch.cuda.set_sync_debug_mode("warn")
         try:
             for _ in range(steps):
-                trainer.train_step(batches, lr)
+                step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]

@@ -28,7 +28,8 @@ def _body(rank, world_size, capture):
     ab_steps = _load()
     os.environ["LOCAL_RANK"] = str(rank)  # as under torchrun: no relaunch
     layouts = ["mfsdp2_optim_grads", "dp2_distopt"]
-    trainers = ab_steps.build_trainers("llama-1b", "local-bf16", layouts, TINY, 20, "cpu")
+    runs = ab_steps.build_trainers("llama-1b", "local-bf16", layouts, TINY, 20, "cpu")
+    trainers = [trainer for trainer, _ in runs]
     assert [t.cfg.parallel.grad_shards for t in trainers] == [True, False]  # each its own layout
     calls = []  # which trainer stepped when
 
@@ -41,7 +42,7 @@ def _body(rank, world_size, capture):
 
     for i, trainer in enumerate(trainers):
         trainer.train_step = recorded(i, trainer.train_step)
-    times = ab_steps.alternate(trainers, blocks=3, block_steps=2, warmup=1)
+    times = ab_steps.alternate([step for _, step in runs], blocks=3, block_steps=2, warmup=1)
     assert calls == [0, 1] + [0, 0, 1, 1] + [1, 1, 0, 0] + [0, 0, 1, 1]  # warm-up, then A B, B A, A B
     assert len(times) == 3 and all(len(row) == 2 and min(row) > 0 for row in times)
     if rank == 0:
