@@ -262,17 +262,19 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     # OUTDIR/<layout>/rank<r>.pstats; then the first layout's functions against the second's, rank by rank: what the
     # sixteenth session found by hand (~1 min a layout)
     set -- ${LAYOUTS:-mfsdp2_optim_grads_bf16comm dp2_distopt}
+    steps=4  # profiled steps: pstats_diff.py divides by them
     for layout; do
-      echo "profile of $layout (host: 4 steps)" | tee -a "$OUT/summary.txt"
+      echo "profile of $layout (host: $steps steps)" | tee -a "$OUT/summary.txt"
       timeout 170 python3 scripts/benchmark.py --profile llama-1b te-delayed-fp8params --layouts "$layout" \
-        --profile-warmup 20 --profile-steps 4 --profile-top 30 --profile-host 40 --profile-host-stats "$OUT/$layout" \
-        > "$OUT/logs/profile.$layout.log" 2>&1
-      grep -E -A75 "^step |^\[rank [0-9]+\] (step|GPU|comm|host)" "$OUT/logs/profile.$layout.log" | tee -a "$OUT/summary.txt"
+        --profile-warmup 20 --profile-steps $steps --profile-top 30 --profile-host 40 \
+        --profile-host-stats "$OUT/$layout" > "$OUT/logs/profile.$layout.log" 2>&1
+      grep -E -A75 "^step |^\[rank [0-9]+\] (step|GPU|comm|host)" "$OUT/logs/profile.$layout.log" \
+        | tee -a "$OUT/summary.txt"
     done
     for rank in 0 1; do
       echo "rank $rank: $1 against $2" | tee -a "$OUT/summary.txt"
-      python3 scripts/pstats_diff.py "$OUT/$1/rank$rank.pstats" "$OUT/$2/rank$rank.pstats" --steps 4 --top 20 2>&1 \
-        | tee -a "$OUT/summary.txt"
+      python3 scripts/pstats_diff.py "$OUT/$1/rank$rank.pstats" "$OUT/$2/rank$rank.pstats" --steps $steps \
+        --top 20 2>&1 | tee -a "$OUT/summary.txt"
     done;;
   zero2-8b)
     # llama3-8b with its weights whole (FP8) and O2's states: with none or one layer recomputed it runs out of memory

@@ -44,8 +44,7 @@ def diff_lines(first: dict[str, Entry], second: dict[str, Entry], steps: int, to
         "| function | own ms/step more | calls/step (first, second) |",
         "|---|---:|---:|",
     ]
-    shown = rows[:top] + [row for row in rows[-top:] if row not in rows[:top]]
-    for delta, name, calls_a, calls_b in shown:
+    for delta, name, calls_a, calls_b in rows[:top] + rows[max(top, len(rows) - top) :]:  # each row once
         lines.append(f"| {name[:100]} | {delta:+.2f} | {calls_a:.0f}, {calls_b:.0f} |")
     return lines
 
