@@ -1,4 +1,4 @@
-"""Two layouts' training steps alternated in one process per rank: their speed compared block by block, minutes of
+"""Layouts' training steps alternated in one process per rank: their speed compared block by block, minutes of
 machine drift cancelled.
 
     python3 scripts/ab_steps.py --preset llama-1b --config te-delayed-fp8params \
@@ -6,13 +6,13 @@ machine drift cancelled.
 
 Separate benchmark rows of llama-1b on two H100s differ by 5-20% from run to run and within a run (docs/benchmarks.md,
 third wave, twelfth to sixteenth sessions), more than the 3% issue 30 asks to show, and each row pays ~55 s of
-start-up. Here each rank builds both trainers (benchmark.py's flags for each layout: the same preset, config and
-GPUs; both models in memory at once, ~40 GiB on llama-1b) and runs them in turn: `--block-steps` steps of the
-first, then of the second, the order swapped every block (A B, B A, ...), the ranks meeting at a barrier before
-each layout's turn. A turn's time is its steps' wall time over the steps (each step ends in the optimizer's norm,
-read on the host). Rank 0 prints every block, each layout's median and mean ms per step, and the gap of the first
-layout to the second within each block (their turns back to back), with its median and mean, then one JSON line.
-Peak memory is the process's, both models together: take it from benchmark.py's rows.
+start-up. Here each rank builds every layout's trainer (benchmark.py's flags for each: the same preset, config and
+GPUs; all models in memory at once, ~20 GiB each on llama-1b) and runs them in turn: `--block-steps` steps of each,
+the order reversed every block (A B C, C B A, ...), the ranks meeting at a barrier before each layout's turn. A
+turn's time is its steps' wall time over the steps (each step ends in the optimizer's norm, read on the host).
+Rank 0 prints every block, each layout's median and mean ms per step, and the gap of each layout to the last one
+(the reference) within each block (their turns in one block), with its median and mean, then one JSON line.
+Peak memory is the process's, all models together: take it from benchmark.py's rows.
 
 Under torchrun when launched without it (each layout's GPU count, which must agree).
 """
@@ -64,21 +64,28 @@ def alternate(steps: list[Callable[[], object]], blocks: int, block_steps: int, 
 
 
 def report(layouts: list[str], times: list[list[float]]) -> tuple[list[str], dict]:
-    """The blocks, each layout's median and mean, and the first layout's gap to the second per block."""
-    gaps = [100 * (row[0] / row[1] - 1) for row in times]
-    lines = ["| block | " + " | ".join(layouts) + " | gap |", "|---:|" + "---:|" * (len(layouts) + 1)]
-    for block, (row, gap) in enumerate(zip(times, gaps)):
-        lines.append(f"| {block + 1} | " + " | ".join(f"{ms:.1f}" for ms in row) + f" | {gap:+.1f}% |")
+    """The blocks, each layout's median and mean, and each other layout's gap to the last one (the reference) per
+    block, with their median and mean."""
+    reference, others = layouts[-1], layouts[:-1]
+    gaps = {layout: [100 * (row[i] / row[-1] - 1) for row in times] for i, layout in enumerate(others)}
+    lines = [
+        "| block | " + " | ".join(layouts) + " | " + " | ".join(f"{layout} gap" for layout in others) + " |",
+        "|---:|" + "---:|" * (len(layouts) + len(others)),
+    ]
+    for block, row in enumerate(times):
+        cells = [f"{ms:.1f}" for ms in row] + [f"{gaps[layout][block]:+.1f}%" for layout in others]
+        lines.append(f"| {block + 1} | " + " | ".join(cells) + " |")
     summary = {"layouts": layouts, "blocks": times, "gaps_percent": gaps}
     for i, layout in enumerate(layouts):
         column = [row[i] for row in times]
         summary[layout] = {"median_ms": statistics.median(column), "mean_ms": statistics.fmean(column)}
         lines.append(f"{layout}: median {statistics.median(column):.1f} ms, mean {statistics.fmean(column):.1f} ms")
-    summary["gap_median"], summary["gap_mean"] = statistics.median(gaps), statistics.fmean(gaps)
-    lines.append(
-        f"{layouts[0]} against {layouts[1]}: median {summary['gap_median']:+.1f}%, mean {summary['gap_mean']:+.1f}%"
-        f" over {len(gaps)} blocks"
-    )
+    for layout in others:
+        median, mean = statistics.median(gaps[layout]), statistics.fmean(gaps[layout])
+        summary[layout].update(gap_median=median, gap_mean=mean)
+        lines.append(
+            f"{layout} against {reference}: median {median:+.1f}%, mean {mean:+.1f}% over {len(times)} blocks"
+        )
     return lines, summary
 
 
@@ -86,13 +93,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="llama-1b", choices=sorted(PRESETS))
     parser.add_argument("--config", default="te-delayed-fp8params")
-    parser.add_argument("--layouts", nargs=2, default=["mfsdp2_optim_grads_bf16comm", "dp2_distopt"])
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["mfsdp2_optim_grads_bf16comm", "dp2_distopt"],
+        help="two or more: each compared with the last (every model in memory at once: three llama-1b fit 80 GB)",
+    )
     parser.add_argument("--blocks", type=int, default=12, help="blocks: a turn of each layout, back to back")
     parser.add_argument("--block-steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=10, help="steps of each layout before the first block")
     parser.add_argument("--extra-flags", default="", help="pretrain_gpt.py flags added to both layouts' runs")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo ranks (tests)")
     args = parser.parse_args(argv)
+    if len(args.layouts) < 2:
+        parser.error("--layouts takes at least two: each compared with the last")
     unknown = [layout for layout in args.layouts if layout not in LAYOUTS]
     if unknown:
         parser.error(f"unknown layout {unknown[0]}: one of benchmark.py's LAYOUTS")

@@ -41,7 +41,8 @@
 #                                            NCCL's transports and graphs beside each row, once with NCCL's own
 #                                            protocol and once with NCCL_PROTO=Simple (~6 min)
 #   bash scripts/fsdp_rows.sh ab-1b OUTDIR    llama-1b: the flat buckets against dp2_distopt in one process per rank,
-#                                            steps alternated in blocks (scripts/ab_steps.py; AB_FLAGS) (~4 min)
+#                                            steps alternated in blocks (scripts/ab_steps.py; AB_LAYOUTS, AB_FLAGS)
+#                                            (~4 min)
 #   bash scripts/fsdp_rows.sh host-1b OUTDIR  llama-1b: where each engine's host spends the step, the flat buckets
 #                                            against dp2_distopt (LAYOUTS: others, the first against the second):
 #                                            GPU profile, every rank's cProfile (OUTDIR/<layout>/rank<r>.pstats) and
@@ -251,9 +252,10 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
   ab-1b)
     # llama-1b: the flat buckets and dp2_distopt built side by side in one process per rank, their steps alternated in
     # blocks (scripts/ab_steps.py: the machine's drift over minutes cancels in each block's two turns; no start-up per
-    # row). AB_FLAGS: ab_steps.py's flags (default 12 blocks of 10 steps: ~4 min)
-    timeout 420 python3 scripts/ab_steps.py --preset llama-1b --config te-delayed-fp8params \
-      --layouts mfsdp2_optim_grads_bf16comm dp2_distopt ${AB_FLAGS:-} > "$OUT/logs/ab_steps.log" 2>&1
+    # row). AB_LAYOUTS: the layouts, each compared with the last (three llama-1b fit: ~6 min); AB_FLAGS: ab_steps.py's
+    # other flags (default 12 blocks of 10 steps: ~4 min for two layouts)
+    timeout 540 python3 scripts/ab_steps.py --preset llama-1b --config te-delayed-fp8params \
+      --layouts ${AB_LAYOUTS:-mfsdp2_optim_grads_bf16comm dp2_distopt} ${AB_FLAGS:-} > "$OUT/logs/ab_steps.log" 2>&1
     echo "ab_steps.py: rc=$?" | tee -a "$OUT/summary.txt"
     grep -E "^\||median|^\{" "$OUT/logs/ab_steps.log" | tee -a "$OUT/summary.txt";;
   host-1b)

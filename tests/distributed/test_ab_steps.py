@@ -27,10 +27,11 @@ def _load():
 def _body(rank, world_size, capture):
     ab_steps = _load()
     os.environ["LOCAL_RANK"] = str(rank)  # as under torchrun: no relaunch
-    layouts = ["mfsdp2_optim_grads", "dp2_distopt"]
+    layouts = ["mfsdp2_optim_grads", "mfsdp2_optim_grads_bf16comm_b100m", "dp2_distopt"]
     runs = ab_steps.build_trainers("llama-1b", "local-bf16", layouts, TINY, 20, "cpu")
     trainers = [trainer for trainer, _ in runs]
-    assert [t.cfg.parallel.grad_shards for t in trainers] == [True, False]  # each its own layout
+    assert [t.cfg.parallel.grad_shards for t in trainers] == [True, True, False]  # each its own layout
+    assert trainers[1].cfg.parallel.ddp_bucket_size == 100_000_000
     calls = []  # which trainer stepped when
 
     def recorded(i, step):
@@ -43,8 +44,9 @@ def _body(rank, world_size, capture):
     for i, trainer in enumerate(trainers):
         trainer.train_step = recorded(i, trainer.train_step)
     times = ab_steps.alternate([step for _, step in runs], blocks=3, block_steps=2, warmup=1)
-    assert calls == [0, 1] + [0, 0, 1, 1] + [1, 1, 0, 0] + [0, 0, 1, 1]  # warm-up, then A B, B A, A B
-    assert len(times) == 3 and all(len(row) == 2 and min(row) > 0 for row in times)
+    # warm-up, then A B C, C B A, A B C
+    assert calls == [0, 1, 2] + [0, 0, 1, 1, 2, 2] + [2, 2, 1, 1, 0, 0] + [0, 0, 1, 1, 2, 2]
+    assert len(times) == 3 and all(len(row) == 3 and min(row) > 0 for row in times)
     if rank == 0:
         lines, summary = ab_steps.report(layouts, times)
         Path(capture).write_text(json.dumps({"lines": lines, "summary": summary}))
@@ -55,16 +57,22 @@ def test_both_layouts_alternate_in_blocks_and_the_gaps_are_paired(tmp_path):
     run_distributed(_body, world_size=2, args=(str(capture),))
     got = json.loads(capture.read_text())
     times, gaps = got["summary"]["blocks"], got["summary"]["gaps_percent"]
-    assert gaps == pytest.approx([100 * (a / b - 1) for a, b in times])
-    assert got["lines"][-1].startswith("mfsdp2_optim_grads against dp2_distopt: median ")
+    assert gaps["mfsdp2_optim_grads"] == pytest.approx([100 * (a / c - 1) for a, _, c in times])
+    assert gaps["mfsdp2_optim_grads_bf16comm_b100m"] == pytest.approx([100 * (b / c - 1) for _, b, c in times])
+    assert got["lines"][-2].startswith("mfsdp2_optim_grads against dp2_distopt: median ")
+    assert got["lines"][-1].startswith("mfsdp2_optim_grads_bf16comm_b100m against dp2_distopt: median ")
     assert got["lines"][-1].endswith("over 3 blocks")
 
 
 def test_report_of_known_blocks():
     lines, summary = _load().report(["a", "b"], [[110.0, 100.0], [95.0, 100.0], [120.0, 100.0]])
-    assert summary["gap_median"] == pytest.approx(10.0) and summary["gap_mean"] == pytest.approx(25 / 3)
+    assert summary["a"]["gap_median"] == pytest.approx(10.0) and summary["a"]["gap_mean"] == pytest.approx(25 / 3)
     assert "| 2 | 95.0 | 100.0 | -5.0% |" in lines
-    assert summary["a"] == {"median_ms": 110.0, "mean_ms": pytest.approx(325 / 3)}
+    assert summary["a"]["median_ms"] == 110.0 and summary["a"]["mean_ms"] == pytest.approx(325 / 3)
+    assert summary["b"] == {"median_ms": 100.0, "mean_ms": 100.0}  # the reference: no gap of its own
+    lines, summary = _load().report(["a", "b", "c"], [[110.0, 90.0, 100.0], [80.0, 120.0, 100.0]])
+    assert "| 1 | 110.0 | 90.0 | 100.0 | +10.0% | -10.0% |" in lines
+    assert summary["gaps_percent"] == {"a": pytest.approx([10.0, -20.0]), "b": pytest.approx([-10.0, 20.0])}
 
 
 @pytest.mark.parametrize(
@@ -73,6 +81,7 @@ def test_report_of_known_blocks():
         (["--layouts", "dp2_distopt", "1gpu"], "run on different numbers of GPUs"),
         (["--layouts", "dp2_distopt", "nope"], "unknown layout nope"),
         (["--blocks", "0"], "--blocks and --block-steps must be at least 1"),
+        (["--layouts", "dp2_distopt"], "--layouts takes at least two"),
     ],
 )
 def test_bad_flags_are_one_line_errors(flags, message, capsys):
