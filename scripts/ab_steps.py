@@ -83,9 +83,7 @@ def report(layouts: list[str], times: list[list[float]]) -> tuple[list[str], dic
     for layout in others:
         median, mean = statistics.median(gaps[layout]), statistics.fmean(gaps[layout])
         summary[layout].update(gap_median=median, gap_mean=mean)
-        lines.append(
-            f"{layout} against {reference}: median {median:+.1f}%, mean {mean:+.1f}% over {len(times)} blocks"
-        )
+        lines.append(f"{layout} against {reference}: median {median:+.1f}%, mean {mean:+.1f}% over {len(times)} blocks")
     return lines, summary
 
 
