@@ -43,6 +43,8 @@
 #   bash scripts/fsdp_rows.sh ab-1b OUTDIR    llama-1b: the flat buckets against dp2_distopt in one process per rank,
 #                                            steps alternated in blocks (scripts/ab_steps.py; AB_LAYOUTS, AB_FLAGS)
 #                                            (~4 min)
+#   bash scripts/fsdp_rows.sh timers-1b OUTDIR  llama-1b: the wall-clock host time of each engine's functions per step
+#                                            and per call, every rank (scripts/engine_timers.py; LAYOUTS) (~2 min)
 #   bash scripts/fsdp_rows.sh host-1b OUTDIR  llama-1b: where each engine's host spends the step, the flat buckets
 #                                            against dp2_distopt (LAYOUTS: others, the first against the second):
 #                                            GPU profile, every rank's cProfile (OUTDIR/<layout>/rank<r>.pstats) and
@@ -77,8 +79,8 @@
 # OUTDIR gets a summary (summary.txt: the tables and each test's last lines) and every run's log (logs/). Megatron-LM's
 # sources must be where .devkit/anchors/megatron_run.sh looks (../shared/anchors/README.md).
 set -o pipefail
-PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-nccl|ab-1b|host-1b|zero2-8b|noreshard|blockwise|parity OUTDIR}
-OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-nccl|ab-1b|host-1b|zero2-8b|noreshard|blockwise|parity OUTDIR}
+PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-nccl|ab-1b|timers-1b|host-1b|zero2-8b|noreshard|blockwise|parity OUTDIR}
+OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-nccl|ab-1b|timers-1b|host-1b|zero2-8b|noreshard|blockwise|parity OUTDIR}
 mkdir -p "$OUT/logs"
 source .devkit/setup-te.sh || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -258,6 +260,14 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
       --layouts ${AB_LAYOUTS:-mfsdp2_optim_grads_bf16comm dp2_distopt} ${AB_FLAGS:-} > "$OUT/logs/ab_steps.log" 2>&1
     echo "ab_steps.py: rc=$?" | tee -a "$OUT/summary.txt"
     grep -E "^\||median|^\{" "$OUT/logs/ab_steps.log" | tee -a "$OUT/summary.txt";;
+  timers-1b)
+    # what the flat buckets' host does per bucket and micro-batch beyond the distributed optimizer's, in real
+    # microseconds (cProfile inflates small calls), every layout built in one process per rank
+    timeout 300 python3 scripts/engine_timers.py --preset llama-1b --config te-delayed-fp8params \
+      --layouts ${LAYOUTS:-mfsdp2_optim_grads_bf16comm mfsdp2_optim_grads_bf16comm_b100m dp2_distopt} \
+      > "$OUT/logs/engine_timers.log" 2>&1
+    echo "engine_timers.py: rc=$?" | tee -a "$OUT/summary.txt"
+    grep "^\[rank" "$OUT/logs/engine_timers.log" | tee -a "$OUT/summary.txt";;
   host-1b)
     # where each engine's host spends the step: each layout (LAYOUTS) profiled on the GPU (rank 0's kernels, every
     # rank's busy and gap lines) and then under cProfile on every rank (--profile-host), its whole profile in

@@ -1,0 +1,72 @@
+"""scripts/engine_timers.py on two gloo ranks: the engines' functions timed while on, their exclusive time without
+their timed callees', and nothing counted while off."""
+
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import run_distributed
+from tests.distributed.test_ab_steps import TINY
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "engine_timers.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("engine_timers", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_exclusive_time_leaves_out_timed_callees():
+    timers = _load().Timers()
+    inner = timers.wrap("inner", lambda: time.sleep(0.02))
+    outer = timers.wrap("outer", lambda: (time.sleep(0.01), inner()))
+    outer()  # off: not counted
+    assert timers.calls == {}
+    timers.on = True
+    outer()
+    outer()
+    assert timers.calls == {"outer": 2, "inner": 2}
+    assert timers.exclusive["inner"] == pytest.approx(0.04, abs=0.015)
+    assert timers.exclusive["outer"] == pytest.approx(0.02, abs=0.015)
+    assert timers.inclusive["outer"] == pytest.approx(timers.exclusive["outer"] + timers.exclusive["inner"])
+
+
+def _body(rank, world_size, capture):
+    engine_timers = _load()
+    os.environ["LOCAL_RANK"] = str(rank)  # as under torchrun: no relaunch
+    layouts, extra = ["mfsdp2_optim_grads", "dp2_distopt"], f"{TINY} --ddp-bucket-size 3000"
+    timers = engine_timers.Timers()
+    engine_timers.install(timers)
+    try:
+        runs = [
+            engine_timers.trainer_step(
+                engine_timers.train_flags("llama-1b", "local-bf16", 8, 8, layout, extra=extra),
+                "cpu",
+            )
+            for layout in layouts
+        ]
+        tables = engine_timers.measure(timers, [step for _, step in runs], layouts, warmup=1, steps=2)
+    finally:
+        engine_timers.uninstall()
+    if rank == 0:
+        Path(capture).write_text(json.dumps(tables))
+
+
+def test_both_engines_timed_per_step(tmp_path):
+    capture = tmp_path / "tables.json"
+    run_distributed(_body, world_size=2, args=(str(capture),))
+    flat, distopt = json.loads(capture.read_text())
+    rows = {line.split(" | ")[0].removeprefix("| "): line.split(" | ")[1:] for line in flat[3:-1]}
+    # 2 micro-batches a step (global batch 8, micro-batch 2, DP=2): every bucket reduce-scattered in each (the
+    # distributed optimizer's in the last only)
+    assert {"GradShards._on_grad", "GradShards._retire", "_reduce_scatter"} <= set(rows)
+    distopt_rows = {line.split(" | ")[0].removeprefix("| "): line.split(" | ")[1:] for line in distopt[3:-1]}
+    assert "GradShards._retire" not in distopt_rows
+    assert int(rows["_reduce_scatter"][0]) == 2 * int(distopt_rows["_reduce_scatter"][0])
+    assert flat[0].startswith("mfsdp2_optim_grads: ") and flat[-1].startswith("| all of them |")
