@@ -11,8 +11,10 @@ process per rank (benchmark.py's flags, as scripts/ab_steps.py does) and run for
 steps the engines' functions (`GradShards` and `GradientBuffers`: allocating a bucket, pointing `main_grad`, the
 gradient hook, starting a bucket's reduce-scatter, the reduce-scatter call itself, retiring it, the end of a
 backward, `finish`) run under perf_counter timers, nothing else. A function's exclusive time leaves out the timed
-functions it calls. Each rank prints its table: calls a step, exclusive us a call, exclusive and inclusive ms a step,
-and the step's wall time. Under torchrun when launched without it.
+functions it calls. `--parts` times the torch calls inside them too (a reduce-scatter's wait, stream switches,
+`record_stream`, adds, copies, splits, views, `torch.empty`), wherever Python calls them in the timed steps. Each
+rank prints its table: calls a step, exclusive us a call, exclusive and inclusive ms a step, and the step's wall
+time. Under torchrun when launched without it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,20 @@ TIMED = (
     ("megatron.parallel.data_parallel", "GradientBuffers", "_start"),
     ("megatron.parallel.data_parallel", "GradientBuffers", "finish"),
     ("megatron.parallel.data_parallel", None, "_reduce_scatter"),
+)
+# --parts: the torch calls inside them, timed wherever Python calls them during the timed steps (Transformer Engine's
+# and the optimizer's `add_` and `copy_` too; its C++ calls are not seen): what a bucket's retire, allocation and
+# views spend their time on
+PARTS = (
+    ("torch._C._distributed_c10d", "Work", "wait"),
+    ("torch.cuda", "StreamContext", "__enter__"),
+    ("torch.cuda", "StreamContext", "__exit__"),
+    ("torch", "Tensor", "record_stream"),
+    ("torch", "Tensor", "add_"),
+    ("torch", "Tensor", "copy_"),
+    ("torch", "Tensor", "split"),
+    ("torch", "Tensor", "view_as"),
+    ("torch", None, "empty"),
 )
 
 
@@ -83,11 +99,12 @@ class Timers:
 _ORIGINALS: list[tuple[object, str, Callable]] = []  # what `install` replaced, for `uninstall`
 
 
-def install(timers: Timers) -> None:
-    """Wrap every TIMED function in place (before any trainer is built: the gradient hooks bind `_on_grad` then)."""
+def install(timers: Timers, parts: bool = False) -> None:
+    """Wrap every TIMED function in place (before any trainer is built: the gradient hooks bind `_on_grad` then),
+    and with `parts` the PARTS too."""
     import importlib
 
-    for module_name, owner, name in TIMED:
+    for module_name, owner, name in TIMED + (PARTS if parts else ()):
         module = importlib.import_module(module_name)
         target = getattr(module, owner) if owner else module
         label = f"{owner}.{name}" if owner else name
@@ -147,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--extra-flags", default="", help="pretrain_gpt.py flags added to every layout's run")
+    parser.add_argument(
+        "--parts", action="store_true", help="time the torch calls inside the engines' functions too (PARTS)"
+    )
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo ranks (tests)")
     args = parser.parse_args(argv)
     unknown = [layout for layout in args.layouts if layout not in LAYOUTS]
@@ -163,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         return subprocess.run(cmd, env=run_env(args.layouts[0]), cwd=ROOT).returncode
     total = args.warmup + args.steps + 1  # the schedules' length: never reached
     timers = Timers()
-    install(timers)  # before the trainers bind their gradient hooks
+    install(timers, args.parts)  # before the trainers bind their gradient hooks
     runs = [
         trainer_step(train_flags(args.preset, args.config, total, total, layout, extra=args.extra_flags), args.device)
         for layout in args.layouts

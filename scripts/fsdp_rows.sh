@@ -44,7 +44,8 @@
 #                                            steps alternated in blocks (scripts/ab_steps.py; AB_LAYOUTS, AB_FLAGS)
 #                                            (~4 min)
 #   bash scripts/fsdp_rows.sh timers-1b OUTDIR  llama-1b: the wall-clock host time of each engine's functions per step
-#                                            and per call, every rank (scripts/engine_timers.py; LAYOUTS) (~2 min)
+#                                            and per call, every rank (scripts/engine_timers.py; LAYOUTS;
+#                                            TIMERS_FLAGS=--parts: the torch calls inside them too) (~2 min)
 #   bash scripts/fsdp_rows.sh host-1b OUTDIR  llama-1b: where each engine's host spends the step, the flat buckets
 #                                            against dp2_distopt (LAYOUTS: others, the first against the second):
 #                                            GPU profile, every rank's cProfile (OUTDIR/<layout>/rank<r>.pstats) and
@@ -265,7 +266,7 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     # microseconds (cProfile inflates small calls), every layout built in one process per rank
     timeout 300 python3 scripts/engine_timers.py --preset llama-1b --config te-delayed-fp8params \
       --layouts ${LAYOUTS:-mfsdp2_optim_grads_bf16comm mfsdp2_optim_grads_bf16comm_b100m dp2_distopt} \
-      > "$OUT/logs/engine_timers.log" 2>&1
+      ${TIMERS_FLAGS:-} > "$OUT/logs/engine_timers.log" 2>&1
     echo "engine_timers.py: rc=$?" | tee -a "$OUT/summary.txt"
     grep "^\[rank" "$OUT/logs/engine_timers.log" | tee -a "$OUT/summary.txt";;
   host-1b)

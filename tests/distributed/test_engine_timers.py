@@ -1,5 +1,5 @@
-"""scripts/engine_timers.py on two gloo ranks: the engines' functions timed while on, their exclusive time without
-their timed callees', and nothing counted while off."""
+"""scripts/engine_timers.py on two gloo ranks: the engines' functions (and with --parts the torch calls in them) timed
+while on, their exclusive time without their timed callees', and nothing counted while off."""
 
 import importlib.util
 import json
@@ -42,7 +42,7 @@ def _body(rank, world_size, capture):
     os.environ["LOCAL_RANK"] = str(rank)  # as under torchrun: no relaunch
     layouts, extra = ["mfsdp2_optim_grads", "dp2_distopt"], f"{TINY} --ddp-bucket-size 3000"
     timers = engine_timers.Timers()
-    engine_timers.install(timers)
+    engine_timers.install(timers, parts=True)
     try:
         runs = [
             engine_timers.trainer_step(
@@ -70,3 +70,6 @@ def test_both_engines_timed_per_step(tmp_path):
     assert "GradShards._retire" not in distopt_rows
     assert int(rows["_reduce_scatter"][0]) == 2 * int(distopt_rows["_reduce_scatter"][0])
     assert flat[0].startswith("mfsdp2_optim_grads: ") and flat[-1].startswith("| all of them |")
+    # --parts: the torch calls inside them (each retire waits for its reduce-scatter; each allocation splits its bucket)
+    assert {"Work.wait", "Tensor.split", "Tensor.view_as", "empty"} <= set(rows)
+    assert int(rows["Work.wait"][0]) >= int(rows["_reduce_scatter"][0])  # every reduce-scatter waited for
