@@ -23,14 +23,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import LAYOUTS, PRESETS, ROOT, launcher, meet, run_env, train_flags, trainer_step  # noqa: E402  (no torch at import)
+from benchmark import PRESETS, meet, one_size, relaunch, train_flags, trainer_step  # noqa: E402  (no torch at import)
 
 
 def build_trainers(
@@ -105,18 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if len(args.layouts) < 2:
         parser.error("--layouts takes at least two: each compared with the last")
-    unknown = [layout for layout in args.layouts if layout not in LAYOUTS]
-    if unknown:
-        parser.error(f"unknown layout {unknown[0]}: one of benchmark.py's LAYOUTS")
-    gpus = {LAYOUTS[layout][0] for layout in args.layouts}
-    if len(gpus) != 1:
-        parser.error(f"{' and '.join(args.layouts)} run on different numbers of GPUs: compare layouts of one size")
+    world = one_size(parser, args.layouts)
     if min(args.blocks, args.block_steps) < 1 or args.warmup < 0:
         parser.error("--blocks and --block-steps must be at least 1, --warmup at least 0")
-    (world,) = gpus
-    if world > 1 and "LOCAL_RANK" not in os.environ:
-        cmd = [*launcher(world), str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv)]
-        return subprocess.run(cmd, env=run_env(args.layouts[0]), cwd=ROOT).returncode
+    if (code := relaunch(__file__, world, args.layouts[0], argv)) is not None:
+        return code
     steps = args.warmup + args.blocks * args.block_steps + 1  # the schedules' length: never reached
     runs = build_trainers(args.preset, args.config, args.layouts, args.extra_flags, steps, args.device)
     times = alternate([step for _, step in runs], args.blocks, args.block_steps, args.warmup)

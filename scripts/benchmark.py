@@ -576,6 +576,27 @@ def trainer_step(argv: list[str], device_type: str = "cuda") -> tuple[object, Ca
     return trainer, lambda: trainer.train_step(batches, lr)
 
 
+def one_size(parser: argparse.ArgumentParser, layouts: list[str]) -> int:
+    """The GPU count of `layouts` (LAYOUTS' names), which must agree: else a one-line parser error (scripts that
+    build several layouts' trainers in one process per rank)."""
+    unknown = [layout for layout in layouts if layout not in LAYOUTS]
+    if unknown:
+        parser.error(f"unknown layout {unknown[0]}: one of benchmark.py's LAYOUTS")
+    gpus = {LAYOUTS[layout][0] for layout in layouts}
+    if len(gpus) != 1:
+        parser.error(f"{' and '.join(layouts)} run on different numbers of GPUs: compare layouts of one size")
+    return gpus.pop()
+
+
+def relaunch(script: str, gpus: int, layout: str, argv: list[str] | None = None) -> int | None:
+    """Run `script` again under torchrun with `gpus` ranks when started without it, and return its exit code; None
+    where this process is already a rank (or one GPU is asked for): the caller goes on."""
+    if gpus == 1 or "LOCAL_RANK" in os.environ:
+        return None
+    cmd = [*launcher(gpus), str(Path(script).resolve()), *(sys.argv[1:] if argv is None else argv)]
+    return subprocess.run(cmd, env=run_env(layout), cwd=ROOT).returncode
+
+
 def meet() -> None:
     """Wait for this rank's GPU work, then for the other ranks (where a process group is started): timed windows
     start together on every rank."""
@@ -881,10 +902,9 @@ def main() -> int:
         if len(args.layouts) != 1:
             parser.error("--profile profiles one layout: pass one --layouts value")
         layout = args.layouts[0]
-        gpus = LAYOUTS[layout][0]
-        if gpus > 1 and "LOCAL_RANK" not in os.environ:  # profile every rank under torchrun, report rank 0's
-            cmd = [*launcher(gpus), str(Path(__file__).resolve()), *sys.argv[1:]]
-            return subprocess.run(cmd, env=run_env(layout), cwd=ROOT).returncode
+        # profile every rank under torchrun, report rank 0's
+        if (code := relaunch(__file__, LAYOUTS[layout][0], layout)) is not None:
+            return code
         config += GRAPHS if args.cuda_graphs else ""
         flags = train_flags(preset, config, 100, 100, layout, args.weak_scaling, args.extra_flags)
         report, summary = profile(

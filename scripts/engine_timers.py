@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import LAYOUTS, PRESETS, ROOT, launcher, meet, run_env, train_flags, trainer_step  # noqa: E402  (no torch at import)
+from benchmark import PRESETS, meet, one_size, relaunch, train_flags, trainer_step  # noqa: E402  (no torch at import)
 
 # (module, class or None for a module function, name): what runs on the host per bucket, parameter or step
 TIMED = (
@@ -169,18 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo ranks (tests)")
     args = parser.parse_args(argv)
-    unknown = [layout for layout in args.layouts if layout not in LAYOUTS]
-    if unknown:
-        parser.error(f"unknown layout {unknown[0]}: one of benchmark.py's LAYOUTS")
-    gpus = {LAYOUTS[layout][0] for layout in args.layouts}
-    if len(gpus) != 1:
-        parser.error(f"{' and '.join(args.layouts)} run on different numbers of GPUs: compare layouts of one size")
+    world = one_size(parser, args.layouts)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1, --warmup at least 0")
-    (world,) = gpus
-    if world > 1 and "LOCAL_RANK" not in os.environ:
-        cmd = [*launcher(world), str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv)]
-        return subprocess.run(cmd, env=run_env(args.layouts[0]), cwd=ROOT).returncode
+    if (code := relaunch(__file__, world, args.layouts[0], argv)) is not None:
+        return code
     total = args.warmup + args.steps + 1  # the schedules' length: never reached
     timers = Timers()
     install(timers, args.parts)  # before the trainers bind their gradient hooks
