@@ -201,7 +201,7 @@ LAYOUTS = {  # name: (GPUs, flags)
         "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --overlap-grad-reduce"
         " --overlap-param-gather --megatron-fsdp-grad-comm-dtype bf16",
     ),
-    # and in buckets of 100M / 200M parameters instead of 40M (llama-1b: 10 / 6 buckets instead of 19): fewer
+    # and in buckets of 100M / 200M parameters instead of 40M (llama-1b: 10 / ~6 buckets instead of 19): fewer
     # reduce-scatters, and less host work per micro-batch (each bucket's allocation, hooks, launch and shard add)
     "mfsdp2_optim_grads_bf16comm_b100m": (
         2,
