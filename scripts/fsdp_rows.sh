@@ -88,6 +88,22 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
 # how the two GPUs are joined (NV# = NVLink): a pair without NVLink runs the collectives several times slower
 nvidia-smi topo -m 2>&1 | head -3 | tee -a "$OUT/summary.txt"
+# how fast this machine's host is: llama-1b's FSDP step is host-bound where it is slow (seventeenth session: the flat
+# buckets within 1.1% of dp2_distopt on one machine, 3.4-8.5% behind on two others of the same kind)
+lscpu | grep -E "^Model name|^CPU\(s\)|^CPU max MHz" | tr -s ' ' | tee -a "$OUT/summary.txt"
+python3 -c '
+import time, torch
+x = torch.zeros(1, device="cuda")
+for _ in range(2000):
+    x.add_(1)
+torch.cuda.synchronize()
+start = time.perf_counter()
+for _ in range(20000):
+    x.add_(1)
+launch = (time.perf_counter() - start) / 20000 * 1e6
+torch.cuda.synchronize()
+print(f"host: {launch:.2f} us to launch a tiny kernel (20000 in a row)")
+' 2>&1 | tee -a "$OUT/summary.txt"
 # (LOGS: another folder for a repeated row's logs, which would overwrite the first's)
 bench() { python3 scripts/benchmark.py --log-dir "${LOGS:-$OUT/logs}" "$@" 2>&1 | tee -a "$OUT/summary.txt"; }
 # llama-1b rows ("CONFIG:LAYOUT ...") in turn, PASSES times (default $1), 60 iterations each, every second pass in
