@@ -704,12 +704,19 @@ def host_profile(step: Callable[[], object], steps: int, top: int, stats_dir: Pa
         "| host function | calls/step | own ms/step | cumulative ms/step |",
         "|---|---:|---:|---:|",
     ]
-    for (file, line, name), (_, ncalls, own, cumulative, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]:
-        where = name if file == "~" else f"{Path(file).name}:{line} {name}"
+    for key, (_, ncalls, own, cumulative, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]:
         lines.append(
-            f"| {where[:100]} | {ncalls / steps:.0f} | {own * 1e3 / steps:.1f} | {cumulative * 1e3 / steps:.1f} |"
+            f"| {profiled_name(key)[:100]} | {ncalls / steps:.0f} | {own * 1e3 / steps:.1f} |"
+            f" {cumulative * 1e3 / steps:.1f} |"
         )
     return lines
+
+
+def profiled_name(key: tuple[str, int, str]) -> str:
+    """A cProfile entry's (file, line, function) as `file:line function` (a C function by its name alone): how
+    host_profile and scripts/pstats_diff.py name a function."""
+    file, line, name = key
+    return name if file == "~" else f"{Path(file).name}:{line} {name}"
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import argparse
 import pstats
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark import profiled_name  # noqa: E402  (no torch at import)
 
 Entry = tuple[float, float]  # calls and own seconds, over the profiled steps
 
 
 def functions(path: Path) -> dict[str, Entry]:
-    """Each function of a cProfile file, named `file:line function` (a C function by its name alone)."""
-    found = {}
-    for (file, line, name), (_, calls, own, _, _) in pstats.Stats(str(path)).stats.items():
-        found[name if file == "~" else f"{Path(file).name}:{line} {name}"] = (calls, own)
-    return found
+    """Each function of a cProfile file, named as benchmark.py's host profile names it (`profiled_name`)."""
+    return {profiled_name(key): (calls, own) for key, (_, calls, own, _, _) in pstats.Stats(str(path)).stats.items()}
 
 
 def diff_lines(first: dict[str, Entry], second: dict[str, Entry], steps: int, top: int) -> list[str]:

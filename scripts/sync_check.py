@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's megatron, not an installed copy
 
-from benchmark import LAYOUTS, launcher, run_env, train_flags, trainer_step  # noqa: E402  (scripts/; no torch at import)
+from benchmark import LAYOUTS, relaunch, train_flags, trainer_step  # noqa: E402  (scripts/; no torch at import)
 
 
 def count_syncs(argv: list[str], steps: int, warmup: int = 3) -> tuple[int, collections.Counter]:
@@ -57,10 +56,9 @@ def main() -> int:
     parser.add_argument("layout", choices=sorted(LAYOUTS))
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    gpus = LAYOUTS[args.layout][0]
-    if gpus > 1 and "LOCAL_RANK" not in os.environ:  # every rank runs the step; rank 0 reports
-        cmd = [*launcher(gpus), str(Path(__file__).resolve()), *sys.argv[1:]]
-        return subprocess.run(cmd, env=run_env(args.layout), cwd=ROOT).returncode
+    # every rank runs the step; rank 0 reports
+    if (code := relaunch(__file__, LAYOUTS[args.layout][0], args.layout)) is not None:
+        return code
     total, sites = count_syncs(train_flags(args.preset, args.config, 100, 100, args.layout), args.steps)
     if os.environ.get("RANK", "0") == "0":
         print(f"{args.preset} {args.config} {args.layout}: {total / args.steps:.1f} synchronizations per step")
