@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=12, help="blocks: a turn of each layout, back to back")
     parser.add_argument("--block-steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=10, help="steps of each layout before the first block")
-    parser.add_argument("--extra-flags", default="", help="pretrain_gpt.py flags added to both layouts' runs")
+    parser.add_argument("--extra-flags", default="", help="pretrain_gpt.py flags added to every layout's run")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo ranks (tests)")
     args = parser.parse_args(argv)
     if len(args.layouts) < 2:

@@ -80,8 +80,9 @@
 # OUTDIR gets a summary (summary.txt: the tables and each test's last lines) and every run's log (logs/). Megatron-LM's
 # sources must be where .devkit/anchors/megatron_run.sh looks (../shared/anchors/README.md).
 set -o pipefail
-PART=${1:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-nccl|ab-1b|timers-1b|host-1b|zero2-8b|noreshard|blockwise|parity OUTDIR}
-OUT=${2:?usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-nccl|ab-1b|timers-1b|host-1b|zero2-8b|noreshard|blockwise|parity OUTDIR}
+usage="usage: bash scripts/fsdp_rows.sh tests|new|1b|host|8b|8b-nccl|megatron|zero2|zero2-1b|zero2-nccl|ab-1b|timers-1b|host-1b|zero2-8b|noreshard|blockwise|parity OUTDIR"
+PART=${1:?$usage}
+OUT=${2:?$usage}
 mkdir -p "$OUT/logs"
 source .devkit/setup-te.sh || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -270,9 +271,9 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     python3 scripts/row_gaps.py --reference dp2_distopt "$OUT/summary.txt" 2>&1 | tee -a "$OUT/summary.txt";;
   ab-1b)
     # llama-1b: the flat buckets and dp2_distopt built side by side in one process per rank, their steps alternated in
-    # blocks (scripts/ab_steps.py: the machine's drift over minutes cancels in each block's two turns; no start-up per
-    # row). AB_LAYOUTS: the layouts, each compared with the last (three llama-1b fit: ~6 min); AB_FLAGS: ab_steps.py's
-    # other flags (default 12 blocks of 10 steps: ~4 min for two layouts)
+    # blocks (scripts/ab_steps.py: the machine's drift over minutes cancels within each block's turns; no start-up
+    # per row). AB_LAYOUTS: the layouts, each compared with the last (three llama-1b fit: ~6 min); AB_FLAGS:
+    # ab_steps.py's other flags (default 12 blocks of 10 steps: ~4 min for two layouts)
     timeout 540 python3 scripts/ab_steps.py --preset llama-1b --config te-delayed-fp8params \
       --layouts ${AB_LAYOUTS:-mfsdp2_optim_grads_bf16comm dp2_distopt} ${AB_FLAGS:-} > "$OUT/logs/ab_steps.log" 2>&1
     echo "ab_steps.py: rc=$?" | tee -a "$OUT/summary.txt"
