@@ -93,7 +93,9 @@ nvidia-smi topo -m 2>&1 | head -3 | tee -a "$OUT/summary.txt"
 # buckets within 1.1% of dp2_distopt on one machine, 3.4-8.5% behind on two others of the same kind)
 lscpu | grep -E "^Model name|^CPU\(s\)|^CPU max MHz" | tr -s ' ' | tee -a "$OUT/summary.txt"
 python3 -c '
-import time, torch
+import sys, time, torch
+if not torch.cuda.is_available():
+    sys.exit("host: no GPU here to time a kernel launch on")
 x = torch.zeros(1, device="cuda")
 for _ in range(2000):
     x.add_(1)
