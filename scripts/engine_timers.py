@@ -8,11 +8,11 @@ The seventeenth session found llama-1b's flat-bucket step (mfsdp2_*) host-bound:
 longer than the distributed optimizer's, and cProfile put ~40 ms of its own time a step in the engine's per-bucket
 functions, but cProfile's cost per call inflates small calls unevenly. Here each layout's trainer is built in one
 process per rank (benchmark.py's flags, as scripts/ab_steps.py does) and run for `--warmup` steps; then for `--steps`
-steps the engines' functions (`GradShards` and `GradientBuffers`: allocating a bucket, pointing `main_grad`, the
+steps the engines' functions (`GradShards` and `GradientBuffers`: allocating a bucket, freeing it, the
 gradient hook, starting a bucket's reduce-scatter, the reduce-scatter call itself, retiring it, the end of a
 backward, `finish`) run under perf_counter timers, nothing else. A function's exclusive time leaves out the timed
 functions it calls. `--parts` times the torch calls inside them too (a reduce-scatter's wait, stream switches,
-`record_stream`, adds, copies, splits, views, `torch.empty`), wherever Python calls them in the timed steps. Each
+`record_stream`, a bucket storage's resize, adds, copies, zeroing), wherever Python calls them in the timed steps. Each
 rank prints its table: calls a step, exclusive us a call, exclusive and inclusive ms a step, and the step's wall
 time. Under torchrun when launched without it.
 """
@@ -32,7 +32,7 @@ from benchmark import PRESETS, meet, one_size, relaunch, train_flags, trainer_st
 # (module, class or None for a module function, name): what runs on the host per bucket, parameter or step
 TIMED = (
     ("megatron.parallel.grad_shards", "GradShards", "_allocate"),
-    ("megatron.parallel.grad_shards", "GradShards", "_point_main_grads"),
+    ("megatron.parallel.grad_shards", "GradShards", "_free"),
     ("megatron.parallel.grad_shards", "GradShards", "_on_grad"),
     ("megatron.parallel.grad_shards", "GradShards", "_start"),
     ("megatron.parallel.grad_shards", "GradShards", "_retire"),
@@ -44,18 +44,18 @@ TIMED = (
     ("megatron.parallel.data_parallel", None, "_reduce_scatter"),
 )
 # --parts: the torch calls inside them, timed wherever Python calls them during the timed steps (Transformer Engine's
-# and the optimizer's `add_` and `copy_` too; its C++ calls are not seen): what a bucket's retire, allocation and
-# views spend their time on
+# and the optimizer's `add_` and `copy_` too; its C++ calls are not seen): what a bucket's retire and allocation spend
+# their time on
 PARTS = (
     ("torch._C._distributed_c10d", "Work", "wait"),
-    ("torch.cuda", "StreamContext", "__enter__"),
-    ("torch.cuda", "StreamContext", "__exit__"),
+    ("torch.cuda", None, "current_stream"),
+    ("torch.cuda", None, "set_stream"),
     ("torch", "Tensor", "record_stream"),
+    ("torch", "UntypedStorage", "resize_"),
     ("torch", "Tensor", "add_"),
     ("torch", "Tensor", "copy_"),
-    ("torch", "Tensor", "split"),
-    ("torch", "Tensor", "view_as"),
-    ("torch", None, "empty"),
+    ("torch", None, "_foreach_copy_"),
+    ("torch", "Tensor", "zero_"),
 )
 
 

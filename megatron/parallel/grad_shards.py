@@ -75,18 +75,30 @@ def _first_grad_tensor(output: object) -> torch.Tensor | None:
 class _FreshBucket(_Bucket):
     """A bucket whose storage is allocated for each micro-batch, uninitialized, and which records the parameters
     written since (`marks[i] == stamp` for its i-th parameter; plain ints: this runs once per parameter and
-    micro-batch, where a set of tensors would call their Python `__hash__`)."""
+    micro-batch, where a set of tensors would call their Python `__hash__`).
+
+    `data` and every view of it (each parameter's `main_grad`, this rank's shard, the padding) are made once; the
+    storage under them is resized to the bucket's bytes to allocate it and to none to free it, as FSDP2 does with its
+    unsharded parameters: a view is a few microseconds of host time per parameter, which a step would otherwise pay
+    twice per bucket and micro-batch."""
 
     def __init__(self, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype, pad_to: int = 1):
         super().__init__(params, device, dtype, pad_to, allocate=False)
-        self.sizes = [p.numel() for p in params]
-        self.used = sum(self.sizes)  # the elements before the padding
-        # each parameter's `main_grad` between allocations: storage-less, so that a write into it fails
-        self.stand_ins = [torch.empty(p.shape, dtype=dtype, device="meta") for p in params]
-        # allocations so far, the allocation each parameter was last written in, and how many were in this one
-        self.stamp, self.marks, self.written = 0, [0] * len(params), 0
+        self.used = sum(p.numel() for p in params)  # the elements before the padding
+        self.data = torch.empty(self.numel, dtype=dtype, device=device)
+        self.storage, self.nbytes = self.data.untyped_storage(), self.data.nbytes
+        self.storage.resize_(0)  # `GradShards._point_main_grads` makes the views while it briefly holds storage again
+        self.shard: torch.Tensor | None = None  # this rank's shard of `data`, what its reduce-scatter writes
+        self.padding: torch.Tensor | None = None  # `data` after its parameters' elements, zeroed at each allocation
+        self.live = False  # whether the storage is allocated
         self.grad_shard: torch.Tensor | None = None  # this rank's shard of the step's gradients (`GradShards.shards`)
         self.shard_stale = True  # grad_shard holds no gradient of this step yet: the next reduce-scatter is copied
+        # allocations so far, the allocation each parameter was last written in, and how many were in this one
+        self.stamp, self.marks, self.written = 0, [0] * len(params), 0
+        # gradients autograd accumulated (not the fused wgrad GEMMs'), copied into their `main_grad` in one
+        # `_foreach_copy_` when the bucket's reduce-scatter starts, not one copy kernel each
+        self.copy_to: list[torch.Tensor] = []
+        self.copy_from: list[torch.Tensor] = []
 
 
 class GradShards(GradientBuffers):
@@ -125,9 +137,6 @@ class GradShards(GradientBuffers):
         # where reduce-scatters are waited for and added into the shards (module docstring); None: the current stream
         device = self.shards.device
         self._reduce_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # entered once per bucket and micro-batch: made once (a new context looks the device up each time), and a
-        # no-op without a GPU
-        self._on_reduce_stream = torch.cuda.stream(self._reduce_stream)
         self._callback_queued = False
         # each parameter's bucket and its index there: the one dictionary lookup per gradient
         self._slot_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -167,32 +176,32 @@ class GradShards(GradientBuffers):
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
+    def _point_main_grads(self, bucket: _FreshBucket) -> None:
+        """Make, once, the views `_FreshBucket` keeps: every parameter's `main_grad`, the shard, the padding (the
+        storage is held only while they are made: a view of a storage too small for it cannot be made)."""
+        bucket.storage.resize_(bucket.nbytes)
+        super()._point_main_grads(bucket)
+        bucket.shard = self._shard(bucket.data)
+        bucket.padding = bucket.data[bucket.used :] if bucket.used < bucket.numel else None
+        bucket.storage.resize_(0)
+
     def _allocate(self, bucket: _FreshBucket) -> None:
-        """Give a bucket storage for this micro-batch's gradients: uninitialized but for its padding (the module
-        docstring says why), `main_grad` pointed at it."""
-        if bucket.data is None:
-            bucket.data = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        """Give a bucket storage for this micro-batch's gradients, on the current stream: uninitialized but for its
+        padding (the module docstring says why)."""
+        if not bucket.live:
+            bucket.storage.resize_(bucket.nbytes)
+            bucket.live = True
             if self.fill_new_buckets is not None:
                 bucket.data.fill_(self.fill_new_buckets)
-            if bucket.used < bucket.numel:
-                bucket.data[bucket.used :].zero_()
+            if bucket.padding is not None:
+                bucket.padding.zero_()
             bucket.stamp, bucket.written = bucket.stamp + 1, 0
-            self._point_main_grads(bucket)
-
-    def _point_main_grads(self, bucket: _FreshBucket) -> None:
-        """Every parameter's `main_grad`: its view into the bucket's storage, or while there is none its storage-less
-        stand-in (a write into it fails instead of going nowhere). Twice per bucket and micro-batch: from the bucket's
-        lists, no dictionary lookup of a parameter, one split for all of the views."""
-        if bucket.data is None:
-            for param, stand_in in zip(bucket.params, bucket.stand_ins):
-                param.main_grad = stand_in
-        else:
-            for param, view in zip(bucket.params, bucket.data[: bucket.used].split(bucket.sizes)):
-                param.main_grad = view.view_as(param)
 
     def _free(self, bucket: _FreshBucket) -> None:
-        bucket.data = None
-        self._point_main_grads(bucket)
+        bucket.storage.resize_(0)
+        bucket.live = False
+        bucket.copy_to.clear()
+        bucket.copy_from.clear()
 
     def _on_grad(self, param: nn.Parameter) -> None:
         bucket, index = self._slot_of[param]
@@ -200,10 +209,10 @@ class GradShards(GradientBuffers):
             param.grad = None
             param.grad_added_to_main_grad = False
             bucket.pending -= 1
-            if bucket.pending == 0 and bucket.data is not None:
+            if bucket.pending == 0 and bucket.live:
                 self._free(bucket)
             return
-        if bucket.data is None:
+        if not bucket.live:
             self._allocate(bucket)
         if bucket.marks[index] == bucket.stamp:  # its first gradient would be lost, or its bucket reduced early
             raise RuntimeError(
@@ -212,8 +221,9 @@ class GradShards(GradientBuffers):
             )
         if param.grad_added_to_main_grad or getattr(param, "fused_wgrad_accumulation", False):
             bucket.marks[index], bucket.written = bucket.stamp, bucket.written + 1  # its wgrad GEMM wrote main_grad
-        elif param.grad is not None:
-            param.main_grad.copy_(param.grad)  # the bucket is not zeroed: the gradient is copied, not added
+        elif param.grad is not None:  # the bucket is not zeroed: the gradient is copied (in `_start`), not added
+            bucket.copy_to.append(param.main_grad)
+            bucket.copy_from.append(param.grad)
             bucket.marks[index], bucket.written = bucket.stamp, bucket.written + 1
         param.grad = None
         param.grad_added_to_main_grad = False
@@ -222,6 +232,10 @@ class GradShards(GradientBuffers):
             self._start(bucket)
 
     def _start(self, bucket: _FreshBucket) -> None:
+        if bucket.copy_to:
+            torch._foreach_copy_(bucket.copy_to, bucket.copy_from)
+            bucket.copy_to.clear()
+            bucket.copy_from.clear()
         if not bucket.written:
             bucket.data.zero_()
         elif bucket.written < len(bucket.params):  # zero what no gradient wrote: nothing uninitialized is reduced
@@ -235,20 +249,27 @@ class GradShards(GradientBuffers):
     def _retire(self, keep: int) -> None:
         """Wait for the oldest reduce-scatters until `keep` are in flight: add each one's shard of the average into
         the persistent shards and free its bucket."""
+        if len(self._in_flight) <= keep:
+            return
         stream = self._reduce_stream
-        while len(self._in_flight) > keep:
-            bucket = self._in_flight.pop(0)
-            with self._on_reduce_stream:
+        if stream is not None:  # set directly: a stream context costs several times as much host time per bucket
+            current = torch.cuda.current_stream(stream.device)
+            torch.cuda.set_stream(stream)
+        try:
+            while len(self._in_flight) > keep:
+                bucket = self._in_flight.pop(0)
                 bucket.work.wait()
-                shard = self._shard(bucket.data)
                 if bucket.shard_stale:
-                    bucket.grad_shard.copy_(shard)
+                    bucket.grad_shard.copy_(bucket.shard)
                 else:
-                    bucket.grad_shard.add_(shard)
-            bucket.work, bucket.shard_stale = None, False
-            if stream is not None:  # the allocator reuses the storage only once that stream's add is done
-                bucket.data.record_stream(stream)
-            self._free(bucket)
+                    bucket.grad_shard.add_(bucket.shard)
+                bucket.work, bucket.shard_stale = None, False
+                if stream is not None:  # the allocator reuses the storage only once that stream's add is done
+                    bucket.data.record_stream(stream)
+                self._free(bucket)
+        finally:
+            if stream is not None:
+                torch.cuda.set_stream(current)
 
     def _end_of_backward(self) -> None:
         """After a micro-batch's backward: reduce every bucket still waiting for a gradient (all ranks run the same
@@ -265,7 +286,7 @@ class GradShards(GradientBuffers):
         """Complete the step's gradient shards (after the last micro-batch's backward)."""
         self.wait_for_params()
         self._retire(0)
-        if any(bucket.data is not None for bucket in self.buckets):
+        if any(bucket.live for bucket in self.buckets):
             raise RuntimeError("a gradient bucket was filled but never reduced: its backward did not end")
         if self._reduce_stream is not None:
             torch.cuda.current_stream(self.shards.device).wait_stream(self._reduce_stream)
@@ -289,7 +310,7 @@ class GradShards(GradientBuffers):
         """Start the next step's gradient shards (each is overwritten by its first reduce-scatter, not zeroed here),
         and drop any bucket left allocated (a paused pass's: see `GradientBuffers.paused`; nothing is reduced)."""
         for bucket in self.buckets:
-            if bucket.data is not None:
+            if bucket.live:
                 self._free(bucket)
             bucket.shard_stale = True
 
@@ -300,5 +321,5 @@ class GradShards(GradientBuffers):
 
     def held_grad_bytes(self) -> int:
         """Bytes of gradient storage this rank holds now: the shards and the buckets allocated at the moment."""
-        buckets = sum(b.data.untyped_storage().nbytes() for b in self.buckets if b.data is not None)
+        buckets = sum(b.storage.nbytes() for b in self.buckets)
         return self.shards.untyped_storage().nbytes() + buckets

@@ -50,8 +50,8 @@ def _bucket_elements(engine: GradShards) -> int:
 def _held_between_steps(trainer: Trainer) -> None:
     engine = trainer.grad_buffers
     assert isinstance(engine, GradShards)
-    assert all(b.data is None for b in engine.buckets)
-    assert all(p.main_grad.device.type == "meta" for p in engine.params)
+    assert not any(b.live for b in engine.buckets)
+    assert all(p.main_grad.untyped_storage().nbytes() == 0 for p in engine.params)
     itemsize = engine.shards.element_size()
     assert engine.held_grad_bytes() == _bucket_elements(engine) // engine.dp * itemsize
 
@@ -107,9 +107,9 @@ def _memory_body(rank, world_size):
     most, allocate = [0], engine._allocate
 
     def counting(bucket):  # the buckets holding storage at once, whenever one is allocated
-        fresh = bucket.data is None
+        fresh = not bucket.live
         allocate(bucket)
-        most[0] = max(most[0], sum(b.data is not None for b in engine.buckets))
+        most[0] = max(most[0], sum(b.live for b in engine.buckets))
         if fresh:  # no parameter's slice zeroed: each still holds the fill, only the padding is zero
             assert all(p.main_grad.isnan().all() for p in bucket.params)
             assert not bucket.data[sum(p.numel() for p in bucket.params) :].any()
@@ -136,7 +136,7 @@ def _memory_body(rank, world_size):
         if micro_batch == 0:
             assert len(allocating) == len(layers) + len(others) and len(layers) > 1, (len(allocating), len(others))
         loss.backward()
-        alive = [b for b in engine.buckets if b.data is not None]
+        alive = [b for b in engine.buckets if b.live]
         assert len(alive) <= LAG and all(b.work is not None for b in alive), len(alive)
         whole = _bucket_elements(engine) * engine.shards.element_size()
         assert engine.held_grad_bytes() <= whole // 2 + LAG * max(b.numel for b in engine.buckets) * 4
@@ -153,7 +153,7 @@ def _memory_body(rank, world_size):
     most[0] = 0
     with engine.paused():
         trainer.steps.loss(to_device(next(batches), trainer.device)).backward()
-        assert all(b.data is None for b in engine.buckets)
+        assert not any(b.live for b in engine.buckets)
     assert 1 <= most[0] <= 2, most[0]
     assert all(p.grad is None for p in engine.params)
     # the shards are not zeroed between steps: each bucket's next reduce-scatter overwrites its shard, and one that
