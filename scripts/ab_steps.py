@@ -11,7 +11,9 @@ GPUs; all models in memory at once, ~20 GiB each on llama-1b) and runs them in t
 the order reversed every block (A B C, C B A, ...), the ranks meeting at a barrier before each layout's turn. A
 turn's time is its steps' wall time over the steps (each step ends in the optimizer's norm, read on the host).
 Rank 0 prints every block, each layout's median and mean ms per step, and the gap of each layout to the last one
-(the reference) within each block (their turns in one block), with its median and mean, then one JSON line.
+(the reference) within each block (their turns in one block), with its median and mean, and on GPUs what the CUDA
+caching allocator did during each layout's turns (memory taken from and given back to the device, retries after an
+out-of-memory: each a device-wide synchronization, which a block's time would show as a spike), then one JSON line.
 Peak memory is the process's, all models together: take it from benchmark.py's rows.
 
 Under torchrun when launched without it (each layout's GPU count, which must agree).
@@ -41,30 +43,54 @@ def build_trainers(
     ]
 
 
-def alternate(steps: list[Callable[[], object]], blocks: int, block_steps: int, warmup: int) -> list[list[float]]:
-    """ms per step of each layout's step in each block ([block][layout]); the order swaps every block."""
+# the CUDA caching allocator's counters (torch.cuda.memory_stats) that `alternate` sums over each layout's turns
+ALLOCATOR = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+def allocator_counts() -> dict[str, int]:
+    """The ALLOCATOR counters of the current GPU so far."""
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    return {key: stats.get(key, 0) for key in ALLOCATOR}
+
+
+def alternate(
+    steps: list[Callable[[], object]],
+    blocks: int,
+    block_steps: int,
+    warmup: int,
+    counts: Callable[[], dict[str, int]] | None = None,
+) -> tuple[list[list[float]], list[dict[str, int]]]:
+    """ms per step of each layout's step in each block ([block][layout]), the order swapped every block; and per
+    layout how much `counts` (e.g. `allocator_counts`) grew during its turns (empty without it)."""
     for step in steps:
         for _ in range(warmup):
             step()
-    times = []
+    times, grew = [], [{} for _ in steps]
     for block in range(blocks):
         order = range(len(steps)) if block % 2 == 0 else reversed(range(len(steps)))
         row = [0.0] * len(steps)
         for i in order:
             step = steps[i]
             meet()
+            before = counts() if counts else {}
             start = time.perf_counter()
             for _ in range(block_steps):
                 step()
             meet()
             row[i] = (time.perf_counter() - start) * 1e3 / block_steps
+            for key, value in (counts() if counts else {}).items():
+                grew[i][key] = grew[i].get(key, 0) + value - before[key]
         times.append(row)
-    return times
+    return times, grew
 
 
-def report(layouts: list[str], times: list[list[float]]) -> tuple[list[str], dict]:
+def report(
+    layouts: list[str], times: list[list[float]], grew: list[dict[str, int]] | None = None
+) -> tuple[list[str], dict]:
     """The blocks, each layout's median and mean, and each other layout's gap to the last one (the reference) per
-    block, with their median and mean."""
+    block, with their median and mean; and what `grew` counted during each layout's turns (`alternate`)."""
     reference, others = layouts[-1], layouts[:-1]
     gaps = {layout: [100 * (row[i] / row[-1] - 1) for row in times] for i, layout in enumerate(others)}
     lines = [
@@ -83,6 +109,10 @@ def report(layouts: list[str], times: list[list[float]]) -> tuple[list[str], dic
         median, mean = statistics.median(gaps[layout]), statistics.fmean(gaps[layout])
         summary[layout].update(gap_median=median, gap_mean=mean)
         lines.append(f"{layout} against {reference}: median {median:+.1f}%, mean {mean:+.1f}% over {len(times)} blocks")
+    for layout, counted in zip(layouts, grew or []):
+        if counted:
+            summary[layout]["during_turns"] = counted
+            lines.append(f"{layout} during its turns: " + ", ".join(f"{k} {v}" for k, v in counted.items()))
     return lines, summary
 
 
@@ -111,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         return code
     steps = args.warmup + args.blocks * args.block_steps + 1  # the schedules' length: never reached
     runs = build_trainers(args.preset, args.config, args.layouts, args.extra_flags, steps, args.device)
-    times = alternate([step for _, step in runs], args.blocks, args.block_steps, args.warmup)
+    counts = allocator_counts if args.device == "cuda" else None
+    times, grew = alternate([step for _, step in runs], args.blocks, args.block_steps, args.warmup, counts)
     if os.environ.get("RANK", "0") == "0":
-        lines, summary = report(args.layouts, times)
+        lines, summary = report(args.layouts, times, grew)
         print("\n".join(lines))
         print(json.dumps(summary))
     return 0

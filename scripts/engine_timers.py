@@ -8,13 +8,14 @@ The seventeenth session found llama-1b's flat-bucket step (mfsdp2_*) host-bound:
 longer than the distributed optimizer's, and cProfile put ~40 ms of its own time a step in the engine's per-bucket
 functions, but cProfile's cost per call inflates small calls unevenly. Here each layout's trainer is built in one
 process per rank (benchmark.py's flags, as scripts/ab_steps.py does) and run for `--warmup` steps; then for `--steps`
-steps the engines' functions (`GradShards` and `GradientBuffers`: allocating a bucket, freeing it, the
-gradient hook, starting a bucket's reduce-scatter, the reduce-scatter call itself, retiring it, the end of a
-backward, `finish`) run under perf_counter timers, nothing else. A function's exclusive time leaves out the timed
-functions it calls. `--parts` times the torch calls inside them too (a reduce-scatter's wait, stream switches,
-`record_stream`, a bucket storage's resize, adds, copies, zeroing), wherever Python calls them in the timed steps. Each
-rank prints its table: calls a step, exclusive us a call, exclusive and inclusive ms a step, and the step's wall
-time. Under torchrun when launched without it.
+steps the engines' functions (`GradShards` and `GradientBuffers`: the forward hooks that register the allocating
+gradient hooks, allocating a bucket, freeing it, the gradient hook, starting a bucket's reduce-scatter, the
+reduce-scatter call itself, retiring it, the end of a backward, `finish`) run under perf_counter timers, nothing else.
+A function's exclusive time leaves out the timed functions it calls. `--parts` times the torch calls inside them too
+(registering a gradient hook, a reduce-scatter's wait, stream switches, `record_stream`, a bucket storage's resize,
+adds, copies, zeroing), wherever Python calls them in the timed steps. Each rank prints its table: calls a step,
+exclusive us a call, exclusive and inclusive ms a step, and the step's wall time. Under torchrun when launched
+without it.
 """
 
 from __future__ import annotations
@@ -31,11 +32,15 @@ from benchmark import PRESETS, meet, one_size, relaunch, train_flags, trainer_st
 
 # (module, class or None for a module function, name): what runs on the host per bucket, parameter or step
 TIMED = (
+    ("megatron.parallel.grad_shards", "GradShards", "_on_output"),
+    ("megatron.parallel.grad_shards", "GradShards", "_allocate_all"),
     ("megatron.parallel.grad_shards", "GradShards", "_allocate"),
     ("megatron.parallel.grad_shards", "GradShards", "_free"),
     ("megatron.parallel.grad_shards", "GradShards", "_on_grad"),
     ("megatron.parallel.grad_shards", "GradShards", "_start"),
     ("megatron.parallel.grad_shards", "GradShards", "_retire"),
+    ("megatron.parallel.grad_shards", "GradShards", "_end_of_backward_hook"),
+    ("megatron.parallel.grad_shards", "GradShards", "_queue_end_of_backward"),
     ("megatron.parallel.grad_shards", "GradShards", "_end_of_backward"),
     ("megatron.parallel.grad_shards", "GradShards", "finish"),
     ("megatron.parallel.data_parallel", "GradientBuffers", "_on_grad"),
@@ -47,6 +52,7 @@ TIMED = (
 # and the optimizer's `add_` and `copy_` too; its C++ calls are not seen): what a bucket's retire and allocation spend
 # their time on
 PARTS = (
+    ("torch", "Tensor", "register_hook"),
     ("torch._C._distributed_c10d", "Work", "wait"),
     ("torch.cuda", None, "current_stream"),
     ("torch.cuda", None, "set_stream"),

@@ -279,7 +279,7 @@ optim_grads_params --overlap-grad-reduce --overlap-param-gather --ckpt-format fs
     timeout 540 python3 scripts/ab_steps.py --preset llama-1b --config te-delayed-fp8params \
       --layouts ${AB_LAYOUTS:-mfsdp2_optim_grads_bf16comm dp2_distopt} ${AB_FLAGS:-} > "$OUT/logs/ab_steps.log" 2>&1
     echo "ab_steps.py: rc=$?" | tee -a "$OUT/summary.txt"
-    grep -E "^\||median|^\{" "$OUT/logs/ab_steps.log" | tee -a "$OUT/summary.txt";;
+    grep -E "^\||median|during its turns|^\{" "$OUT/logs/ab_steps.log" | tee -a "$OUT/summary.txt";;
   timers-1b)
     # what the flat buckets' host does per bucket and micro-batch beyond the distributed optimizer's, in real
     # microseconds (cProfile inflates small calls), every layout built in one process per rank

@@ -18,14 +18,17 @@ are accumulated over the micro-batches of a step:
   layer's or module's backward, where the fused wgrad GEMMs, Transformer Engine's and
   megatron/model/grad_accumulation.py's, write `weight.main_grad`; one hook a layer, not one per module in it:
   the host registers it every micro-batch), or else by the parameter's post-accumulate-grad hook (a gradient
-  autograd accumulated, e.g. the tied output layer's), and every parameter's `main_grad` is pointed at the new
-  storage; between allocations `main_grad` is a storage-less (meta) tensor of the parameter's shape, so no
-  whole-model gradient buffer exists between micro-batches or steps.
+  autograd accumulated, e.g. the tied output layer's). Every parameter's `main_grad` is a view of `bucket.data` made
+  once; allocating and freeing resize the storage under it, to the bucket's bytes and to none (`_FreshBucket`), so
+  no whole-model gradient buffer exists between micro-batches or steps. A write into a freed bucket's view is a
+  bug that no error names (a write through a null pointer, as with FSDP2's freed parameters); the tests fill new
+  buckets with NaN and check that only the buckets whose reduce-scatters are in flight hold storage.
 * a bucket is not zeroed (only its padding is): within its micro-batch each parameter gets one gradient (autograd
   sums a parameter's uses before the post-accumulate-grad hook runs, and a recomputed layer runs its backward
   once; a second one is an error), so the fused wgrad GEMMs write theirs instead of accumulating
   (`overwrite_main_grad`, Transformer Engine's weight attribute, which grad_accumulation.py and
-  megatron/fp8/params.py honour too) and the hook copies the others' (norm weights, biases, embeddings). A
+  megatron/fp8/params.py honour too) and the others' (norm weights, biases, embeddings) are copied, all of a
+  bucket's in one `_foreach_copy_` before its reduce-scatter starts. A
   parameter that got no gradient has its slice zeroed before the reduce-scatter, so no unwritten element is ever
   reduced.
   Waiting for a reduce-scatter lags `LAG` buckets behind the latest started, keeping it overlapped with the
@@ -52,6 +55,7 @@ optimizer's does. Not built (config/sharding.py refuses them): CUDA graphs (a ca
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -142,6 +146,7 @@ class GradShards(GradientBuffers):
         self._slot_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for param in self.params:  # read by the fused wgrad GEMMs (TE: at each forward)
             param.overwrite_main_grad = True
+        self._allocator_of: dict[nn.Module, functools.partial] = {}
         layer_ids = {id(layer) for layer in layers}
         inside = {id(m) for layer in layers for m in layer.modules()} - layer_ids  # their layer's hook allocates
         for module in model.modules():
@@ -149,23 +154,22 @@ class GradShards(GradientBuffers):
                 continue
             params = module.parameters(recurse=id(module) in layer_ids)
             owned = {id(b): b for p in params if (b := self._bucket_of.get(p)) is not None}
-            if owned:
-                self._hooks.append(module.register_forward_hook(self._allocating_hook(list(owned.values()))))
+            if owned:  # one bound callable per module, made once: the forward hook registers it each micro-batch
+                self._allocator_of[module] = functools.partial(self._allocate_all, list(owned.values()))
+                self._hooks.append(module.register_forward_hook(self._on_output))
         self._hooks.append(model.register_forward_hook(self._end_of_backward_hook))
         # the previous micro-batch's last reduce-scatters overlap the forward up to the last layer
         drain = layers[-1] if layers else model
         self._hooks.append(drain.register_forward_pre_hook(lambda module, args: self._retire(0)))
 
-    def _allocating_hook(self, buckets: list[_FreshBucket]):
-        def on_output_grad(grad: torch.Tensor) -> None:
-            for bucket in buckets:
-                self._allocate(bucket)
+    def _on_output(self, module: nn.Module, args: object, output: object) -> None:
+        """Forward hook of a module whose buckets `_allocate_all` allocates from its output's gradient."""
+        if torch.is_grad_enabled() and (out := _first_grad_tensor(output)) is not None:
+            out.register_hook(self._allocator_of[module])
 
-        def hook(module: nn.Module, args: object, output: object) -> None:
-            if torch.is_grad_enabled() and (out := _first_grad_tensor(output)) is not None:
-                out.register_hook(on_output_grad)
-
-        return hook
+    def _allocate_all(self, buckets: list[_FreshBucket], grad: torch.Tensor) -> None:
+        for bucket in buckets:
+            self._allocate(bucket)
 
     def _end_of_backward_hook(self, module: nn.Module, args: object, output: object) -> None:
         if torch.is_grad_enabled() and (out := _first_grad_tensor(output)) is not None:

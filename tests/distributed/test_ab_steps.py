@@ -43,12 +43,16 @@ def _body(rank, world_size, capture):
 
     for i, trainer in enumerate(trainers):
         trainer.train_step = recorded(i, trainer.train_step)
-    times = ab_steps.alternate([step for _, step in runs], blocks=3, block_steps=2, warmup=1)
+    # a counter read before and after each turn: its growth over a turn is the steps taken in it
+    times, grew = ab_steps.alternate(
+        [step for _, step in runs], blocks=3, block_steps=2, warmup=1, counts=lambda: {"steps": len(calls)}
+    )
     # warm-up, then A B C, C B A, A B C
     assert calls == [0, 1, 2] + [0, 0, 1, 1, 2, 2] + [2, 2, 1, 1, 0, 0] + [0, 0, 1, 1, 2, 2]
     assert len(times) == 3 and all(len(row) == 3 and min(row) > 0 for row in times)
+    assert grew == [{"steps": 6}] * 3  # three turns of two steps each
     if rank == 0:
-        lines, summary = ab_steps.report(layouts, times)
+        lines, summary = ab_steps.report(layouts, times, grew)
         Path(capture).write_text(json.dumps({"lines": lines, "summary": summary}))
 
 
@@ -59,9 +63,11 @@ def test_both_layouts_alternate_in_blocks_and_the_gaps_are_paired(tmp_path):
     times, gaps = got["summary"]["blocks"], got["summary"]["gaps_percent"]
     assert gaps["mfsdp2_optim_grads"] == pytest.approx([100 * (a / c - 1) for a, _, c in times])
     assert gaps["mfsdp2_optim_grads_bf16comm_b100m"] == pytest.approx([100 * (b / c - 1) for _, b, c in times])
-    assert got["lines"][-2].startswith("mfsdp2_optim_grads against dp2_distopt: median ")
-    assert got["lines"][-1].startswith("mfsdp2_optim_grads_bf16comm_b100m against dp2_distopt: median ")
-    assert got["lines"][-1].endswith("over 3 blocks")
+    assert got["lines"][-5].startswith("mfsdp2_optim_grads against dp2_distopt: median ")
+    assert got["lines"][-4].startswith("mfsdp2_optim_grads_bf16comm_b100m against dp2_distopt: median ")
+    assert got["lines"][-4].endswith("over 3 blocks")
+    assert got["lines"][-1] == "dp2_distopt during its turns: steps 6"
+    assert got["summary"]["dp2_distopt"]["during_turns"] == {"steps": 6}
 
 
 def test_report_of_known_blocks():

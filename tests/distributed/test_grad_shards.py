@@ -123,7 +123,7 @@ def _memory_body(rank, world_size):
     allocating, register = [], torch.Tensor.register_hook
 
     def recording(tensor, hook):
-        if hook.__qualname__.endswith("on_output_grad"):
+        if getattr(hook, "func", None) == engine._allocate_all:  # a layer's or module's allocating hook
             allocating.append(hook)
         return register(tensor, hook)
 
