@@ -68,6 +68,7 @@ class _Bucket:
         # the gradients; None while not allocated (megatron/parallel/grad_shards.py allocates it per micro-batch)
         self.data = torch.zeros(self.numel, dtype=dtype, device=device) if allocate else None
         self.param_data: torch.Tensor | None = None  # the distributed optimizer's parameter buffer
+        self.shard: torch.Tensor | None = None  # sharded: this rank's shard of `data`, made once (`_start` reads it)
         self.pending = len(params)
         self.work: dist.Work | Fp8ReduceHandle | None = None
         self.gather: dist.Work | None = None  # an overlapped parameter all-gather still in flight
@@ -124,6 +125,7 @@ class GradientBuffers:
         # NCCL averages inside the all-reduce; gloo has no AVG, so its buckets are divided first. On a GPU the
         # division would be one more pass over every gradient byte, on the compute stream, during the backward.
         self._nccl_avg = self.dp > 1 and dist.get_backend(dp_group) == "nccl"
+        self._reduce_op = dist.ReduceOp.AVG if self._nccl_avg else dist.ReduceOp.SUM
         self.overlap = overlap and self.dp > 1
         self.fp8_reduce = fp8_reduce and self.dp > 1
         self.fp8_stats = Fp8ReduceStats() if self.fp8_reduce else None
@@ -159,6 +161,8 @@ class GradientBuffers:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
             self._point_main_grads(bucket)
             if shard:
+                if bucket.shard is None:  # (grad_shards.py makes its buckets' shards as it points main_grad)
+                    bucket.shard = self._shard(bucket.data)
                 self._move_params_into_buffer(bucket)
 
     def _point_main_grads(self, bucket: _Bucket) -> None:
@@ -232,13 +236,12 @@ class GradientBuffers:
             start = start_fp8_reduce_scatter if self.sharded else start_fp8_all_reduce
             bucket.work = start(bucket.data, self.group, average=True, stats=self.fp8_stats)
             return
-        op = dist.ReduceOp.AVG if self._nccl_avg else dist.ReduceOp.SUM
         if not self._nccl_avg:
             bucket.data.div_(self.dp)
         if self.sharded:  # in place: this rank's shard of the bucket receives the average
-            bucket.work = _reduce_scatter(self._shard(bucket.data), bucket.data, op, group=self.group, async_op=True)
+            bucket.work = _reduce_scatter(bucket.shard, bucket.data, self._reduce_op, group=self.group, async_op=True)
         else:
-            bucket.work = dist.all_reduce(bucket.data, op, group=self.group, async_op=True)
+            bucket.work = dist.all_reduce(bucket.data, self._reduce_op, group=self.group, async_op=True)
 
     def finish(self) -> None:
         """Complete the data-parallel average of every bucket (call after the last micro-batch's backward)."""

@@ -92,7 +92,6 @@ class _FreshBucket(_Bucket):
         self.data = torch.empty(self.numel, dtype=dtype, device=device)
         self.storage, self.nbytes = self.data.untyped_storage(), self.data.nbytes
         self.storage.resize_(0)  # `GradShards._point_main_grads` makes the views while it briefly holds storage again
-        self.shard: torch.Tensor | None = None  # this rank's shard of `data`, what its reduce-scatter writes
         self.padding: torch.Tensor | None = None  # `data` after its parameters' elements, zeroed at each allocation
         self.live = False  # whether the storage is allocated
         self.grad_shard: torch.Tensor | None = None  # this rank's shard of the step's gradients (`GradShards.shards`)
@@ -256,8 +255,8 @@ class GradShards(GradientBuffers):
         if len(self._in_flight) <= keep:
             return
         stream = self._reduce_stream
-        if stream is not None:  # set directly: a stream context costs several times as much host time per bucket
-            current = torch.cuda.current_stream(stream.device)
+        if stream is not None:  # set directly, the device by its index: each a fraction of a stream context's host time
+            current = torch.cuda.current_stream(stream.device_index)
             torch.cuda.set_stream(stream)
         try:
             while len(self._in_flight) > keep:
