@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 
 from megatron.config import Config, parse_args
 from megatron.data.indexed_dataset import IndexedDatasetWriter
+from tests.assets.scripts import load_file
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 def load_tool(name: str):
     """tools/{name}.py as a module (the tools are scripts, not a package); call its main(argv)."""
-    spec = importlib.util.spec_from_file_location(f"tools_{name}", ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("tools", name)
 
 
 def write_documents(prefix: str | Path, lengths: list[int], first_token: int = 0, eod: int | None = None) -> str:

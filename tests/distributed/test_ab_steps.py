@@ -1,15 +1,14 @@
 """scripts/ab_steps.py on two gloo ranks: both layouts' trainers in one process, their blocks alternated."""
 
-import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
 
+from tests.assets.scripts import load_script
 from tests.dist_utils import run_distributed
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ab_steps.py"
 # benchmark.py's llama-1b preset and a local config, every width tiny (the later flags win)
 TINY = (
     "--num-layers 2 --hidden-size 32 --ffn-hidden-size 64 --num-attention-heads 4 --num-query-groups 2"
@@ -18,10 +17,7 @@ TINY = (
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("ab_steps", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ab_steps")
 
 
 def _body(rank, world_size, capture):

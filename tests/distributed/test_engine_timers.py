@@ -1,7 +1,6 @@
 """scripts/engine_timers.py on two gloo ranks: the engines' functions (and with --parts the torch calls in them) timed
 while on, their exclusive time without their timed callees', and nothing counted while off."""
 
-import importlib.util
 import json
 import os
 import time
@@ -9,17 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.assets.scripts import load_script
 from tests.dist_utils import run_distributed
 from tests.distributed.test_ab_steps import TINY
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "engine_timers.py"
-
 
 def _load():
-    spec = importlib.util.spec_from_file_location("engine_timers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("engine_timers")
 
 
 def test_exclusive_time_leaves_out_timed_callees():

@@ -1,23 +1,18 @@
 """scripts/host_costs.py on two gloo ranks: every call that needs no GPU timed on the main thread and inside a gradient
 hook (the autograd engine's thread), the collectives among them run by both ranks together."""
 
-import importlib.util
 import json
 import threading
 from pathlib import Path
 
 import pytest
 
+from tests.assets.scripts import load_script
 from tests.dist_utils import run_distributed
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "host_costs.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("host_costs", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("host_costs")
 
 
 def _body(rank, world_size, capture):
