@@ -65,7 +65,8 @@ class _Bucket:
         self.params = params
         self.numel = -(-sum(p.numel() for p in params) // pad_to) * pad_to
         self.device, self.dtype = device, dtype
-        # the gradients; None while not allocated (megatron/parallel/grad_shards.py allocates it per micro-batch)
+        # the gradients; not allocated here for megatron/parallel/grad_shards.py, whose buckets allocate it per
+        # micro-batch
         self.data = torch.zeros(self.numel, dtype=dtype, device=device) if allocate else None
         self.param_data: torch.Tensor | None = None  # the distributed optimizer's parameter buffer
         self.shard: torch.Tensor | None = None  # sharded: this rank's shard of `data`, made once (`_start` reads it)
