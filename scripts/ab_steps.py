@@ -31,17 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import PRESETS, meet, one_size, relaunch, train_flags, trainer_step  # noqa: E402  (no torch at import)
-
-
-def build_trainers(
-    preset: str, config: str, layouts: list[str], extra: str, steps: int, device_type: str
-) -> list[tuple[object, Callable[[], object]]]:
-    """(Trainer, its step) per layout, in this order on every rank (each builds its own process groups)."""
-    return [
-        trainer_step(train_flags(preset, config, steps, steps, layout, extra=extra), device_type) for layout in layouts
-    ]
-
+from benchmark import PRESETS, build_trainers, meet, one_size, relaunch  # noqa: E402  (no torch at import)
 
 # the CUDA caching allocator's counters (torch.cuda.memory_stats) that `alternate` sums over each layout's turns
 ALLOCATOR = ("num_device_alloc", "num_device_free", "num_alloc_retries")
@@ -80,8 +70,9 @@ def alternate(
                 step()
             meet()
             row[i] = (time.perf_counter() - start) * 1e3 / block_steps
-            for key, value in (counts() if counts else {}).items():
-                grew[i][key] = grew[i].get(key, 0) + value - before[key]
+            if counts:
+                for key, value in counts().items():
+                    grew[i][key] = grew[i].get(key, 0) + value - before[key]
         times.append(row)
     return times, grew
 

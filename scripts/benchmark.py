@@ -576,6 +576,17 @@ def trainer_step(argv: list[str], device_type: str = "cuda") -> tuple[object, Ca
     return trainer, lambda: trainer.train_step(batches, lr)
 
 
+def build_trainers(
+    preset: str, config: str, layouts: list[str], extra: str, steps: int, device_type: str
+) -> list[tuple[object, Callable[[], object]]]:
+    """`trainer_step` per layout (train_flags' run of `steps` iterations, `extra` flags added), in this order on every
+    rank (each builds its own process groups): scripts/ab_steps.py's and scripts/engine_timers.py's trainers, all in
+    one process per rank."""
+    return [
+        trainer_step(train_flags(preset, config, steps, steps, layout, extra=extra), device_type) for layout in layouts
+    ]
+
+
 def one_size(parser: argparse.ArgumentParser, layouts: list[str]) -> int:
     """The GPU count of `layouts` (LAYOUTS' names), which must agree: else a one-line parser error (scripts that
     build several layouts' trainers in one process per rank)."""

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import PRESETS, meet, one_size, relaunch, train_flags, trainer_step  # noqa: E402  (no torch at import)
+from benchmark import PRESETS, build_trainers, meet, one_size, relaunch  # noqa: E402  (no torch at import)
 
 # (module, class or None for a module function, name): what runs on the host per bucket, parameter or step
 TIMED = (
@@ -181,10 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     total = args.warmup + args.steps + 1  # the schedules' length: never reached
     timers = Timers()
     install(timers, args.parts)  # before the trainers bind their gradient hooks
-    runs = [
-        trainer_step(train_flags(args.preset, args.config, total, total, layout, extra=args.extra_flags), args.device)
-        for layout in args.layouts
-    ]
+    runs = build_trainers(args.preset, args.config, args.layouts, args.extra_flags, total, args.device)
     tables = measure(timers, [step for _, step in runs], args.layouts, args.warmup, args.steps)
     import torch.distributed as dist
 

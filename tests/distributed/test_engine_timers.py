@@ -39,13 +39,7 @@ def _body(rank, world_size, capture):
     timers = engine_timers.Timers()
     engine_timers.install(timers, parts=True)
     try:
-        runs = [
-            engine_timers.trainer_step(
-                engine_timers.train_flags("llama-1b", "local-bf16", 8, 8, layout, extra=extra),
-                "cpu",
-            )
-            for layout in layouts
-        ]
+        runs = engine_timers.build_trainers("llama-1b", "local-bf16", layouts, extra, 8, "cpu")
         tables = engine_timers.measure(timers, [step for _, step in runs], layouts, warmup=1, steps=2)
     finally:
         engine_timers.uninstall()
