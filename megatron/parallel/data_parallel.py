@@ -162,16 +162,16 @@ class GradientBuffers:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
             self._point_main_grads(bucket)
             if shard:
-                if bucket.shard is None:  # (grad_shards.py makes its buckets' shards as it points main_grad)
-                    bucket.shard = self._shard(bucket.data)
                 self._move_params_into_buffer(bucket)
 
     def _point_main_grads(self, bucket: _Bucket) -> None:
-        """Every parameter's `main_grad`: its view into the bucket's gradients (grad_shards.py re-points them at each
-        allocation)."""
+        """Every parameter's `main_grad`, its view into the bucket's gradients, and (sharded) the bucket's `shard`:
+        made once, at construction."""
         for param in bucket.params:
             offset = self._offset_of[param]
             param.main_grad = bucket.data[offset : offset + param.numel()].view_as(param)
+        if self.sharded:
+            bucket.shard = self._shard(bucket.data)
 
     def _move_params_into_buffer(self, bucket: _Bucket) -> None:
         kind = _storage_kind(bucket.params[0])

@@ -180,11 +180,11 @@ class GradShards(GradientBuffers):
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _point_main_grads(self, bucket: _FreshBucket) -> None:
-        """Make, once, the views `_FreshBucket` keeps: every parameter's `main_grad`, the shard, the padding (the
-        storage is held only while they are made: a view of a storage too small for it cannot be made)."""
+        """Make, once, the views `_FreshBucket` keeps: every parameter's `main_grad` and the shard (as for every
+        bucket), and the padding (the storage is held only while they are made: a view of a storage too small for it
+        cannot be made)."""
         bucket.storage.resize_(bucket.nbytes)
         super()._point_main_grads(bucket)
-        bucket.shard = self._shard(bucket.data)
         bucket.padding = bucket.data[bucket.used :] if bucket.used < bucket.numel else None
         bucket.storage.resize_(0)
 
