@@ -43,6 +43,11 @@ class TrainingConfig:
     """Run validation every this many iterations (and at the end)."""
     eval_iters: int = 10
     """Validation batches (of global-batch size) per validation run; 0 turns validation off."""
+    full_validation: bool = False
+    """Every validation run reads the whole validation split, the same samples each time, from its first sample
+    (one pass over its documents, rounded down to whole global batches), instead of the next --eval-iters global
+    batches: evaluations then compare like with like across iterations and across runs of one seed (Megatron-LM's
+    flag). The test split still reads --eval-iters batches."""
     seed: int = 1234
     """Random seed for initialization, dropout and data order."""
     deterministic_mode: bool = False

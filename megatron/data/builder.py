@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
-from torch.utils.data import Dataset
+from torch.utils.data import ConcatDataset, Dataset
 
 from megatron.config import Config
 from megatron.config.batch_schedule import train_iterations
@@ -54,12 +54,14 @@ def split_sizes(cfg: Config) -> tuple[int, int, int]:
     """Samples asked of the train, validation and test datasets: Megatron-LM's get_train_valid_test_num_samples.
     Training: --train-samples, else train_iters x global batch (at least what a batch-size schedule consumes);
     validation: eval_iters x global batch for each evaluation of the run (every --eval-interval-th step and once at
-    the end, each reading the next samples); test: one evaluation."""
+    the end, each reading the next samples), or one evaluation's with --full-validation (mock data; a corpus's
+    validation split is then read in full, see `_build_split`); test: one evaluation."""
     train, gbs = cfg.training, cfg.training.global_batch_size
     iterations = train_iterations(cfg)
     samples = train.train_samples if train.train_samples is not None else iterations * gbs
     evaluations = iterations // train.eval_interval + 1
-    return max(samples, run_samples(cfg)), evaluations * train.eval_iters * gbs, train.eval_iters * gbs
+    valid = (1 if train.full_validation else evaluations) * train.eval_iters * gbs
+    return max(samples, run_samples(cfg)), valid, train.eval_iters * gbs
 
 
 def build_datasets(cfg: Config, tokenizer, vocab_size: int) -> Datasets:
@@ -108,6 +110,12 @@ def build_datasets(cfg: Config, tokenizer, vocab_size: int) -> Datasets:
                 continue
             parts = usable
         splits.append(_build_split(cfg, tokenizer, vocab_size, name, parts, num_samples, weighted))
+    valid, gbs = splits[1], cfg.training.global_batch_size
+    if cfg.training.full_validation and valid is not None and len(valid) < gbs:
+        raise DataError(
+            f"--full-validation: the validation split holds {len(valid)} samples of --seq-length"
+            f" {cfg.model.seq_length}, fewer than one global batch ({gbs}); give it a larger share in --split"
+        )
     return Datasets(*splits)
 
 
@@ -120,6 +128,8 @@ def _build_split(
     cfg: Config, tokenizer, vocab_size: int, name: str, parts: list, num_samples: int, weighted: bool
 ) -> Dataset:
     data = cfg.data
+    if name == "valid" and cfg.training.full_validation:
+        num_samples = 1  # one epoch: the fewest a GPT dataset holds
 
     def gpt(indexed: IndexedDataset, first: int, last: int, samples: int) -> GPTDataset:
         return GPTDataset(
@@ -141,6 +151,8 @@ def _build_split(
     if not weighted:
         _, indexed, first, last = parts[0]
         return gpt(indexed, first, last, num_samples)
+    if name == "valid" and cfg.training.full_validation:  # every component's split in full, not weighted
+        return ConcatDataset([gpt(indexed, first, last, num_samples) for _, indexed, first, last in parts])
     # Megatron-LM's sizes: component k serves ceil(n w_k) samples and is built for that plus the surplus; the blend
     # holds the sum of the shares.
     raw = np.array([w for w, *_ in parts], dtype=np.float64)

@@ -184,18 +184,21 @@ class Trainer:
     def evaluate(self, dataset: Dataset | None, split: str = "validation", final: bool = False) -> float | None:
         """The loss over eval_iters global batches of `dataset`. As in Megatron-LM, validation reads on from
         `state.consumed_valid_samples` (each evaluation the next samples, a resumed run where the checkpoint
-        stopped) and the test split from its start. `final`: the evaluation after training (its own log line)."""
+        stopped), or with --full-validation the whole split from its start, and the test split from its start. `final`: the evaluation after training (its own log line)."""
         if dataset is None or self.cfg.training.eval_iters == 0:
             return None
-        samples = self.cfg.training.eval_iters * self.cfg.training.global_batch_size
-        start = self.state.consumed_valid_samples if split == "validation" else 0
+        train = self.cfg.training
+        full = split == "validation" and train.full_validation
+        iters = len(dataset) // train.global_batch_size if full else train.eval_iters
+        samples = iters * train.global_batch_size
+        start = self.state.consumed_valid_samples if split == "validation" and not full else 0
         if start + samples > len(dataset):  # more evaluations than the split was sized for (flags changed)
             print_rank_0(f"> the {split} samples from {start} on are fewer than {samples}: reading from sample 0")
             start = 0
         self.runtime.before_evaluation()
         batches = iter(self.loader(dataset, start))
-        loss = self.steps.evaluation_loss(batches, self.cfg.training.eval_iters * self.cfg.num_micro_batches)
-        if split == "validation":
+        loss = self.steps.evaluation_loss(batches, iters * self.cfg.num_micro_batches)
+        if split == "validation" and not full:
             self.state.consumed_valid_samples += samples
         self.runtime.after_evaluation()
         self.progress.log_validation(self.state.iteration, loss, split, final)

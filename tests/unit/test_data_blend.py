@@ -7,6 +7,7 @@ import pytest
 from megatron.config import ConfigError
 from megatron.data import build_datasets, build_tokenizer
 from megatron.data.blended_dataset import BlendedDataset, blend_indices
+from megatron.data.errors import DataError
 from tests.assets.data_helpers import config, write_documents
 
 
@@ -58,3 +59,24 @@ def test_data_path_blend_end_to_end(tmp_path):
 def test_malformed_blends_are_config_errors(data_path, message):
     with pytest.raises(ConfigError, match=message):
         config(f"--data-path {data_path} --vocab-size 10")
+
+
+def test_full_validation_holds_every_validation_window_of_every_prefix(tmp_path):
+    a = write_documents(tmp_path / "a", [50] * 40)
+    b = write_documents(tmp_path / "b", [50] * 40, first_token=10_000)
+    flags = (
+        f"--data-cache-path {tmp_path / 'cache'} --vocab-size 20000 --seq-length 16 --micro-batch-size 4"
+        " --train-iters 25 --eval-iters 1 --eval-interval 5 --split 80,20,0 --full-validation"
+    )
+
+    def datasets(extra: str):
+        cfg = config(f"{flags} {extra}")
+        return build_datasets(cfg, build_tokenizer(cfg.data), 20_096)
+
+    # 8 documents of 50 tokens: (400 - 1) // 16 windows, once each, whatever the number of evaluations.
+    assert len(datasets(f"--data-path {a} --global-batch-size 8").valid) == 24
+    blend = datasets(f"--data-path 1 {a} 3 {b} --global-batch-size 8").valid
+    assert len(blend) == 48  # both prefixes' splits in full, not sampled by weight
+    assert sum(blend[i]["tokens"][0].item() >= 10_000 for i in range(48)) == 24
+    with pytest.raises(DataError, match="--full-validation: the validation split holds 24 samples"):
+        datasets(f"--data-path {a} --global-batch-size 32")

@@ -95,3 +95,14 @@ def test_log_lines_are_megatron_lms_in_the_loop_and_after_training():
     assert " validation loss at iteration 40 on validation set | lm loss value: 6.000000E+00 |" in final
     test = validation_log_lines(40, 6.0, "test", final=True)
     assert " validation loss at iteration 40 on test set | lm loss value: 6.000000E+00 |" in test
+
+
+def test_full_validation_reads_the_whole_split_from_its_start_every_time():
+    reads = []
+    trainer = _trainer(f"{FLAGS} --full-validation", reads)
+    valid_len = len(trainer.datasets.valid)
+    state = trainer.train()
+    assert reads == [("valid", 0), ("valid", 0), ("valid", 0), ("test", 0)]
+    assert state.consumed_valid_samples == 0 and valid_len == 4  # mock data: one evaluation's worth
+    # The same weights and the same samples: the last loop evaluation and the one after training agree.
+    assert trainer.evaluate(trainer.datasets.valid) == state.valid_losses[4]
