@@ -184,7 +184,8 @@ class Trainer:
     def evaluate(self, dataset: Dataset | None, split: str = "validation", final: bool = False) -> float | None:
         """The loss over eval_iters global batches of `dataset`. As in Megatron-LM, validation reads on from
         `state.consumed_valid_samples` (each evaluation the next samples, a resumed run where the checkpoint
-        stopped), or with --full-validation the whole split from its start, and the test split from its start. `final`: the evaluation after training (its own log line)."""
+        stopped), or with --full-validation the whole split from its start, and the test split from its start.
+        `final`: the evaluation after training (its own log line)."""
         if dataset is None or self.cfg.training.eval_iters == 0:
             return None
         train = self.cfg.training
