@@ -47,6 +47,7 @@ from pathlib import Path
 from megatron import perf  # no torch at import
 from megatron.perf.launch import ROOT, execute, failure_reason, launcher, relaunch, run_env
 from megatron.perf.rows import (
+    COMMON,
     CONFIGS,
     FSDP_ONLY_CONFIGS,
     GRAPHS,
@@ -62,6 +63,7 @@ from megatron.perf.step_profile import host_profile, profile, profiled_name, sho
 
 # what other scripts use of this one (`import benchmark` from a script in scripts/)
 __all__ = [
+    "COMMON",
     "CONFIGS",
     "LAYOUTS",
     "PRESETS",

@@ -1,6 +1,6 @@
 """Which ops the FSDP O2 step launches, with their bytes (CPU, 2 gloo ranks, local layers for TE).
 
-Issue 30's profile puts every `multi_tensor_apply_kernel` in the bound's "optimizer" category (megatron/perf/report.py
+The step's profile puts every `multi_tensor_apply_kernel` in the bound's "optimizer" category (megatron/perf/report.py
 matches kernel names only), whatever launched it. This census runs the benchmark's flags for
 `te-delayed-fp8params-nocalib --layouts fsdp2_o2states` on a small model and counts the aten ops of every training
 step by phase (a TorchDispatchMode; the phase is the function of the trainer or optimizer it ran in), with their dtypes,
@@ -12,7 +12,7 @@ census records that kernel's launches and bytes (gradient read, states read and 
 instead of the eager ops. FSDP2's `fsdp.all_gather_copy_in` is one custom op wrapping a `_foreach_copy_` (a
 multi_tensor_apply kernel on CUDA) in the all-gather dtype: recorded with that dtype and 2x its inputs' bytes.
 
-    python scripts/optim_step_ops.py [--steps 3] [--layers 4] [--all]
+    python scripts/probes/optim_step_ops.py [--steps 3] [--layers 4] [--all]
 """
 
 from __future__ import annotations
@@ -23,15 +23,12 @@ import contextlib
 import functools
 import io
 import os
-import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FLAGS = (
     "--mock-data --vocab-size 127 --make-vocab-size-divisible-by 64 --hidden-size 64 --num-attention-heads 4"

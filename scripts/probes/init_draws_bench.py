@@ -3,8 +3,8 @@ before megatron/model/init_draws.py) against the parts drawn in a pool of thread
 same weights. Llama-3-8B's widths (hidden 4096, ffn 14336, 32 heads / 8 groups, vocabulary 128256), untied, local
 layers in bf16, with --layers of its 32 layers (the embedding and the output layer are a quarter of 8B's draws).
 
-python scripts/init_draws_bench.py --layers 2 --threads 1 2
-python scripts/init_draws_bench.py --layers 4 --threads 1 8 16     (a 16-core machine; ~14 GB of memory)
+python scripts/probes/init_draws_bench.py --layers 2 --threads 1 2
+python scripts/probes/init_draws_bench.py --layers 4 --threads 1 8 16     (a 16-core machine; ~14 GB of memory)
 """
 
 from __future__ import annotations
@@ -13,17 +13,13 @@ import argparse
 import contextlib
 import hashlib
 import resource
-import sys
 import time
-from pathlib import Path
 from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's megatron, not an installed copy
-
-from megatron.config import parse_args  # noqa: E402
-from megatron.model import GPTModel, gpt  # noqa: E402
+from megatron.config import parse_args
+from megatron.model import GPTModel, gpt
 
 LLAMA3_8B = (
     "--hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --num-query-groups 8 --group-query-attention"
