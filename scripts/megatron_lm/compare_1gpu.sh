@@ -1,6 +1,7 @@
 #!/bin/bash
-# This project's benchmark rows and Megatron-LM's same call on one GPU, CUDA graphs on both sides (../shared/anchors/README.md):
-# llama-1b bf16 and FP8 delayed, llama-8b-4l FP8 delayed, this project's rows then Megatron-LM's. About 8 minutes.
+# This project's benchmark rows and Megatron-LM's same call on one GPU, CUDA graphs on both sides
+# (../shared/anchors/README.md): llama-1b bf16 and FP8 delayed, llama-8b-4l FP8 delayed, this project's rows then
+# Megatron-LM's. About 8 minutes.
 # Usage, on the GPU machine from the repository root, with .anchors carried (Megatron-LM's sources):
 #   bash scripts/megatron_lm/compare_1gpu.sh OUTDIR
 # OUTDIR gets summary.txt (both sides' last iterations) and every run's log (logs/).
