@@ -7,7 +7,7 @@ import argparse
 import os
 from collections.abc import Callable
 
-from .rows import LAYOUTS, layout_of, train_flags
+from .rows import layout_of, train_flags
 
 
 def trainer_step(argv: list[str], device_type: str = "cuda") -> tuple[object, Callable[[], object]]:
@@ -43,7 +43,7 @@ def one_size(parser: argparse.ArgumentParser, layouts: list[str]) -> int:
         try:
             sizes.add(layout_of(name)[0])
         except ValueError as error:
-            parser.error(f"{error} (the catalogue: {', '.join(LAYOUTS)})")
+            parser.error(str(error))
     if len(sizes) != 1:
         parser.error(f"{' and '.join(layouts)} run on different numbers of GPUs: compare layouts of one size")
     return sizes.pop()

@@ -81,7 +81,7 @@ def test_report_of_known_blocks():
     "flags, message",
     [
         (["--layouts", "dp2_distopt", "1gpu"], "run on different numbers of GPUs"),
-        (["--layouts", "dp2_distopt", "nope"], "unknown layout nope"),
+        (["--layouts", "dp2_distopt", "nope"], "layout 'nope': unknown part 'nope'"),
         (["--blocks", "0"], "--blocks and --block-steps must be at least 1"),
         (["--layouts", "dp2_distopt"], "--layouts takes at least two"),
     ],
