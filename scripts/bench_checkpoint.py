@@ -24,7 +24,6 @@ the disk holds one at a time (llama-1b with its optimizer: about 15 GiB).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import re
 import shutil
@@ -33,13 +32,10 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import benchmark  # scripts/benchmark.py, beside this script: presets, configs and process handling
+
 ROOT = Path(__file__).resolve().parent.parent
 
-# scripts/benchmark.py's presets, configs and process handling (imported by path: scripts/ is not a package)
-_spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts" / "benchmark.py")
-benchmark = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("benchmark", benchmark)  # its dataclasses look their module up there
-_spec.loader.exec_module(benchmark)
 
 PRESETS = {
     **benchmark.PRESETS,

@@ -14,20 +14,16 @@ Prints one line per load and a table of medians.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
+import bench_checkpoint  # scripts/, beside this script
+import benchmark
+
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("bench_checkpoint", ROOT / "scripts" / "bench_checkpoint.py")
-bench_checkpoint = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("bench_checkpoint", bench_checkpoint)
-_spec.loader.exec_module(bench_checkpoint)
-benchmark = bench_checkpoint.benchmark
 
 
 def run_with(cmd: list[str], tree: Path, timeout: int, step: str) -> str:

@@ -14,18 +14,11 @@ TE's: the estimate reads --transformer-impl, the shapes and the precision and pa
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # this checkout's megatron, not an installed copy
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from benchmark import CONFIGS, LAYOUTS, PRESETS, train_flags  # noqa: E402
-
-from megatron.config import Config, parse_args  # noqa: E402
-from megatron.data.tokenizers import build_tokenizer, padded_vocab_size  # noqa: E402
-from megatron.perf.work import param_count  # noqa: E402
+from megatron.config import Config, parse_args
+from megatron.data.tokenizers import build_tokenizer, padded_vocab_size
+from megatron.perf.rows import CONFIGS, LAYOUTS, PRESETS, train_flags
+from megatron.perf.work import param_count
 
 TE_FLAG = "--transformer-impl transformer_engine"
 TE_ONLY = "--fp8-dot-product-attention"  # refused with the local layers: dropped for parsing, set again after

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import pstats
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import profiled_name  # noqa: E402  (no torch at import)
+from megatron.perf.step_profile import profiled_name  # no torch at import
 
 Entry = tuple[float, float]  # calls and own seconds, over the profiled steps
 

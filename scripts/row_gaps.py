@@ -4,10 +4,10 @@
 
 Reads the result lines that scripts/benchmark.py prints (one JSON object per row: preset, config, layout,
 ms_per_iter, peak_gib), in the order they were run, from any text that holds them (a summary, a log). A pass ends
-where a (preset, config, layout) row comes again, so `ROWS` run `PASSES` times in turn (scripts/fsdp_rows.sh
+where a (preset, config, layout) row comes again, so `ROWS` run `PASSES` times in turn (scripts/probes/fsdp_rows.sh
 zero2-1b) make one pass each. A row is compared with the reference row of its preset and config in the same pass:
 rows run minutes apart in one device call, because calls, and runs within a call, differ by 5-10% on llama-1b
-(docs/benchmarks.md, third wave, twelfth session), more than the 3% a target may ask to show.
+(docs/benchmarks.md), more than the 3% a comparison may need to show.
 """
 
 from __future__ import annotations

@@ -14,9 +14,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron.data import default_corpus  # noqa: E402
+from megatron.data import default_corpus
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ megatron.config.cli.parse_args (world size = tensor x pipeline x context paralle
 leaves out are filled from a small working command line and from pretrain_gpt.py's GPT2BPETokenizer default). When
 that raises ConfigError, the flag the one-line message names first is set aside and the rest parsed again. A flag
 set aside is then parsed alone on that small command line, with the configuration's value: failing alone, it "fails
-with a one-line error" (a flag that belongs to another open issue, or a value this CLI rejects where Megatron-LM
+with a one-line error" (a flag of a feature not implemented yet, or a value this CLI rejects where Megatron-LM
 accepts it: the report shows each error); passing alone, it fails only in that configuration's combination (often
 because an unknown flag of that configuration was left out). The parse runs as on a CUDA
 machine with Transformer Engine importable (neither is needed to validate flags), so TE-only flags are judged by
@@ -28,19 +28,16 @@ import collections
 import contextlib
 import datetime
 import re
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from megatron.config.base import ConfigError
+from megatron.config.cli import all_flags, parse_args
 
-from megatron.config.base import ConfigError  # noqa: E402
-from megatron.config.cli import all_flags, parse_args  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 EXCLUDED_MODES = ("inference", "rl")
 EXCLUDED_NAME_PARTS = ("inference", "grpo", "moe")
@@ -61,7 +58,7 @@ FILLERS = {
 
 # Why an unknown flag is left out. Reviewed by hand: add a line when a new flag shows up as "not yet triaged".
 REASONS = {
-    "--async-ckpt-use-cpu-shm": "distributed (torch_dist) checkpoint options: issue 18",
+    "--async-ckpt-use-cpu-shm": "distributed (torch_dist) checkpoint options: not implemented",
     "--rerun-mode": "Megatron-LM's rerun state machine (re-running steps to find faults): not implemented",
     "--error-injection-rate": "rerun state machine fault injection: not implemented",
     "--error-injection-type": "rerun state machine fault injection: not implemented",
@@ -96,7 +93,7 @@ REASONS = {
     "--rotary-interleaved": "interleaved rotary layout: not implemented",
     "--use-mup": "muP parametrization: not implemented",
     "--mup-base-hidden-size": "muP parametrization: not implemented",
-    "--hierarchical-context-parallel-sizes": "context parallelism: issue 17",
+    "--hierarchical-context-parallel-sizes": "hierarchical context parallelism: not implemented",
     **dict.fromkeys(
         ["--overlap-p2p-communication-warmup-flush"],
         "overlapped point-to-point communication in the pipeline's warm-up and flush: not implemented",
@@ -276,7 +273,7 @@ def markdown(report: Report, commit: str, date: str) -> str:
             else ""
         ),
         "",
-        "Issue 16's target: at least 90% of the uses are known flags.",
+        "The target: at least 90% of the uses are known flags.",
         "",
         "How known flags are checked: each counted configuration's known flags and values go through this CLI's",
         "parser and validation (`megatron.config.cli.parse_args`; world size = tensor x pipeline (x context)",
@@ -294,7 +291,7 @@ def markdown(report: Report, commit: str, date: str) -> str:
             "## Known flags that fail with a one-line error",
             "",
             "Each parsed alone on a small working command line with the configuration's value. Expected here: flags",
-            "that belong to another open issue. Anything else is a difference from Megatron-LM to look at.",
+            "of features not implemented yet. Anything else is a difference from Megatron-LM to look at.",
             "",
             "| flag | uses | error |",
             "|---|---|---|",

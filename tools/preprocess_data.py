@@ -14,12 +14,10 @@ import dataclasses
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron.config import ConfigError, DataConfig  # noqa: E402
-from megatron.config.base import field_docs, flag_name  # noqa: E402
-from megatron.config.cli import scalar_type  # noqa: E402
-from megatron.data.preprocess import BadLineError, output_prefix_for, preprocess_jsonl  # noqa: E402
+from megatron.config import ConfigError, DataConfig
+from megatron.config.base import field_docs, flag_name
+from megatron.config.cli import scalar_type
+from megatron.data.preprocess import BadLineError, output_prefix_for, preprocess_jsonl
 
 TOKENIZER_FIELDS = (
     "tokenizer_type",

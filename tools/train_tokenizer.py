@@ -20,9 +20,7 @@ import os
 import sys
 from collections.abc import Iterator
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron.data.gpt2_bpe import END_OF_TEXT  # noqa: E402
+from megatron.data.gpt2_bpe import END_OF_TEXT
 
 
 def iter_texts(paths: list[str], keys: list[str]) -> Iterator[str]:

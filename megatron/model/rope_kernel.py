@@ -22,7 +22,7 @@ written once, in 16-byte vectors, all of a row's loads issued before its first s
 
 Triton is imported on first use only (`build()`); `available()` is False without it. The CPU (the plain GPT, the
 numerical oracle) never runs this kernel; the tests run it under Triton's interpreter on the CPU too
-(tests/gpu/test_rope_kernel.py). `python3 scripts/rope_bench.py` times it against TE's on a GPU.
+(tests/gpu/test_rope_kernel.py). `python3 scripts/probes/rope_bench.py` times it against TE's on a GPU.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def config(
 ) -> dict[str, int]:  # fmt: skip
     """The kernel's compile-time sizes and launch shape for `rows` (s * b) rows of `heads` query heads in `groups`
     groups of `head_dim` channels, the first `rotary_dim` rotated. `rows_per_program` and `num_warps` override the
-    choice (scripts/rope_bench.py sweeps them)."""
+    choice (scripts/probes/rope_bench.py sweeps them)."""
     if heads % groups:
         raise ValueError(f"{heads} query heads do not split into {groups} groups")
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:

@@ -158,7 +158,7 @@ def te_qkv_rope(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v with RoPE from the packed QKV output by Transformer Engine's fused QKV kernel, as
     `rope_kernel.fused_qkv_rope` computes them: the layer's fallback without Triton, and the reference that
-    tests/gpu/test_rope_kernel.py and scripts/rope_bench.py compare the Triton kernel with."""
+    tests/gpu/test_rope_kernel.py and scripts/probes/rope_bench.py compare the Triton kernel with."""
     from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
 
     hn = packed.shape[-1] // (heads_per_group + 2)

@@ -1,9 +1,12 @@
-"""The lower bound of a training iteration on this device, beside the measured one (issue 31; docs/benchmarks.md,
-"Lower bound"). Top of the package order: it reads the configuration and nothing imports it but scripts and tests.
+"""Measuring training iterations: the benchmark's rows and their launch, and the lower bound of an iteration on this
+device beside the measured one (docs/benchmarks.md, "Lower bound"). Top of the package order: it reads the
+configuration and nothing imports it but scripts and tests.
 
-work.py counts the GEMMs and attentions of an iteration, traffic.py the bytes of its memory-bound kernels and
-un-overlapped collectives (fsdp.py those FSDP adds), probes.py measures this device's rates (cached per shape),
-bound.py combines them and report.py prints bound against measurement.
+rows.py names the benchmark's presets, configs and layouts by their axes and gives their flags, launch.py runs them
+in fresh processes, steps.py builds a row's training step in this process and step_profile.py reports where its time
+goes. For the bound, work.py counts the GEMMs and attentions of an iteration, traffic.py the bytes of its memory-bound
+kernels and un-overlapped collectives (fsdp.py those FSDP adds), probes.py measures this device's rates (cached per
+shape), bound.py combines them and report.py prints bound against measurement.
 """
 
 from .bound import CATEGORIES, Bound, Term, lower_bound, padded_vocab

@@ -1,4 +1,4 @@
-"""scripts/ab_steps.py on two gloo ranks: both layouts' trainers in one process, their blocks alternated."""
+"""scripts/probes/ab_steps.py on two gloo ranks: both layouts' trainers in one process, their blocks alternated."""
 
 import json
 import os
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.assets.scripts import load_script
+from tests.assets.scripts import load_probe
 from tests.dist_utils import run_distributed
 
 # benchmark.py's llama-1b preset and a local config, every width tiny (the later flags win)
@@ -17,7 +17,7 @@ TINY = (
 
 
 def _load():
-    return load_script("ab_steps")
+    return load_probe("ab_steps")
 
 
 def _body(rank, world_size, capture):
@@ -81,7 +81,7 @@ def test_report_of_known_blocks():
     "flags, message",
     [
         (["--layouts", "dp2_distopt", "1gpu"], "run on different numbers of GPUs"),
-        (["--layouts", "dp2_distopt", "nope"], "unknown layout nope"),
+        (["--layouts", "dp2_distopt", "nope"], "layout 'nope': unknown part 'nope'"),
         (["--blocks", "0"], "--blocks and --block-steps must be at least 1"),
         (["--layouts", "dp2_distopt"], "--layouts takes at least two"),
     ],

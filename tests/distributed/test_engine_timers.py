@@ -1,5 +1,5 @@
-"""scripts/engine_timers.py on two gloo ranks: the engines' functions (and with --parts the torch calls in them) timed
-while on, their exclusive time without their timed callees', and nothing counted while off."""
+"""scripts/probes/engine_timers.py on two gloo ranks: the engines' functions (and with --parts the torch calls in them)
+timed while on, their exclusive time without their timed callees', and nothing counted while off."""
 
 import json
 import os
@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.assets.scripts import load_script
+from tests.assets.scripts import load_probe
 from tests.dist_utils import run_distributed
 from tests.distributed.test_ab_steps import TINY
 
 
 def _load():
-    return load_script("engine_timers")
+    return load_probe("engine_timers")
 
 
 def test_exclusive_time_leaves_out_timed_callees():

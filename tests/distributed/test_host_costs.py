@@ -1,5 +1,5 @@
-"""scripts/host_costs.py on two gloo ranks: every call that needs no GPU timed on the main thread and inside a gradient
-hook (the autograd engine's thread), the collectives among them run by both ranks together."""
+"""scripts/probes/host_costs.py on two gloo ranks: every call that needs no GPU timed on the main thread and inside a
+gradient hook (the autograd engine's thread), the collectives among them run by both ranks together."""
 
 import json
 import threading
@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.assets.scripts import load_script
+from tests.assets.scripts import load_probe
 from tests.dist_utils import run_distributed
 
 
 def _load():
-    return load_script("host_costs")
+    return load_probe("host_costs")
 
 
 def _body(rank, world_size, capture):

@@ -2,7 +2,7 @@
 to every rank (Slurm's preemption), a diverged run. Each rank exits with its code (0, or 3 for the divergence), no
 rank aborts with "terminate called without an active exception", and no communication thread is left running once
 pretrain_gpt.py's main returns (megatron/training/shutdown.py says why that matters). The soak repeats the finished
-launch 20 times over the variants that used to abort (scripts/exit_soak.sh)."""
+launch 20 times over the variants that used to abort (scripts/probes/exit_soak.sh)."""
 
 from __future__ import annotations
 
@@ -121,10 +121,10 @@ def test_a_diverged_run_exits_three_on_every_rank(tmp_path):
 
 @pytest.mark.slow
 def test_twelve_finished_launches_all_exit_zero(tmp_path):
-    """scripts/exit_soak.sh: each of its 12 variants (recipe x --fp8-param-gather x checkpoint format) once, two at a
-    time (20 launches took 109 s of the suite's 15 minutes; longer soaks: run the script with a larger N)."""
+    """scripts/probes/exit_soak.sh: each of its 12 variants (recipe x --fp8-param-gather x checkpoint format) once, two
+    at a time (20 launches took 109 s of the suite's 15 minutes; longer soaks: run the script with a larger N)."""
     proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "exit_soak.sh"), "12", str(tmp_path)],
+        ["bash", str(ROOT / "scripts" / "probes" / "exit_soak.sh"), "12", str(tmp_path)],
         capture_output=True,
         text=True,
         env=_env(SOAK_PYTHON=sys.executable, SOAK_JOBS="2"),

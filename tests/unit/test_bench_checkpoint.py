@@ -2,20 +2,17 @@
 table holds the save, blocked and load seconds."""
 
 import builtins
-import importlib.util
 import re
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_checkpoint.py"
-spec = importlib.util.spec_from_file_location("bench_checkpoint", SCRIPT)
-bench = importlib.util.module_from_spec(spec)
-sys.modules.setdefault("bench_checkpoint", bench)  # dataclasses look their module up there
-spec.loader.exec_module(bench)
+from megatron.perf import rows
+from tests.assets.scripts import ROOT, load_script
+
+SCRIPT = ROOT / "scripts" / "bench_checkpoint.py"
+bench = load_script("bench_checkpoint")
 
 
 def test_the_saving_run_saves_at_its_last_iteration_and_the_loading_run_trains_one_more(tmp_path):
@@ -23,7 +20,7 @@ def test_the_saving_run_saves_at_its_last_iteration_and_the_loading_run_trains_o
     assert save[save.index("--save-interval") + 1] == "3" and save[save.index("--train-iters") + 1] == "3"
     assert "--async-save" in save and "--save" not in load and load[load.index("--train-iters") + 1] == "4"
     assert load[load.index("--load") + 1] == str(tmp_path / "ckpt") and "--fp8-recipe" in load
-    assert bench.PRESETS["llama-1b"] is bench.benchmark.PRESETS["llama-1b"]  # scripts/benchmark.py's, not a copy
+    assert bench.PRESETS["llama-1b"] is rows.PRESETS["llama-1b"]  # the benchmark's, not a copy
     save, load = bench.commands("llama-1b", "te-delayed", "torch_dist_async", 3, tmp_path / "ckpt", saves=2)
     assert save[save.index("--save-interval") + 1] == "3" and save[save.index("--train-iters") + 1] == "6"
     assert load[load.index("--train-iters") + 1] == "7"

@@ -1,20 +1,18 @@
 """scripts/benchmark.py without a GPU: the command lines it launches and the table it prints."""
 
-import importlib.util
 import pstats
 import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark.py"
-spec = importlib.util.spec_from_file_location("benchmark", SCRIPT)
-benchmark = importlib.util.module_from_spec(spec)
-sys.modules.setdefault("benchmark", benchmark)  # dataclasses look their module up there
-spec.loader.exec_module(benchmark)
+from megatron.perf import step_profile
+from tests.assets.scripts import ROOT, load_script
+
+SCRIPT = ROOT / "scripts" / "benchmark.py"
+benchmark = load_script("benchmark")
 
 
 def test_multi_gpu_layouts_launch_torchrun_with_the_layout_flags():
@@ -96,7 +94,7 @@ def test_parse_log_averages_the_intervals_after_the_first():
 def test_idle_between_kernels_splits_long_and_short_gaps():
     # kernels at 0-100, 90-150 (overlapping), 155-200 (5 us gap), 300-400 (100 us gap)
     spans = [(0, 100, "a"), (90, 150, "b"), (155, 200, "c"), (300, 400, "d")]
-    assert benchmark._idle_between_kernels(spans) == (0.1, 0.005)
+    assert step_profile._idle_between_kernels(spans) == (0.1, 0.005)
 
 
 def test_exposed_communication_is_communication_time_no_other_kernel_covers():
@@ -111,16 +109,16 @@ def test_exposed_communication_is_communication_time_no_other_kernel_covers():
         (400, 420, "Memcpy PtoP (Device -> Device)"),
         (390, 450, "sm90_gemm"),
     ]
-    assert benchmark._exposed_communication(spans) == {
+    assert step_profile._exposed_communication(spans) == {
         "ncclDevKernel_AllReduce_Sum_f32_RING_LL": 20 + 50,
         "ncclDevKernel_ReduceScatter": 40,
         "Memcpy PtoP": 0,
     }
-    assert benchmark._union([(5, 9), (0, 2), (1, 3), (9, 10)]) == [(0, 3), (5, 10)]
+    assert step_profile._union([(5, 9), (0, 2), (1, 3), (9, 10)]) == [(0, 3), (5, 10)]
 
 
-def test_the_llama3_8b_runs_of_issue_17_are_valid_two_gpu_configurations():
-    """The Llama-3-8B shape on two GPUs, each layout the issue names (TE swapped for the local layers: the flags are
+def test_the_llama3_8b_runs_are_valid_two_gpu_configurations():
+    """The Llama-3-8B shape on two GPUs, in each layout of its rows (TE swapped for the local layers: the flags are
     parsed here, where Transformer Engine does not import)."""
     from megatron.config import parse_args
 
@@ -167,7 +165,7 @@ def test_bound_rows_print_bound_measured_and_ratio_with_fake_probes():
 
 
 def test_the_fsdp_layouts_parse_with_the_local_configs():
-    """Issue 30's runs: llama-1b and the Llama-3-8B shape under FSDP at DP=2, and with TP=2 or CP=2 on 4 GPUs (local
+    """llama-1b and the Llama-3-8B shape under FSDP at DP=2, and with TP=2 or CP=2 on 4 GPUs (local
     layers, bf16 and FP8)."""
     from megatron.config import parse_args
     from megatron.config.sharding import main_grads_bf16

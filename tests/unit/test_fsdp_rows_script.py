@@ -1,7 +1,7 @@
-"""scripts/fsdp_rows.sh without a GPU: every benchmark config, layout and loss-parity run it names exists.
+"""scripts/probes/fsdp_rows.sh without a GPU: every benchmark config, layout and loss-parity run it names exists.
 
-The script runs only in device calls, where a misspelt name costs a call's device time: the eleventh session lost
-two calls to parity runs that loss_parity.py refused (a tag with a second `+`, and flags for runs not asked for).
+The script runs only on GPU machines, where a misspelt name costs a run's device time (loss_parity.py refuses a tag with
+a second `+`, and flags for runs not asked for).
 """
 
 import importlib.util
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-TEXT = (SCRIPTS / "fsdp_rows.sh").read_text()
+TEXT = (SCRIPTS / "probes" / "fsdp_rows.sh").read_text()
 
 
 def _load(name: str):
@@ -27,7 +27,7 @@ loss_parity = _load("loss_parity")
 
 def test_every_config_named_is_a_benchmark_config_or_a_parity_run():
     names = set(re.findall(r"\b(?:te|local)-[a-z0-9][a-z0-9+@-]*", TEXT))
-    assert "te-delayed-fp8params-nocalib-fp8attn-recompute-block2" in names  # the pattern reads the script
+    assert "te-delayed-fp8params+zero2-chunkce" in names  # the pattern reads the script
     for name in sorted(names):
         if "+" in name or "@" in name:
             loss_parity.parse_run_name(name)  # raises with the valid forms

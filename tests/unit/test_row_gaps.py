@@ -1,5 +1,5 @@
 """scripts/row_gaps.py: benchmark rows paired with the reference layout's row of their config in the same pass; and
-scripts/fsdp_rows.sh zero2-1b run dry (python3 and nvidia-smi stubbed) to check that its passes end in that table
+scripts/probes/fsdp_rows.sh zero2-1b run dry (python3 and nvidia-smi stubbed) to check that its passes end in that table
 and leave at most the 8 files a device call returns."""
 
 import json
@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+from tests.assets.scripts import ROOT, load_script
 
-import row_gaps  # noqa: E402
+row_gaps = load_script("row_gaps")
 
 
 def _row(config: str, layout: str, ms: float, peak: float = 20.0) -> str:
@@ -64,7 +63,7 @@ def test_no_reference_row_is_a_one_line_error(tmp_path, capsys):
 
 # benchmark.py's stand-in: one result line per row (the flat buckets 10% slower) and its log with two intervals
 FAKE_PYTHON = """#!/bin/bash
-if [ "$1" = scripts/ab_steps.py ]; then  # its table and summary lines, and the flags it was given
+if [ "$1" = scripts/probes/ab_steps.py ]; then  # its table and summary lines, and the flags it was given
   echo "| block | mfsdp2_optim_grads_bf16comm | dp2_distopt | gap |"
   echo "mfsdp2_optim_grads_bf16comm against dp2_distopt: median +1.0%, mean +2.0% over 12 blocks ($*)"
 elif [ "$1" = scripts/benchmark.py ]; then
@@ -102,7 +101,7 @@ fi
 
 
 def _dry_run(tmp_path: Path, part: str, **env: str) -> Path:
-    """scripts/fsdp_rows.sh PART run with benchmark.py and nvidia-smi stubbed; returns its OUTDIR."""
+    """scripts/probes/fsdp_rows.sh PART run with benchmark.py and nvidia-smi stubbed; returns its OUTDIR."""
     repo = tmp_path / "repo"
     (repo / ".devkit").mkdir(parents=True)
     (repo / ".devkit" / "setup-te.sh").write_text("true\n")
@@ -122,7 +121,7 @@ def _dry_run(tmp_path: Path, part: str, **env: str) -> Path:
         **env,
     }
     subprocess.run(
-        ["bash", "scripts/fsdp_rows.sh", part, str(out)], cwd=repo, env=full_env, check=True, capture_output=True
+        ["bash", "scripts/probes/fsdp_rows.sh", part, str(out)], cwd=repo, env=full_env, check=True, capture_output=True
     )
     return out
 

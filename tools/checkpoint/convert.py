@@ -30,13 +30,10 @@ to a hidden `.NAME.partial` folder beside --save-dir, then renamed).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from megatron.errors import UserError  # noqa: E402
+from megatron.errors import UserError
 
 LOADERS = ("native", "hf", "mcore")
 SAVERS = ("native", "hf", "mcore")

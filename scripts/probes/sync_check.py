@@ -1,12 +1,12 @@
-"""Host-device synchronizations in a benchmark row's training step, counted by where they happen (issue 30: FSDP's
-llama-1b step left the GPU waiting for the host; a synchronization per micro-batch or per unit would drain the
-GPU's queue each time). Builds the trainer as `benchmark.py --profile` does, runs warm-up steps, then steps under
+"""Host-device synchronizations in a benchmark row's training step, counted by where they happen (FSDP's llama-1b step
+on two H100s left the GPU waiting for the host; a synchronization per micro-batch or per unit would drain the GPU's
+queue each time). Builds the trainer as `benchmark.py --profile` does, runs warm-up steps, then steps under
 `torch.cuda.set_sync_debug_mode("warn")`, which warns at every synchronizing CUDA call (`.item()`, `.tolist()`,
-`nonzero`, copies to the host, event and stream synchronizations through torch): rank 0 prints the count per step
-and per call site (the Python file and line of each warning), most frequent first.
+`nonzero`, copies to the host, event and stream synchronizations through torch): rank 0 prints the count per step and
+per call site (the Python file and line of each warning), most frequent first.
 
-    python scripts/sync_check.py llama-1b te-delayed dp2_distopt
-    python scripts/sync_check.py llama-1b te-delayed fsdp2_optim_grads
+    python scripts/probes/sync_check.py llama-1b te-delayed dp2_distopt
+    python scripts/probes/sync_check.py llama-1b te-delayed fsdp2_optim_grads
 
 Expected of a step: the few the loop makes on purpose once per step (the loss and grad norm read back in
 `Steps.train_step`, the loss scaler), none per micro-batch or per unit. NCCL's waits and cudaStreamWaitEvent are no
@@ -20,12 +20,10 @@ import collections
 import os
 import sys
 import warnings
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # this checkout's megatron, not an installed copy
-
-from benchmark import LAYOUTS, relaunch, train_flags, trainer_step  # noqa: E402  (scripts/; no torch at import)
+from megatron.perf.launch import ROOT, relaunch  # no torch at import
+from megatron.perf.rows import LAYOUTS, train_flags
+from megatron.perf.steps import trainer_step
 
 
 def count_syncs(argv: list[str], steps: int, warmup: int = 3) -> tuple[int, collections.Counter]:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Usage: bash scripts/gpu_exit_check.sh [N=10] [OUT_DIR=$OUT or a temp dir] -- on a machine with 2 GPUs, N DP=2 NCCL runs
-# (torchrun --nproc-per-node 2, a small Llama in bf16 with FP8 hybrid) must each exit 0 with no `terminate called`
-# line (issue 32). Runs alternate Transformer Engine / local layers, delayed / tensorwise scaling, and no checkpoint /
-# torch_dist --async-save / torch; exits 1 if any run failed. Also reported, not failed on: the ranks on which a
-# communication thread (gloo, NCCL, the TCP store) still ran after main returned (the names each rank saw follow).
+# Measures: whether DP=2 NCCL runs exit cleanly. Usage: bash scripts/probes/gpu_exit_check.sh [N=10] [OUT_DIR=$OUT or a
+# temp dir] -- on a machine with 2 GPUs, N DP=2 NCCL runs (torchrun --nproc-per-node 2, a small Llama in bf16 with FP8
+# hybrid) must each exit 0 with no `terminate called` line. Runs alternate Transformer Engine / local layers, delayed /
+# tensorwise scaling, and no checkpoint / torch_dist --async-save / torch; exits 1 if any run failed. Also reported, not
+# failed on: the ranks on which a communication thread (gloo, NCCL, the TCP store) still ran after main returned (the
+# names each rank saw follow).
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # tests/assets/exit_probe.py imports pretrain_gpt
 n=${1:-10}

@@ -1,4 +1,4 @@
-"""Host (CPU-side) work per training step of FSDP against the distributed optimizer, without a GPU (issue 30: on
+"""Host (CPU-side) work per training step of FSDP against the distributed optimizer, without a GPU (on
 two H100s llama-1b's FSDP step left the GPU idle ~150 ms more per step than the distributed optimizer's, the host
 behind). Runs a llama-like model of tiny widths on 2 gloo processes, so that the step's time is the host's: Python,
 autograd, the dispatcher and the hooks, the kernels themselves next to nothing. Reports per layout, on rank 0:
@@ -15,10 +15,10 @@ autograd, the dispatcher and the hooks, the kernels themselves next to nothing. 
     numbers, by where the function lives (FSDP2, megatron/..., torch); --cprofile N lists the top N functions
     (--sort ncalls|tottime|cumulative), --ranges the CPU time of FSDP2's hooks (its profiler ranges).
 
-    python scripts/host_overhead.py                       # distopt vs FSDP optim_grads, bf16, 16 layers, 4 micro
-    python scripts/host_overhead.py --layouts fsdp_optim_grads --cprofile 30 --sort ncalls
-    python scripts/host_overhead.py --layouts distopt fsdp_optim_grads fsdp_optim_grads_units4
-    python scripts/host_overhead.py --extra "--fp8-format hybrid --fp8-recipe delayed"   # local FP8 layers
+    python scripts/probes/host_overhead.py                       # distopt vs FSDP optim_grads, bf16, 16 layers, 4 micro
+    python scripts/probes/host_overhead.py --layouts fsdp_optim_grads --cprofile 30 --sort ncalls
+    python scripts/probes/host_overhead.py --layouts distopt fsdp_optim_grads fsdp_optim_grads_units4
+    python scripts/probes/host_overhead.py --extra "--fp8-format hybrid --fp8-recipe delayed"   # local FP8 layers
 
 A gloo all-reduce or reduce-scatter blocks the host until it completes (NCCL's do not): the collectives' time is in
 the numbers here, small at these widths.
@@ -34,16 +34,12 @@ import os
 import pstats
 import re
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # this checkout's megatron, not an installed copy
-
-from benchmark import COMMON  # noqa: E402  (scripts/, this script's folder; no torch at import)
-from benchmark import LAYOUTS as BENCHMARK_LAYOUTS  # noqa: E402
+from megatron.perf.rows import COMMON  # no torch at import
+from megatron.perf.rows import LAYOUTS as BENCHMARK_LAYOUTS
 
 # benchmark.py's llama-1b where it sets the host's work (16 layers, GQA, SwiGLU, RMSNorm, rope, untied embeddings,
 # 4 micro-batches per rank at DP=2), every width tiny, local layers

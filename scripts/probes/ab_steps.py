@@ -1,15 +1,15 @@
 """Layouts' training steps alternated in one process per rank: their speed compared block by block, minutes of
 machine drift cancelled.
 
-    python3 scripts/ab_steps.py --preset llama-1b --config te-delayed-fp8params \
+    python3 scripts/probes/ab_steps.py --preset llama-1b --config te-delayed-fp8params \
         --layouts mfsdp2_optim_grads_bf16comm dp2_distopt --blocks 12 --block-steps 10
 
-Separate benchmark rows of llama-1b on two H100s differ by 5-20% from run to run and within a run (docs/benchmarks.md,
-third wave, twelfth to sixteenth sessions), more than the 3% issue 30 asks to show, and each row pays ~55 s of
-start-up. Here each rank builds every layout's trainer (benchmark.py's flags for each: the same preset, config and
-GPUs; all models in memory at once, ~20 GiB each on llama-1b) and runs them in turn: `--block-steps` steps of each,
-the order reversed every block (A B C, C B A, ...), the ranks meeting at a barrier before each layout's turn. A
-turn's time is its steps' wall time over the steps (each step ends in the optimizer's norm, read on the host).
+Separate benchmark rows of llama-1b on two H100s differ by 5-20% from run to run and within a run (docs/benchmarks.md),
+more than a 3% difference between layouts, and each row pays ~55 s of start-up. Here each rank builds every layout's
+trainer (benchmark.py's flags for each: the same preset, config and GPUs; all models in memory at once, ~20 GiB each on
+llama-1b) and runs them in turn: `--block-steps` steps of each, the order reversed every block (A B C, C B A, ...), the
+ranks meeting at a barrier before each layout's turn. A turn's time is its steps' wall time over the steps (each step
+ends in the optimizer's norm, read on the host).
 Rank 0 prints every block, each layout's median and mean ms per step, and the gap of each layout to the last one
 (the reference) within each block (their turns in one block), with its median and mean, and on GPUs what the CUDA
 caching allocator did during each layout's turns (memory taken from and given back to the device, retries after an
@@ -25,13 +25,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import PRESETS, build_trainers, meet, one_size, relaunch  # noqa: E402  (no torch at import)
+from megatron.perf.launch import relaunch  # no torch at import
+from megatron.perf.rows import PRESETS
+from megatron.perf.steps import build_trainers, meet, one_size
 
 # the CUDA caching allocator's counters (torch.cuda.memory_stats) that `alternate` sums over each layout's turns
 ALLOCATOR = ("num_device_alloc", "num_device_free", "num_alloc_retries")

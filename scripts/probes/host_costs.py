@@ -1,14 +1,14 @@
 """Host microseconds of the torch calls a gradient engine makes per bucket, each in a hot loop: on the main thread,
 and inside a gradient hook (the autograd engine's thread, where the engines' hooks run).
 
-    python3 scripts/host_costs.py              # two GPUs (NCCL)
-    python3 scripts/host_costs.py --device cpu # two gloo ranks: the calls that need no GPU
+    python3 scripts/probes/host_costs.py              # two GPUs (NCCL)
+    python3 scripts/probes/host_costs.py --device cpu # two gloo ranks: the calls that need no GPU
 
-The eighteenth session chose megatron/parallel/grad_shards.py's calls by these numbers: a stream context against
+megatron/parallel/grad_shards.py's calls were chosen by these numbers: a stream context against
 setting the stream directly, the current stream asked for by device object or index, a reduce-scatter launched
 asynchronously and waited for against one issued synchronously on a side stream, one copy per gradient against one
 `_foreach_copy_` a bucket, views made per allocation against a storage resized under views made once. A hot loop
-is faster than the same call inside a training step, whose caches are cold: scripts/engine_timers.py measures the
+is faster than the same call inside a training step, whose caches are cold: scripts/probes/engine_timers.py measures the
 engines' calls there, 2-4x these; what this script gives is their relative cost. Rank 0 prints a table: median and
 mean us a call, main thread and hook. Under torchrun when launched without it.
 """
@@ -20,10 +20,9 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import meet, relaunch  # noqa: E402  (no torch at import)
+from megatron.perf.launch import relaunch  # no torch at import
+from megatron.perf.steps import meet
 
 
 def calls(device: str, elements: int) -> list[tuple[str, Callable[[], object]]]:

@@ -4,7 +4,7 @@ same .bin/.idx, and prints per split the lengths and how many samples agree (sha
 token ids), with the first samples and samples 320..335. CPU only; Megatron-LM's sources must have their dataset
 helpers built (`make -C MEGATRON/megatron/core/datasets`).
 
-    python scripts/mlm_data_order.py --megatron .anchors/megatron -- \
+    python scripts/megatron_lm/data_order.py --megatron .anchors/megatron -- \
         --data-path .interop/data/python3.11-docs_text_document --split 98,1,1 --tokenizer-type NullTokenizer \
         --vocab-size 8191 --seq-length 512 --micro-batch-size 4 --global-batch-size 16 --train-iters 40 \
         --eval-interval 20 --eval-iters 10 --seed 1234
@@ -42,8 +42,9 @@ def _hashes(datasets) -> dict:
 
 
 def megatron_core(megatron_dir: str, spec: dict) -> dict:
-    sys.path.insert(0, megatron_dir)
-    for name in ("megatron", "megatron.core"):  # skip the packages' __init__ (its training stack, Triton)
+    # Megatron-LM's two packages made by hand, their folders as __path__ (Python finds their modules there, this
+    # project's package of the same name out of the way), skipping their __init__ (its training stack, Triton)
+    for name in ("megatron", "megatron.core"):
         module = types.ModuleType(name)
         module.__path__ = [str(Path(megatron_dir, *name.split(".")))]
         sys.modules[name] = module
@@ -74,7 +75,6 @@ def main() -> None:
     parser.add_argument("--megatron", required=True, help="Megatron-LM's source folder")
     parser.add_argument("flags", nargs=argparse.REMAINDER)
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, not an installed one
     from megatron.config import parse_args
     from megatron.data import build_datasets, build_tokenizer, padded_vocab_size
     from megatron.data.builder import split_sizes

@@ -2,7 +2,7 @@
 and 10M elements, Megatron-LM's default bucket and a smaller one), summing and averaging. The reference for how much
 longer the same all-reduces take beside the backward pass (docs/benchmarks.md).
 
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 scripts/microbench_allreduce.py
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 scripts/probes/microbench_allreduce.py
 """
 
 import os

@@ -1,7 +1,7 @@
 """Time tools/checkpoint/convert.py on llama-1b (CPU): build a random bf16 llama-1b checkpoint in this project's
 format at a tensor x pipeline layout, then run the export to Hugging Face as a user would (a fresh process).
 
-    python scripts/bench_convert.py --tp 2 --pp 2 --dir /tmp/bench_convert
+    python scripts/probes/bench_convert.py --tp 2 --pp 2 --dir /tmp/bench_convert
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+from megatron.convert import FullModel, atomic_output_dir, write_torch
+from megatron.convert.state import check_complete, expected_names, model_config
 
-from megatron.convert import FullModel, atomic_output_dir, write_torch  # noqa: E402
-from megatron.convert.state import check_complete, expected_names, model_config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 def llama_1b() -> FullModel:

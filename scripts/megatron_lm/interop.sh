@@ -1,22 +1,22 @@
 #!/bin/bash
-# Megatron-LM checkpoints of today, written by Megatron-LM itself on the device (issue 32): fixtures and references.
+# Megatron-LM checkpoints of today, written by Megatron-LM itself on the device: fixtures and references.
 #
 # usage (device, checkout root, after `source .devkit/setup-te.sh`; Megatron-LM's sources in .anchors/megatron and
 # ../shared/anchors in .devkit/anchors, as ../shared/anchors/README.md says):
-#   bash scripts/mlm_interop.sh fixtures     # $OUT/mlm_fixtures.tgz: tiny Llama checkpoints, mock data
-#   bash scripts/mlm_interop.sh train DIR    # TP=2 on the real-text corpus below: 20 iterations, saved in DIR/td
+#   bash scripts/megatron_lm/interop.sh fixtures     # $OUT/mlm_fixtures.tgz: tiny Llama checkpoints, mock data
+#   bash scripts/megatron_lm/interop.sh train DIR    # TP=2 on the real-text corpus below: 20 iterations, saved in DIR/td
 #                                            # (torch_dist) and DIR/torch (torch format), validation loss at 20
-#   bash scripts/mlm_interop.sh continue DIR # Megatron-LM's own continuation of both to iteration 40 (the reference)
-#   bash scripts/mlm_interop.sh load CKPT NAME [FLAGS] # Megatron-LM loads a checkpoint written elsewhere and trains
+#   bash scripts/megatron_lm/interop.sh continue DIR # Megatron-LM's own continuation of both to iteration 40 (the reference)
+#   bash scripts/megatron_lm/interop.sh load CKPT NAME [FLAGS] # Megatron-LM loads a checkpoint written elsewhere and trains
 #                                            # to 40 (FLAGS: e.g. --no-load-optim --no-load-rng); log load_NAME.log
-#   [NPROC=n] bash scripts/mlm_interop.sh here CKPT TP [FLAGS] # THIS project resumes CKPT (a Megatron-LM run, or a
+#   [NPROC=n] bash scripts/megatron_lm/interop.sh here CKPT TP [FLAGS] # THIS project resumes CKPT (a Megatron-LM run, or a
 #                                            # checkpoint of ours) at TP (1 or 2; NPROC defaults to TP), trains to 40;
 #                                            # log here_<basename CKPT>_tp<TP>.log
 # The corpus: `python tools/build_default_corpus.py --output-dir .interop/data` (this Python's docs, 676k tokens of
 # GPT2BPE ids < 8192), read by Megatron-LM through its NullTokenizer with --vocab-size 8191 (8192 ids, unpadded at
 # TP=2), and here with the same flags.
 set -u
-source "$(dirname "${BASH_SOURCE[0]}")/mlm_flags.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/flags.sh"
 OPT="$COSINE $ADAMW --log-interval 1"
 TINY="--num-layers 2 --hidden-size 64 --ffn-hidden-size 256 --num-attention-heads 4 --num-query-groups 2
  --seq-length 128 --max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 4 --mock-data

@@ -1,7 +1,7 @@
 """Time one linear layer's forward + backward (fprop, dgrad, wgrad) on a GPU: bf16, our FP8 recipes, and TE.
 
-    python scripts/bench_fp8_linear.py                               # M = 8192 tokens, the default (K, N) set
-    python scripts/bench_fp8_linear.py --shapes 8192x8192 --breakdown   # where the time of tensorwise FP8 goes
+    python scripts/probes/bench_fp8_linear.py                               # M = 8192 tokens, the default (K, N) set
+    python scripts/probes/bench_fp8_linear.py --shapes 8192x8192 --breakdown   # where the time of tensorwise FP8 goes
 
 TFLOP/s counts the three GEMMs: 3 * 2 * M * K * N per forward + backward. Each iteration requantizes the weight
 (one micro-batch per optimizer step; Transformer Engine's default too), takes the gradients of x and W with
@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron.fp8 import RECIPES, Fp8Format, Fp8LinearState, Recipe, Role, fp8_gemm  # noqa: E402
-from megatron.fp8.manager import gemm_paths  # noqa: E402
-from megatron.fp8.quantize import EAGER, compiled_kernels  # noqa: E402
-from megatron.fp8.scaling import AmaxState  # noqa: E402
+from megatron.fp8 import RECIPES, Fp8Format, Fp8LinearState, Recipe, Role, fp8_gemm
+from megatron.fp8.manager import gemm_paths
+from megatron.fp8.quantize import EAGER, compiled_kernels
+from megatron.fp8.scaling import AmaxState
 
 DEFAULT_SHAPES = "2048x2048,4096x4096,8192x8192,14336x14336,4096x14336,14336x4096,2048x8192,8192x2048"
 

@@ -1,11 +1,12 @@
 #!/bin/bash
-# Issue 31's same-call comparison with Megatron-LM on one GPU, CUDA graphs on both sides (../shared/anchors/README.md):
-# llama-1b bf16 and FP8 delayed, llama-8b-4l FP8 delayed, this project's rows then Megatron-LM's. About 8 minutes.
+# This project's benchmark rows and Megatron-LM's same call on one GPU, CUDA graphs on both sides
+# (../shared/anchors/README.md): llama-1b bf16 and FP8 delayed, llama-8b-4l FP8 delayed, this project's rows then
+# Megatron-LM's. About 8 minutes.
 # Usage, on the GPU machine from the repository root, with .anchors carried (Megatron-LM's sources):
-#   bash scripts/megatron_1gpu.sh OUTDIR
+#   bash scripts/megatron_lm/compare_1gpu.sh OUTDIR
 # OUTDIR gets summary.txt (both sides' last iterations) and every run's log (logs/).
 set -o pipefail
-OUT=${1:?usage: bash scripts/megatron_1gpu.sh OUTDIR}
+OUT=${1:?usage: bash scripts/megatron_lm/compare_1gpu.sh OUTDIR}
 mkdir -p "$OUT/logs"
 source .devkit/setup-te.sh || exit 1
 export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Usage: bash scripts/te_exit_check.sh [OUT_DIR=$OUT or a temp dir] -- on a GPU machine with Transformer Engine (issue
-# 32): whether a run's process groups are still referenced at exit ("N process group(s) still referenced after
+# Measures: whether a TE run's process groups are released at exit.
+# Usage: bash scripts/probes/te_exit_check.sh [OUT_DIR=$OUT or a temp dir] -- on a GPU machine with Transformer Engine:
+# whether a run's process groups are still referenced at exit ("N process group(s) still referenced after
 # their release", megatron/training/shutdown.py). One GPU: tests/gpu/test_te_exit_gpu.py (TE keeps the amax group
 # until megatron/model/te_state.py releases it). Two GPUs or more, also: the llama-1b te-delayed dp2_distopt row, 10
 # steps, whose log must hold no such warning; any that remains names each group and the objects holding it.

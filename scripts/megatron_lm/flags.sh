@@ -1,5 +1,5 @@
-# The Megatron-LM interop runs' shared settings (issue 32), sourced by scripts/mlm_interop.sh and
-# scripts/mlm_load_check.sh: the environment of both programs, the Llama architecture, the optimizer and the
+# The Megatron-LM interop runs' shared settings, sourced by scripts/megatron_lm/interop.sh and
+# scripts/megatron_lm/load_check.sh: the environment of both programs, the Llama architecture, the optimizer and the
 # 4-layer "small" model on the default corpus that both scripts train here and in Megatron-LM.
 KIT=.devkit/anchors
 MEG=$(cd "${MEGATRON_DIR:-.anchors/megatron}" && pwd)

@@ -8,23 +8,19 @@ results are from TE's. Each time is one CUDA graph of 24 calls (no launch or aut
 CUDA graphs), its inputs cycling over 3 sets so that the 50 MB L2 cache does not hold them; the best of 5 replays.
 The kernel's forward includes its cos/sin table (two small torch kernels); backward is autograd's, for both.
 
-    python3 scripts/rope_bench.py            (a GPU with Triton; TE's columns need Transformer Engine)
-    python3 scripts/rope_bench.py --sweep    also every rows-per-program x warps choice of the kernel
+    python3 scripts/probes/rope_bench.py            (a GPU with Triton; TE's columns need Transformer Engine)
+    python3 scripts/probes/rope_bench.py --sweep    also every rows-per-program x warps choice of the kernel
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron.model import rope_kernel  # noqa: E402
-from megatron.model.layers import RotaryEmbedding  # noqa: E402
-from megatron.model.te_attention import te_qkv_rope  # noqa: E402
+from megatron.model import rope_kernel
+from megatron.model.layers import RotaryEmbedding
+from megatron.model.te_attention import te_qkv_rope
 
 # name: (s, b, query heads, groups, head size, rotary percent) per rank
 SHAPES = {

@@ -1,4 +1,4 @@
-"""Time the FSDP O2 optimizer step of llama3-8b at DP=2 on one GPU, piece by piece (issue 30).
+"""Time the FSDP O2 optimizer step of llama3-8b at DP=2 on one GPU, piece by piece.
 
 One rank's shards (~4.0e9 elements, each weight's half rows, as FSDP2 at DP=2 holds them: 32 layers of qkv, proj,
 fc1, fc2 and two norms, untied embedding and output layer, final norm) with the step's states as
@@ -18,23 +18,19 @@ timed with CUDA events (ms per step, GB/s over the bytes it must move; the bound
     (`fsdp_params.gather_view`: the bytes as bf16), scaled to a step's gathers (4 micro-batches, each unit gathered
     for its forward and its backward but the last's).
 
-    python scripts/optim_step_bench.py            # ~45 GiB of GPU memory, under a minute on an H100
+    python scripts/probes/optim_step_bench.py            # ~45 GiB of GPU memory, under a minute on an H100
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron.fp8.fsdp_params import GatherScale, gather_view  # noqa: E402
-from megatron.optim import adam_kernel  # noqa: E402
-from megatron.optim.states import ScaledState  # noqa: E402
-from megatron.perf.probes import _time_ms  # noqa: E402
+from megatron.fp8.fsdp_params import GatherScale, gather_view
+from megatron.optim import adam_kernel
+from megatron.optim.states import ScaledState
+from megatron.perf.probes import _time_ms
 
 HIDDEN, FFN, KV, VOCAB, LAYERS, DP, MICRO = 4096, 14336, 1024, 128256, 32, 2, 4
 BOUND_GBPS = 3011.0

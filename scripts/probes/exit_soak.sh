@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Usage: scripts/exit_soak.sh N [OUT_DIR] -- N sequential DP=2 FP8 CPU launches (issue 32: a finished run must exit 0).
+# Measures: how many of N finished DP=2 FP8 CPU runs exit 0 (each must).
+# Usage: scripts/probes/exit_soak.sh N [OUT_DIR] -- N sequential DP=2 FP8 CPU launches.
 #
 # Each launch is torchrun --nproc-per-node 2 pretrain_gpt.py on a tiny Llama (local layers, the distributed optimizer,
 # FP8 hybrid, 8 iterations), cycling through the variants that once aborted at exit: recipe tensorwise / delayed,
@@ -9,7 +10,7 @@
 # Run it from the repository root; set SOAK_PYTHON to choose the interpreter (default: python) and SOAK_JOBS to run
 # that many launches at a time (default 1; the CI test runs 2, which also loads the machine as the aborts were seen).
 set -u
-n=${1:?usage: scripts/exit_soak.sh N [OUT_DIR]}
+n=${1:?usage: scripts/probes/exit_soak.sh N [OUT_DIR]}
 out=${2:-$(mktemp -d /tmp/exit_soak.XXXXXX)}
 mkdir -p "$out"
 py=${SOAK_PYTHON:-python}

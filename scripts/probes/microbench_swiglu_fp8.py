@@ -2,7 +2,7 @@
 shapes (8192 tokens, ffn 8192), writing FP8 (delayed scaling) from the activation kernel against TE's activation in
 bf16 followed by a separate cast. Prints ms per call and how the two FP8 results compare.
 
-    python scripts/microbench_swiglu_fp8.py        (a GPU with Transformer Engine)
+    python scripts/probes/microbench_swiglu_fp8.py        (a GPU with Transformer Engine)
 """
 
 import torch

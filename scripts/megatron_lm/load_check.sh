@@ -1,12 +1,12 @@
 #!/bin/bash
-# Megatron-LM loads and trains on from checkpoints that `tools/checkpoint/convert.py --saver mcore` writes (issue 32,
-# part 3; docs/checkpoints.md "Continuing in Megatron-LM"). The model, data and flags are scripts/mlm_interop.sh's
+# Megatron-LM loads and trains on from checkpoints that `tools/checkpoint/convert.py --saver mcore` writes
+# (docs/checkpoints.md "Continuing in Megatron-LM"). The model, data and flags are scripts/megatron_lm/interop.sh's
 # SMALL Llama (4 layers, hidden 256, TE, bf16, distributed optimizer, TP=2 + SP) on the default corpus read through
 # NullTokenizer --vocab-size 8191. On the device (nvidia-h100-x2), from the checkout root, with Megatron-LM's sources
 # in .anchors/megatron and ../shared/anchors in .devkit/anchors, `carry: [".devkit", ".anchors"]`, each under 10 min:
 #
-#   source .devkit/setup-te.sh; bash scripts/mlm_load_check.sh mlm     # Megatron-LM -> here -> Megatron-LM
-#   source .devkit/setup-te.sh; bash scripts/mlm_load_check.sh ours    # this project's checkpoint -> Megatron-LM
+#   source .devkit/setup-te.sh; bash scripts/megatron_lm/load_check.sh mlm     # Megatron-LM -> here -> Megatron-LM
+#   source .devkit/setup-te.sh; bash scripts/megatron_lm/load_check.sh ours    # this project's checkpoint -> Megatron-LM
 #
 # mlm:  Megatron-LM trains 20 iterations and saves (torch_dist). The reference: Megatron-LM goes on from it to 40 with
 #       --no-load-optim --no-load-rng (what any weights-only checkpoint gets: a fresh optimizer, the schedule from its
@@ -19,7 +19,7 @@
 # Prints each validation loss at 40 and its gap to the reference in %; logs in $OUT/mlm_load_check/.
 set -u
 MODE=${1:-mlm}
-source "$(dirname "${BASH_SOURCE[0]}")/mlm_flags.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/flags.sh"
 W=/tmp/mlm_load_check
 LOGS=${OUT:-/tmp}/mlm_load_check
 mkdir -p "$W" "$LOGS"
@@ -89,5 +89,5 @@ case $MODE in
     for c in td torch; do megatron "ours_mlm_$c" $CONSTANT --load "$W/ours/$c" $WEIGHTS_ONLY; done
     compare ours_own ours_mlm_td ours_mlm_torch
     ;;
-  *) echo "usage: bash scripts/mlm_load_check.sh mlm|ours"; exit 2;;
+  *) echo "usage: bash scripts/megatron_lm/load_check.sh mlm|ours"; exit 2;;
 esac

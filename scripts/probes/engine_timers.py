@@ -1,15 +1,15 @@
 """Wall-clock host time of the gradient engines' own functions, per step and per call, on every rank: where the flat
 buckets' host work beyond the distributed optimizer's goes, in real microseconds.
 
-    python3 scripts/engine_timers.py --preset llama-1b --config te-delayed-fp8params \
+    python3 scripts/probes/engine_timers.py --preset llama-1b --config te-delayed-fp8params \
         --layouts mfsdp2_optim_grads_bf16comm dp2_distopt --steps 8
 
-The seventeenth session found llama-1b's flat-bucket step (mfsdp2_*) host-bound: its GPU idled in gaps ~29 ms a step
+llama-1b's flat-bucket step (mfsdp2_*) on two H100s is host-bound (docs/fsdp.md): its GPU idled in gaps ~29 ms a step
 longer than the distributed optimizer's, and cProfile put ~40 ms of its own time a step in the engine's per-bucket
 functions, but cProfile's cost per call inflates small calls unevenly. Here each layout's trainer is built in one
-process per rank (benchmark.py's flags, as scripts/ab_steps.py does) and run for `--warmup` steps; then for `--steps`
-steps the engines' functions (`GradShards` and `GradientBuffers`: the forward hooks that register the allocating
-gradient hooks, allocating a bucket, freeing it, the gradient hook, starting a bucket's reduce-scatter, the
+process per rank (benchmark.py's flags, as scripts/probes/ab_steps.py does) and run for `--warmup` steps; then
+for `--steps` steps the engines' functions (`GradShards` and `GradientBuffers`: the forward hooks that register the
+allocating gradient hooks, allocating a bucket, freeing it, the gradient hook, starting a bucket's reduce-scatter, the
 reduce-scatter call itself, retiring it, the end of a backward, `finish`) run under perf_counter timers, nothing else.
 A function's exclusive time leaves out the timed functions it calls. `--parts` times the torch calls inside them too
 (registering a gradient hook, a reduce-scatter's wait, stream switches, `record_stream`, a bucket storage's resize,
@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import PRESETS, build_trainers, meet, one_size, relaunch  # noqa: E402  (no torch at import)
+from megatron.perf.launch import relaunch  # no torch at import
+from megatron.perf.rows import PRESETS
+from megatron.perf.steps import build_trainers, meet, one_size
 
 # (module, class or None for a module function, name): what runs on the host per bucket, parameter or step
 TIMED = (

@@ -1,7 +1,7 @@
 """Megatron-Core itself loads what `convert.py --saver mcore` writes: a CPU check with Megatron-LM's own sources.
 
-    python scripts/mlm_cpu_load_check.py                       # Megatron-LM's sources in .anchors/megatron
-    python scripts/mlm_cpu_load_check.py --megatron PATH        # or elsewhere (the folder holding megatron/core)
+    python scripts/megatron_lm/load_check_cpu.py                  # Megatron-LM's sources in .anchors/megatron
+    python scripts/megatron_lm/load_check_cpu.py --megatron PATH  # or elsewhere (the folder holding megatron/core)
 
 This project writes a small Llama (3 layers, GQA, SwiGLU, RMSNorm, RoPE; untied and tied) with --saver mcore:
 torch_dist for TP=1 and TP=2, torch for TP=1 and TP=2. Then, in processes that import Megatron-LM's `megatron`
@@ -31,14 +31,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 VOCAB, SEQ = 100, 16
 CASES = [("td1", 1), ("td2", 2), ("td1", 2), ("td2", 1), ("torch1", 1), ("torch2", 2)]
 
 
 def write_checkpoints(out: Path, tied: bool) -> None:
     """This project's side: the model, its mcore checkpoints, the reference logits."""
-    sys.path.insert(0, str(ROOT))
     from megatron.config.pipeline_split import stage_layer_numbers
     from megatron.convert import atomic_output_dir, write_mcore
     from megatron.convert.state import full_model_of, model_config
