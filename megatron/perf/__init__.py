@@ -1,4 +1,4 @@
-"""The lower bound of a training iteration on this device, beside the measured one (issue 31; docs/benchmarks.md,
+"""The lower bound of a training iteration on this device, beside the measured one (docs/benchmarks.md,
 "Lower bound"). Top of the package order: it reads the configuration and nothing imports it but scripts and tests.
 
 work.py counts the GEMMs and attentions of an iteration, traffic.py the bytes of its memory-bound kernels and
