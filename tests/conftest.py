@@ -33,7 +33,7 @@ TE_ATTENTION_SWITCHES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATT
 @pytest.fixture(autouse=True)
 def _te_attention_switches(monkeypatch):
     """Building a model writes TE's attention switches into os.environ (--attention-backend, as Megatron-LM does);
-    each test starts from the environment the session had, so one test's backend never reaches the next test's
+    each test starts from the environment the test session had, so one test's backend never reaches the next test's
     model or the training runs it launches."""
     from megatron.model import attention
 

@@ -1,13 +1,13 @@
-"""Delayed scaling's first scales, calibrated before any FP8 GEMM runs (the default; `--no-fp8-calibration` keeps
-the old start).
+"""Delayed scaling's first scales, calibrated before any FP8 GEMM runs (the default; `--no-fp8-calibration` starts
+every scale at 1, as Transformer Engine does).
 
 Delayed scaling casts each tensor with a scale made from the amaxes of earlier casts. Before the first step there
-are none, and both engines (like Transformer Engine itself) used to start every scale at 1. At scale 1 the first
+are none, and Transformer Engine starts every scale at 1. At scale 1 the first
 casts are far from their range: weights of std 0.02 fall mostly into e4m3's subnormals (below 2^-6), and output
 gradients, whose elements are around 1e-6 to 1e-9, flush to zero in e5m2 (smallest subnormal 2^-16). Transformer
 Engine keeps the scale-1 weight cast for every micro-batch of the first step; the local engine updates its scales
-once per step, so its whole first step ran so. On llama-1b (one H100, mock data) that start put FP8 delayed
-3.4% behind bf16 at iteration 30; docs/fp8.md has the measurements.
+once per step, so its whole first step would run so. On llama-1b (one H100, mock data) that start puts FP8
+delayed 3.4% behind bf16 at iteration 30; docs/fp8.md has the measurements.
 
 Calibration runs the first micro-batch once more, forward and backward, in high precision, recording the amax of
 every FP8 tensor (input, weight, output gradient) of every FP8 linear, MAX-reduced over the amax group as a step's

@@ -52,7 +52,7 @@ def seeded(seed: int, defer: bool = True) -> Iterator[None]:
     with `defer`) its `init_normal` draws are made at the block's end; otherwise at once, from the global generator
     seeded with `seed` (its state is restored after the block, so the part's draws do not move it)."""
     pending = _deferred.get()
-    # (the old draws followed a default device set with `torch.device(...)`; the pool's threads draw on the CPU)
+    # only where the default device is the CPU: the pool's threads draw on the CPU, not on a `torch.device(...)` default
     defer = defer and pending is not None and torch.get_default_device().type == "cpu"
     part = _Part(seed, []) if defer else None
     if part is not None:

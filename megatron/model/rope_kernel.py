@@ -15,7 +15,7 @@ as much as the memory traffic (tens of instructions each, for every column each 
 up to how the compilers contract `a c + b n` into an fma: within one ulp of the output dtype.
 
 Why not TE's kernel: it runs at about a third of the memory bandwidth (llama-1b 22.4 ms per step against 7.1 ms of
-bytes; issue 31): its threads move one 2-byte element at a time and read each element twice. Here one program takes
+bytes): its threads move one 2-byte element at a time and read each element twice. Here one program takes
 ROWS whole (s, b) rows: per row it reads the position's cos / sin once for all heads, and moves each kind of head
 as two [heads, d/2] tiles (the halves that pair up) plus the pass-through channels: every byte read once and
 written once, in 16-byte vectors, all of a row's loads issued before its first store (one memory latency a row).

@@ -186,8 +186,9 @@ def _treat_as_unsharded(module: nn.Module) -> None:
     TE's `is_fsdp2` (a property of `TransformerEngineBaseModule`) finds out at its first call whether an FSDP2 unit
     holds the module and keeps the answer in `_is_fsdp2`. Where True, Linear and LayerNormLinear (LayerNormMLP too)
     keep no FP8 weight cast whatever `is_first_microbatch` says, cast the weight row-wise only in forward, save no
-    cast for backward and cast it again there, then clear that transpose (TE's issues #2681 and #2717: FSDP2 frees
-    the gathered weight after each use, and a cast kept of every weight would be an unsharded FP8 copy of the model).
+    cast for backward and cast it again there, then clear that transpose (FSDP2 frees the gathered weight after each
+    use, and a cast kept of every weight would be an unsharded FP8 copy of the model; NVIDIA/TransformerEngine's
+    issues/2681 and issues/2717 on GitHub).
     Under optim_grads the gathered weights live for the whole step, so with `_is_fsdp2` False TE casts each weight
     once per step with its transpose (is_first_microbatch=True), keeps both in its `_fp8_workspaces` ("weight") and
     reuses them in every later forward and backward of the step (False), reading the weight's storage only when it

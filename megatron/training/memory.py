@@ -422,9 +422,8 @@ def memory_estimate_lines(
 
 
 # What a GPU needs beyond the estimate: the CUDA context, NCCL's buffers and the caching allocator's fragmentation.
-# On two 80 GB H100s (79.2 GiB each, docs/fsdp.md's tenth and eleventh sessions) Llama-3-8B estimated at 73.2 and
-# 73.8 GiB trained (peaks 73.7, 74.3); estimated at 74.8 and 75.5 it made no step in two minutes; at 76.5 it ran out
-# of memory.
+# On two 80 GB H100s (79.2 GiB each; docs/benchmarks.md, "Llama-3-8B") Llama-3-8B estimated at 73.2 and 73.8 GiB
+# trained (peaks 73.7, 74.3); estimated at 74.8 and 75.5 it made no step in two minutes; at 76.5 it ran out of memory.
 UNCOUNTED_GIB = 5.0
 
 

@@ -14,7 +14,7 @@ What a run starts, and who stops it here (the trainer registers each part as it 
   workers and `gloo_tcp_loop`, NCCL's watchdog) while the interpreter still runs. A watched group that something
   still references is named in a warning with the chain of objects holding it (holders.py).
 
-Why that last step matters (issue 32: 4 of 25 DP=2 FP8 CPU runs printed their final loss and aborted with
+Why that last step matters (without it, 4 of 25 DP=2 FP8 CPU runs printed their final loss and aborted with
 "terminate called without an active exception"). A gloo worker thread drops its reference to a finished collective
 only after the rank that waited on it has gone on; when that reference is the last one to a tensor whose Python
 object the C++ side keeps alive, the drop takes the GIL to release the Python object. If the main thread has

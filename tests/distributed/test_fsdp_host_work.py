@@ -1,4 +1,4 @@
-"""FSDP's host work per micro-batch under optim_grads (issue 30: llama-1b's FSDP step was host-bound on two H100s;
+"""FSDP's host work per micro-batch under optim_grads (llama-1b's FSDP step is host-bound on two H100s;
 scripts/probes/host_overhead.py measures it on the CPU). With four micro-batches per step at DP=2:
 
 * units of two layers give bitwise the losses of one-layer units: only the grouping of each reduce-scatter changes,

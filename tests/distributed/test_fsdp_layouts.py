@@ -1,6 +1,6 @@
 """FSDP (PyTorch's FSDP2) composed with tensor parallelism (+ sequence parallelism) and with context parallelism, on
 four gloo processes, against the distributed optimizer on the same layout (two micro-batches a step): over 20 steps
-under TP (issue 30's count), over 10 under CP (what CP adds, FSDP's sharding over data x context parallel ranks and
+under TP, over 10 under CP (what CP adds, FSDP's sharding over data x context parallel ranks and
 their gradient reduction, shows in the second step; 4 processes on 2 cores make each step costly).
 
 TP=2 x FSDP=2: each rank's tensor-parallel piece of every weight is sharded over its two data-parallel ranks. fp32

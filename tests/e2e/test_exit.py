@@ -1,8 +1,8 @@
-"""Every way out of a DP=2 FP8 CPU run ends in an orderly exit (issue 32): the last step, --exit-interval, a SIGTERM
+"""Every way out of a DP=2 FP8 CPU run ends in an orderly exit: the last step, --exit-interval, a SIGTERM
 to every rank (Slurm's preemption), a diverged run. Each rank exits with its code (0, or 3 for the divergence), no
 rank aborts with "terminate called without an active exception", and no communication thread is left running once
 pretrain_gpt.py's main returns (megatron/training/shutdown.py says why that matters). The soak repeats the finished
-launch 20 times over the variants that used to abort (scripts/probes/exit_soak.sh)."""
+launch 20 times over the variants most prone to abort (scripts/probes/exit_soak.sh)."""
 
 from __future__ import annotations
 

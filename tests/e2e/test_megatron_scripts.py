@@ -1,4 +1,4 @@
-"""Megatron-LM's own launch scripts run here unchanged but for their sizes, GPU counts and paths (issue 16): the FP8
+"""Megatron-LM's own launch scripts run here unchanged but for their sizes, GPU counts and paths: the FP8
 Llama-3 8B recipe and the GPT-3 175B fp16 script, with the flag lists of tests/assets/megatron_scripts.py, through
 torchrun as the scripts launch them. On CPUs (gloo, FP8 emulated by the local engine) and on one GPU (TE)."""
 

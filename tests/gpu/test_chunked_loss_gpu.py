@@ -20,7 +20,7 @@ pytestmark = [
 
 # the 8B's sequence and (nearly) its vocabulary: 2 GiB of bf16 logits in 16 slices of CHUNK_ELEMENTS. With 4 slices
 # (4096 tokens, 64k vocabulary: 512 MiB of logits) one slice's fp32 work outweighed what was saved: 720 MiB above the
-# inputs against TE's 648 (two H100s, eleventh session)
+# inputs against TE's 648 (two H100s)
 TOKENS, HIDDEN, VOCAB = 8192, 1024, 131072
 
 

@@ -3,10 +3,10 @@
 
 The handle drops its send buffer at `wait()`. If the buffer's memory went back to the starting stream while the
 all-to-all could still be reading it, the next allocation there would take it over and overwrite it before it was
-sent: the receiving rank would sum garbage (an intermittent loss blow-up on llama-1b, seen once in the fifteenth
-session). Here rank 1 holds its all-to-all back for about a second (a sleeping kernel), so rank 0's all-to-all is
-still waiting to send when rank 0 drops the handle and fills new buffers of the send buffer's size on its compute
-stream; each rank's shard must still be bit for bit the one a same-stream wait gives."""
+sent: the receiving rank would sum garbage (an intermittent loss blow-up on llama-1b). Here rank 1 holds its
+all-to-all back for about a second (a sleeping kernel), so rank 0's all-to-all is still waiting to send when rank 0
+drops the handle and fills new buffers of the send buffer's size on its compute stream; each rank's shard must still
+be bit for bit the one a same-stream wait gives."""
 
 import torch
 

@@ -165,7 +165,7 @@ def test_bound_rows_print_bound_measured_and_ratio_with_fake_probes():
 
 
 def test_the_fsdp_layouts_parse_with_the_local_configs():
-    """llama-1b and the Llama-3-8B shape under FSDP at DP=2, and with TP=2 or CP=2 on 4 GPUs (local
+    """The FSDP rows: llama-1b and the Llama-3-8B shape under FSDP at DP=2, and with TP=2 or CP=2 on 4 GPUs (local
     layers, bf16 and FP8)."""
     from megatron.config import parse_args
     from megatron.config.sharding import main_grads_bf16

@@ -1,4 +1,4 @@
-"""Megatron-LM flags added with issue 16 for features of issues 17 and 18 (now built) parse at their defaults and
+"""Megatron-LM flags of context parallelism and distributed checkpoints parse at their defaults and
 at values that mean the plain behaviour; flags whose whole meaning is already the behaviour here are accepted."""
 
 from megatron.config import parse_args

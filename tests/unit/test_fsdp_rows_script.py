@@ -1,7 +1,7 @@
 """scripts/probes/fsdp_rows.sh without a GPU: every benchmark config, layout and loss-parity run it names exists.
 
-The script runs only on GPU machines, where a misspelt name costs a run's device time (loss_parity.py refuses a tag with
-a second `+`, and flags for runs not asked for).
+The script runs only in device calls, where a misspelt name costs a call's device time: loss_parity.py refuses
+malformed parity runs (a tag with a second `+`, and flags for runs not asked for).
 """
 
 import importlib.util

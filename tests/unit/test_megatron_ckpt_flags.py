@@ -1,4 +1,4 @@
-"""Megatron-LM's checkpoint and scheduler flags (issue 32): each flag's meaning, without a training run (the runs are
+"""Megatron-LM's checkpoint and scheduler flags: each flag's meaning, without a training run (the runs are
 in tests/e2e/test_megatron_ckpt_flags.py)."""
 
 import pytest

@@ -306,7 +306,7 @@ def test_llama_1b_te_fsdp2_from_its_terms():
     assert (est["static"], est["weight_casts"], est["step"]) == (static, 0, 0)
     assert est["activations"] == pytest.approx(activations) and est["buffers"] == pytest.approx(buffers)
     assert est["total"] == pytest.approx(static + activations + buffers)
-    # within 1% of what two H100s measured (docs/benchmarks.md, "Third wave, second session": 17.27 GiB)
+    # within 1% of what two H100s measured (docs/benchmarks.md, "FSDP and ZeRO-2 at DP=2": 17.27 GiB)
     assert est["total"] / 2**30 == pytest.approx(17.27, rel=0.01)
     # optim_grads keeps the whole model gathered (19.2 GiB measured on two H200s): 2 bytes per parameter
     cfg_flags = "--use-torch-fsdp2 --data-parallel-sharding-strategy"

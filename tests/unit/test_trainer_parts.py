@@ -1,4 +1,4 @@
-"""The trainer's parts that issue 29 moved out of trainer.py, tested on their own: the counters of a step
+"""The trainer's parts outside trainer.py, tested on their own: the counters of a step
 (train_state.py), the log interval (progress.py), when delayed scaling is calibrated (warmup.py), a data loader's
 workers ended on request (data_loading.py)."""
 
