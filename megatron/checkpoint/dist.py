@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,6 +50,8 @@ from .checkpointing import (
     CHECKPOINT_VERSION,
     CheckpointError,
     _log,
+    checkpoint_dir,
+    discard,
     iteration_dir,
     load_model_state,
     publish_checkpoint,
@@ -59,12 +60,14 @@ from .checkpointing import (
     save_failed,
     select_checkpoint,
     set_rng_state,
+    start_folder,
 )
 from .dist_optimizer import ENCODING, OptimizerEntries
 from .dist_planner import ChunkLoadPlanner, ChunkSavePlanner, split_entries
 from .dist_stager import PinnedStager
 from .integrity import gather_checksums, retention
 from .safe_load import SafeReader, first_line, malformed
+from .save_folder import TMP
 from .sharding import Chunk, Placement, clip_vocab, global_name, placement, tensor_chunks
 
 FORMAT = "torch_dist"
@@ -157,32 +160,27 @@ class DistCheckpointer:
         state, where = split_entries(chunks, objects)
 
         final = iteration_dir(root, iteration)
-        tmp = final.with_name(final.name + ".tmp")
-        if self._first():
-            Path(root).mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            (tmp / "metadata.json").write_text(
-                json.dumps({"format": FORMAT, "layout": layout, "iteration": iteration}) + "\n"
-            )
-        self._barrier()
-        writer = FileSystemWriter(tmp)
-        planner = ChunkSavePlanner(where, self.cfg.checkpoint.ckpt_fully_parallel_save)
-        if self.cfg.checkpoint.async_save:
-            times = {"queued": time.perf_counter()}
-            future = dcp.async_save(
-                state,
-                storage_writer=writer,
-                planner=planner,
-                process_group=self.group,
-                no_dist=self.group is None,
-                async_stager=self._stager,
-            )
-            if self._first():
-                future = self._publish_when_written(future, tmp, final, iteration, times)
-            self.pending = (future, tmp, final, iteration, times)
-            return final
+        tmp = final.with_name(final.name + TMP)
         try:
+            if self._first():
+                start_folder(Path(root), tmp, {"format": FORMAT, "layout": layout, "iteration": iteration})
+            self._barrier()
+            writer = FileSystemWriter(tmp)
+            planner = ChunkSavePlanner(where, self.cfg.checkpoint.ckpt_fully_parallel_save)
+            if self.cfg.checkpoint.async_save:
+                times = {"queued": time.perf_counter()}
+                future = dcp.async_save(
+                    state,
+                    storage_writer=writer,
+                    planner=planner,
+                    process_group=self.group,
+                    no_dist=self.group is None,
+                    async_stager=self._stager,
+                )
+                if self._first():
+                    future = self._publish_when_written(future, tmp, final, iteration, times)
+                self.pending = (future, tmp, final, iteration, times)
+                return final
             dcp.save(
                 state, storage_writer=writer, planner=planner, process_group=self.group, no_dist=self.group is None
             )
@@ -192,7 +190,7 @@ class DistCheckpointer:
                 publish_checkpoint(root, tmp, final, iteration, checksums, retention(self.cfg.checkpoint))
         except (CheckpointException, OSError) as exc:  # a full disk: the previous checkpoint stays the latest
             if self._first():
-                shutil.rmtree(tmp, ignore_errors=True)
+                discard(tmp)
             raise save_failed(root, iteration, _cause(exc)) from exc
         self._barrier()
         return final
@@ -231,7 +229,7 @@ class DistCheckpointer:
             future.result()
         except (CheckpointException, OSError) as exc:
             if self._first():
-                shutil.rmtree(tmp, ignore_errors=True)
+                discard(tmp)
             raise save_failed(final.parent, iteration, _cause(exc)) from exc
         if self._first():
             written, published = times["written"] - times["queued"], times["published"] - times["written"]
@@ -250,7 +248,7 @@ class DistCheckpointer:
             iteration = select_checkpoint(root, self.group)
         if iteration is None:
             return None
-        path = iteration_dir(root, iteration)
+        path = checkpoint_dir(root, iteration)
         _check_format(root, path, iteration)
         try:
             metadata = SafeReader(path).read_metadata()
