@@ -50,6 +50,7 @@ from .integrity import (
     record_checksums,
     verify_checkpoint,
 )
+from .model_shape import mismatch_line
 from .safe_load import first_line, load_own
 from .save_folder import OLD, TMP, fsync_dir, fsync_tree, remove, tidy, write_atomically, write_new
 from .te_state import TE_UNSAFE_PICKLE_ENV, UnsafeTePickle, te_pickles_allowed, verify_te_pickles
@@ -400,8 +401,11 @@ def check_train_state(state: dict[str, Any], source: str) -> dict[str, Any]:
     return state
 
 
-def check_model_state(checkpoint: dict[str, torch.Tensor], model: dict[str, torch.Tensor], source: str) -> None:
-    """Raise CheckpointError listing every missing, unexpected and mis-shaped tensor."""
+def check_model_state(
+    checkpoint: dict[str, torch.Tensor], model: dict[str, torch.Tensor], source: str, differ: list[str] | None = None
+) -> None:
+    """Raise CheckpointError listing every missing, unexpected and mis-shaped tensor, and `differ`: the shape flags
+    that differ from the saved run's (model_shape.differing_flags)."""
     # Transformer Engine's `_extra_state` entries (pickled FP8 state whose size varies) exist only in TE models, and
     # GPTModel reconciles them on load; the weights must match key for key.
     checkpoint = {k: v for k, v in checkpoint.items() if not k.endswith("_extra_state")}
@@ -417,6 +421,4 @@ def check_model_state(checkpoint: dict[str, torch.Tensor], model: dict[str, torc
         if tuple(checkpoint[key].shape) != tuple(model[key].shape):
             problems.append(f"{key}: checkpoint {list(checkpoint[key].shape)} vs model {list(model[key].shape)}")
     if problems:
-        raise CheckpointError(
-            f"checkpoint {source} does not match the model (same model flags as the saved run?): " + "; ".join(problems)
-        )
+        raise CheckpointError(mismatch_line(source, differ or [], problems))

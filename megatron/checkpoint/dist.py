@@ -66,6 +66,7 @@ from .dist_optimizer import ENCODING, OptimizerEntries
 from .dist_planner import ChunkLoadPlanner, ChunkSavePlanner, split_entries
 from .dist_stager import PinnedStager
 from .integrity import gather_checksums, retention
+from .model_shape import differing_flags, mismatch_line, vocab_rows_fit
 from .safe_load import SafeReader, first_line, malformed
 from .save_folder import TMP
 from .sharding import Chunk, Placement, clip_vocab, global_name, placement, tensor_chunks
@@ -279,14 +280,15 @@ class DistCheckpointer:
             f" (this run: tp {self.dims.tp}, pp {self.dims.pp}, dp {self.dims.dp}, cp {self.dims.cp})"
         )
 
-        chunks = self._fit(chunks, saved, root, tensors="model")
+        run = train_state.get("config"), loaded["layout"].get("tp", 1)  # the saved run's config and tp: shapes
+        chunks = self._fit(chunks, saved, root, "model", *run)
         if load_optim:
-            chunks += self._fit(self.optimizer_entries.plan(saved, loaded), saved, root, tensors="optimizer")
+            chunks += self._fit(self.optimizer_entries.plan(saved, loaded), saved, root, "optimizer", *run)
         fp8_history = fp8_scale = None
         has_fp8 = any(k.startswith("fp8.") and k.endswith(".scale") for k in saved)
         if self.fp8 is not None and self.fp8.amax.history is not None and has_fp8 and not ckpt.finetune:
             fp8_history, fp8_scale = self.fp8.amax.history.clone(), self.fp8.amax.scale.clone()
-            chunks += self._fit(self._fp8_entries(fp8_history, fp8_scale), saved, root, tensors="fp8")
+            chunks += self._fit(self._fp8_entries(fp8_history, fp8_scale), saved, root, "fp8", *run)
         self._read(path, chunks, {})
 
         # FP8 scales first: loading FP8 weights quantizes them with the current scales
@@ -331,9 +333,12 @@ class DistCheckpointer:
             raise CheckpointError(f"cannot read torch_dist checkpoint {path}: {_first_line(exc)}") from exc
         return planner.state_dict
 
-    def _fit(self, chunks: list[Chunk], saved: dict[str, Any], root: str, tensors: str) -> list[Chunk]:
-        """Check this rank's chunks against the checkpoint's entries (missing, other shapes: one line naming them,
-        as --dist-ckpt-strictness says) and clip vocabulary chunks to the checkpoint's padding."""
+    def _fit(
+        self, chunks: list[Chunk], saved: dict[str, Any], root: str, tensors: str, run: Any, saved_tp: int
+    ) -> list[Chunk]:
+        """Check this rank's chunks against the checkpoint's entries (missing, other shapes: one line naming them
+        and the flags that differ from the saved run's config `run`, as --dist-ckpt-strictness says) and clip
+        vocabulary chunks to the checkpoint's padding (model_shape.py: another vocabulary is refused)."""
         strictness = self.cfg.checkpoint.dist_ckpt_strictness
         fitted, missing, mismatched, padding = [], set(), set(), set()
         for chunk in chunks:
@@ -345,7 +350,12 @@ class DistCheckpointer:
                 continue
             shape = tuple(entry.size)
             if shape != tuple(chunk.global_shape):
-                if chunk.fqn.endswith(VOCAB) and shape[1:] == tuple(chunk.global_shape[1:]):
+                rows = shape[0], chunk.global_shape[0]
+                if (
+                    chunk.fqn.endswith(VOCAB)
+                    and shape[1:] == tuple(chunk.global_shape[1:])
+                    and vocab_rows_fit(*rows, run, saved_tp, self.cfg)
+                ):
                     padding.add((chunk.global_shape[0], shape[0]))
                     chunk = clip_vocab(chunk, shape[0])
                     if chunk is None:
@@ -363,10 +373,7 @@ class DistCheckpointer:
         if mismatched:
             problems.append(f"{len(mismatched)} of another shape: {_few(mismatched)}")
         if problems:
-            raise CheckpointError(
-                f"checkpoint {root} does not match the model (same model flags as the saved run?): "
-                + "; ".join(problems)
-            )
+            raise CheckpointError(mismatch_line(root, differing_flags(run, self.cfg), problems))
         for ours, theirs in sorted(padding):
             _log(f"> vocabulary padded to {theirs} rows in the checkpoint, {ours} here: the rows both have are loaded")
         if tensors == "model":
