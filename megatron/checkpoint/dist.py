@@ -280,15 +280,15 @@ class DistCheckpointer:
             f" (this run: tp {self.dims.tp}, pp {self.dims.pp}, dp {self.dims.dp}, cp {self.dims.cp})"
         )
 
-        run = train_state.get("config"), loaded["layout"].get("tp", 1)  # the saved run's config and tp: shapes
-        chunks = self._fit(chunks, saved, root, "model", *run)
+        saved_run = train_state.get("config"), loaded["layout"].get("tp", 1)  # what decided the saved shapes
+        chunks = self._fit(chunks, saved, root, "model", *saved_run)
         if load_optim:
-            chunks += self._fit(self.optimizer_entries.plan(saved, loaded), saved, root, "optimizer", *run)
+            chunks += self._fit(self.optimizer_entries.plan(saved, loaded), saved, root, "optimizer", *saved_run)
         fp8_history = fp8_scale = None
         has_fp8 = any(k.startswith("fp8.") and k.endswith(".scale") for k in saved)
         if self.fp8 is not None and self.fp8.amax.history is not None and has_fp8 and not ckpt.finetune:
             fp8_history, fp8_scale = self.fp8.amax.history.clone(), self.fp8.amax.scale.clone()
-            chunks += self._fit(self._fp8_entries(fp8_history, fp8_scale), saved, root, "fp8", *run)
+            chunks += self._fit(self._fp8_entries(fp8_history, fp8_scale), saved, root, "fp8", *saved_run)
         self._read(path, chunks, {})
 
         # FP8 scales first: loading FP8 weights quantizes them with the current scales
@@ -334,10 +334,10 @@ class DistCheckpointer:
         return planner.state_dict
 
     def _fit(
-        self, chunks: list[Chunk], saved: dict[str, Any], root: str, tensors: str, run: Any, saved_tp: int
+        self, chunks: list[Chunk], saved: dict[str, Any], root: str, tensors: str, saved_config: Any, saved_tp: int
     ) -> list[Chunk]:
         """Check this rank's chunks against the checkpoint's entries (missing, other shapes: one line naming them
-        and the flags that differ from the saved run's config `run`, as --dist-ckpt-strictness says) and clip
+        and the flags that differ from `saved_config`, the saved run's, as --dist-ckpt-strictness says) and clip
         vocabulary chunks to the checkpoint's padding (model_shape.py: another vocabulary is refused)."""
         strictness = self.cfg.checkpoint.dist_ckpt_strictness
         fitted, missing, mismatched, padding = [], set(), set(), set()
@@ -354,7 +354,7 @@ class DistCheckpointer:
                 if (
                     chunk.fqn.endswith(VOCAB)
                     and shape[1:] == tuple(chunk.global_shape[1:])
-                    and vocab_rows_fit(*rows, run, saved_tp, self.cfg)
+                    and vocab_rows_fit(*rows, saved_config, saved_tp, self.cfg)
                 ):
                     padding.add((chunk.global_shape[0], shape[0]))
                     chunk = clip_vocab(chunk, shape[0])
@@ -373,7 +373,7 @@ class DistCheckpointer:
         if mismatched:
             problems.append(f"{len(mismatched)} of another shape: {_few(mismatched)}")
         if problems:
-            raise CheckpointError(mismatch_line(root, differing_flags(run, self.cfg), problems))
+            raise CheckpointError(mismatch_line(root, differing_flags(saved_config, self.cfg), problems))
         for ours, theirs in sorted(padding):
             _log(f"> vocabulary padded to {theirs} rows in the checkpoint, {ours} here: the rows both have are loaded")
         if tensors == "model":
