@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpointing import CheckpointError, _log, check_train_state, iteration_dir, select_checkpoint
+from .checkpointing import CheckpointError, _log, check_train_state, checkpoint_dir, select_checkpoint
 from .dist import DistCheckpointer
 from .torch_format import TorchCheckpointer
 
@@ -90,7 +90,7 @@ class Checkpointer:
         )  # verified, else the newest older one that verifies (logged)
         if iteration is None:
             return None
-        fmt = folder_format(iteration_dir(root, iteration)) or self.format
+        fmt = folder_format(checkpoint_dir(root, iteration)) or self.format
         if fmt != self.format:
             ckpt = self.cfg.checkpoint
             if not (self.format == "torch_dist" or ckpt.auto_detect_ckpt_format):

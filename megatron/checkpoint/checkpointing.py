@@ -11,10 +11,12 @@
 
 Each tensor x pipeline shard is written by the first data-parallel replica that holds it.
 
-Atomicity: a checkpoint is written into `iter_XXXXXXX.tmp`, flushed to disk, then renamed to `iter_XXXXXXX`
-(rename is atomic on POSIX file systems), and only after that is the `latest` pointer replaced (itself written to a
-temporary file and renamed). A crash at any point leaves the previous checkpoint and the pointer to it intact; a
-stale `.tmp` folder is removed by the next save.
+Publication (docs/checkpoints.md says what each crash point leaves): a checkpoint is written into `iter_XXXXXXX.tmp`,
+flushed to disk, renamed to `iter_XXXXXXX` (a re-save of an iteration first moves the old copy aside to
+`iter_XXXXXXX.old`, which loads in its place until the new one is in), and only then is the `latest` pointer
+replaced (written to a temporary file and renamed); the folder is flushed after each rename. The pointer's rename is
+the commit: a crash at any point leaves the previous checkpoint and the pointer to it intact, and the next save
+tidies what a killed one left (megatron/checkpoint/save_folder.py, which also keeps every write inside --save).
 
 Verification (megatron/checkpoint/integrity.py): metadata.json records every file's size and CRC-32; loading checks
 them and, when the checkpoint `latest` names is damaged, falls back to the newest older one that verifies (and says
@@ -27,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,9 @@ from .integrity import (
     record_checksums,
     verify_checkpoint,
 )
+from .model_shape import mismatch_line
 from .safe_load import first_line, load_own
+from .save_folder import OLD, TMP, fsync_dir, fsync_tree, remove, tidy, write_atomically, write_new
 from .te_state import TE_UNSAFE_PICKLE_ENV, UnsafeTePickle, te_pickles_allowed, verify_te_pickles
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -82,6 +85,14 @@ def load_model_state(model: torch.nn.Module, state: dict[str, Any], root: str | 
 
 def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
+
+
+def checkpoint_dir(root: str | os.PathLike, iteration: int) -> Path:
+    """The folder that holds iteration `iteration`'s checkpoint: `iter_N`, or `iter_N.old` when a re-save of the
+    iteration was killed between its two renames (the old copy moved aside, the new one not yet in place)."""
+    final = iteration_dir(root, iteration)
+    old = final.with_name(final.name + OLD)
+    return old if not final.exists() and old.is_dir() and not old.is_symlink() else final
 
 
 def model_parallel_name(tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1) -> str:
@@ -119,27 +130,6 @@ def set_rng_state(state: dict[str, Any], source: str = "the checkpoint") -> None
         ) from None
 
 
-def _fsync_tree(path: Path) -> None:
-    for file in path.rglob("*"):
-        if file.is_file():
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -167,13 +157,10 @@ def save_checkpoint(
     layout = layout or {"tp": 1, "pp": 1, "dp": 1}
     root_path = Path(root)
     final = iteration_dir(root_path, iteration)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = final.with_name(final.name + TMP)
     try:
         if _is_first_rank():
-            root_path.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            (tmp / "metadata.json").write_text(json.dumps({"layout": layout, "iteration": iteration}) + "\n")
+            start_folder(root_path, tmp, {"layout": layout, "iteration": iteration})
         _barrier()
         if writer:
             (tmp / shard).mkdir(parents=True, exist_ok=True)
@@ -189,10 +176,28 @@ def save_checkpoint(
             publish_checkpoint(root, tmp, final, iteration, checksums, retain)
     except (OSError, RuntimeError) as exc:  # a full disk, a lost mount (torch.save reports those as RuntimeError)
         if _is_first_rank():
-            shutil.rmtree(tmp, ignore_errors=True)
+            discard(tmp)
         raise save_failed(root, iteration, exc) from exc
     _barrier()
     return final
+
+
+def start_folder(root: Path, tmp: Path, metadata: dict[str, Any]) -> None:
+    """One rank, before a save's files are written: tidy `root` (what killed saves left) and create `tmp` with the
+    checkpoint's metadata.json (its checksums are added once every file is written)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tidy(root)
+    remove(tmp)
+    tmp.mkdir()
+    write_new(tmp / "metadata.json", (json.dumps(metadata) + "\n").encode())
+
+
+def discard(tmp: Path) -> None:
+    """Remove a failed save's folder, as far as the file system lets (it is failing already)."""
+    try:
+        remove(tmp)
+    except OSError:
+        pass
 
 
 def save_failed(root: str | os.PathLike, iteration: int, exc: BaseException) -> CheckpointError:
@@ -227,17 +232,20 @@ def publish_checkpoint(
     `retention`: which older checkpoints stay (an int: --save-retain-last; None keeps every checkpoint)."""
     record_checksums(tmp, checksums if checksums is not None else local_checksums(tmp))
     faults.point("publish:checksummed")
-    _fsync_tree(tmp)
-    if final.exists():  # re-saving an iteration: move the old copy aside first, drop it once the new is in place
-        old = final.with_name(final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
+    fsync_tree(tmp)
+    old = final.with_name(final.name + OLD)
+    if final.exists() or final.is_symlink():  # a re-save: the old copy moves aside (and loads in its place) until
+        remove(old)  # the new one is in (checkpoint_dir), and is dropped after
         os.replace(final, old)
+        fsync_dir(final.parent)
         os.replace(tmp, final)
-        shutil.rmtree(old)
+        fsync_dir(final.parent)
+        remove(old)
     else:
         os.replace(tmp, final)
+        fsync_dir(final.parent)
     faults.point("publish:renamed")
-    _write_atomically(Path(root) / LATEST, f"{iteration}\n")
+    write_atomically(Path(root) / LATEST, f"{iteration}\n")
     faults.point("publish:pointer")
     rule = Retention(last=retention) if isinstance(retention, int) else retention
     if rule is not None and rule.deletes:
@@ -289,7 +297,7 @@ def select_checkpoint(root: str, group: Any = None, strict: bool = False) -> int
     first_problem = None
     for iteration in [latest] + [i for i in iterations(root) if i < latest]:
         try:
-            verified = verify_checkpoint(iteration_dir(root, iteration), group)
+            verified = verify_checkpoint(checkpoint_dir(root, iteration), group)
         except Unusable as exc:
             if strict:
                 raise CheckpointError(
@@ -338,10 +346,11 @@ def load_checkpoint(
         iteration = select_checkpoint(root, group)
     if iteration is None:
         return None
-    metadata = read_metadata(iteration_dir(root, iteration))
+    folder = checkpoint_dir(root, iteration)
+    metadata = read_metadata(folder)
     if metadata is not None and metadata.get("format", "torch") != "torch":
         raise CheckpointError(
-            f"{iteration_dir(root, iteration)} is a {metadata['format'][:40]} checkpoint: load it"
+            f"{folder} is a {metadata['format'][:40]} checkpoint: load it"
             " with --ckpt-format torch_dist or --auto-detect-ckpt-format"
         )
     if layout is not None and metadata is not None:
@@ -353,7 +362,7 @@ def load_checkpoint(
                 f" with --tensor-model-parallel-size {saved['tp']} --pipeline-model-parallel-size {saved['pp']}"
                 " (--ckpt-format torch_dist checkpoints load under any layout)"
             )
-    path = iteration_dir(root, iteration) / shard / "model_optim_rng.pt"
+    path = folder / shard / "model_optim_rng.pt"
     if not path.exists():
         raise CheckpointError(f"{path} is missing: the checkpoint was saved with another parallel layout or is damaged")
     state = load_own(path, str(path), CheckpointError)
@@ -367,7 +376,7 @@ def load_rank_file(root: str, shard: str, name: str, iteration: int | None = Non
     `latest` names) under `root`."""
     if iteration is None:
         iteration = latest_iteration(root)
-    path = iteration_dir(root, iteration if iteration is not None else 0) / shard / name
+    path = checkpoint_dir(root, iteration if iteration is not None else 0) / shard / name
     if not path.exists():
         raise CheckpointError(
             f"{path} is missing: the checkpoint holds no distributed-optimizer shard for this rank (saved without"
@@ -392,8 +401,11 @@ def check_train_state(state: dict[str, Any], source: str) -> dict[str, Any]:
     return state
 
 
-def check_model_state(checkpoint: dict[str, torch.Tensor], model: dict[str, torch.Tensor], source: str) -> None:
-    """Raise CheckpointError listing every missing, unexpected and mis-shaped tensor."""
+def check_model_state(
+    checkpoint: dict[str, torch.Tensor], model: dict[str, torch.Tensor], source: str, differ: list[str] | None = None
+) -> None:
+    """Raise CheckpointError listing every missing, unexpected and mis-shaped tensor, and `differ`: the shape flags
+    that differ from the saved run's (model_shape.differing_flags)."""
     # Transformer Engine's `_extra_state` entries (pickled FP8 state whose size varies) exist only in TE models, and
     # GPTModel reconciles them on load; the weights must match key for key.
     checkpoint = {k: v for k, v in checkpoint.items() if not k.endswith("_extra_state")}
@@ -409,6 +421,4 @@ def check_model_state(checkpoint: dict[str, torch.Tensor], model: dict[str, torc
         if tuple(checkpoint[key].shape) != tuple(model[key].shape):
             problems.append(f"{key}: checkpoint {list(checkpoint[key].shape)} vs model {list(model[key].shape)}")
     if problems:
-        raise CheckpointError(
-            f"checkpoint {source} does not match the model (same model flags as the saved run?): " + "; ".join(problems)
-        )
+        raise CheckpointError(mismatch_line(source, differ or [], problems))

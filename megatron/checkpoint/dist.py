@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,6 +50,8 @@ from .checkpointing import (
     CHECKPOINT_VERSION,
     CheckpointError,
     _log,
+    checkpoint_dir,
+    discard,
     iteration_dir,
     load_model_state,
     publish_checkpoint,
@@ -59,12 +60,15 @@ from .checkpointing import (
     save_failed,
     select_checkpoint,
     set_rng_state,
+    start_folder,
 )
 from .dist_optimizer import ENCODING, OptimizerEntries
 from .dist_planner import ChunkLoadPlanner, ChunkSavePlanner, split_entries
 from .dist_stager import PinnedStager
 from .integrity import gather_checksums, retention
+from .model_shape import differing_flags, mismatch_line, vocab_rows_fit
 from .safe_load import SafeReader, first_line, malformed
+from .save_folder import TMP
 from .sharding import Chunk, Placement, clip_vocab, global_name, placement, tensor_chunks
 
 FORMAT = "torch_dist"
@@ -157,32 +161,27 @@ class DistCheckpointer:
         state, where = split_entries(chunks, objects)
 
         final = iteration_dir(root, iteration)
-        tmp = final.with_name(final.name + ".tmp")
-        if self._first():
-            Path(root).mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            (tmp / "metadata.json").write_text(
-                json.dumps({"format": FORMAT, "layout": layout, "iteration": iteration}) + "\n"
-            )
-        self._barrier()
-        writer = FileSystemWriter(tmp)
-        planner = ChunkSavePlanner(where, self.cfg.checkpoint.ckpt_fully_parallel_save)
-        if self.cfg.checkpoint.async_save:
-            times = {"queued": time.perf_counter()}
-            future = dcp.async_save(
-                state,
-                storage_writer=writer,
-                planner=planner,
-                process_group=self.group,
-                no_dist=self.group is None,
-                async_stager=self._stager,
-            )
-            if self._first():
-                future = self._publish_when_written(future, tmp, final, iteration, times)
-            self.pending = (future, tmp, final, iteration, times)
-            return final
+        tmp = final.with_name(final.name + TMP)
         try:
+            if self._first():
+                start_folder(Path(root), tmp, {"format": FORMAT, "layout": layout, "iteration": iteration})
+            self._barrier()
+            writer = FileSystemWriter(tmp)
+            planner = ChunkSavePlanner(where, self.cfg.checkpoint.ckpt_fully_parallel_save)
+            if self.cfg.checkpoint.async_save:
+                times = {"queued": time.perf_counter()}
+                future = dcp.async_save(
+                    state,
+                    storage_writer=writer,
+                    planner=planner,
+                    process_group=self.group,
+                    no_dist=self.group is None,
+                    async_stager=self._stager,
+                )
+                if self._first():
+                    future = self._publish_when_written(future, tmp, final, iteration, times)
+                self.pending = (future, tmp, final, iteration, times)
+                return final
             dcp.save(
                 state, storage_writer=writer, planner=planner, process_group=self.group, no_dist=self.group is None
             )
@@ -192,7 +191,7 @@ class DistCheckpointer:
                 publish_checkpoint(root, tmp, final, iteration, checksums, retention(self.cfg.checkpoint))
         except (CheckpointException, OSError) as exc:  # a full disk: the previous checkpoint stays the latest
             if self._first():
-                shutil.rmtree(tmp, ignore_errors=True)
+                discard(tmp)
             raise save_failed(root, iteration, _cause(exc)) from exc
         self._barrier()
         return final
@@ -231,7 +230,7 @@ class DistCheckpointer:
             future.result()
         except (CheckpointException, OSError) as exc:
             if self._first():
-                shutil.rmtree(tmp, ignore_errors=True)
+                discard(tmp)
             raise save_failed(final.parent, iteration, _cause(exc)) from exc
         if self._first():
             written, published = times["written"] - times["queued"], times["published"] - times["written"]
@@ -250,7 +249,7 @@ class DistCheckpointer:
             iteration = select_checkpoint(root, self.group)
         if iteration is None:
             return None
-        path = iteration_dir(root, iteration)
+        path = checkpoint_dir(root, iteration)
         _check_format(root, path, iteration)
         try:
             metadata = SafeReader(path).read_metadata()
@@ -281,14 +280,15 @@ class DistCheckpointer:
             f" (this run: tp {self.dims.tp}, pp {self.dims.pp}, dp {self.dims.dp}, cp {self.dims.cp})"
         )
 
-        chunks = self._fit(chunks, saved, root, tensors="model")
+        saved_run = train_state.get("config"), loaded["layout"].get("tp", 1)  # what decided the saved shapes
+        chunks = self._fit(chunks, saved, root, "model", *saved_run)
         if load_optim:
-            chunks += self._fit(self.optimizer_entries.plan(saved, loaded), saved, root, tensors="optimizer")
+            chunks += self._fit(self.optimizer_entries.plan(saved, loaded), saved, root, "optimizer", *saved_run)
         fp8_history = fp8_scale = None
         has_fp8 = any(k.startswith("fp8.") and k.endswith(".scale") for k in saved)
         if self.fp8 is not None and self.fp8.amax.history is not None and has_fp8 and not ckpt.finetune:
             fp8_history, fp8_scale = self.fp8.amax.history.clone(), self.fp8.amax.scale.clone()
-            chunks += self._fit(self._fp8_entries(fp8_history, fp8_scale), saved, root, tensors="fp8")
+            chunks += self._fit(self._fp8_entries(fp8_history, fp8_scale), saved, root, "fp8", *saved_run)
         self._read(path, chunks, {})
 
         # FP8 scales first: loading FP8 weights quantizes them with the current scales
@@ -333,9 +333,12 @@ class DistCheckpointer:
             raise CheckpointError(f"cannot read torch_dist checkpoint {path}: {_first_line(exc)}") from exc
         return planner.state_dict
 
-    def _fit(self, chunks: list[Chunk], saved: dict[str, Any], root: str, tensors: str) -> list[Chunk]:
-        """Check this rank's chunks against the checkpoint's entries (missing, other shapes: one line naming them,
-        as --dist-ckpt-strictness says) and clip vocabulary chunks to the checkpoint's padding."""
+    def _fit(
+        self, chunks: list[Chunk], saved: dict[str, Any], root: str, tensors: str, saved_config: Any, saved_tp: int
+    ) -> list[Chunk]:
+        """Check this rank's chunks against the checkpoint's entries (missing, other shapes: one line naming them
+        and the flags that differ from `saved_config`, the saved run's, as --dist-ckpt-strictness says) and clip
+        vocabulary chunks to the checkpoint's padding (model_shape.py: another vocabulary is refused)."""
         strictness = self.cfg.checkpoint.dist_ckpt_strictness
         fitted, missing, mismatched, padding = [], set(), set(), set()
         for chunk in chunks:
@@ -347,7 +350,12 @@ class DistCheckpointer:
                 continue
             shape = tuple(entry.size)
             if shape != tuple(chunk.global_shape):
-                if chunk.fqn.endswith(VOCAB) and shape[1:] == tuple(chunk.global_shape[1:]):
+                rows = shape[0], chunk.global_shape[0]
+                if (
+                    chunk.fqn.endswith(VOCAB)
+                    and shape[1:] == tuple(chunk.global_shape[1:])
+                    and vocab_rows_fit(*rows, saved_config, saved_tp, self.cfg)
+                ):
                     padding.add((chunk.global_shape[0], shape[0]))
                     chunk = clip_vocab(chunk, shape[0])
                     if chunk is None:
@@ -365,10 +373,7 @@ class DistCheckpointer:
         if mismatched:
             problems.append(f"{len(mismatched)} of another shape: {_few(mismatched)}")
         if problems:
-            raise CheckpointError(
-                f"checkpoint {root} does not match the model (same model flags as the saved run?): "
-                + "; ".join(problems)
-            )
+            raise CheckpointError(mismatch_line(root, differing_flags(saved_config, self.cfg), problems))
         for ours, theirs in sorted(padding):
             _log(f"> vocabulary padded to {theirs} rows in the checkpoint, {ours} here: the rows both have are loaded")
         if tensors == "model":

@@ -20,7 +20,6 @@ import json
 import math
 import os
 import re
-import shutil
 import zlib
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import faults
+from .save_folder import TMP, remove, write_new
 
 METADATA = "metadata.json"
 CHUNK = 8 << 20
@@ -93,7 +93,7 @@ def record_checksums(directory: Path, checksums: dict[str, dict[str, Any]]) -> N
     path = directory / METADATA
     metadata = json.loads(path.read_text()) if path.exists() else {}
     metadata["checksums"] = checksums
-    path.write_text(json.dumps(metadata) + "\n")
+    write_new(path, (json.dumps(metadata) + "\n").encode())
 
 
 def _check_recorded(recorded: Any, meta_path: Path) -> None:
@@ -198,7 +198,13 @@ def apply_retention(root: str | os.PathLike, rule: Retention, current: int, log:
         if iteration == current or iteration in kept or (rule.interval and iteration % rule.interval == 0):
             continue
         faults.point("retain:delete")
-        shutil.rmtree(Path(root) / f"iter_{iteration:07d}", ignore_errors=True)
+        # renamed first, so that a kill while deleting leaves no half-deleted `iter_N` (a fall-back candidate) but
+        # an `iter_N.tmp`, which the next save removes
+        folder = Path(root) / f"iter_{iteration:07d}"
+        doomed = folder.with_name(folder.name + TMP)
+        remove(doomed)
+        os.replace(folder, doomed)
+        remove(doomed)
         log(f"  deleted checkpoint at iteration {iteration} ({why})")
 
 

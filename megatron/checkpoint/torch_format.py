@@ -24,6 +24,7 @@ from .checkpointing import (
     set_rng_state,
 )
 from .integrity import retention
+from .model_shape import differing_flags
 from .safe_load import malformed
 
 
@@ -88,7 +89,7 @@ class TorchCheckpointer:
                 " with the layout flags that saved it, or use --ckpt-format torch_dist, whose checkpoints load under"
                 " any layout"
             )
-        check_model_state(state["model"], self.model.state_dict(), root)
+        check_model_state(state["model"], self.model.state_dict(), root, differing_flags(state.get("config"), self.cfg))
         load_model_state(self.model, state["model"], root)
         if ckpt.finetune:
             return state

@@ -87,7 +87,11 @@ class MegatronLMLoader(DistCheckpointer):
         dp = getattr(args, "data_parallel_size", None) or 1
         train = {"iteration": res.iteration, "consumed_samples": res.consumed_samples, "skipped_iters": 0}
         train["consumed_valid_samples"] = res.consumed_valid_samples
-        train |= {"nan_iters": 0, "config": {"optimizer": res.schedule}}
+        config: dict[str, Any] = {"optimizer": res.schedule}
+        divisible = getattr(args, "make_vocab_size_divisible_by", None)  # how far its vocabulary's padding goes
+        if divisible is not None:
+            config["data"] = {"make_vocab_size_divisible_by": divisible}
+        train |= {"nan_iters": 0, "config": config}
         objects: dict[str, Any] = {
             "train_state": train,
             "layout": {"tp": tp, "pp": pp, "dp": dp, "cp": cp},

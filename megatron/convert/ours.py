@@ -20,7 +20,13 @@ from typing import Any
 
 import torch
 
-from megatron.checkpoint.checkpointing import CHECKPOINT_VERSION, LATEST, iteration_dir, model_parallel_name
+from megatron.checkpoint.checkpointing import (
+    CHECKPOINT_VERSION,
+    LATEST,
+    checkpoint_dir,
+    iteration_dir,
+    model_parallel_name,
+)
 from megatron.checkpoint.safe_load import SafeLoadPlanner, SafeReader, first_line
 from megatron.checkpoint.sharding import global_name
 from megatron.config import Config, DataConfig, ModelConfig
@@ -67,7 +73,7 @@ def find_iteration(root: Path, what: str = "checkpoint") -> tuple[int | str, Pat
         return text, root / "release"
     if not (text.isdigit() and len(text) <= 12):
         raise ConvertError(f"{pointer} is corrupt (holds {text[:40]!r}, expected an iteration number)")
-    folder = iteration_dir(root, int(text))
+    folder = checkpoint_dir(root, int(text))  # iter_N, or its .old copy (a re-save killed between its renames)
     if not folder.is_dir():
         raise ConvertError(f"{pointer} names iteration {text} but {folder.name} is missing: the checkpoint is damaged")
     return int(text), folder

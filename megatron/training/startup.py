@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from megatron.checkpoint.save_folder import write_atomically
 from megatron.config import Config
 from megatron.config.batch_schedule import BatchSchedule
 from megatron.config.pipeline_split import layout_line
@@ -97,5 +98,5 @@ def write_config(cfg: Config, dims: ParallelDims, tensorboard: TensorBoardWriter
     out_dir = cfg.logging.log_dir or cfg.checkpoint.save or cfg.logging.tensorboard_dir
     if out_dir and dims.is_first_rank:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "config.json").write_text(cfg.to_json() + "\n")
+        write_atomically(Path(out_dir) / "config.json", cfg.to_json() + "\n")  # a planted link is replaced
     tensorboard.text("config", "```\n" + cfg.to_json() + "\n```")

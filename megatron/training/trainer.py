@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from megatron.checkpoint import Checkpointer
+from megatron.checkpoint.save_folder import check_save_folder
 from megatron.config import Config
 from megatron.config.batch_schedule import BatchSchedule, train_iterations
 from megatron.data import build_datasets, build_tokenizer, padded_vocab_size
@@ -61,6 +62,8 @@ class Trainer:
     def __init__(self, cfg: Config, shutdown: Shutdown | None = None):
         self.cfg = cfg
         self.shutdown = shutdown or Shutdown()
+        if cfg.checkpoint.save:  # read-only, full, or not a folder: said now, not at the first save
+            check_save_folder(cfg.checkpoint.save)
         if cfg.training.deterministic_mode:  # before any communicator, cuBLAS handle or TE module exists
             apply_deterministic_mode()
         started = dist.is_initialized()
