@@ -138,7 +138,9 @@ class Interval:
 
     @property
     def sd(self) -> float | None:
-        return statistics.stdev(self.gaps) if self.n > 1 else None
+        if self.n < 2:
+            return None
+        return statistics.stdev(self.gaps) if all(map(math.isfinite, self.gaps)) else math.nan
 
     @property
     def half_width(self) -> float | None:
@@ -146,8 +148,10 @@ class Interval:
 
     def verdict(self, tolerance: float) -> str:
         """pass / fail / unresolved against `tolerance` (%), one-sided (see the module docstring)."""
-        if self.half_width is None or not all(map(math.isfinite, self.gaps)):
-            return "fail" if any(not math.isfinite(g) for g in self.gaps) else "unresolved"
+        if not all(map(math.isfinite, self.gaps)):
+            return "fail"  # a diverged run
+        if self.half_width is None:
+            return "unresolved"
         if self.mean + self.half_width <= tolerance:
             return "pass"
         return "fail" if self.mean - self.half_width > tolerance else "unresolved"

@@ -114,7 +114,7 @@ def runs_of_three_seeds():
     for seed, (a, b) in ref.items():
         suffix = "" if seed == 1 else f"@seed{seed}"
         runs[f"te-bf16{suffix}"] = record([[100, a], [200, b]], seed=1233 + seed)
-        gap = {1: 0.01, 2: 0.02, 3: 0.03}[seed]  # +1%, +2%, +3% at the end; +0 at iteration 100
+        gap = {1: 0.010, 2: 0.011, 3: 0.012}[seed]  # +1.0%, +1.1%, +1.2% at the end; +0 at iteration 100
         runs[f"te-delayed{suffix}"] = record([[100, a], [200, b * (1 + gap)]], seed=1233 + seed, skipped=1)
         noise = {1: 0.0005, 2: -0.0005, 3: 0.0}[seed]
         name = "te-bf16+noise" if seed == 1 else f"te-bf16@seed{seed}+noise"
@@ -128,7 +128,7 @@ def test_comparisons_pair_each_seed_with_its_partner():
     comparisons = {c.base: c for c in report.compare(runs_of_three_seeds())}
     assert sorted(comparisons) == ["te-bf16+noise", "te-blockwise", "te-delayed"]
     delayed = comparisons["te-delayed"]
-    assert delayed.final.gaps == pytest.approx([1.0, 2.0, 3.0]) and delayed.seed_indices == [1, 2, 3]
+    assert delayed.final.gaps == pytest.approx([1.0, 1.1, 1.2]) and delayed.seed_indices == [1, 2, 3]
     assert delayed.by_iteration[100].gaps == [0.0, 0.0, 0.0] and delayed.largest()[0] == 200
     assert delayed.skipped == 3 and delayed.final.verdict(0.5) == "fail" and not delayed.noise_floor
     noise = comparisons["te-bf16+noise"]
@@ -137,10 +137,11 @@ def test_comparisons_pair_each_seed_with_its_partner():
     assert blockwise.final.n == 1 and blockwise.missing == ["te-blockwise@seed2"]
     table = report.format_comparisons(list(comparisons.values()), 0.5)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
-    assert rows["te-delayed"][:4] == ["te-bf16", "3", "+2.000%", "-0.484% .. +4.484%"]
+    assert rows["te-delayed"][:4] == ["te-bf16", "3", "+1.100%", "+0.852% .. +1.348%"]
     assert rows["te-delayed"][6:] == ["fail", "3"]
     assert rows["te-bf16+noise"][6].startswith("(noise floor: ±") and rows["te-blockwise"][1] == "1 (1 missing)"
-    assert report.format_comparisons(list(comparisons.values()), 5.0).count("unresolved") == 2  # delayed, blockwise
+    relaxed = report.format_comparisons(list(comparisons.values()), 5.0)
+    assert "| pass |" in relaxed and relaxed.count("unresolved") == 1  # blockwise: one seed
 
 
 def test_report_exit_status_and_the_plot(tmp_path, monkeypatch):

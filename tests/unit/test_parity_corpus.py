@@ -4,7 +4,6 @@ deduplication, the split rule, the refusal of an archive whose sha256 is not the
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
 import random
 import re
@@ -21,7 +20,7 @@ from megatron.data.builder import split_bounds
 from megatron.data.default_corpus import MERGE_FILE, VOCAB_FILE
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.data.tokenizers import GPT2BPETokenizer
-from tests.assets.data_helpers import ROOT
+from tests.assets.scripts import load_file
 
 PROSE = (
     "Getting started\r\n===============\r\n\r\nThis guide explains how the demo package reads its settings, "
@@ -71,12 +70,9 @@ PIP_UNUSED = "pip must not run when the archive is in the cache"
 def tool():
     # Registered under its name while it runs: its dataclasses resolve their annotations through sys.modules, and
     # the build's worker processes find their functions by module name (as they do for the script itself).
-    spec = importlib.util.spec_from_file_location("tools_build_parity_corpus", ROOT / "tools/build_parity_corpus.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_file("tools", "build_parity_corpus")
     yield module
-    del sys.modules[spec.name]
+    del sys.modules[module.__name__]
 
 
 def _add(tf: tarfile.TarFile, name: str, data: bytes) -> None:
