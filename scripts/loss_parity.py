@@ -24,7 +24,7 @@ flags, --seed, the overrides (--train-iters, --eval-interval, --log-interval), -
 FP8 runs only), then the run's --config-flags; a later flag wins.
 
 Data: --data-path PREFIX (or a weighted blend) with its tokenizer flags and --split; --mock-data; neither: the
-preset's corpus (llama-150m and llama-350m: the parity corpus of tools/build_parity_corpus.py under --data-dir,
+preset's corpus (llama-150m: the parity corpus of tools/build_parity_corpus.py under --data-dir,
 docs/data.md; tiny: the project's default corpus, built on first use).
 
 Results: each run's command, exit status (and why a run failed), train and validation losses go to --results (JSON,
@@ -74,10 +74,6 @@ PRESETS = {
     "llama-150m": f"{LLAMA} --num-layers 12 --hidden-size 1024 --ffn-hidden-size 2816 --num-attention-heads 8"
     f" --num-query-groups 2{_GPU} --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 100 --train-iters 600"
     " --eval-interval 100 --eval-iters 1 --log-interval 10",
-    # ~375M parameters (358M in the layers), for the long comparison: 2000 steps read 65.5M tokens.
-    "llama-350m": f"{LLAMA} --num-layers 32 --hidden-size 1024 --ffn-hidden-size 2816 --num-attention-heads 8"
-    f" --num-query-groups 2{_GPU} --lr 4e-4 --min-lr 4e-5 --lr-warmup-iters 200 --train-iters 2000"
-    " --eval-interval 200 --eval-iters 1 --log-interval 20",
     # CPU smoke test, in fp32 (no --bf16: CPUs emulate bf16 slowly); widths are multiples of 16 for the FP8 GEMMs.
     "tiny": f"{LLAMA} --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4"
     " --num-query-groups 2 --seq-length 64 --max-position-embeddings 64 --micro-batch-size 8 --global-batch-size 16"
@@ -85,11 +81,10 @@ PRESETS = {
     " --log-interval 1",
 }
 PARITY_CORPUS = "parity/parity_text_document"  # under --data-dir: tools/build_parity_corpus.py's output
-PRESET_DATA = {"llama-150m": PARITY_CORPUS, "llama-350m": PARITY_CORPUS, "tiny": None}  # None: the default corpus
+PRESET_DATA = {"llama-150m": PARITY_CORPUS, "tiny": None}  # None: the default corpus
 PARITY_SPLIT = "94,5,1"  # 1.06M validation tokens of the parity corpus
 DEFAULT_CONFIGS = {
     "llama-150m": ["te-delayed", "te-tensorwise", "te-blockwise"],
-    "llama-350m": ["te-delayed"],
     "tiny": ["local-delayed", "local-tensorwise", "local-rowwise", "local-blockwise", "local-mxfp8"],
 }
 OVERRIDES = ["train_iters", "eval_interval", "log_interval"]

@@ -225,7 +225,7 @@ case $PART in
       [te-delayed+fsdp2-optim-grads]="$OG" [te-delayed-fp8params+fsdp2-optim-grads]="$OG")
     RUNS=(${PARITY_CONFIGS:-te-delayed-fp8params+zero2 te-delayed+distopt}) FLAG_ARGS=()
     for run in "${RUNS[@]}"; do FLAG_ARGS+=(--config-flags "$run=${FLAGS[$run]:?no flags for $run}"); done
-    timeout $((${PARITY_DEADLINE:-560} + 20)) python3 scripts/loss_parity.py --preset llama-150m --eval-iters 5 \
+    timeout $((${PARITY_DEADLINE:-560} + 20)) python3 scripts/loss_parity.py --preset llama-150m \
       --nproc-per-node 2 --deadline "${PARITY_DEADLINE:-560}" $D --results "$P.json" --log-dir "$OUT/logs" \
       --out "$P.md" --configs "${RUNS[@]}" "${FLAG_ARGS[@]}" ${PARITY_DRY_RUN:+--dry-run} 2>&1 | tail -12 \
       | tee -a "$OUT/summary.txt";;
