@@ -32,7 +32,9 @@ saved after every run and merged across invocations: a run replaces the run of t
 --results holds finished with the same flags is not trained again unless --rerun), full logs to --log-dir.
 --parallel K trains K runs at once (on one GPU they share it: small models leave it idle between kernels).
 --deadline (seconds) stops a run that would overrun a time limit and starts no later ones, so that a command under
-a limit ends with everything finished saved.
+a limit ends with everything finished saved. With --checkpoints DIR a run saves under DIR and stops in time instead
+(--exit-duration-in-mins), and the next invocation resumes it: one run spans several commands, its record lists
+each part.
 
 Exit status: 0 when every run finished and every configuration passes; 1 when a run failed or a configuration
 fails; 2 when one is unresolved (its interval straddles the tolerance, or it has fewer than two seeds).
@@ -185,8 +187,10 @@ def command(flags: list[str], nproc: int = 1) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------- runs
 
 
-def run_one(name: str, flags: list[str], setup: dict[str, Any], timeout: float, log_dir: Path, env_line: str) -> dict:
-    """Train one run and return its record for the results JSON."""
+def run_one(
+    name: str, flags: list[str], setup: dict, timeout: float, log_dir: Path, env_line: str, launch: list[str]
+) -> dict:
+    """Train one run (`flags`, then this invocation's `launch` flags) and return its record for the results JSON."""
     cmd = command(flags, setup.get("nproc_per_node", 1))
     run = parse_run_name(name)
 
@@ -196,16 +200,17 @@ def run_one(name: str, flags: list[str], setup: dict[str, Any], timeout: float, 
 
     print(f"{name}: {shlex.join(cmd)}", flush=True)
     start = time.time()
-    text, code = benchmark.execute(cmd, timeout, benchmark.run_env("1gpu"), echo)
+    text, code = benchmark.execute([*cmd, *launch], timeout, benchmark.run_env("1gpu"), echo)
     wall = time.time() - start
     log_dir.mkdir(parents=True, exist_ok=True)
-    (log_dir / f"{re.sub(r'[^A-Za-z0-9._-]', '_', name)}.log").write_text(shlex.join(cmd) + "\n" + text)
+    (log_dir / f"{safe_name(name)}.log").write_text(shlex.join([*cmd, *launch]) + "\n" + text)
     losses = report.parse_losses(text)
     error = None
     if code != 0:
         error = benchmark.failure_reason(text, code)
     elif not losses["train"]:
         error = "no iteration lines in the log"
+    last = losses["train"][-1][0] if losses["train"] else 0
     return {
         "name": name,
         "config": run.config,
@@ -219,12 +224,32 @@ def run_one(name: str, flags: list[str], setup: dict[str, Any], timeout: float, 
         "wall_s": round(wall, 1),
         "environment": env_line,
         "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "partial": error is None and last < int(flag_values(flags).get("--train-iters", last)),
+        "parts": [{"iterations": [losses["train"][0][0], last] if losses["train"] else [], "wall_s": round(wall, 1)}],
     }
+
+
+def safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
+def merge_parts(earlier: dict[str, Any] | None, record: dict[str, Any]) -> dict[str, Any]:
+    """A resumed run's record: the losses of its earlier parts, then this part's (which win where both logged an
+    iteration), and every part's iterations and wall time."""
+    if not earlier or not earlier.get("partial") or record.get("error"):
+        return record
+    merged = dict(record)
+    for key in ("train", "valid"):
+        points = {int(it): loss for it, loss in earlier.get(key, [])} | {int(it): loss for it, loss in record[key]}
+        merged[key] = [[it, points[it]] for it in sorted(points)]
+    merged["parts"] = earlier.get("parts", []) + record["parts"]
+    merged["wall_s"] = round(sum(part["wall_s"] for part in merged["parts"]), 1)
+    return merged
 
 
 def finished_with(record: dict[str, Any] | None, flags: list[str]) -> bool:
     """`record` is a finished run of exactly these pretrain_gpt.py flags (wherever the checkout was)."""
-    if not record or record.get("error") or record.get("returncode") != 0:
+    if not record or record.get("error") or record.get("returncode") != 0 or record.get("partial"):
         return False
     cmd = record.get("command", [])
     script = next((i for i, part in enumerate(cmd) if part.endswith("pretrain_gpt.py")), None)
@@ -256,6 +281,7 @@ def train_all(
     lock, queue = threading.Lock(), list(plan)
     failed: list[str] = []
     not_started: list[str] = []
+    unfinished: list[str] = []
 
     def worker() -> None:
         while True:
@@ -268,13 +294,20 @@ def train_all(
                     queue.clear()
                     return
                 name, flags = queue.pop(0)
-            record = run_one(name, flags, setup, min(args.timeout, left), log_dir, env_line)
+            launch = []
+            if args.checkpoints and math.isfinite(left):  # stop and save in time, to resume in the next command
+                launch = ["--exit-duration-in-mins", str(max(1, int((left - MIN_START_S) // 60)))]
+            record = run_one(name, flags, setup, min(args.timeout, left), log_dir, env_line, launch)
             with lock:
+                record = merge_parts(results["runs"].get(name), record)
                 results["runs"][name] = record
                 save_results(results, args.results)  # after every run: a killed invocation keeps the finished
                 if record["error"]:
                     failed.append(name)
                     print(f"{name}: failed ({record['wall_s']} s): {record['error']}", flush=True)
+                elif record["partial"]:
+                    unfinished.append(name)
+                    print(f"{name}: stopped at {record['train'][-1][0]} to resume from --checkpoints", flush=True)
                 else:
                     print(f"{name}: done in {record['wall_s']} s, final validation {record['valid'][-1:]}", flush=True)
 
@@ -285,7 +318,7 @@ def train_all(
         thread.join()
     if not_started:
         print(f"--deadline: not started: {' '.join(not_started)}", flush=True)
-    return failed, not_started
+    return failed, not_started + unfinished
 
 
 # ---------------------------------------------------------------------------------------------------------- main
@@ -365,6 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--parallel", type=int, default=1, help="runs trained at once")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per run before it counts as failed")
     parser.add_argument("--deadline", type=int, help="seconds for this invocation (see above)")
+    parser.add_argument(
+        "--checkpoints",
+        type=Path,
+        help="save each run under DIR/RUN and resume it from there: with --deadline a run stops and saves in time,"
+        " and the next invocation trains it on (one run over several commands)",
+    )
     parser.add_argument("--rerun", action="store_true", help="train runs that --results holds finished already")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     return parser
@@ -421,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
         setup["nproc_per_node"] = args.nproc_per_node
     fp8_extra = shlex.split(args.fp8_extra)
     plan = [(name, run_flags(name, common, args.seed, fp8_extra, config_flags)) for name in names]
+    if args.checkpoints:
+        at = {n: str(args.checkpoints / safe_name(n)) for n in names}
+        plan = [(n, [*flags, "--save", at[n], "--load", at[n]]) for n, flags in plan]
     if args.dry_run:
         for name, flags in plan:
             print(f"{name}: {shlex.join(command(flags, args.nproc_per_node))}")

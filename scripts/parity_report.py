@@ -188,7 +188,8 @@ class Comparison:
 
 
 def _valid(record: dict[str, Any] | None) -> dict[int, float] | None:
-    if not record or record.get("error") or not record.get("valid"):
+    """A finished run's validation losses by iteration (None for a failed, partial or absent run)."""
+    if not record or record.get("error") or record.get("partial") or not record.get("valid"):
         return None
     return {int(it): loss for it, loss in record["valid"]}
 

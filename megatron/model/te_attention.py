@@ -133,9 +133,32 @@ class TESelfAttention(nn.Module):
             if "No dot product attention backend is available" not in str(exc):
                 raise
             raise UserError(
-                f"--attention-backend {self.attention_backend}: Transformer Engine has no such attention kernel for"
-                f" these inputs on this GPU (flash needs the flash-attn package); use --attention-backend auto"
+                attention_kernel_missing(self.attention_backend, self.head_dim, args[0].dtype, _fp8_attention())
             ) from None
+
+
+def _fp8_attention() -> bool:
+    """Whether the enclosing te.autocast runs attention in FP8 (its recipe's fp8_dpa)."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    return FP8GlobalStateManager.is_fp8_enabled() and getattr(FP8GlobalStateManager.get_fp8_recipe(), "fp8_dpa", False)
+
+
+def attention_kernel_missing(backend: str, head_dim: int, dtype: torch.dtype, fp8_attention: bool) -> str:
+    """The one line for an attention call Transformer Engine has no kernel for: what was asked, and the change that
+    gives it one (a forced backend, FP8 attention outside what Hopper trains, or neither: then TE's debug log names
+    each backend's reason)."""
+    asked = f"head dim {head_dim}, {str(dtype).removeprefix('torch.')}, {'FP8' if fp8_attention else 'no FP8'}"
+    if backend != "auto":
+        fix = f"--attention-backend {backend} allows only that kernel (flash needs the flash-attn package): use auto"
+    elif fp8_attention:
+        fix = (
+            "--fp8-dot-product-attention runs only on cuDNN's FP8 kernels (on Hopper: head dim 128, delayed scaling):"
+            " drop the flag or change --kv-channels"
+        )
+    else:
+        fix = "run once with NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 to see why Transformer Engine refused each backend"
+    return f"Transformer Engine has no attention kernel for these inputs on this GPU ({asked} attention); {fix}"
 
 
 @contextlib.contextmanager

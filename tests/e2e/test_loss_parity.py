@@ -1,7 +1,7 @@
-"""scripts/loss_parity.py end to end on CPU: the `tiny` preset on real text, bf16 at two seeds and two FP8 recipes,
-split over two invocations that merge into one results JSON, one run that fails, and the report rebuilt alone."""
+"""scripts/loss_parity.py end to end on CPU: the `tiny` preset on real text, an FP8 recipe and the noise floor paired
+with bf16 at two seeds, over two invocations that merge into one results JSON (the second trains only what the first
+did not), one run that fails, and the report rebuilt alone."""
 
-import importlib.util
 import itertools
 import json
 import math
@@ -13,83 +13,77 @@ import pytest
 
 from megatron.data.default_corpus import iter_documents, tokenizer_config
 from megatron.data.preprocess import preprocess_jsonl
+from tests.assets.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "loss_parity.py"
-spec = importlib.util.spec_from_file_location("loss_parity", SCRIPT)
-parity = importlib.util.module_from_spec(spec)
-sys.modules.setdefault("loss_parity", parity)  # dataclasses look their module up there
-spec.loader.exec_module(parity)
-
-GOOD = ["local-bf16", "local-bf16@seed2", "local-delayed", "local-mxfp8"]
+parity = load_script("loss_parity")
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """The first 40 documents of the default corpus, tokenized with the default tokenizer: the data flags of a
-    --data-path run (what the parity corpus will use), without building the whole default corpus."""
+    --data-path run, without building the whole default corpus."""
     tmp = tmp_path_factory.mktemp("corpus")
     with open(tmp / "docs.jsonl", "w", encoding="utf-8") as f:
         for doc in itertools.islice(iter_documents(), 40):
             f.write(json.dumps(doc) + "\n")
     preprocess_jsonl(str(tmp / "docs.jsonl"), str(tmp / "docs"), tokenizer_config(), append_eod=True)
     cfg = tokenizer_config()
-    return [
-        "--data-path",
-        str(tmp / "docs_text_document"),
-        "--split",
-        "90,10,0",
-        "--tokenizer-type",
-        "GPT2BPETokenizer",
-        "--vocab-file",
-        cfg.vocab_file,
-        "--merge-file",
-        cfg.merge_file,
-    ]
+    flags = ["--data-path", str(tmp / "docs_text_document"), "--split", "80,20,0", "--tokenizer-type"]
+    return flags + ["GPT2BPETokenizer", "--vocab-file", cfg.vocab_file, "--merge-file", cfg.merge_file]
 
 
 @pytest.mark.slow
-def test_tiny_parity_run_merges_invocations_reports_failures_and_plots(corpus, tmp_path):
-    results, out = tmp_path / "results.json", tmp_path / "docs" / "loss_parity.md"
-    common = ["--preset", "tiny", "--train-iters", "6", "--eval-interval", "3", "--eval-iters", "1", *corpus]
-    common += ["--results", str(results), "--out", str(out)]
-    # First invocation as a user runs it: a script of its own.
+def test_tiny_parity_pairs_seeds_merges_invocations_and_reports(corpus, tmp_path):
+    results, out = tmp_path / "results.json", tmp_path / "docs" / "parity.md"
+    common = ["--preset", "tiny", "--train-iters", "6", "--eval-interval", "3", *corpus, "--parallel", "2"]
+    common += ["--results", str(results), "--out", str(out), "--seeds", "2", "--noise-floor"]
+    # First invocation as a user runs it, a script of its own: seed 1, stopped at iteration 3 and saved.
     first = subprocess.run(
-        [sys.executable, str(SCRIPT), *common, "--configs", *GOOD[:2]], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, str(SCRIPT), *common[:-3], "--noise-floor", "--configs", "local-delayed"]
+        + ["--checkpoints", str(tmp_path / "ckpt"), "--extra=--exit-interval 3"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    # Second, into the same results: two FP8 recipes and a run whose own flags make pretrain_gpt.py refuse it.
+    assert first.returncode == 1, first.stdout[-2000:] + first.stderr[-2000:]  # runs left unfinished
+    after_first = json.loads(results.read_text())["runs"]
+    assert all(r["partial"] and [it for it, _ in r["train"]] == [1, 2, 3] for r in after_first.values())
+    # Second: seed 1 resumed from its checkpoints, seed 2 whole, and a run whose own flags make pretrain_gpt.py
+    # refuse it.
     bad = "local-delayed+bad"
-    code = parity.main([*common, "--configs", *GOOD[2:], bad, "--config-flags", f"{bad}=--fp8-margin -1"])
+    code = parity.main([*common, "--configs", "local-delayed", bad, "--config-flags", f"{bad}=--fp8-margin -1",
+                        "--checkpoints", str(tmp_path / "ckpt")])  # fmt: skip
     assert code == 1  # a run failed; the others ran
 
     runs = json.loads(results.read_text())["runs"]
-    assert sorted(runs) == sorted([*GOOD, bad])
-    for name in GOOD:
+    good = ["local-bf16", "local-bf16+noise", "local-delayed"]
+    good += [parity.run_name(name, 2) for name in good]
+    assert sorted(runs) == sorted([*good, bad, parity.run_name(bad, 2)])
+    for name in good:
         run = runs[name]
         assert run["returncode"] == 0 and run["error"] is None, run["error"]
-        assert [it for it, _ in run["train"]] == [1, 2, 3, 4, 5, 6]
-        assert [it for it, _ in run["valid"]] == [3, 6]
+        assert [it for it, _ in run["train"]] == [1, 2, 3, 4, 5, 6] and [it for it, _ in run["valid"]] == [3, 6]
         assert all(math.isfinite(loss) for _, loss in run["train"] + run["valid"])
-        assert run["command"][1].endswith("pretrain_gpt.py") and "--seed" in run["command"]
+        assert "--full-validation" in run["command"]
     assert runs["local-bf16@seed2"]["seed"] == runs["local-bf16"]["seed"] + 1
-    assert runs["local-mxfp8"]["command"][-4:] == ["--fp8-recipe", "mxfp8", "--seed", "1234"]
+    assert runs["local-bf16+noise"]["command"][-2:] == ["--micro-batch-size", "4"]  # half of the preset's 8
     assert runs[bad]["returncode"] == 2 and "--fp8-margin must be >= 0" in runs[bad]["error"]
+    for name in good[:3]:  # two parts: iterations 1-3, then 4-6 from the checkpoint
+        assert [part["iterations"] for part in runs[name]["parts"]] == [[1, 3], [4, 6]] and not runs[name]["partial"]
 
     table = out.read_text()
     rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| local-")}
-    assert sorted(rows) == sorted([*GOOD, bad])
-    assert "reference" in rows["local-bf16"] and "(noise floor)" in rows["local-bf16@seed2"]
-    for name in GOOD[1:]:
+    for name in ["local-bf16+noise", "local-delayed"]:
         cells = [c.strip() for c in rows[name].split("|")[1:-1]]
-        assert math.isfinite(float(cells[2])) and cells[4].endswith("%") and cells[6] in ("yes", "**no**"), cells
-    assert "failed: --fp8-margin must be >= 0" in rows[bad]
-    png = out.with_suffix(".png")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "(loss_parity.png)" in table
+        assert cells[1:3] == ["local-bf16", "2"] and cells[3].endswith("%") and " .. " in cells[4], cells
+    assert "(noise floor: ±" in rows["local-bf16+noise"] and "no finished pair" in rows[bad]
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "(parity.png)" in table
 
-    # The report alone, from the JSON, elsewhere: the same table, a new PNG.
+    # The report alone, from the JSON, elsewhere: the same tables.
     again = tmp_path / "again" / "parity.md"
-    assert parity.main(["--report-only", "--results", str(results), "--out", str(again)]) == 0
-    table_lines = [line for line in table.splitlines() if line.startswith("|")]
-    assert [line for line in again.read_text().splitlines() if line.startswith("|")] == table_lines
-    assert again.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    parity.main(["--report-only", "--results", str(results), "--out", str(again)])
+    assert [line for line in again.read_text().splitlines() if line.startswith("|")] == [
+        line for line in table.splitlines() if line.startswith("|")
+    ]

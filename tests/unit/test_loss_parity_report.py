@@ -186,3 +186,17 @@ def test_cli_errors_and_dry_runs(capsys):
         with pytest.raises(SystemExit):
             parity.main([*argv, "--dry-run"])
         assert message in capsys.readouterr().err
+
+
+def test_a_run_resumed_over_two_commands_keeps_both_parts():
+    part = {"error": None, "partial": True, "train": [[1, 9.0], [2, 8.0]], "valid": [[2, 8.5]]}
+    part["parts"] = [{"iterations": [1, 2], "wall_s": 10.0}]
+    rest = {"error": None, "partial": False, "train": [[3, 7.0]], "valid": [[2, 8.5], [3, 7.5]]}
+    rest["parts"] = [{"iterations": [3, 3], "wall_s": 5.0}]
+    merged = parity.merge_parts(part, rest)
+    assert merged["train"] == [[1, 9.0], [2, 8.0], [3, 7.0]] and merged["valid"] == [[2, 8.5], [3, 7.5]]
+    assert [p["iterations"] for p in merged["parts"]] == [[1, 2], [3, 3]] and merged["wall_s"] == 15.0
+    assert parity.merge_parts(None, rest) is rest and parity.merge_parts({**part, "partial": False}, rest) is rest
+    assert report.compare({"te-bf16": record([[2, 3.0]]), "te-delayed": {**record([[2, 3.0]]), "partial": True}})[
+        0
+    ].missing == ["te-delayed"]  # an unfinished run is no sample
