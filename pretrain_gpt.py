@@ -14,6 +14,7 @@ from megatron.checkpoint.safe_load import trust_checkpoints
 from megatron.config import parse_args
 from megatron.errors import TrainingAborted, UserError
 from megatron.parallel import world_size_from_env
+from megatron.parallel.launch import rank as launcher_rank
 from megatron.training import pretrain
 
 
@@ -24,6 +25,11 @@ def main(argv: list[str] | None = None) -> int:
             world_size=world_size_from_env(),
             device_type="cuda" if torch.cuda.is_available() else "cpu",
         )
+    except UserError as exc:  # every rank parses the same flags: the first one says it, the others exit alike
+        if launcher_rank() == 0:
+            print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
+        return 2
+    try:
         trust_checkpoints(cfg.checkpoint.trust_checkpoint)
         pretrain(cfg)
     except UserError as exc:
