@@ -7,6 +7,7 @@ torchrun --nproc-per-node 8 pretrain_gpt.py ...
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 
@@ -16,6 +17,9 @@ from megatron.errors import TrainingAborted, UserError
 from megatron.parallel import world_size_from_env
 from megatron.parallel.launch import rank as launcher_rank
 from megatron.training import pretrain
+
+QUIET_RANK_EXIT_DELAY_S = 5.0
+"""How long a rank other than 0 waits before exiting on a flag error (rank 0 prints it and exits at once)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:  # every rank parses the same flags: the first one says it, the others exit alike
         if launcher_rank() == 0:
             print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
+        else:  # torchrun stops every rank once one exits: rank 0 exits first, having said why
+            time.sleep(QUIET_RANK_EXIT_DELAY_S)
         return 2
     try:
         trust_checkpoints(cfg.checkpoint.trust_checkpoint)

@@ -229,6 +229,7 @@ def test_a_flag_error_is_printed_by_the_first_rank_only(monkeypatch, capsys, env
     # Before any process group exists the launcher's variables say which rank this is (torchrun's, or srun's).
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(pretrain_gpt, "QUIET_RANK_EXIT_DELAY_S", 0.0)
     monkeypatch.setenv("SLURM_LOCALID", "0")
     flags = ["--mock-data", "--vocab-size", "64", "--hidden-size", "30"]
     assert pretrain_gpt.main(flags) == 2 and capsys.readouterr().err == ""
@@ -244,29 +245,17 @@ def test_a_missing_data_path_fails_before_anything_is_built(tmp_path, monkeypatc
     assert err.count("\n") == 1
 
 
+def _torchrun(flags: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "pretrain_gpt.py", *flags.split()]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
 @pytest.mark.slow
 def test_torchrun_two_processes(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "pretrain_gpt.py",
-        *TINY.split(),
-        "--train-iters",
-        "3",
-        "--save",
-        str(tmp_path),
-    ]
-    result = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
-    )
+    result = _torchrun(f"{TINY} --train-iters 3 --save {tmp_path}")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "data-parallel size 2" in result.stdout and "iteration        3/       3" in result.stdout
     assert latest_iteration(str(tmp_path)) == 3
+    failed = _torchrun(f"{TINY} --hidden-size 30")  # a flag error: said once, by rank 0
+    assert failed.returncode != 0 and failed.stderr.count("pretrain_gpt.py: error:") == 1, failed.stderr[-2000:]
