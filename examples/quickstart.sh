@@ -4,7 +4,7 @@
 # committed byte-level BPE tokenizer (8192 entries, megatron/data/assets/).
 #
 # First use builds and tokenizes the corpus into data/ (about 10 s); later runs reuse it. On a CPU: a 1.5M-parameter
-# GPT for 200 steps, about 2 to 3 minutes on 2 cores, lm loss from ln 8192 = 9.01 at the start (8.26 averaged over
+# GPT for 200 steps, 1 to 2 minutes on 2 cores, lm loss from ln 8192 = 9.01 at the start (8.26 averaged over
 # the first 20 steps, the first logged) to 5.68 at step 200. On a GPU: a 26M-parameter GPT in bf16 with FP8 GEMMs
 # (hybrid E4M3/E5M2, delayed scaling). The outputs go to runs/quickstart/ (RUN_DIR): config.json, checkpoints/ (the last
 # iteration's, Megatron-LM's layout) and tensorboard/ (`tensorboard --logdir runs/quickstart/tensorboard`); the log's
