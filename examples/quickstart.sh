@@ -4,14 +4,18 @@
 # committed byte-level BPE tokenizer (8192 entries, megatron/data/assets/).
 #
 # First use builds and tokenizes the corpus into data/ (about 10 s); later runs reuse it. On a CPU: a 1.5M-parameter
-# GPT for 200 steps, about 2 minutes on 2 cores, lm loss from 9.0 (= ln 8192) to about 5.75. On a GPU: a 26M-parameter
-# GPT in bf16 with FP8 GEMMs (hybrid E4M3/E5M2, delayed scaling). Extra flags are passed on and win, e.g.
-#   bash examples/quickstart.sh --train-iters 50 --save ckpt
+# GPT for 200 steps, 1 to 2 minutes on 2 cores, lm loss from ln 8192 = 9.01 at the start (8.26 averaged over
+# the first 20 steps, the first logged) to 5.68 at step 200. On a GPU: a 26M-parameter GPT in bf16 with FP8 GEMMs
+# (hybrid E4M3/E5M2, delayed scaling). The outputs go to runs/quickstart/ (RUN_DIR): config.json, checkpoints/ (the last
+# iteration's, Megatron-LM's layout) and tensorboard/ (`tensorboard --logdir runs/quickstart/tensorboard`); the log's
+# last lines say so. Extra flags are passed on and win, e.g. a shorter run into another folder:
+#   RUN_DIR=runs/short bash examples/quickstart.sh --train-iters 50
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-$(command -v python || command -v python3)}
 DATA_DIR=${DATA_DIR:-data}
+RUN_DIR=${RUN_DIR:-runs/quickstart}
 PREFIX=$("$PYTHON" tools/build_default_corpus.py --output-dir "$DATA_DIR")
 ASSETS=megatron/data/assets
 
@@ -35,4 +39,5 @@ fi
 
 "$PYTHON" pretrain_gpt.py "${DATA[@]}" "${MODEL[@]}" \
     --lr-decay-style cosine --hidden-dropout 0 --attention-dropout 0 \
-    --eval-interval 100 --eval-iters 4 --log-interval 20 "$@"
+    --eval-interval 100 --eval-iters 4 --log-interval 20 \
+    --save "$RUN_DIR/checkpoints" --tensorboard-dir "$RUN_DIR/tensorboard" --log-dir "$RUN_DIR" "$@"

@@ -7,8 +7,16 @@ class UserError(Exception):
 
 
 class TrainingAborted(Exception):
-    """The run cannot go on (it diverged, a rank was lost). `pretrain_gpt.py` prints the one-line message and exits
-    with `exit_code`, without a traceback and without saving."""
+    """The run cannot go on (it diverged, a rank was lost, the checkpoint to resume from is missing).
+    `pretrain_gpt.py` prints the one-line message and exits with `exit_code`, without a traceback and without
+    saving."""
+
+    exit_code = 1
+
+
+class MissingCheckpointError(TrainingAborted):
+    """--exit-on-missing-checkpoint and --load holds no checkpoint: exit status 1, as Megatron-LM's `sys.exit(1)`
+    there, so that a job script tells a mistyped path from a run that started afresh."""
 
     exit_code = 1
 

@@ -57,8 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None, *, world_size: int = 1, device_type: str = "cpu") -> Config:
-    """Parse flags into a finalized Config. Raises ConfigError (one line) on any bad value or combination."""
+def parse_args(
+    argv: Sequence[str] | None = None, *, world_size: int = 1, device_type: str = "cpu", check_files: bool = True
+) -> Config:
+    """Parse flags into a finalized Config. Raises ConfigError (one line) on any bad value or combination, or
+    (`check_files`: flags of a run on this machine) a data or tokenizer file that does not exist."""
     namespace = build_parser().parse_args(argv)
     sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     for dest, value in vars(namespace).items():
@@ -69,7 +72,7 @@ def parse_args(argv: Sequence[str] | None = None, *, world_size: int = 1, device
         world_size=world_size,
         device_type=device_type,
     )
-    return config.finalize()
+    return config.finalize(check_files)
 
 
 def all_flags() -> list[str]:

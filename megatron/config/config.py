@@ -63,11 +63,14 @@ class Config:
         assert self.training.global_batch_size is not None
         return self.training.global_batch_size // (self.training.micro_batch_size * self.data_parallel_size)
 
-    def finalize(self) -> Config:
-        """Apply defaults that depend on several sections and check every rule; raises ConfigError. Idempotent."""
+    def finalize(self, check_files: bool = True) -> Config:
+        """Apply defaults that depend on several sections and check every rule, and (`check_files`) that the data
+        and tokenizer files exist; raises ConfigError. Idempotent."""
         for name in SECTIONS:
             getattr(self, name).finalize()
         self._check_cross_section()
+        if check_files:
+            self.data.check_files()
         return self
 
     def _check_cross_section(self) -> None:

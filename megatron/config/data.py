@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import glob
+import os
 from dataclasses import dataclass
 
 from .base import ConfigError, option, require
@@ -37,6 +39,17 @@ def parse_blend(data_path: list[str]) -> list[tuple[float, str]]:
         pairs.append((value, prefix))
     total = sum(w for w, _ in pairs)
     return [(w / total, p) for w, p in pairs]
+
+
+def _prefix_hint(prefix: str) -> str:
+    """How to name the dataset: the prefix without .bin/.idx, as tools/preprocess_data.py prints it (with the
+    prefixes found in the named folder, when it holds some)."""
+    stem = prefix[:-4] if prefix.endswith((".bin", ".idx")) else prefix
+    if stem != prefix and os.path.isfile(stem + ".idx"):
+        return f"--data-path takes the prefix without .bin/.idx: {stem}"
+    found = sorted(path[:-4] for path in glob.glob(os.path.join(os.path.dirname(stem) or ".", "*.idx")))
+    hint = "--data-path takes the prefix tools/preprocess_data.py printed, without .bin/.idx"
+    return f"{hint} ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''} in its folder)" if found else hint
 
 
 def parse_split(split: str) -> list[float]:
@@ -139,6 +152,21 @@ class DataConfig:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         self.check_tokenizer()
+
+    def check_files(self) -> None:
+        """The files the run will read exist: the .bin/.idx pair of every --data-path prefix and the tokenizer's
+        files, checked with the flags, before anything is built."""
+        for _, prefix in parse_blend(self.data_path) if self.data_path else []:
+            missing = [path for path in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(path)]
+            require(not missing, f"--data-path {prefix}: {' and '.join(missing)} not found; {_prefix_hint(prefix)}")
+        if self.tokenizer_type == "GPT2BPETokenizer":
+            files = {"--vocab-file": self.vocab_file, "--merge-file": self.merge_file}
+        elif self.tokenizer_type != "NullTokenizer":
+            files = {"--tokenizer-model": self.tokenizer_model}
+        else:
+            files = {}
+        for flag, path in files.items():
+            require(path is None or os.path.exists(path), f"{flag} {path}: no such file")
 
     def check_tokenizer(self) -> None:
         """The tokenizer flags alone (tools/preprocess_data.py checks them too)."""

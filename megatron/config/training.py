@@ -148,7 +148,11 @@ class CheckpointConfig:
     save: str | None = None
     """Directory to save checkpoints to."""
     load: str | None = None
-    """Directory to load a checkpoint from (its latest iteration); a directory without one starts from scratch."""
+    """Directory to load a checkpoint from (its latest iteration); a directory without one starts from scratch
+    (logged), unless --exit-on-missing-checkpoint."""
+    exit_on_missing_checkpoint: bool = False
+    """With --load: stop with exit status 1 when the directory holds no checkpoint (a mistyped path, a job that
+    should resume), instead of starting from scratch (Megatron-LM's flag and exit status)."""
     save_interval: int | None = None
     """Save a checkpoint every this many iterations (and at the end of training) when --save is set."""
     no_load_optim: bool = False
@@ -276,6 +280,10 @@ class CheckpointConfig:
             " default, a background thread), or drop --async-save",
         )
         require(self.save_interval is None or self.save, "--save-interval needs --save DIR")
+        require(
+            not self.exit_on_missing_checkpoint or self.load,
+            "--exit-on-missing-checkpoint applies to --load DIR: add --load or drop the flag",
+        )
         require(
             self.ckpt_format in ("torch", "torch_dist"),
             f"--ckpt-format {self.ckpt_format}: Megatron-LM's format for its FSDP is not implemented here; use"

@@ -49,6 +49,15 @@ def world_size(env: Mapping[str, str] = os.environ) -> int:
     return task.world_size if task else 1
 
 
+def rank(env: Mapping[str, str] = os.environ) -> int:
+    """This process's global rank as the launcher set it, before any process group exists: RANK, else the `srun`
+    task's rank, else 0."""
+    if "RANK" in env:
+        return int(env["RANK"])
+    task = slurm_task(env)
+    return task.rank if task else 0
+
+
 def first_host(nodelist: str) -> str:
     """The first host of a Slurm node list ("gpu[01-04]" -> "gpu01"), expanded by `scontrol show hostnames`."""
     if shutil.which("scontrol") is None:

@@ -1,6 +1,7 @@
 """What a run prints before its first step (rank 0, Megatron-LM's arguments block first): the flags, the notes, the
 device and layout, the padded vocabulary, the parameter count, the memory estimate and the FP8 and model summaries;
-and the configuration written as config.json beside the run's outputs (and into TensorBoard)."""
+the configuration written as config.json beside the run's outputs (and into TensorBoard); and the line at the end
+that says where those outputs are."""
 
 from __future__ import annotations
 
@@ -93,10 +94,29 @@ def _capacity_gib(device: torch.device) -> float:
     return torch.cuda.get_device_properties(device).total_memory / 2**30
 
 
+def config_dir(cfg: Config) -> str | None:
+    """Where config.json goes: the first of --log-dir, --save, --tensorboard-dir given."""
+    return cfg.logging.log_dir or cfg.checkpoint.save or cfg.logging.tensorboard_dir
+
+
 def write_config(cfg: Config, dims: ParallelDims, tensorboard: TensorBoardWriter) -> None:
-    """config.json into the first of --log-dir, --save, --tensorboard-dir given (first rank), and into TensorBoard."""
-    out_dir = cfg.logging.log_dir or cfg.checkpoint.save or cfg.logging.tensorboard_dir
+    """config.json into `config_dir` (first rank), and into TensorBoard."""
+    out_dir = config_dir(cfg)
     if out_dir and dims.is_first_rank:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         write_atomically(Path(out_dir) / "config.json", cfg.to_json() + "\n")  # a planted link is replaced
     tensorboard.text("config", "```\n" + cfg.to_json() + "\n```")
+
+
+def outputs_line(cfg: Config) -> str:
+    """Where the run's files are (checkpoints, TensorBoard events, config.json), and the flag for each kind it did
+    not write: the log's last word on what a run left on disk."""
+    save, tensorboard, out_dir = cfg.checkpoint.save, cfg.logging.tensorboard_dir, config_dir(cfg)
+    parts = [f"checkpoints in {save}" if save else "no checkpoint (--save DIR keeps one)"]
+    if tensorboard:
+        parts.append(f"TensorBoard events in {tensorboard} (tensorboard --logdir {tensorboard})")
+    else:
+        parts.append("no TensorBoard events (--tensorboard-dir DIR)")
+    if out_dir:
+        parts.append(f"config.json in {out_dir}")
+    return "> outputs: " + "; ".join(parts)

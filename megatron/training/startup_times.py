@@ -18,7 +18,8 @@ Each datetime line waits for every rank first (a barrier, as Megatron-LM's `prin
 phases, one table after "done with setup ...": the model's construction (its weights drawn on the CPU), its move to
 the device, FSDP's sharding, the gradient buffers, the optimizer, the checkpoint, the datasets, delayed scaling's
 calibration pass and the CUDA graphs' capture, each as (min, max) seconds across ranks. And after the second step,
-the first step's extra time (its allocations, first kernel launches and autotuning, lazily made communicators).
+the first step's extra time (its allocations, first kernel launches and autotuning, lazily made communicators), when
+it took longer than the second.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .timers import Timers
 
 MODEL_AND_OPTIMIZER = "model-and-optimizer-setup"
 DATA_ITERATORS = "train/valid/test-data-iterators-setup"
+CHECKPOINT_LOADED = "checkpoint loaded"
 
 
 def print_datetime(label: str) -> None:
@@ -53,7 +55,7 @@ class StartupTimes:
     def __init__(self, timing_log_option: str, device: torch.device, program_start: float = PROGRAM_START):
         self.timers = Timers(0, timing_log_option, device)
         self.program_start = program_start
-        self.phases: list[str] = []
+        self.phases: dict[str, str] = {}  # timer name -> its row's label, in the order first timed
         self.step_seconds: list[float] = []
 
     def initialized(self) -> None:
@@ -77,10 +79,13 @@ class StartupTimes:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """One row of our table: the seconds of the block (every rank must time the same phases, in any order)."""
-        if name not in self.phases:
-            self.phases.append(name)
+        self.phases.setdefault(name, name)
         with self._timed(name):
             yield
+
+    def relabel(self, name: str, label: str) -> None:
+        """What phase `name`'s row says, where the outcome differs from its name (no checkpoint to load)."""
+        self.phases[name] = label
 
     @contextmanager
     def _timed(self, name: str) -> Iterator[None]:
@@ -97,15 +102,15 @@ class StartupTimes:
         block, _ = self.timers.report([MODEL_AND_OPTIMIZER, DATA_ITERATORS], normalizer=1.0)
         if block is not None:
             print_rank_0(block)
-        seconds = self.timers.gather(self.phases)
-        width = max([len(name) for name in self.phases], default=0) + 2
+        seconds = self.timers.gather(list(self.phases))
+        width = max([len(label) for label in self.phases.values()], default=0) + 2
         print_rank_0(
             f"> start-up: {time.time() - self.program_start:.2f} s from program start to here (this rank's); its"
             " phases, (min, max) seconds across ranks:"
         )
-        for i, name in enumerate(self.phases):
+        for i, label in enumerate(self.phases.values()):
             low, high = float(seconds[:, i].min()), float(seconds[:, i].max())
-            print_rank_0(f">   {(name + ' ').ljust(width, '.')}: ({low:.2f}, {high:.2f})")
+            print_rank_0(f">   {(label + ' ').ljust(width, '.')}: ({low:.2f}, {high:.2f})")
 
     def training(self) -> None:
         print_rank_0("training ...")
@@ -119,8 +124,16 @@ class StartupTimes:
             return
         self.step_seconds.append(seconds)
         if len(self.step_seconds) == 2:
-            first, second = self.step_seconds
-            print_rank_0(
-                f"> first step {first:.2f} s, second {second:.2f} s: the first one's extra time {first - second:+.2f} s"
-                " (its allocations, first kernel launches and autotuning, lazily made communicators)"
-            )
+            print_rank_0(first_steps_line(*self.step_seconds))
+
+
+def first_steps_line(first: float, second: float) -> str:
+    """The first two steps' seconds, and the first one's extra time where it took longer (on a busy or small
+    machine the second can take longer: then there is no warm-up cost to name, only the two times)."""
+    line = f"> first step {first:.2f} s, second {second:.2f} s"
+    if round(first - second, 2) <= 0:
+        return f"{line}: the first took no longer than the second (no warm-up cost measured)"
+    return (
+        f"{line}: the first one's extra time {first - second:.2f} s (its allocations, first kernel launches and"
+        " autotuning, lazily made communicators)"
+    )

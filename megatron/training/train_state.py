@@ -12,6 +12,7 @@ from megatron.config import Config
 from megatron.config.optimizer import resolve_schedule
 from megatron.convert.mlm_load import load_megatron_lm
 from megatron.convert.mlm_resume import is_megatron_lm
+from megatron.errors import MissingCheckpointError
 from megatron.optim import MixedPrecisionAdamW
 from megatron.parallel import GradientBuffers
 
@@ -45,22 +46,33 @@ class TrainState:
 
 def restore_train_state(
     state: TrainState, checkpointer: Checkpointer, cfg: Config, optimizer: MixedPrecisionAdamW
-) -> None:
+) -> bool:
     """Load --load's newest checkpoint: the model, and the rest unless the flags say otherwise; the counters go
-    into `state` (not with --finetune, which takes the weights only and starts counting afresh)."""
+    into `state` (not with --finetune, which takes the weights only and starts counting afresh). Returns whether a
+    checkpoint was loaded: a folder without one starts the run from scratch, as in Megatron-LM, or with
+    --exit-on-missing-checkpoint raises MissingCheckpointError."""
     ckpt_cfg = cfg.checkpoint
     if not ckpt_cfg.load:
-        return
+        return False
     if is_megatron_lm(ckpt_cfg.load):  # resumed through the converters' readers (docs/checkpoints.md)
         loaded = load_megatron_lm(checkpointer, ckpt_cfg.load)
     else:
         loaded = checkpointer.load(ckpt_cfg.load)
     if loaded is None:
-        print_rank_0(f"> no checkpoint found in {ckpt_cfg.load}: starting from scratch")
-        return
+        if ckpt_cfg.exit_on_missing_checkpoint:
+            raise MissingCheckpointError(
+                f"--exit-on-missing-checkpoint: no checkpoint in --load {ckpt_cfg.load} (no"
+                " latest_checkpointed_iteration.txt naming a complete iteration); check the path, or drop the flag"
+                " to start from scratch"
+            )
+        print_rank_0(
+            f"> no checkpoint found in {ckpt_cfg.load}: starting from scratch (--exit-on-missing-checkpoint stops"
+            " instead)"
+        )
+        return False
     if ckpt_cfg.finetune:
         optimizer.reload_model_params()
-        return
+        return True
     state.iteration = loaded["iteration"]
     state.consumed_samples = loaded["consumed_samples"]
     valid = loaded.get("consumed_valid_samples", 0)
@@ -69,6 +81,7 @@ def restore_train_state(
     state.nan_iters = loaded.get("nan_iters", 0)
     if not ckpt_cfg.no_load_optim:  # the schedule is part of the optimizer state (Megatron-LM: its scheduler's)
         restore_schedule(cfg, loaded)
+    return True
 
 
 def resumed_valid_samples(cfg: Config, iteration: int) -> int:

@@ -47,8 +47,8 @@ from .memory import print_peak_memory
 from .progress import Progress
 from .runtime import Runtime
 from .shutdown import Shutdown, forget_frames
-from .startup import print_arguments, print_layout, print_model, write_config
-from .startup_times import DATA_ITERATORS, MODEL_AND_OPTIMIZER, StartupTimes
+from .startup import outputs_line, print_arguments, print_layout, print_model, write_config
+from .startup_times import CHECKPOINT_LOADED, DATA_ITERATORS, MODEL_AND_OPTIMIZER, StartupTimes
 from .stats import Stats
 from .steps import Batches, Steps
 from .train_state import TrainState, restore_train_state, save_train_state
@@ -141,7 +141,7 @@ class Trainer:
 
     def _build_model_and_optimizer(self) -> None:
         """Megatron-LM's model-and-optimizer-setup: the model, its FP8 state, the gradient buffers, the optimizer,
-        the learning rate and batch size schedules, and the checkpoint loaded; each a phase of the start-up's table."""
+        the learning rate and batch size schedules, and --load's checkpoint; each a phase of the start-up's table."""
         cfg, dims, phase = self.cfg, self.dims, self.startup.phase
         self.tp, self.cp, self.stage, self.model, deferred = build_model(
             cfg, dims, self.device, self.vocab_size, self.startup
@@ -163,8 +163,10 @@ class Trainer:
         if cfg.checkpoint.save or cfg.checkpoint.load:
             parts = self.model, self.optimizer, self.loss_scaler, self.fp8, self.fp8_monitor
             self.checkpointer = Checkpointer(cfg, dims, *parts)
-            with phase("checkpoint loaded"):
-                restore_train_state(self.state, self.checkpointer, cfg, self.optimizer)
+        if cfg.checkpoint.load:
+            with phase(CHECKPOINT_LOADED):
+                if not restore_train_state(self.state, self.checkpointer, cfg, self.optimizer):
+                    self.startup.relabel(CHECKPOINT_LOADED, "checkpoint looked for (none in --load)")
         # Each step's batch size and learning rate follow the consumed samples (a resumed run: the checkpoint's)
         self.batch_schedule, self.train_iters = BatchSchedule.from_config(cfg), train_iterations(cfg)
         self.batch_schedule.check_from(self.state.consumed_samples, self.train_iters - self.state.iteration)
@@ -223,12 +225,14 @@ class Trainer:
         self.shutdown.add("the data loader", lambda: close_loader(batches))
         with self.shutdown.stopping():
             stopped_early, saved_at = self._steps(batches)
-            # Megatron-LM's order: the last save, then a final evaluation (after the loop's own at a multiple of
-            # --eval-interval: the validation split is sized for both) and the test split.
+            # Megatron-LM's order: the last save, then the final evaluation of the validation and test splits. An
+            # iteration is evaluated once: where the loop's last iteration is a multiple of --eval-interval, its
+            # evaluation was the final one (Megatron-LM evaluates it twice, on other batches, with two values).
             if cfg.checkpoint.save and saved_at != state.iteration:
                 self.save()
             if cfg.training.eval_iters > 0 and not stopped_early:
-                state.valid_losses[state.iteration] = self.evaluate(self.datasets.valid, final=True)
+                if state.iteration not in state.valid_losses:
+                    state.valid_losses[state.iteration] = self.evaluate(self.datasets.valid, final=True)
                 self.evaluate(self.datasets.test, "test", final=True)
         return state
 
@@ -260,13 +264,15 @@ class Trainer:
                 self.fp8_monitor.report(watched, state.iteration, print_rank_0, self.tensorboard.scalars)
             self.progress.add_step(elapsed, loss, gbs)
             self.progress.log_if_due(state, gbs, lrs.default, norm)
-            if state.iteration % train_cfg.eval_interval == 0:
-                state.valid_losses[state.iteration] = self.evaluate(self.datasets.valid)
+            exiting = bool(train_cfg.exit_interval) and state.iteration % train_cfg.exit_interval == 0
+            if state.iteration % train_cfg.eval_interval == 0:  # at the loop's last iteration: the final evaluation
+                last = exiting or state.iteration == self.train_iters
+                state.valid_losses[state.iteration] = self.evaluate(self.datasets.valid, final=last)
             save_interval = cfg.checkpoint.save_interval
             if cfg.checkpoint.save and save_interval and state.iteration % save_interval == 0:
                 self.save()
                 saved_at = state.iteration
-            if train_cfg.exit_interval and state.iteration % train_cfg.exit_interval == 0:
+            if exiting:
                 print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval {train_cfg.exit_interval})")
                 return False, saved_at
             if self.runtime.exit_requested(state.iteration):  # time limit or signal
@@ -294,5 +300,6 @@ def _train(cfg: Config, shutdown: Shutdown) -> TrainState:
     trainer = Trainer(cfg, shutdown)
     state = trainer.train()
     print_peak_memory(trainer.device, trainer.memory_estimate_gib)
+    print_rank_0(outputs_line(cfg))
     print_rank_0(json.dumps({"final_iteration": state.iteration, "final_lm_loss": state.losses.get(state.iteration)}))
     return state

@@ -81,8 +81,8 @@ def test_manual_gc(monkeypatch):
         Trainer(parse_args(train.split())).train()
         assert gc.isenabled()  # handed back after training
         assert all(not enabled for _, enabled in calls)
-        # start; steps 2, 4, 6; around the evaluations at steps 3 and 6, the final validation and test (Megatron-LM's)
-        assert [g for g, _ in calls] == [2, 2, 2, 0, 2, 2, 2, 0, 2, 0, 2, 0]
+        # start; steps 2, 4, 6; around the evaluations at steps 3 and 6 (the final validation) and the test split
+        assert [g for g, _ in calls] == [2, 2, 2, 0, 2, 2, 2, 0, 2, 0]
         calls.clear()
         Trainer(parse_args(f"{train} --no-manual-gc-eval".split())).train()
         assert [g for g, _ in calls] == [2, 2, 2, 2]

@@ -13,7 +13,8 @@ import torch
 import pretrain_gpt
 from megatron.checkpoint import CheckpointError, latest_iteration
 from megatron.config import parse_args
-from megatron.training import Trainer
+from megatron.training import Trainer, pretrain
+from megatron.training.startup import outputs_line
 from tests.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,6 +76,41 @@ def test_startup_lines_are_megatrons_in_its_order_then_our_phases(capsys):
     assert re.fullmatch(r"    model-and-optimizer-setup \.+: \([\d.]+, [\d.]+\)", lines[at[6]])
     assert re.fullmatch(r">   optimizer \.+: \([\d.]+, [\d.]+\)", lines[at[12]])
     assert sum(line.startswith("> first step ") for line in lines) == 1
+    assert not any(line.startswith(">   checkpoint") for line in lines)  # no --load: no checkpoint phase
+
+
+def test_first_steps_line_names_the_warm_up_cost_only_when_there_is_one():
+    from megatron.training.startup_times import first_steps_line
+
+    warm_up = first_steps_line(1.78, 0.93)
+    assert warm_up.startswith("> first step 1.78 s, second 0.93 s: the first one's extra time 0.85 s (its allocations")
+    slower = "> first step 1.78 s, second 1.93 s: the first took no longer than the second (no warm-up cost measured)"
+    assert first_steps_line(1.78, 1.93) == slower  # no negative extra time
+    assert "extra time" not in first_steps_line(1.0, 1.001)
+
+
+def test_load_of_a_folder_without_a_checkpoint_starts_afresh_or_stops_with_exit_on_missing_checkpoint(tmp_path, capsys):
+    empty, save = tmp_path / "empty", tmp_path / "save"
+    empty.mkdir()
+    state = pretrain(parse_args(f"{TINY} --train-iters 2 --load {empty} --save {save}".split()))
+    assert set(state.losses) == {1, 2}
+    out = capsys.readouterr().out
+    assert f"> no checkpoint found in {empty}: starting from scratch (--exit-on-missing-checkpoint stops" in out
+    assert re.search(r"\n>   checkpoint looked for \(none in --load\) \.+: \([\d.]+, [\d.]+\)\n", out), out
+    assert "checkpoint loaded" not in out
+    outputs = f"> outputs: checkpoints in {save}; no TensorBoard events (--tensorboard-dir DIR); config.json in {save}"
+    assert outputs in out
+    resumed = train(f"--train-iters 4 --load {save}")  # a checkpoint there: its row says it was loaded
+    assert set(resumed.losses) == {3, 4}
+    assert re.search(r"\n>   checkpoint loaded \.+: ", capsys.readouterr().out)
+
+    argv = f"{TINY} --train-iters 2 --load {empty} --exit-on-missing-checkpoint".split()
+    assert pretrain_gpt.main(argv) == 1  # Megatron-LM's exit status
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"pretrain_gpt.py: error: --exit-on-missing-checkpoint: no checkpoint in --load {empty}")
+    assert "\n" not in err
+    assert pretrain_gpt.main(f"{TINY} --exit-on-missing-checkpoint".split()) == 2
+    assert "--exit-on-missing-checkpoint applies to --load DIR" in capsys.readouterr().err
 
 
 def test_resume_reproduces_uninterrupted_run_exactly(tmp_path):
@@ -88,8 +124,9 @@ def test_resume_reproduces_uninterrupted_run_exactly(tmp_path):
     assert set(resumed.losses) == set(range(11, 21))
 
 
-def test_checkpoint_holds_everything(tmp_path):
+def test_checkpoint_holds_everything(tmp_path, capsys):
     train(f"--train-iters 4 --ckpt-format torch --save {tmp_path}")
+    assert "\n>   checkpoint" not in capsys.readouterr().out  # --save alone: no checkpoint phase at start-up
     state = torch.load(tmp_path / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
     assert {"model", "optimizer", "scheduler", "rng", "iteration", "consumed_samples", "config"} <= set(state)
     assert state["iteration"] == 4 and state["consumed_samples"] == 32
@@ -153,6 +190,9 @@ def test_tensorboard_gets_the_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     train(f"--train-iters 10 --tensorboard-dir {tmp_path}")
+    outputs = outputs_line(parse_args(f"{TINY} --tensorboard-dir {tmp_path}".split()))
+    assert outputs.startswith(f"> outputs: no checkpoint (--save DIR keeps one); TensorBoard events in {tmp_path} (")
+    assert outputs.endswith(f" --logdir {tmp_path}); config.json in {tmp_path}")
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     tags = set(events.Tags()["scalars"])
@@ -184,29 +224,38 @@ def test_cli_errors_are_one_line_with_exit_code_2(capsys):
     assert err.startswith("pretrain_gpt.py: error:") and "--num-attention-heads" in err and "\n" not in err
 
 
+@pytest.mark.parametrize("env", [{"RANK": "1", "LOCAL_RANK": "1"}, {"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4"}])
+def test_a_flag_error_is_printed_by_the_first_rank_only(monkeypatch, capsys, env):
+    # Before any process group exists the launcher's variables say which rank this is (torchrun's, or srun's).
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(pretrain_gpt, "QUIET_RANK_EXIT_DELAY_S", 0.0)
+    monkeypatch.setenv("SLURM_LOCALID", "0")
+    flags = ["--mock-data", "--vocab-size", "64", "--hidden-size", "30"]
+    assert pretrain_gpt.main(flags) == 2 and capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK" if "RANK" in env else "SLURM_PROCID", "0")
+    assert pretrain_gpt.main(flags) == 2 and "--num-attention-heads" in capsys.readouterr().err
+
+
+def test_a_missing_data_path_fails_before_anything_is_built(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(pretrain_gpt, "pretrain", lambda cfg: pytest.fail("built a run for a missing --data-path"))
+    assert pretrain_gpt.main(["--data-path", str(tmp_path / "corpus"), "--vocab-size", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pretrain_gpt.py: error: --data-path {tmp_path}/corpus: {tmp_path}/corpus.bin and ")
+    assert err.count("\n") == 1
+
+
+def _torchrun(flags: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "pretrain_gpt.py", *flags.split()]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
 @pytest.mark.slow
 def test_torchrun_two_processes(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "pretrain_gpt.py",
-        *TINY.split(),
-        "--train-iters",
-        "3",
-        "--save",
-        str(tmp_path),
-    ]
-    result = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
-    )
+    result = _torchrun(f"{TINY} --train-iters 3 --save {tmp_path}")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "data-parallel size 2" in result.stdout and "iteration        3/       3" in result.stdout
     assert latest_iteration(str(tmp_path)) == 3
+    failed = _torchrun(f"{TINY} --hidden-size 30")  # a flag error: said once, by rank 0
+    assert failed.returncode != 0 and failed.stderr.count("pretrain_gpt.py: error:") == 1, failed.stderr[-2000:]

@@ -4,7 +4,7 @@ samples are used in order, and `--data-path` blends build end to end (and reject
 import numpy as np
 import pytest
 
-from megatron.config import ConfigError
+from megatron.config import ConfigError, parse_args
 from megatron.data import build_datasets, build_tokenizer
 from megatron.data.blended_dataset import BlendedDataset, blend_indices
 from megatron.data.errors import DataError
@@ -80,3 +80,20 @@ def test_full_validation_holds_every_validation_window_of_every_prefix(tmp_path)
     assert sum(blend[i]["tokens"][0].item() >= 10_000 for i in range(48)) == 24
     with pytest.raises(DataError, match="--full-validation: the validation split holds 24 samples"):
         datasets(f"--data-path {a} --global-batch-size 32")
+
+
+def test_missing_data_and_tokenizer_files_are_config_errors_before_anything_is_built(tmp_path):
+    a = write_documents(tmp_path / "a", [50] * 4)
+    flags = "--vocab-size 100 --data-path"
+    config(f"{flags} {a}")
+    (tmp_path / "b.idx").write_bytes(b"")  # half a pair: its .bin is missing
+    with pytest.raises(ConfigError, match=rf"^--data-path {tmp_path}/b: {tmp_path}/b\.bin not found; "):
+        config(f"{flags} 0.5 {a} 0.5 {tmp_path / 'b'}")
+    with pytest.raises(ConfigError, match=r"c\.bin and .*c\.idx not found; .* \(.*/a, .*/b in its folder\)$"):
+        config(f"{flags} {tmp_path / 'c'}")
+    with pytest.raises(ConfigError, match=rf"takes the prefix without \.bin/\.idx: {a}$"):
+        config(f"{flags} {a}.bin")
+    bpe = f"--mock-data --tokenizer-type GPT2BPETokenizer --vocab-file {tmp_path / 'vocab.json'} --merge-file {a}.bin"
+    with pytest.raises(ConfigError, match=r"^--vocab-file .*vocab\.json: no such file$"):
+        config(bpe)
+    assert parse_args(bpe.split(), check_files=False).data.vocab_file.endswith("vocab.json")  # flags alone

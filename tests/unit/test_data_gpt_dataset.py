@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron.config import ConfigError, parse_args
 from megatron.data import PretrainingSampler, build_datasets, build_tokenizer
 from megatron.data.builder import split_bounds
 from megatron.data.errors import DataError
@@ -177,6 +178,8 @@ def test_bad_data_errors_name_the_cause(tmp_path):
     cfg = config(flags(big, tmp_path / "cache", "--split 1,0,0"))
     with pytest.raises(DataError, match=r"big: token id 2\d{5} is outside the model's vocabulary of 100096"):
         build_datasets(cfg, build_tokenizer(cfg.data), 100_096).train[0]
-    cfg = config(flags(tmp_path / "missing", tmp_path / "cache"))
-    with pytest.raises(DataError, match=r"missing\.idx: no such file"):
+    with pytest.raises(ConfigError, match=r"missing\.bin and .*missing\.idx not found"):  # with the flags
+        config(flags(tmp_path / "missing", tmp_path / "cache"))
+    cfg = parse_args(flags(tmp_path / "missing", tmp_path / "cache").split(), check_files=False)
+    with pytest.raises(DataError, match=r"missing\.idx: no such file"):  # files gone after the flags were read
         build_datasets(cfg, build_tokenizer(cfg.data), 100_096)

@@ -115,7 +115,7 @@ def test_bad_vocabulary_files(tmp_path):
     ]:
         with pytest.raises(DataError, match=match):
             tiktokenizer(tmp_path / name, "--tiktoken-num-special-tokens 10")
-    with pytest.raises(DataError, match="--tokenizer-model .*: no such file"):
+    with pytest.raises(ConfigError, match="--tokenizer-model .*: no such file"):
         tiktokenizer(tmp_path / "missing.json")
 
 

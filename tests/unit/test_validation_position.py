@@ -1,9 +1,14 @@
 """Validation reads on, as in Megatron-LM: each evaluation takes the next eval_iters x global batch samples of the
-validation split (at every --eval-interval-th step, the last one included, and once more after training), the
-position is saved in checkpoints and restored on --load (also with --no-load-optim --no-load-rng), and a checkpoint
-without one resumes where Megatron-LM's rule puts it; the test split is read from its start."""
+validation split (at every --eval-interval-th step and after training, each iteration once: where the last step is
+a multiple of --eval-interval its evaluation is the final one), the position is saved in checkpoints and restored on
+--load (also with --no-load-optim --no-load-rng), and a checkpoint without one resumes where Megatron-LM's rule puts
+it; the test split is read from its start."""
 
 from __future__ import annotations
+
+import contextlib
+import io
+import re
 
 import pytest
 
@@ -35,22 +40,40 @@ def _trainer(flags: str, reads: list) -> Trainer:
 
 @pytest.fixture(scope="module")
 def uninterrupted():
-    reads = []
+    reads, out = [], io.StringIO()
     trainer = _trainer(FLAGS, reads)
-    state = trainer.train()
-    return state, reads, len(trainer.datasets.valid)
+    with contextlib.redirect_stdout(out):
+        state = trainer.train()
+    return state, reads, len(trainer.datasets.valid), out.getvalue()
 
 
 def test_each_evaluation_reads_the_next_validation_samples(uninterrupted):
-    state, reads, valid_len = uninterrupted
-    # Evaluations at 2 and 4 in the loop and once after it: Megatron-LM's three, which its validation size counts.
-    assert reads == [("valid", 0), ("valid", 4), ("valid", 8), ("test", 0)]
-    assert state.consumed_valid_samples == 12 == split_sizes(parse_args(FLAGS.split()))[1] <= valid_len
+    state, reads, valid_len, _ = uninterrupted
+    # Evaluations at 2 and 4, the one at the last step the final one: not a second one of iteration 4 on the next
+    # samples (Megatron-LM's, which its validation size still counts) to print two values for the same weights.
+    assert reads == [("valid", 0), ("valid", 4), ("test", 0)]
+    assert state.consumed_valid_samples == 8 < split_sizes(parse_args(FLAGS.split()))[1] <= valid_len
+
+
+def test_each_evaluation_prints_one_labelled_line(uninterrupted):
+    state, _, _, out = uninterrupted
+    lines = re.findall(r" validation loss at iteration (\d+)( on \w+ set)? \| lm loss value: (\S+) \|", out)
+    assert lines == [
+        ("2", "", f"{state.valid_losses[2]:.6E}"),
+        ("4", " on validation set", f"{state.valid_losses[4]:.6E}"),
+        ("4", " on test set", lines[2][2]),
+    ]
+
+
+def test_a_last_step_off_the_interval_gets_the_final_evaluation_after_the_loop():
+    reads = []
+    _trainer(FLAGS.replace("--train-iters 4", "--train-iters 3"), reads).train()
+    assert reads == [("valid", 0), ("valid", 4), ("test", 0)]  # at 2 in the loop, at 3 after it
 
 
 @pytest.mark.parametrize("weights_only", [False, True])
 def test_a_resumed_run_reads_on_where_the_checkpoint_stopped(tmp_path, uninterrupted, weights_only):
-    reference, _, _ = uninterrupted
+    reference, _, _, _ = uninterrupted
     first = []
     _trainer(f"{FLAGS} --save {tmp_path} --save-interval 2 --exit-interval 2", first).train()
     assert first[0] == ("valid", 0)
@@ -59,7 +82,7 @@ def test_a_resumed_run_reads_on_where_the_checkpoint_stopped(tmp_path, uninterru
     trainer = _trainer(f"{FLAGS} --load {tmp_path}{extra}", reads)
     assert (trainer.state.iteration, trainer.state.consumed_samples, trainer.state.consumed_valid_samples) == (2, 8, 4)
     state = trainer.train()
-    assert reads == [("valid", 4), ("valid", 8), ("test", 0)]
+    assert reads == [("valid", 4), ("test", 0)]
     if not weights_only:  # the same weights and the same samples: the uninterrupted run's validation loss
         assert state.valid_losses[4] == reference.valid_losses[4]
 
@@ -102,7 +125,7 @@ def test_full_validation_reads_the_whole_split_from_its_start_every_time():
     trainer = _trainer(f"{FLAGS} --full-validation", reads)
     valid_len = len(trainer.datasets.valid)
     state = trainer.train()
-    assert reads == [("valid", 0), ("valid", 0), ("valid", 0), ("test", 0)]
+    assert reads == [("valid", 0), ("valid", 0), ("test", 0)]  # at 2, and at 4 (the last iteration: the final one)
     assert state.consumed_valid_samples == 0 and valid_len == 4  # mock data: one evaluation's worth
-    # The same weights and the same samples: the last loop evaluation and the one after training agree.
+    # The same weights and the same samples: evaluated again, the last iteration gives the same loss.
     assert trainer.evaluate(trainer.datasets.valid) == state.valid_losses[4]
