@@ -146,7 +146,8 @@ CONFIGS = {
     },
     "te-tensorwise": f"{TE} --fp8-format hybrid --fp8-recipe tensorwise",
     "te-blockwise": f"{TE} --fp8-format e4m3 --fp8-recipe blockwise",
-    # FP8 weights in 128x128 blocks (under FSDP: all-gathered as E4M3 bytes, megatron/fp8/te_blockwise_gather.py)
+    # FP8 weights in 128x128 blocks (under FSDP: all-gathered as E4M3 bytes,
+    # megatron/parallel/fsdp/te_blockwise_gather.py)
     "te-blockwise-fp8params": f"{TE} --fp8-format e4m3 --fp8-recipe blockwise --fp8-param-gather",
     "local-bf16": LOCAL,
     "local-delayed": f"{LOCAL} --fp8-format hybrid --fp8-recipe delayed",
@@ -158,7 +159,8 @@ CONFIGS = {
     "local-blockwise": f"{LOCAL} --fp8-format e4m3 --fp8-recipe blockwise",
     "local-mxfp8": f"{LOCAL} --fp8-format e4m3 --fp8-recipe mxfp8",
     # FSDP2 layouts (fsdp2*) only: the row cast gathered for the forward, the column cast for the backward
-    # (megatron/fp8/fsdp_axes.py); the distributed optimizer's local FP8 weights have one scale per tensor
+    # (megatron/parallel/fsdp/fp8_gather_axes.py); the distributed optimizer's local FP8 weights have one scale per
+    # tensor
     "local-rowwise-fp8params": f"{LOCAL} --fp8-format hybrid --fp8-recipe rowwise --fp8-param-gather",
     "local-mxfp8-fp8params": f"{LOCAL} --fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather",
 }
@@ -188,8 +190,9 @@ LAYOUTS = {  # name: (GPUs, flags)
         "--use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads_params --torch-fsdp2-no-reshard-after-forward"
         " --fsdp-double-buffer",
     ),
-    # optim_grads on the distributed optimizer's flat buckets (megatron/parallel/grad_shards.py): each micro-batch's
-    # buckets reduce-scattered into persistent fp32 gradient shards, every bucket allocated only while it is in use
+    # optim_grads on the distributed optimizer's flat buckets (megatron/parallel/fsdp/flat_shards.py): each
+    # micro-batch's buckets reduce-scattered into persistent fp32 gradient shards, every bucket allocated only while it
+    # is in use
     "mfsdp2_optim_grads": (
         2,
         "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --overlap-grad-reduce"
@@ -261,7 +264,7 @@ LAYOUTS = {  # name: (GPUs, flags)
         " --megatron-fsdp-grad-comm-dtype bf16",
     ),
     # fp32 gradient shards, each unit's reduce-scatter sent as FP8 (e4m3 + a scale per 128 values) and summed in fp32:
-    # a quarter of the fp32 reduce-scatter's bytes (O1 under FSDP, megatron/parallel/fsdp_fp8_reduce.py)
+    # a quarter of the fp32 reduce-scatter's bytes (O1 under FSDP, megatron/parallel/fsdp/fp8_reduce_scatter.py)
     "fsdp2_fp8comm": (
         2,
         "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer"

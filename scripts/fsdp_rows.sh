@@ -24,7 +24,7 @@
 #   bash scripts/fsdp_rows.sh megatron OUTDIR  llama3-8b: this project's FSDP row and Megatron-LM's FSDP (FP8,
 #                                            --fp8-param-gather, its precision-aware optimizer with fp16 masters and
 #                                            fp8/fp16 moments, every layer recomputed) in one call (about 7 minutes)
-#   bash scripts/fsdp_rows.sh zero2 OUTDIR   optim_grads on the flat buckets (megatron/parallel/grad_shards.py):
+#   bash scripts/fsdp_rows.sh zero2 OUTDIR   optim_grads on the flat buckets (megatron/parallel/fsdp/flat_shards.py):
 #                                            its GPU test (TE writing unzeroed buckets), llama-1b beside dp2_distopt twice over (A B A B: the eighth session's two
 #                                            calls disagreed by 15%; 60 iterations each) and its profile after 30
 #                                            iterations (~7 min)

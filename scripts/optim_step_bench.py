@@ -31,9 +31,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.fp8.fsdp_params import GatherScale, gather_view  # noqa: E402
 from megatron.optim import adam_kernel  # noqa: E402
 from megatron.optim.states import ScaledState  # noqa: E402
+from megatron.parallel.fsdp.fp8_gather import GatherScale, gather_view  # noqa: E402
 from megatron.perf.probes import _time_ms  # noqa: E402
 
 HIDDEN, FFN, KV, VOCAB, LAYERS, DP, MICRO = 4096, 14336, 1024, 128256, 32, 2, 4

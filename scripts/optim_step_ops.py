@@ -127,10 +127,10 @@ def _fused_bytes(census: Census):
 
 
 def _instrument(census: Census) -> None:
-    from megatron.fp8.fsdp_params import Fp8GatherScales
     from megatron.optim.optimizer import MixedPrecisionAdamW
     from megatron.parallel import grads as grads_module
-    from megatron.parallel.fsdp import ShardedGrads
+    from megatron.parallel.fsdp.fp8_gather import Fp8GatherScales
+    from megatron.parallel.fsdp.fsdp2 import ShardedGrads
     from megatron.training import steps
 
     MixedPrecisionAdamW.step = _in_phase("optimizer step", MixedPrecisionAdamW.step)

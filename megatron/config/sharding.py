@@ -1,7 +1,8 @@
 """Data-parallel sharding (--use-megatron-fsdp / --use-torch-fsdp2 and their options): the one place that turns the
-flags into a strategy and rejects what is not built. The engines: PyTorch's FSDP2 (megatron/parallel/fsdp.py), and for
+flags into a strategy and rejects what is not built. The engines: PyTorch's FSDP2 (megatron/parallel/fsdp/fsdp2.py), and
+for
 --use-megatron-fsdp's optim_grads sharded gradient accumulation on the distributed optimizer's flat buckets
-(megatron/parallel/grad_shards.py)."""
+(megatron/parallel/fsdp/flat_shards.py)."""
 
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ def _check_dtypes(cfg: Config) -> None:
 
 
 def _check_grad_shards(cfg: Config) -> None:
-    """--use-megatron-fsdp's optim_grads (megatron/parallel/grad_shards.py): the distributed optimizer's state and
+    """--use-megatron-fsdp's optim_grads (megatron/parallel/fsdp/flat_shards.py): the distributed optimizer's state and
     buckets, so its rules hold; combinations the engine does not run, each a one-line error."""
     par, opt, prec = cfg.parallel, cfg.optimizer, cfg.precision
     strategy = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
@@ -169,8 +170,9 @@ def _check_fsdp(cfg: Config) -> None:
     require(not prec.fp16, f"{strategy} with --fp16: not built yet; use --bf16")
     if prec.fp8_param_gather and prec.fp8_recipe == "mxfp8":
         _note_mx_weights_gathered_in_bf16(cfg)
-    # --fp8-grad-reduce (and O1, O2): each unit's reduce-scatter sends FP8 (megatron/parallel/fsdp_fp8_reduce.py);
-    # O2's precision-aware states and bf16 gradients are FSDP's --use-precision-aware-optimizer and bf16 shards
+    # --fp8-grad-reduce (and O1, O2): each unit's reduce-scatter sends FP8
+    # (megatron/parallel/fsdp/fp8_reduce_scatter.py); O2's precision-aware states and bf16 gradients are FSDP's
+    # --use-precision-aware-optimizer and bf16 shards
     require(
         cfg.training.cuda_graph_impl == "none",
         f"{strategy} with --cuda-graph-impl {cfg.training.cuda_graph_impl}: not built yet",
@@ -195,7 +197,8 @@ def _check_fsdp(cfg: Config) -> None:
 
 def _note_mx_weights_gathered_in_bf16(cfg: Config) -> None:
     """mxfp8's FP8 all-gathers carry their E8M0 scales beside the bytes, which FSDP2 allows only where its ranks divide
-    a weight's rows (megatron/fp8/fsdp_axes.py): say which linears gather in the training dtype instead."""
+    a weight's rows (megatron/parallel/fsdp/fp8_gather_axes.py): say which linears gather in the training dtype
+    instead."""
     model, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
     ranks = cfg.data_parallel_size * cfg.parallel.context_parallel_size  # FSDP shards over data x context ranks
     heads, groups = model.num_attention_heads, model.num_query_groups
@@ -246,7 +249,7 @@ def grad_comm_bf16(cfg: Config) -> bool:
 def fsdp_layer_units(num_layers: int, layer_elements: float, unit_size: int | None) -> list[int]:
     """Layers per FSDP unit, in order: consecutive layers until a unit holds at least `unit_size` parameter elements
     (--suggested-communication-unit-size; None: one layer each), the rest in a last unit
-    (`megatron.parallel.fsdp.fsdp_units` groups the modules so, on layers of `layer_elements` parameters)."""
+    (`megatron.parallel.fsdp.fsdp2.fsdp_units` groups the modules so, on layers of `layer_elements` parameters)."""
     if unit_size is None:
         return [1] * num_layers
     per_unit = max(1, math.ceil(unit_size / layer_elements))

@@ -25,9 +25,9 @@ owned shard, all-gathers every bucket's parameters in one collective (`gather_pa
 forward pass waits for each bucket just before the first module that uses it (`wait_for_params_in_forward`), so
 the gathers overlap the forward pass instead of preceding it.
 
-`GradShards` (grad_shards.py, --use-megatron-fsdp's optim_grads) keeps these buckets, parameter buffers and shards
-but reduce-scatters every micro-batch into persistent gradient shards, each bucket's gradients allocated only while
-in use.
+`GradShards` (parallel/fsdp/flat_shards.py, --use-megatron-fsdp's optim_grads) keeps these buckets, parameter buffers
+and shards but reduce-scatters every micro-batch into persistent gradient shards, each bucket's gradients allocated only
+while in use.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class _Bucket:
         self.params = params
         self.numel = -(-sum(p.numel() for p in params) // pad_to) * pad_to
         self.device, self.dtype = device, dtype
-        # the gradients; not allocated here for megatron/parallel/grad_shards.py, whose buckets allocate it per
+        # the gradients; not allocated here for megatron/parallel/fsdp/flat_shards.py, whose buckets allocate it per
         # micro-batch
         self.data = torch.zeros(self.numel, dtype=dtype, device=device) if allocate else None
         self.param_data: torch.Tensor | None = None  # the distributed optimizer's parameter buffer
@@ -100,7 +100,8 @@ def _storage_kind(param: nn.Parameter) -> object:
 
 
 class GradientBuffers:
-    # Each bucket's whole gradient buffer is allocated at construction and kept (grad_shards.py's buckets: not)
+    # Each bucket's whole gradient buffer is allocated at construction and kept (parallel/fsdp/flat_shards.py's buckets:
+    # not)
     _bucket_type = _Bucket
 
     def __init__(

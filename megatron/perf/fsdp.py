@@ -1,6 +1,6 @@
 """FSDP's own work per iteration (strategies optim_grads and optim_grads_params: PyTorch's FSDP2 as
-megatron/parallel/fsdp.py applies it; docs/fsdp.md), in traffic.py's conventions: one pass per operation, each input
-read once and each output written once.
+megatron/parallel/fsdp/fsdp2.py applies it; docs/fsdp.md), in traffic.py's conventions: one pass per operation, each
+input read once and each output written once.
 
 Units, in forward order, as `apply_fsdp` makes them (U = a unit's parameters on this rank, its tensor-parallel
 piece, whole; U8 = those of them gathered as FP8: the FP8 layers' linear weights with --fp8-param-gather):

@@ -38,7 +38,7 @@ the optimizer with --use-distributed-optimizer):
 
 Under FSDP2 (--data-parallel-sharding-strategy optim_grads / optim_grads_params) fsdp.py's terms replace the
 optimizer, the FP8 weight casts and the data-parallel communication here. --use-megatron-fsdp's optim_grads
-(megatron/parallel/grad_shards.py, gradient shards of gs bytes per element, buckets of gc: the reduce-scatter's
+(megatron/parallel/fsdp/flat_shards.py, gradient shards of gs bytes per element, buckets of gc: the reduce-scatter's
 dtype) keeps the distributed optimizer's terms except the gradients': the step reads the shards only, zeroing
 nothing, (2mp+2m1+2m2+2gs)S + M*S/P; a step's first micro-batch copies this rank's shard of each reduce-scatter
 into the shards, (gc+gs)S, and every later one adds it, (gc+2gs)S (its fresh buckets are not zeroed: the wgrad
@@ -57,7 +57,8 @@ Communication that cannot overlap, per iteration:
     per parameter (2 with bf16 gradients, 1 with --fp8-grad-reduce): all of it, or with --overlap-grad-reduce only
     the last bucket (--ddp-bucket-size elements, reduced after the backward ends); the distributed optimizer's
     all-gather of the updated weights (2 bytes, FP8 weights 1): all, or one bucket with --overlap-param-gather.
-    grad_shards.py reduce-scatters every micro-batch's buckets during its backward (gc bytes per element, 1 with
+    parallel/fsdp/flat_shards.py reduce-scatters every micro-batch's buckets during its backward (gc bytes per element,
+    1 with
     --fp8-grad-reduce), those of the micro-batches before the last overlapping the next forward: the last bucket of
     the last micro-batch is left, whatever --overlap-grad-reduce says.
 """
@@ -213,7 +214,7 @@ def memory_traffic(cfg: Config, vocab: int) -> list[MemoryWork]:
 
 
 def grad_bytes(cfg: Config) -> int:
-    """Bytes per element of the gradient buffers (`main_grad`; grad_shards.py's gradient shards)."""
+    """Bytes per element of the gradient buffers (`main_grad`; parallel/fsdp/flat_shards.py's gradient shards)."""
     opt, par = cfg.optimizer, cfg.parallel
     if par.grad_shards:
         return 2 if main_grads_bf16(cfg) else 4

@@ -23,8 +23,8 @@ from megatron.model.recompute import check_units_whole
 from megatron.optim import MixedPrecisionAdamW
 from megatron.parallel import GradientBuffers, ParallelDims
 from megatron.parallel.context_parallel import ContextParallel, attach_context_parallel
-from megatron.parallel.fsdp import ShardedGrads, build_fsdp, fp8_gather_pieces
-from megatron.parallel.grad_shards import GradShards
+from megatron.parallel.fsdp.flat_shards import GradShards
+from megatron.parallel.fsdp.fsdp2 import ShardedGrads, build_fsdp, fp8_gather_pieces
 from megatron.parallel.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -62,8 +62,9 @@ def build_model(
         initialize_userbuffers(cfg, dims.tp)
     chunks = cfg.stage_chunks(dims.pp_rank)
     stage = Stage.of_chunks(chunks, pre_process=dims.is_first_stage, post_process=dims.is_last_stage)
-    # Under FSDP the FP8 weights are high-precision shards that FSDP all-gathers as FP8 (megatron/parallel/fsdp.py),
-    # not TE's quantized parameters (as the local layers' are not Fp8Parameters then: megatron/fp8/manager.py)
+    # Under FSDP the FP8 weights are high-precision shards that FSDP all-gathers as FP8
+    # (megatron/parallel/fsdp/fsdp2.py), not TE's quantized parameters (as the local layers' are not Fp8Parameters then:
+    # megatron/fp8/manager.py)
     precision = replace(cfg.precision, fp8_param_gather=False) if par.fsdp else cfg.precision
     build = partial(
         GPTModel, cfg.model, vocab_size, precision=precision, amax_group=dims.amax_group, tp=tp, init_threads=_cpus()
@@ -102,7 +103,7 @@ def build_fp8(
 def build_grad_buffers(
     cfg: Config, dims: ParallelDims, model: GPTModel, device: torch.device, deferred: DeferredInit | None
 ) -> GradientBuffers | ShardedGrads:
-    """Where the gradients go: the data-parallel buffers, or under FSDP (megatron/parallel/fsdp.py) the sharded
+    """Where the gradients go: the data-parallel buffers, or under FSDP (megatron/parallel/fsdp/fsdp2.py) the sharded
     model's gradient shards (a model built on the meta device is given its values there, its shards only)."""
     par = cfg.parallel
     if par.fsdp:

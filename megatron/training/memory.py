@@ -19,7 +19,7 @@ Held for the whole run, in bytes per parameter of this rank:
   local layers' casts are not counted.
 
 The distributed optimizer keeps 1/dp of the main copy and the moments (the gradient buffer stays whole: it is
-reduce-scattered in place). --use-megatron-fsdp's optim_grads (megatron/parallel/grad_shards.py) keeps what the
+reduce-scattered in place). --use-megatron-fsdp's optim_grads (megatron/parallel/fsdp/flat_shards.py) keeps what the
 distributed optimizer keeps but holds 1/dp of the gradients (persistent fp32 shards, bf16 with
 --megatron-fsdp-main-grads-dtype bf16 or --grad-reduce-in-bf16) and no whole gradient buffer: a bucket exists only
 while its gradients are formed and reduce-scattered (in --megatron-fsdp-grad-comm-dtype), and at the peak, the start
@@ -27,9 +27,9 @@ of the backward, one is (the output layer's, or the last layers'; counted as a b
 FSDP keeps 1/dp of the weights, gradients and moments: fp32 weight shards that are the
 main weights, or with --use-precision-aware-optimizer shards in the training dtype beside 1/dp of its main weights;
 with --fp8-param-gather also the FP8 layers' shards cast to E4M3 for the step's all-gathers (1 byte per element /
-dp, cast once per step and kept: megatron/fp8/fsdp_params.py). Those casts are all a step needs of the FP8 layers'
-training-dtype shards (--use-precision-aware-optimizer): these are freed from the forward to the optimizer step, so
-they count in the step (`freed_shards`), not before the activations (unless --fp8-stats-interval: a watched step
+dp, cast once per step and kept: megatron/parallel/fsdp/fp8_gather.py). Those casts are all a step needs of the FP8
+layers' training-dtype shards (--use-precision-aware-optimizer): these are freed from the forward to the optimizer step,
+so they count in the step (`freed_shards`), not before the activations (unless --fp8-stats-interval: a watched step
 keeps them).
 
 The peak comes at the start of the backward pass, or in the optimizer step, whichever holds more:
@@ -72,9 +72,9 @@ from megatron.config.sharding import (
     main_grads_bf16,
     shards_hold_main_weights,
 )
-from megatron.fp8.fsdp_axes import AXES_RECIPES
 from megatron.model.output_layer import SLICE_BYTES_PER_ELEMENT, chunk_rows
 from megatron.optim.states import state_bytes
+from megatron.parallel.fsdp.fp8_gather_axes import AXES_RECIPES
 
 from .activation_memory import calibration_activation_units, recomputed_activation_units
 from .logger import print_rank_0
@@ -140,13 +140,14 @@ def _fsdp_weights_and_grads(cfg: Config, num_params: int, itemsize: int, fp8_gat
 
 def _fp8_gathered_casts(cfg: Config) -> int:
     """E4M3 casts of an FP8-gathered weight FSDP keeps per step and gathers into a unit kept gathered: two (along
-    both axes, 1 byte each) for the local layers' rowwise and mxfp8 (megatron/fp8/fsdp_axes.py), else one."""
+    both axes, 1 byte each) for the local layers' rowwise and mxfp8 (megatron/parallel/fsdp/fp8_gather_axes.py), else
+    one."""
     return 2 if cfg.precision.fp8_recipe in AXES_RECIPES and not _te(cfg) else 1
 
 
 def _fsdp_freed_shards(cfg: Config, fp8_gathered: float, itemsize: int) -> float:
     """Bytes of the `fp8_gathered` parameters' shards FSDP frees from the training forward's cast to the optimizer
-    step (megatron/fp8/fsdp_params.py): shards in the training dtype beside the optimizer's main weights
+    step (megatron/parallel/fsdp/fp8_gather.py): shards in the training dtype beside the optimizer's main weights
     (--use-precision-aware-optimizer), unless the FP8 monitor watches steps (a watched step keeps them: the local
     linears count their cast from them)."""
     if shards_hold_main_weights(cfg) or cfg.precision.fp8_stats_interval:
@@ -168,10 +169,10 @@ def _fsdp_buffers(
     gathered as E4M3, 1 byte per element; Transformer Engine's layers also get a 1-byte transpose of each, allocated
     with the gathered unit and freed with it: 2 bytes, as in bf16 (then without TE's own cast of the bf16 weight,
     which is not held at the peak either: see the module docstring). Not blockwise: TE derives that layer's
-    column-wise copy in its backward, one linear at a time, and drops it after the dgrad (te_blockwise_gather.py),
-    so 1 byte (its grid of block scales, 4 bytes per 16384 elements, is not counted). The local layers' rowwise and
-    mxfp8 weights in a unit kept gathered hold both casts: 2 bytes (mxfp8's scales not counted). Norm weights are
-    counted as the linears.
+    column-wise copy in its backward, one linear at a time, and drops it after the dgrad
+    (parallel/fsdp/te_blockwise_gather.py), so 1 byte (its grid of block scales, 4 bytes per 16384 elements, is not
+    counted). The local layers' rowwise and mxfp8 weights in a unit kept gathered hold both casts: 2 bytes (mxfp8's
+    scales not counted). Norm weights are counted as the linears.
 
     staging: after the output unit's backward, each unit's backward holds its unsharded gradient (training dtype)
     while the previous unit's reduce-scatter input and output (the reduce dtype: bf16 with bf16 gradient shards or
@@ -220,7 +221,8 @@ def _step_bytes(cfg: Config, num_params: int, fp8_params: int) -> float:
 
 
 def _sharded_grads(cfg: Config) -> bool:
-    """Whether each rank keeps 1/dp of the gradients (FSDP2 or grad_shards.py), in --megatron-fsdp-main-grads-dtype."""
+    """Whether each rank keeps 1/dp of the gradients (FSDP2 or parallel/fsdp/flat_shards.py), in
+    --megatron-fsdp-main-grads-dtype."""
     return cfg.parallel.fsdp or cfg.parallel.grad_shards
 
 
@@ -237,8 +239,8 @@ def output_wgrad_in_buffer(cfg: Config, dtype: torch.dtype) -> bool:
 
 
 def _first_bucket(cfg: Config, num_params: int, vocab: float) -> float:
-    """Bytes of the gradient bucket grad_shards.py holds at the start of the backward: --ddp-bucket-size elements
-    (a bucket closes once it holds that many), or the output layer's weight alone where that is larger, in the
+    """Bytes of the gradient bucket parallel/fsdp/flat_shards.py holds at the start of the backward: --ddp-bucket-size
+    elements (a bucket closes once it holds that many), or the output layer's weight alone where that is larger, in the
     reduce-scatter's dtype."""
     elements = min(num_params, max(cfg.parallel.ddp_bucket_size, vocab))
     return elements * (2 if grad_comm_bf16(cfg) else 4)

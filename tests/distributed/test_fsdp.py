@@ -20,11 +20,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from megatron.fp8.formats import E4M3
-from megatron.fp8.fsdp_params import gathered_bytes, shard_data
 from megatron.fp8.quantize import BLOCK_128x128, quantize
 from megatron.model import meta_init
 from megatron.optim.states import state_bytes
-from megatron.parallel.fsdp import local_shard
+from megatron.parallel.fsdp.fp8_gather import gathered_bytes, shard_data
+from megatron.parallel.fsdp.fsdp2 import local_shard
 from megatron.training import Trainer
 from megatron.training.data_loading import to_device
 from tests.dist_utils import run_distributed
@@ -63,7 +63,7 @@ def _fp8_gathered(trainer) -> list[torch.Tensor]:
 def _held_bytes(trainer) -> int:
     """Weights, gradients, main copies and Adam moments this rank holds between steps (the precision-aware
     optimizer's: its encoded tensors, their remainders and block scales); with --fp8-param-gather also the FP8
-    weights' shards cast to E4M3, kept from one step's cast to the next (fp8/fsdp_params.py)."""
+    weights' shards cast to E4M3, kept from one step's cast to the next (parallel/fsdp/fp8_gather.py)."""
     opt = trainer.optimizer
     weights = _storage_bytes(shard_data(local_shard(p)) for p in trainer.model.parameters())
     weights += _storage_bytes(p.to_local()._scale.data for p in _fp8_gathered(trainer))

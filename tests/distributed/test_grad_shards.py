@@ -1,5 +1,5 @@
 """--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads: sharded gradient accumulation on the distributed
-optimizer's flat buckets (megatron/parallel/grad_shards.py), at DP=2 against the distributed optimizer at DP=2 over
+optimizer's flat buckets (megatron/parallel/fsdp/flat_shards.py), at DP=2 against the distributed optimizer at DP=2 over
 20 steps of four micro-batches (small buckets, so that parameters are cut by bucket and shard boundaries): fp32
 within 1e-5 relative; bf16, FP8 delayed (local layers) with and without --fp8-param-gather, with every layer
 recomputed, bf16 with selective recomputation, and O2's states (precision-aware optimizer, FP8 gradient reduction)
@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from megatron.model.layers import Linear
-from megatron.parallel.grad_shards import LAG, GradShards
+from megatron.parallel.fsdp.flat_shards import LAG, GradShards
 from megatron.training import Trainer
 from megatron.training.data_loading import to_device
 from tests.dist_utils import run_distributed

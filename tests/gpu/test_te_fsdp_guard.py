@@ -2,14 +2,14 @@
 monitor on 2 GPUs (NCCL), against the distributed optimizer.
 
 * --fp8-auto-bf16: a layer the guard moves to bf16 (here through its API, `Fp8Guard.move`, the call its trigger makes)
-  gathers bf16 from the next step on, and TE's linears read plain bf16 weights (parallel/fsdp.py, `Fp8GatherDtypes`).
-  Moved before the first step (delayed scaling), the run matches the distributed optimizer's TE FP8 weights with that
-  layer built in bf16 (--fp8-first-layer-bf16) over 10 steps within 2e-3 (tests/gpu/test_te_fsdp.py's bound for the
-  FP8 gathers); the moved layer's all-gather outputs are bf16 (2 bytes per element), the others' E4M3 bytes (1). Moved
-  after step 3 (tensorwise) and back after step 6 (the guard never moves a layer back: the test puts it back in the
-  autocast's `fp8_layers`), the run matches the distributed optimizer without FP8 weights making the same moves within
-  1e-2 (test_te_fsdp.py's FP8 bound), its linears reading Float8Tensors before, plain bf16 weights between and
-  Float8Tensors again after.
+  gathers bf16 from the next step on, and TE's linears read plain bf16 weights (parallel/fsdp/fsdp2.py,
+  `Fp8GatherDtypes`). Moved before the first step (delayed scaling), the run matches the distributed optimizer's TE FP8
+  weights with that layer built in bf16 (--fp8-first-layer-bf16) over 10 steps within 2e-3 (tests/gpu/test_te_fsdp.py's
+  bound for the FP8 gathers); the moved layer's all-gather outputs are bf16 (2 bytes per element), the others' E4M3
+  bytes (1). Moved after step 3 (tensorwise) and back after step 6 (the guard never moves a layer back: the test puts it
+  back in the autocast's `fp8_layers`), the run matches the distributed optimizer without FP8 weights making the same
+  moves within 1e-2 (test_te_fsdp.py's FP8 bound), its linears reading Float8Tensors before, plain bf16 weights between
+  and Float8Tensors again after.
 * --fp8-stats-interval: the monitor counts each FP8-gathered weight from the cast of each rank's shard, summed over
   the data-parallel ranks: its weight rows equal the distributed optimizer's (which count the cast of each rank's
   main piece) at step 1 within float rounding, and every weight is counted once (the elements counted are the

@@ -119,7 +119,7 @@ def test_over_a_tensor_parallel_group():
 
 
 def _layouts_body(rank, world):
-    from megatron.parallel.grad_shards import GradShards
+    from megatron.parallel.fsdp.flat_shards import GradShards
     from tests.distributed.test_fsdp import _close, _run
     from tests.distributed.test_parallel_layouts import BASE
 

@@ -18,7 +18,7 @@ def parse(extra: str, world_size: int = 2):
         ("", None, False, None),
         ("--use-megatron-fsdp", "optim_grads_params", False, "fsdp2"),  # Megatron-LM's default strategy
         ("--use-torch-fsdp2", "optim_grads_params", False, "fsdp2"),
-        # the flat-buffer engine (grad_shards.py) on the distributed optimizer's buckets and state
+        # the flat-buffer engine (parallel/fsdp/flat_shards.py) on the distributed optimizer's buckets and state
         ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads", "optim_grads", True, "grad_shards"),
         (
             "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --use-distributed-optimizer",
@@ -74,7 +74,7 @@ NO_RESHARD = "--torch-fsdp2-no-reshard-after-forward"
         (f"{FSDP} --megatron-fsdp-main-grads-dtype fp16", 2, "--megatron-fsdp-main-grads-dtype fp16"),
         (f"{FSDP} --megatron-fsdp-grad-comm-dtype fp16", 2, "--megatron-fsdp-grad-comm-dtype fp16"),
         (f"{FSDP} --save /tmp/x --ckpt-format torch", 2, "FSDP saves its shards with --ckpt-format torch_dist"),
-        # --use-megatron-fsdp's optim_grads (grad_shards.py)
+        # --use-megatron-fsdp's optim_grads (parallel/fsdp/flat_shards.py)
         (f"{ZERO2}", 1, "optim_grads shards over the data-parallel ranks: run at least two"),
         (f"{ZERO2} --fsdp-double-buffer", 2, "--fsdp-double-buffer configure FSDP2's units: add --use-torch-fsdp2"),
         (
@@ -120,8 +120,9 @@ def test_meta_device_init_with_the_local_fp8_engine_is_built(gather):
 def test_fp8_param_gather_with_every_recipe_is_built(recipe):
     """Under FSDP with the local layers, every recipe (tests/distributed/test_fsdp.py; rowwise and mxfp8 cast per
     axis: test_fsdp_fp8_axes.py), and with Transformer Engine's the per-tensor and blockwise ones
-    (megatron/fp8/te_blockwise_gather.py, tests/gpu/test_te_fsdp_blockwise.py; the others: test_te_backend.py);
-    without FSDP the local layers keep FP8 weights of one scale per tensor only (`Fp8Parameter`)."""
+    (megatron/parallel/fsdp/te_blockwise_gather.py, tests/gpu/test_te_fsdp_blockwise.py; the others:
+    test_te_backend.py); without FSDP the local layers keep FP8 weights of one scale per tensor only
+    (`Fp8Parameter`)."""
     cfg = parse(f"{FSDP} --bf16 --fp8-format hybrid --fp8-recipe {recipe} --fp8-param-gather")
     assert cfg.precision.fp8_param_gather and cfg.parallel.fsdp
     if recipe not in ("delayed", "tensorwise"):
@@ -199,8 +200,9 @@ def test_async_save_is_built():
 
 
 def test_mx_weights_the_ranks_do_not_divide_are_noted():
-    """mxfp8 gathers only weights whose rows the FSDP ranks divide in FP8 (megatron/fp8/fsdp_axes.py): a startup note
-    names the others (here the ffn's 2 x 48 rows over 3 ranks divide, the 32 of the attention projection do not)."""
+    """mxfp8 gathers only weights whose rows the FSDP ranks divide in FP8 (megatron/parallel/fsdp/fp8_gather_axes.py): a
+    startup note names the others (here the ffn's 2 x 48 rows over 3 ranks divide, the 32 of the attention projection do
+    not)."""
     mx = "--bf16 --fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather --ffn-hidden-size 48"
     mx += " --micro-batch-size 1 --global-batch-size 6"
     notes = " ".join(parse(f"{FSDP} {mx}", world_size=3).notes)

@@ -24,7 +24,7 @@ try:
 except ImportError:  # a torch without FSDP2's custom collectives: `use_fp8_reduce_scatter` says which one is needed
     ReduceScatter = object
 
-from .fp8_reduce import Fp8ReduceStats, fp8_reduce_scatter_chunks
+from ..fp8_reduce import Fp8ReduceStats, fp8_reduce_scatter_chunks
 
 
 class Fp8ReduceScatter(ReduceScatter):

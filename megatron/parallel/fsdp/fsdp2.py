@@ -21,7 +21,7 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
     holds a whole-model gradient buffer, and the shard's address never changes (the optimizer lists it once).
     FSDP2 hands a gradient over in its shard's dtype: fp32 gradient shards of bf16 weight shards receive each
     micro-batch's reduce-scattered sum rounded to bf16 (reduced in fp32 or bf16 as the flags say; with
-    --fp8-grad-reduce sent as FP8 bytes and summed in fp32, megatron/parallel/fsdp_fp8_reduce.py);
+    --fp8-grad-reduce sent as FP8 bytes and summed in fp32, megatron/parallel/fsdp/fp8_reduce_scatter.py);
   * the strategy decides when gathered weights are freed: optim_grads_params after each unit's forward and
     backward; optim_grads keeps them from the first forward to the last micro-batch's backward (one all-gather per
     step, as the distributed optimizer's), and so lets the FP8 linears (local and TE's) keep the step's first weight
@@ -31,10 +31,11 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
     backward; a forward without a backward (evaluation) frees them all at its end (`_reshard_after_no_grad_forward`);
   * with --fp8-param-gather, the FP8 linears' weights are all-gathered as E4M3 bytes with one scale per tensor
     (delayed, tensorwise) or per 128x128 block (blockwise) agreed by the ranks once per step
-    (megatron/fp8/fsdp_params.py; rowwise and mxfp8, cast along both axes, gather the row cast for the forward and
-    the column cast for the backward: fsdp_axes.py), and the linears read them as their FP8 operands: the local
-    linears as their own FP8 weights, Transformer Engine's as TE Float8Tensors (megatron/fp8/te_fsdp_params.py)
-    or, blockwise, Float8BlockwiseQTensors (megatron/fp8/te_blockwise_gather.py), which TE casts no more. With
+    (megatron/parallel/fsdp/fp8_gather.py; rowwise and mxfp8, cast along both axes, gather the row cast for the forward
+    and the column cast for the backward: fp8_gather_axes.py), and the linears read them as their FP8 operands: the
+    local linears as their own FP8 weights, Transformer Engine's as TE Float8Tensors
+    (megatron/parallel/fsdp/te_fp8_gather.py) or, blockwise, Float8BlockwiseQTensors
+    (megatron/parallel/fsdp/te_blockwise_gather.py), which TE casts no more. With
     --use-precision-aware-optimizer those weights' bf16 shards are freed once cast, from the training forward to the
     optimizer step (`reclaim_shards`).
 """
@@ -61,13 +62,13 @@ from megatron.config.sharding import (
     main_grads_bf16,
     shards_hold_main_weights,
 )
-from megatron.fp8.fsdp_axes import bind_gather_phases, gathers_axes, rerun_in_backward
-from megatron.fp8.fsdp_params import Fp8GatherScales, Fp8ShardWeight, shard_data, wrap_fp8_weight
 from megatron.fp8.linear import Fp8LinearState
-from megatron.fp8.te_blockwise_gather import wrap_te_weight
+from megatron.parallel.fsdp.fp8_gather import Fp8GatherScales, Fp8ShardWeight, shard_data, wrap_fp8_weight
+from megatron.parallel.fsdp.fp8_gather_axes import bind_gather_phases, gathers_axes, rerun_in_backward
+from megatron.parallel.fsdp.te_blockwise_gather import wrap_te_weight
 
-from .fp8_reduce import Fp8ReduceStats
-from .fsdp_fp8_reduce import use_fp8_reduce_scatter
+from ..fp8_reduce import Fp8ReduceStats
+from .fp8_reduce_scatter import use_fp8_reduce_scatter
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:
@@ -193,7 +194,7 @@ def _wrap_fp8_weights(modules: list[nn.Module], device: torch.device, ranks: int
     linears (their `fp8` state) and the Transformer Engine linears of the layers in FP8 (`te_modules()` of a layer
     whose autocast has it among its FP8 layers; layers kept in bf16 gather bf16). Their scales are made on `device`
     (the weights may still be on the meta device). mxfp8 weights whose rows the `ranks` do not divide stay plain
-    (megatron/fp8/fsdp_axes.py, `gathers_axes`)."""
+    (megatron/parallel/fsdp/fp8_gather_axes.py, `gathers_axes`)."""
     for module in modules:
         for sub in module.modules():
             if hasattr(sub, "te_modules"):

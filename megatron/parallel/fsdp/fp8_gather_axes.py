@@ -1,5 +1,5 @@
 """FP8 all-gather under FSDP2 for the recipes that cast a weight along both of its axes: rowwise and mxfp8 (local
-layers; fsdp_params.py has the design and the per-tensor and blockwise recipes).
+layers; fp8_gather.py has the design and the per-tensor and blockwise recipes).
 
 A linear's fprop operand is q(W) cast along K (one scale per row, or 1x32 E8M0 blocks along a row) and its dgrad
 operand q(W^T) a second cast along N (one scale per column of W, or 32x1 blocks down a column): gathered q(W)
@@ -50,8 +50,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-from .formats import E4M3, E8M0
-from .quantize import MX_BLOCK, ROW, Fp8Tensor, block_amax, block_scales, scale_from_amax, scaled_cast
+from megatron.fp8.formats import E4M3, E8M0
+from megatron.fp8.quantize import MX_BLOCK, ROW, Fp8Tensor, block_amax, block_scales, scale_from_amax, scaled_cast
 
 AXES_RECIPES = ("rowwise", "mxfp8")
 ROW_CAST, COLUMN_CAST, BOTH_CASTS = "row", "column", "both"  # what one all-gather moves
@@ -328,8 +328,8 @@ def bind_gather_phases(params: Iterable[tuple[torch.nn.Module, Any]], rerun: Cal
         if getattr(state, "name", None) not in ("IDLE", "FORWARD") or not isinstance(reshard, bool):
             raise RuntimeError(
                 f"torch {torch.__version__}'s FSDP2 parameter group has no _training_state / _reshard_after_forward,"
-                " which the rowwise and mxfp8 FP8 all-gathers read (megatron/fp8/fsdp_axes.py): use torch 2.11 to"
-                " 2.13, or drop --fp8-param-gather"
+                " which the rowwise and mxfp8 FP8 all-gathers read (megatron/parallel/fsdp/fp8_gather_axes.py): use"
+                " torch 2.11 to 2.13, or drop --fp8-param-gather"
             )
         axes.split = reshard and not rerun(param._module_info.module)
         axes.in_backward = lambda group=group: group._training_state.name == "PRE_BACKWARD"

@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .data_parallel import GradientBuffers, _Bucket
+from ..data_parallel import GradientBuffers, _Bucket
 
 # Reduce-scatters in flight before the oldest is waited for: enough to overlap each with the next buckets' backward.
 LAG = 2
