@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from megatron.fp8.te_recipe import te_recipe
+from megatron.parallel.fsdp import fsdp2_internals as internals
 from megatron.parallel.fsdp.fp8_gather import Fp8GatherScales
 from megatron.parallel.fsdp.te_blockwise_gather import TeBlockShardWeight, block_grid, te_scale_shape, wrap_te_weight
 from tests.dist_utils import run_distributed
@@ -116,10 +117,7 @@ def _model_weights(trainer, world_size: int) -> None:
 
 def _columnwise_left(model) -> list[str]:
     """The gathered weights FSDP2 keeps between steps that still hold a column-wise copy (none should)."""
-    groups = {
-        id(g): g for m in model.modules() if isinstance(m, FSDPModule) and (g := m._get_fsdp_state()._fsdp_param_group)
-    }
-    params = [getattr(p, "_unsharded_param", None) for g in groups.values() for p in g.fsdp_params]
+    params = [internals.unsharded_param(p) for unit in internals.units(model) for p in internals.unit_params(unit)]
     return [repr(p.shape) for p in params if getattr(p, "_columnwise_data", None) is not None]
 
 

@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from megatron.parallel.fsdp import fsdp2_internals as internals
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import DISTOPT, PARAMS, _close
@@ -77,10 +78,10 @@ def _gather_dtypes(t: Trainer) -> dict[int, set[int]]:
     layer_of = {id(m): layer.layer_number for layer in t.model.decoder.layers for m in layer.te_modules()}
     widths: dict[int, set[int]] = {}
     for _, param in t.grad_buffers.fp8_dtypes.params:
-        number = layer_of[id(param._module_info.module)]
+        number = layer_of[id(internals.module_of(param))]
         gathered = param.padded_sharded_param_size.numel() * param.mesh_info.shard_mesh_size
         widths.setdefault(number, set()).update(
-            o.numel() * o.element_size() // gathered for o in param.all_gather_outputs
+            o.numel() * o.element_size() // gathered for o in internals.gathered_outputs(param)
         )
     return widths
 

@@ -68,6 +68,7 @@ from megatron.parallel.fsdp.fp8_gather_axes import bind_gather_phases, gathers_a
 from megatron.parallel.fsdp.te_blockwise_gather import wrap_te_weight
 
 from ..fp8_reduce import Fp8ReduceStats
+from . import fsdp2_internals as internals
 from .fp8_reduce_scatter import use_fp8_reduce_scatter
 
 
@@ -135,31 +136,27 @@ class Fp8GatherDtypes:
         """Switch the weights whose gather dtype changed; returns their linears."""
         switched = []
         for unit, param in self.params:
-            linear, scale = param._module_info.module, param._sharded_local_tensor._scale
+            linear, scale = internals.module_of(param), internals.sharded_local_tensor(param)._scale
             if scale.high_precision != self.gathers_fp8(linear):
                 continue
             unit.reshard()  # (between steps every unit is resharded already: a no-op)
             scale.high_precision, scale.data, scale.fresh = not scale.high_precision, None, False
-            param.all_gather_outputs, param._unsharded_inner_tensors = [], []
-            if hasattr(param, "_unsharded_param"):
-                del param._unsharded_param
+            internals.forget_gathered(param)
             switched.append(linear)
         return switched
 
 
 def _fp8_fsdp_params(model: nn.Module) -> Iterator[tuple[nn.Module, Any]]:
     """(the FSDP unit, FSDP2's record of the parameter: its `FSDPParam`) of each FP8-gathered weight of `model`."""
-    for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            group = unit._get_fsdp_state()._fsdp_param_group  # one per unit (torch 2.11 has no list of them)
-            for param in group.fsdp_params if group is not None else ():
-                if isinstance(param._sharded_local_tensor, Fp8ShardWeight):
-                    yield unit, param
+    for unit in internals.units(model):
+        for param in internals.unit_params(unit):
+            if isinstance(internals.sharded_local_tensor(param), Fp8ShardWeight):
+                yield unit, param
 
 
 def share_padded_storage(model: nn.Module) -> None:
     """Let FSDP2 see that each FP8-gathered shard lives in the padded storage it made for it. FSDP2 keeps every
-    shard padded to ceil(rows / ranks) rows (`_sharded_param_data`) and, at its lazy initialization (the first
+    shard padded to ceil(rows / ranks) rows (`internals.padded_shard`) and, at its lazy initialization (the first
     forward) and after a load, re-pads a local shard shorter than that into new storage unless that storage is
     the shard's, which it checks for a plain tensor only (`FSDPParam.reset_sharded_param`, torch 2.11 to 2.13:
     "TODO: need to support tensor subclass"). An `Fp8ShardWeight` on a rank with pad rows (the ranks do not divide
@@ -170,9 +167,9 @@ def share_padded_storage(model: nn.Module) -> None:
     hook before the root's) may have freed the shards, whose empty storage fails the check."""
     params = [param for _, param in _fp8_fsdp_params(model)]
     for param in params:
-        param._sharded_param_data = shard_data(param._sharded_param_data)
+        internals.set_padded_shard(param, shard_data(internals.padded_shard(param)))
     if params:
-        model._get_fsdp_state()._lazy_init()  # idempotent: the first forward's is then a no-op
+        internals.lazy_init(model)  # idempotent: the first forward's is then a no-op
 
 
 def te_gathers_fp8(model: nn.Module) -> Callable[[nn.Module], bool]:
