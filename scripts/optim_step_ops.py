@@ -130,11 +130,11 @@ def _instrument(census: Census) -> None:
     from megatron.optim.optimizer import MixedPrecisionAdamW
     from megatron.parallel import grads as grads_module
     from megatron.parallel.fsdp.fp8_gather import Fp8GatherScales
-    from megatron.parallel.fsdp.fsdp2 import ShardedGrads
+    from megatron.parallel.fsdp.fsdp2 import Fsdp2Grads
     from megatron.training import steps
 
     MixedPrecisionAdamW.step = _in_phase("optimizer step", MixedPrecisionAdamW.step)
-    ShardedGrads.zero = _in_phase("grad zero", ShardedGrads.zero)
+    Fsdp2Grads.zero = _in_phase("grad zero", Fsdp2Grads.zero)
     Fp8GatherScales.agree = _in_phase("FP8 shard amax + cast (agree)", Fp8GatherScales.agree)
     steps.grad_norm = _in_phase("grad norm", grads_module.grad_norm)
     from megatron.optim.loss_scaler import LossScaler

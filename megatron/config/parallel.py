@@ -161,18 +161,16 @@ class ParallelConfig:
     and its values a part at a time, so that the host never holds the whole model."""
 
     @property
-    def grad_shards(self) -> bool:
-        """Whether the flat-buffer ZeRO-2 engine runs (megatron/parallel/fsdp/flat_shards.py): --use-megatron-fsdp with
-        strategy optim_grads, without --use-torch-fsdp2."""
+    def gradient_engine(self) -> str:
+        """The gradient engine the flags choose, once the strategy is resolved (config/sharding.py; the table in
+        megatron/parallel/engines.py): "fsdp2" where PyTorch's FSDP2 holds the parameters (strategy optim_grads or
+        optim_grads_params, except optim_grads under --use-megatron-fsdp alone), "flat_shards" for that exception
+        (the distributed optimizer's flat buckets, each micro-batch's gradients reduce-scattered into shards), else
+        "buffers" (whole gradient buckets, with or without the distributed optimizer)."""
         strategy = self.data_parallel_sharding_strategy
-        return strategy == "optim_grads" and self.use_megatron_fsdp and not self.use_torch_fsdp2
-
-    @property
-    def fsdp(self) -> bool:
-        """Whether FSDP2 holds the parameters (strategy optim_grads or optim_grads_params, once resolved, except
-        optim_grads on the flat-buffer engine: `grad_shards`)."""
-        strategy = self.data_parallel_sharding_strategy
-        return strategy in ("optim_grads", "optim_grads_params") and not self.grad_shards
+        if strategy == "optim_grads" and self.use_megatron_fsdp and not self.use_torch_fsdp2:
+            return "flat_shards"
+        return "fsdp2" if strategy in ("optim_grads", "optim_grads_params") else "buffers"
 
     def _given(self, *names: str) -> list[str]:
         """The flags of `names` that were given (neither None nor a switch left off), as written on the command

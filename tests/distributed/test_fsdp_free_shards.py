@@ -60,7 +60,7 @@ def _run(
 ) -> tuple[list[float], Trainer, list]:
     """Losses, trainer and, for each optimizer step, what the rank held just before it: (shards freed, each FP8
     shard's storage bytes, the weight storages' bytes). `release`: whether the FP8 shards are freed (the setting
-    build_fsdp derives from the flags; off: the run without freeing). `poison_step`: the step whose first gradient
+    build_fsdp2 derives from the flags; off: the run without freeing). `poison_step`: the step whose first gradient
     is made infinite (skipped), after which each shard is checked against its decoded main weight."""
     init, before = Fp8GatherScales.__init__, len(RECLAIMED)
     if not release:  # from the start: delayed scaling's calibration pass, in the trainer's build, frees nothing

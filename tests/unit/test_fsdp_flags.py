@@ -15,16 +15,16 @@ def parse(extra: str, world_size: int = 2):
 @pytest.mark.parametrize(
     "extra, strategy, distopt, engine",
     [
-        ("", None, False, None),
+        ("", None, False, "buffers"),
         ("--use-megatron-fsdp", "optim_grads_params", False, "fsdp2"),  # Megatron-LM's default strategy
         ("--use-torch-fsdp2", "optim_grads_params", False, "fsdp2"),
         # the flat-buffer engine (parallel/fsdp/flat_shards.py) on the distributed optimizer's buckets and state
-        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads", "optim_grads", True, "grad_shards"),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads", "optim_grads", True, "flat_shards"),
         (
             "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --use-distributed-optimizer",
             "optim_grads",
             True,
-            "grad_shards",
+            "flat_shards",
         ),
         ("--use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads", "optim_grads", False, "fsdp2"),
         (
@@ -33,14 +33,14 @@ def parse(extra: str, world_size: int = 2):
             False,
             "fsdp2",
         ),
-        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim", "optim", True, None),
-        ("--use-megatron-fsdp --data-parallel-sharding-strategy no_shard", "no_shard", False, None),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim", "optim", True, "buffers"),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy no_shard", "no_shard", False, "buffers"),
     ],
 )
 def test_strategy_resolution(extra, strategy, distopt, engine):
     cfg = parse(extra)
     assert cfg.parallel.data_parallel_sharding_strategy == strategy
-    assert (cfg.parallel.fsdp, cfg.parallel.grad_shards) == (engine == "fsdp2", engine == "grad_shards")
+    assert cfg.sharding.engine == engine
     assert cfg.optimizer.use_distributed_optimizer == distopt
     assert cfg.finalize().parallel.data_parallel_sharding_strategy == strategy  # idempotent
 
@@ -106,7 +106,7 @@ def test_precision_aware_states_are_built(main_params):
     states = "--use-precision-aware-optimizer --main-params-dtype fp16 --exp-avg-dtype fp8 --exp-avg-sq-dtype fp16"
     fp8 = "--fp8-format hybrid --fp8-param-gather"
     cfg = parse(f"{FSDP} --bf16 {states} --megatron-fsdp-main-params-dtype {main_params} {fp8}")
-    assert cfg.parallel.fsdp and cfg.optimizer.use_precision_aware_optimizer
+    assert cfg.sharding.fsdp2 and cfg.optimizer.use_precision_aware_optimizer
 
 
 @pytest.mark.parametrize("gather", ["", "--fp8-param-gather"])
@@ -124,7 +124,7 @@ def test_fp8_param_gather_with_every_recipe_is_built(recipe):
     test_te_backend.py); without FSDP the local layers keep FP8 weights of one scale per tensor only
     (`Fp8Parameter`)."""
     cfg = parse(f"{FSDP} --bf16 --fp8-format hybrid --fp8-recipe {recipe} --fp8-param-gather")
-    assert cfg.precision.fp8_param_gather and cfg.parallel.fsdp
+    assert cfg.precision.fp8_param_gather and cfg.sharding.fsdp2
     if recipe not in ("delayed", "tensorwise"):
         with pytest.raises(ConfigError, match="the local engine keeps FP8 weights with one scale per tensor"):
             parse(f"--bf16 --fp8-format hybrid --fp8-recipe {recipe} --fp8-param-gather")
@@ -134,7 +134,7 @@ def test_fp8_param_gather_with_every_recipe_is_built(recipe):
 def test_tensor_and_context_parallelism_compose(layout):
     """FSDP shards each tensor-parallel piece over the data-parallel ranks (tests/distributed/test_fsdp_layouts.py)."""
     cfg = parse(f"{FSDP} {layout}", world_size=4)
-    assert cfg.parallel.fsdp and cfg.data_parallel_size == 2
+    assert cfg.sharding.fsdp2 and cfg.data_parallel_size == 2
 
 
 def test_overlap_flags_are_noted_not_silent():
@@ -149,7 +149,7 @@ def test_fp8_gathers_compose_with_the_fp8_monitor_and_guard(extra):
     (tests/unit/test_fp8_monitor.py); meta-device initialization (tests/gpu/test_te_fsdp_meta.py with TE)."""
     fp8 = f"{FSDP} --bf16 --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather {extra}"
     cfg = parse(fp8)
-    assert cfg.parallel.fsdp and cfg.precision.fp8_param_gather
+    assert cfg.sharding.fsdp2 and cfg.precision.fp8_param_gather
     assert cfg.precision.fp8_auto_bf16 == ("--fp8-auto-bf16" in extra)
     assert parse(f"{fp8} --init-model-with-meta-device").parallel.init_model_with_meta_device
 
@@ -159,7 +159,7 @@ def test_fp8_grad_reduce_is_built(level):
     """FSDP's reduce-scatters in FP8 (tests/distributed/test_fsdp_fp8_reduce.py); O2 adds the precision-aware states
     and bf16 gradient shards (FSDP's own reading of --grad-reduce-in-bf16)."""
     cfg = parse(f"{FSDP} --bf16 {level or '--fp8-grad-reduce'}")
-    assert cfg.parallel.fsdp and cfg.parallel.fp8_grad_reduce
+    assert cfg.sharding.fsdp2 and cfg.parallel.fp8_grad_reduce
     o2 = level.endswith("O2")
     assert cfg.optimizer.use_precision_aware_optimizer == o2 and cfg.parallel.grad_reduce_in_bf16 == o2
 
@@ -170,11 +170,11 @@ def test_no_reshard_after_forward_parses_as_megatron_lm_spells_it(strategy):
     test_fsdp_no_reshard.py). Under optim_grads they are kept for the whole step already: a note says so."""
     assert parse(TORCH).parallel.torch_fsdp2_reshard_after_forward
     cfg = parse(f"{TORCH} --data-parallel-sharding-strategy {strategy} {NO_RESHARD}")
-    assert cfg.parallel.fsdp and not cfg.parallel.torch_fsdp2_reshard_after_forward
+    assert cfg.sharding.fsdp2 and not cfg.parallel.torch_fsdp2_reshard_after_forward
     noted = any(NO_RESHARD in note and "changes nothing more" in note for note in cfg.notes)
     assert noted == (strategy == "optim_grads"), cfg.notes
     both = parse(f"{TORCH} {FSDP} --data-parallel-sharding-strategy {strategy} {NO_RESHARD}")  # FSDP2 runs both
-    assert both.parallel.fsdp and not both.parallel.torch_fsdp2_reshard_after_forward
+    assert both.sharding.fsdp2 and not both.parallel.torch_fsdp2_reshard_after_forward
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim", "no_shard"])
@@ -184,7 +184,7 @@ def test_meta_device_init_with_whole_weights_is_built(strategy):
     flags = f"{FSDP} --data-parallel-sharding-strategy {strategy} --bf16 --init-model-with-meta-device"
     fp8 = "--fp8-format hybrid --fp8-param-gather" + ("" if strategy == "no_shard" else " --use-distributed-optimizer")
     cfg = parse(f"{flags} {fp8}")
-    assert cfg.parallel.init_model_with_meta_device and not cfg.parallel.fsdp
+    assert cfg.parallel.init_model_with_meta_device and not cfg.sharding.fsdp2
     cfg.model.transformer_impl = "transformer_engine"  # TE does not import on a CPU: its rule alone
     with pytest.raises(ConfigError) as error:
         check_meta_device_layers(cfg)
@@ -196,7 +196,7 @@ def test_async_save_is_built():
     """FSDP's shards are staged and written in the background as the distributed optimizer's are
     (tests/distributed/test_fsdp_async_save.py)."""
     cfg = parse(f"{FSDP} --save /tmp/x --async-save")
-    assert cfg.parallel.fsdp and cfg.checkpoint.async_save
+    assert cfg.sharding.fsdp2 and cfg.checkpoint.async_save
 
 
 def test_mx_weights_the_ranks_do_not_divide_are_noted():

@@ -25,7 +25,7 @@ optimizer steps, while a unit is gathered before its forward and again before it
 (8 casts of each weight per step with 4 micro-batches, each a handful of kernels launched from Python on the
 host's critical path). It costs 1 byte per FP8-gathered element / dp, held between steps, as Megatron-LM keeps its
 FP8 shard beside the main one. Whatever writes the shards marks the scales stale, and so the bytes: the optimizer
-step (`ShardedGrads.zero`), a checkpoint load or an initialization (`shards_written`); `agree` then recomputes both
+step (`Fsdp2Grads.zero`), a checkpoint load or an initialization (`shards_written`); `agree` then recomputes both
 before the next forward's gathers, and a gather that comes first (none in training) casts the shard itself.
 
 Where the shards are not the main weights (--use-precision-aware-optimizer: bf16 shards written from the optimizer's

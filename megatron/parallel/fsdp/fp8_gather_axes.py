@@ -85,7 +85,7 @@ class AxesCast:
         self.row_scales: torch.Tensor | None = None
         self.col_scales: torch.Tensor | None = None
         self.ranks = 1
-        # Set by `bind_gather_phases`; unbound (a model outside `build_fsdp`), every gather moves both casts
+        # Set by `bind_gather_phases`; unbound (a model outside `build_fsdp2`), every gather moves both casts
         self.split = False
         self.in_backward: Callable[[], bool] = lambda: False
 

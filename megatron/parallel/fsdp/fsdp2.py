@@ -1,7 +1,7 @@
 """Sharded data parallelism (--use-megatron-fsdp / --use-torch-fsdp2) on PyTorch's FSDP2 (`fully_shard`, DTensor).
 
-`build_fsdp` applies FSDP2 to a built GPT model in torchtitan's form and returns the object the trainer and the
-optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.py):
+`build_fsdp2` applies FSDP2 to a built GPT model in torchtitan's form and returns its gradient engine, `Fsdp2Grads`
+(megatron/parallel/engines.py):
 
   * units: each transformer layer (or, with --suggested-communication-unit-size, a run of consecutive layers) is
     one FSDP unit; an untied embedding is a unit of its own; the final norm and an untied output layer form the last
@@ -25,7 +25,7 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
   * the strategy decides when gathered weights are freed: optim_grads_params after each unit's forward and
     backward; optim_grads keeps them from the first forward to the last micro-batch's backward (one all-gather per
     step, as the distributed optimizer's), and so lets the FP8 linears (local and TE's) keep the step's first weight
-    casts for its later micro-batches, as the distributed optimizer's do (`fsdp_keeps_weight_casts`);
+    casts for its later micro-batches, as the distributed optimizer's do (`Sharding.keeps_weight_casts`);
     optim_grads_params with --torch-fsdp2-no-reshard-after-forward keeps each unit from its forward to its backward
     (one all-gather per unit and micro-batch; every unit gathered at the end of the forward) and frees it after the
     backward; a forward without a backward (evaluation) frees them all at its end (`_reshard_after_no_grad_forward`);
@@ -56,12 +56,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from megatron.config import Config
-from megatron.config.sharding import (
-    fsdp_keeps_weight_casts,
-    grad_comm_bf16,
-    main_grads_bf16,
-    shards_hold_main_weights,
-)
 from megatron.fp8.linear import Fp8LinearState
 from megatron.parallel.fsdp.fp8_gather import Fp8GatherScales, Fp8ShardWeight, shard_data, wrap_fp8_weight
 from megatron.parallel.fsdp.fp8_gather_axes import bind_gather_phases, gathers_axes, rerun_in_backward
@@ -296,11 +290,11 @@ def _add_into_main_grad(param: nn.Parameter) -> None:
     param.grad = None
 
 
-class ShardedGrads:
-    """The gradient side of FSDP, with the interface of `GradientBuffers` that the trainer and optimizer use: each
-    parameter's `main_grad` is its persistent gradient shard; `owned_range` is the whole local shard."""
+class Fsdp2Grads:
+    """The gradient engine of FSDP2 (megatron/parallel/engines.py's `GradientEngine`): each parameter's `main_grad` is
+    its persistent gradient shard; `owned_range` is the whole local shard."""
 
-    sharded = True
+    sharded_state = True
     overlap_param_gather = False
     fp8_stats: Fp8ReduceStats | None = None  # --fp8-grad-reduce: what the FP8 reduce-scatters lost (the log's)
     fp8_scales: Fp8GatherScales | None = None
@@ -357,7 +351,7 @@ class ShardedGrads:
     def gather_params(self) -> None:
         """Nothing to gather: each unit gathers its weights before its next forward."""
 
-    def wait_for_params(self, buckets: None = None) -> None:
+    def wait_for_params(self) -> None:
         """No all-gather runs between steps."""
 
     @contextlib.contextmanager
@@ -377,6 +371,10 @@ class ShardedGrads:
         for its FP8 all-gathers (with --use-precision-aware-optimizer: `Fp8GatherScales.release`)."""
         if self.fp8_scales is not None:
             self.fp8_scales.reclaim()
+
+    def shards_released(self) -> bool:
+        """Whether a training forward freed FP8 all-gather shards that only the optimizer step writes again."""
+        return self.fp8_scales is not None and self.fp8_scales.released
 
     def zero(self) -> None:
         """After each optimizer step: the gradients start again, and the FP8 all-gather scales and the TE layers'
@@ -422,20 +420,20 @@ def _reshard_after_no_grad_forward(units: list[nn.Module]) -> Callable[[nn.Modul
     return reshard
 
 
-def build_fsdp(
+def build_fsdp2(
     model: nn.Module,
     cfg: Config,
     group: dist.ProcessGroup,
     device: torch.device,
     initialize: Callable[[nn.Module], None] | None = None,
     scale_group: dist.ProcessGroup | None = None,
-) -> ShardedGrads:
+) -> Fsdp2Grads:
     """Shard `model` over the data-parallel `group` as the flags say (the one place that maps the strategy and
     options to FSDP2's). A model built on the meta device (--init-model-with-meta-device) is then allocated on
     `device`, its shards only, and given its values by `initialize(model)`. `scale_group`: with --fp8-param-gather,
     the ranks that agree each FP8 weight's scale, all that hold a piece of it (data x tensor parallel; default
     `group`), so that each piece is cast with the whole tensor's scale, as one process casts it."""
-    par = cfg.parallel
+    par, sharding = cfg.parallel, cfg.sharding
     params_dtype = cfg.precision.params_dtype
     fp8_gather = cfg.precision.fp8_param_gather
     shard_params = par.data_parallel_sharding_strategy == "optim_grads_params"
@@ -444,18 +442,18 @@ def build_fsdp(
         group,
         device,
         param_dtype=None if params_dtype == torch.float32 else params_dtype,
-        reduce_dtype=torch.bfloat16 if grad_comm_bf16(cfg) else torch.float32,
+        reduce_dtype=torch.bfloat16 if sharding.grad_comm_bf16 else torch.float32,
         shard_params=shard_params and par.torch_fsdp2_reshard_after_forward,
         prefetch=par.fsdp_double_buffer,
         unit_size=par.suggested_communication_unit_size,
         fp8_gather=fp8_gather,
-        shard_dtype=torch.float32 if shards_hold_main_weights(cfg) else params_dtype,
+        shard_dtype=torch.float32 if sharding.shards_hold_main_weights else params_dtype,
     )
     assert isinstance(model, FSDPModule)
     # FP8 casts of a freed weight (optim_grads_params) are not kept for the next micro-batch: not by a local FP8
     # linear, nor by TE's layers (TE 2.16 and later keep none under FSDP2 unless told: docs/fsdp.md). Under
     # optim_grads the step's first casts serve all its micro-batches, as under the distributed optimizer.
-    keep_casts = fsdp_keeps_weight_casts(cfg)
+    keep_casts = sharding.keeps_weight_casts
     cast_keepers = []
     for module in model.modules():
         if getattr(module, "fp8", None) is not None and hasattr(module.fp8, "cache_weight"):
@@ -474,7 +472,7 @@ def build_fsdp(
     share_padded_storage(model)
     if shard_params and not par.torch_fsdp2_reshard_after_forward:
         model.register_forward_hook(_reshard_after_no_grad_forward(units))
-    grads = ShardedGrads(model, keep, torch.bfloat16 if main_grads_bf16(cfg) else torch.float32)
+    grads = Fsdp2Grads(model, keep, torch.bfloat16 if sharding.main_grads_bf16 else torch.float32)
     if cast_keepers:
         grads.cast_keepers = tuple(cast_keepers)
         model.register_forward_pre_hook(_forget_casts_before_gathers(cast_keepers), prepend=True)
@@ -484,7 +482,7 @@ def build_fsdp(
         bind_gather_phases(_fp8_fsdp_params(model), rerun_in_backward(model))
         shards = [p for p in model.parameters() if isinstance(local_shard(p), Fp8ShardWeight)]
         # Shards that are not the main weights only feed the step's cast: freed from it to the optimizer step
-        release = not shards_hold_main_weights(cfg)
+        release = not sharding.shards_hold_main_weights
         grads.fp8_scales = scales = Fp8GatherScales(shards, group if scale_group is None else scale_group, release)
         grads.fp8_dtypes = dtypes = Fp8GatherDtypes(model, te_gathers_fp8(model))
 
