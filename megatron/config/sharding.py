@@ -257,11 +257,6 @@ class Sharding:
         """Whether the flat gradient shards run (--use-megatron-fsdp's optim_grads)."""
         return self.engine == "flat_shards"
 
-    @property
-    def sharded_grads(self) -> bool:
-        """Whether each rank keeps only its shard of the step's gradients (FSDP2, the flat gradient shards)."""
-        return self.engine != "buffers"
-
 
 def resolved_sharding(cfg: Config) -> Sharding:
     """The `Sharding` of a configuration whose flags are final (`Config.finalize` calls it last)."""

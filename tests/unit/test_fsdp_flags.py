@@ -1,8 +1,10 @@
 """FSDP flags: the strategy they resolve to, and a one-line error naming the flags for every combination not built."""
 
+import dataclasses
+
 import pytest
 
-from megatron.config import ConfigError, parse_args
+from megatron.config import Config, ConfigError, parse_args
 from megatron.config.sharding import check_meta_device_layers
 
 BASE = "--mock-data --vocab-size 128 --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16"
@@ -209,3 +211,30 @@ def test_mx_weights_the_ranks_do_not_divide_are_noted():
     assert "linear_proj (32 rows), linear_fc2 (32 rows) gather in the training dtype" in notes, notes
     assert "linear_fc1" not in notes and "linear_qkv" not in notes, notes
     assert "gather in the training dtype" not in " ".join(parse(f"{FSDP} {mx}", world_size=2).notes)
+
+
+@pytest.mark.parametrize(
+    "extra, engine, main_grads_bf16, grad_comm_bf16",
+    [
+        ("--grad-reduce-in-bf16", "buffers", True, True),
+        ("--use-distributed-optimizer", "buffers", False, False),
+        (f"{ZERO2} --megatron-fsdp-main-grads-dtype bf16", "flat_shards", True, True),
+        (f"{ZERO2} --grad-reduce-in-bf16 --megatron-fsdp-grad-comm-dtype fp32", "flat_shards", True, False),
+        (f"{FSDP} --megatron-fsdp-grad-comm-dtype bf16", "fsdp2", False, True),
+        (f"{FSDP} --use-precision-aware-optimizer --main-grads-dtype bf16", "fsdp2", True, True),  # read last
+    ],
+)
+def test_the_sharding_is_resolved_once_at_finalize(extra, engine, main_grads_bf16, grad_comm_bf16):
+    cfg = parse(extra)
+    sharding = cfg.sharding
+    assert (sharding.engine, sharding.main_grads_bf16, sharding.grad_comm_bf16) == (
+        engine,
+        main_grads_bf16,
+        grad_comm_bf16,
+    )
+    assert sharding.fsdp2 == (engine == "fsdp2") and sharding.flat_shards == (engine == "flat_shards")
+    assert cfg.finalize().sharding == sharding
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sharding.engine = "buffers"
+    with pytest.raises(RuntimeError, match="Config.finalize"):
+        _ = Config().sharding
