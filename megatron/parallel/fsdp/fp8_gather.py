@@ -11,7 +11,7 @@ unsharded weight from the gathered ones. Here:
   has no FP8 dtype), cast with one scale per tensor agreed by all ranks: one byte per element instead of bf16's two.
 * `Fp8GatheredWeight` is the unsharded weight the FP8 linear reads: the gathered bytes and the scale. The linear
   takes it as its FP8 operand without re-casting (`fp8_tensor`), as an `Fp8Parameter`; its weight gradient is
-  returned to autograd in fp32 (FSDP reduce-scatters `unsharded_param.grad`, not `main_grad`: params.py).
+  returned to autograd in fp32 (FSDP reduce-scatters `unsharded_param.grad`, not `main_grad`: fp8/params.py).
 * `Fp8GatherScales.agree` max-reduces the amaxes of all wrapped shards in one all-reduce, once per optimizer step,
   over the data-parallel ranks (and the tensor-parallel ones: the whole weight's amax)
   (parallel/fsdp/fsdp2.py calls it from the root's forward pre-hook, before any unit's all-gather): tensorwise casts
@@ -44,8 +44,8 @@ the weight (the tensor-parallel pieces are cast block by block on their own, as 
 then holds the whole grid of scales, casts its rows with their blocks' scales, and the grid travels as metadata
 like the per-tensor scale. The gathered bytes and scales are those the linear casts from the whole weight, and, as
 the blocks are square, the transpose of q(W) is the dgrad operand q(W^T). Rowwise and mxfp8 cast the weight along
-both axes (their dgrad operand is a second cast, recipes.py): `GatherScale.axes` (fp8_gather_axes.py) casts both, and a
-gather moves the one its pass needs (or both), agreed in the same all-reduce as the block grids.
+both axes (their dgrad operand is a second cast, fp8/recipes.py): `GatherScale.axes` (fp8_gather_axes.py) casts both,
+and a gather moves the one its pass needs (or both), agreed in the same all-reduce as the block grids.
 """
 
 from __future__ import annotations
