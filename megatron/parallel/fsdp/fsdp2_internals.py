@@ -12,8 +12,8 @@ beyond it lives on FSDP2's private records:
 * the root's lazy initialization, run early (`share_padded_storage`);
 * the `ReduceScatter` protocol of a custom reduce-scatter (FP8 gradient reduction).
 
-`missing_internals(unit)` lists every private attribute read here that an FSDP unit lacks (tests/unit/
-test_fsdp2_internals.py fails naming them when torch changes them).
+`missing_internals(unit)` lists every private attribute read here that an FSDP unit lacks
+(tests/distributed/test_fsdp2_internals.py fails naming them when torch changes them).
 """
 
 from __future__ import annotations
