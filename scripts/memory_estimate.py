@@ -56,7 +56,7 @@ def estimate(preset: str, config: str, layout: str, extra: str = "") -> tuple[Co
         stage = len(layers) * layer + matrix * (int(first) + int(last and (untied or pp > 1))) + m.hidden_size * last
         stage_fp8 = round(fp8_layer * len(fp8_numbers.intersection(layers)))
         # FP8 parameters (TE's or local ones) only without FSDP, which gathers FP8 weights from high-precision shards
-        fp8_params = stage_fp8 if cfg.precision.fp8_param_gather and not cfg.parallel.fsdp else 0
+        fp8_params = stage_fp8 if cfg.precision.fp8_param_gather and not cfg.sharding.fsdp2 else 0
         est = estimate_bytes(cfg, round(stage), vocab, dtype, pp_rank=rank, fp8_params=fp8_params)
         if worst is None or est["total"] > worst[0]["total"]:
             worst = est, memory_estimate_lines(cfg, est, round(stage), dtype, fp8_params=fp8_params)

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.errors import UserError
-from megatron.fp8.fsdp_params import shards_written
+from megatron.parallel.fsdp.fp8_gather import shards_written
 
 from . import faults
 from .integrity import (
@@ -80,7 +80,7 @@ def load_model_state(model: torch.nn.Module, state: dict[str, Any], root: str | 
             f"checkpoint {root} holds Transformer Engine FP8 state in a form TE loads only with"
             f" {TE_UNSAFE_PICKLE_ENV}=1 in the environment: set it if you trust the checkpoint"
         ) from exc
-    shards_written(model)  # FSDP's FP8 all-gathers: scales agreed and shards cast again (fp8/fsdp_params.py)
+    shards_written(model)  # FSDP's FP8 all-gathers: scales agreed and shards cast again (parallel/fsdp/fp8_gather.py)
 
 
 def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:

@@ -229,7 +229,7 @@ def checkpoint_is_finite(model: torch.nn.Module, optimizer: Any, group: Any = No
     """Whether the model's weights and the optimizer's fp32 state (main copies, moments) are finite on every rank
     of `group` (default: all). FP8 weights are skipped: their main copies are checked."""
     from megatron.fp8.params import is_fp8_param
-    from megatron.parallel.fsdp import local_shard
+    from megatron.parallel.fsdp.fsdp2 import local_shard
 
     tensors = [local_shard(p) for p in model.parameters() if not is_fp8_param(p)]  # FSDP: this rank's shard
     fp32 = optimizer.fp32_state()

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from megatron.parallel.fsdp import flat_offset
+from megatron.parallel.fsdp.fsdp2 import flat_offset
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 VOCAB_SUFFIXES = ("word_embeddings.weight", "output_layer.weight")

@@ -17,7 +17,7 @@ from .optimizer import OptimizerConfig
 from .parallel import ParallelConfig
 from .pipeline_split import accounted_layout, chunk_layer_numbers, layout_stage_counts, stage_layer_numbers
 from .precision import LOCAL_FP8_PARAM_RECIPES, TE_FP8_PARAM_RECIPES, PrecisionConfig
-from .sharding import check_meta_device_layers, resolve_sharding
+from .sharding import Sharding, check_meta_device_layers, resolve_sharding, resolved_sharding
 from .training import CheckpointConfig, LoggingConfig, TrainingConfig
 
 SECTIONS: dict[str, type] = {
@@ -49,6 +49,16 @@ class Config:
     """`cuda` or `cpu` (set from the machine, not a flag)."""
     notes: list[str] = field(default_factory=list)
     """Decisions validation made on the user's behalf (implied flags), logged at start."""
+    resolved: Sharding | None = field(default=None, repr=False, compare=False)
+    """What `finalize` resolved of the flags (`sharding`); None before. Not saved: a loaded configuration resolves
+    it again."""
+
+    @property
+    def sharding(self) -> Sharding:
+        """The data-parallel sharding and its precisions, resolved by `finalize` (config/sharding.py)."""
+        if self.resolved is None:
+            raise RuntimeError("Config.sharding is resolved by Config.finalize(): call it first")
+        return self.resolved
 
     @property
     def data_parallel_size(self) -> int:
@@ -69,6 +79,7 @@ class Config:
         for name in SECTIONS:
             getattr(self, name).finalize()
         self._check_cross_section()
+        self.resolved = resolved_sharding(self)
         if check_files:
             self.data.check_files()
         return self
@@ -94,7 +105,7 @@ class Config:
         self._check_lr_schedule()
         resolve_sharding(self)  # FSDP flags -> strategy (optim: the distributed optimizer)
         require(
-            opt.use_distributed_optimizer or par.fsdp or not par.overlap_param_gather,
+            opt.use_distributed_optimizer or par.gradient_engine == "fsdp2" or not par.overlap_param_gather,
             "--overlap-param-gather overlaps the distributed optimizer's parameter all-gathers: add"
             " --use-distributed-optimizer or drop the flag",
         )
@@ -378,7 +389,8 @@ class Config:
     def _check_fp8_params(self) -> None:
         """Recipes whose weights can live in FP8 (and be all-gathered as FP8 bytes): see megatron/fp8/params.py."""
         recipe, te = self.precision.fp8_recipe, self.model.transformer_impl == "transformer_engine"
-        if not te and not self.parallel.fsdp:  # FSDP keeps no FP8 weights; its rules: sharding.py
+        fsdp2 = self.parallel.gradient_engine == "fsdp2"
+        if not te and not fsdp2:  # FSDP keeps no FP8 weights; its rules: sharding.py
             require(
                 recipe in LOCAL_FP8_PARAM_RECIPES,
                 f"--fp8-param-gather with --fp8-recipe {recipe}: the local engine keeps FP8 weights with one scale"
@@ -386,8 +398,8 @@ class Config:
                 " transformer_engine for blockwise, FSDP (--use-megatron-fsdp) for every recipe, or drop"
                 " --fp8-param-gather",
             )
-        elif te and (self.optimizer.use_distributed_optimizer or self.parallel.fsdp):
-            sharding = "FSDP" if self.parallel.fsdp else "--use-distributed-optimizer"
+        elif te and (self.optimizer.use_distributed_optimizer or fsdp2):
+            sharding = "FSDP" if fsdp2 else "--use-distributed-optimizer"
             require(
                 recipe in TE_FP8_PARAM_RECIPES,
                 f"--fp8-param-gather with {sharding} and --fp8-recipe {recipe}: Transformer Engine's {recipe}"

@@ -48,8 +48,8 @@ class ParallelConfig:
     fp8_grad_reduce: bool = False
     """Send the data-parallel gradient reduction as FP8 (e4m3, a power-of-two scale per 128 values) and sum in
     fp32 on arrival: a quarter of fp32's bytes, half of bf16's (megatron/parallel/fp8_reduce.py); under FSDP each
-    unit's reduce-scatter (megatron/parallel/fsdp_fp8_reduce.py). The log reports the fraction of values flushed to
-    zero. --fp8-optimizer-level O1 and O2 turn it on."""
+    unit's reduce-scatter (megatron/parallel/fsdp/fp8_reduce_scatter.py). The log reports the fraction of values flushed
+    to zero. --fp8-optimizer-level O1 and O2 turn it on."""
     ddp_bucket_size: int = 40_000_000
     """Gradient elements per data-parallel all-reduce bucket."""
     distributed_backend: str | None = option(None, choices=["nccl", "gloo"])
@@ -103,13 +103,13 @@ class ParallelConfig:
     use_megatron_fsdp: bool = False
     """Shard the data-parallel state as --data-parallel-sharding-strategy says (default optim_grads_params: weights,
     gradients and optimizer states). Megatron-LM's flag. optim_grads runs on this project's flat-buffer engine
-    (megatron/parallel/grad_shards.py: the distributed optimizer's buckets, each micro-batch's gradients
+    (megatron/parallel/fsdp/flat_shards.py: the distributed optimizer's buckets, each micro-batch's gradients
     reduce-scattered into persistent fp32 shards, no whole-model gradient buffer kept); optim_grads_params runs on
-    PyTorch's FSDP2 (`fully_shard` over DTensor, megatron/parallel/fsdp.py), as --use-torch-fsdp2: each transformer
-    layer is one unit (all-gathered before it runs, freed after), the embedding another, the final norm and output
-    layer a last one that stays gathered from its forward to its backward."""
+    PyTorch's FSDP2 (`fully_shard` over DTensor, megatron/parallel/fsdp/fsdp2.py), as --use-torch-fsdp2: each
+    transformer layer is one unit (all-gathered before it runs, freed after), the embedding another, the final norm and
+    output layer a last one that stays gathered from its forward to its backward."""
     use_torch_fsdp2: bool = False
-    """PyTorch's FSDP2 (megatron/parallel/fsdp.py) for every sharding strategy, optim_grads included (which
+    """PyTorch's FSDP2 (megatron/parallel/fsdp/fsdp2.py) for every sharding strategy, optim_grads included (which
     --use-megatron-fsdp runs on the flat-buffer engine instead)."""
     data_parallel_sharding_strategy: str | None = option(None, choices=list(SHARDING_STRATEGIES))
     """What the data-parallel ranks shard, with --use-megatron-fsdp / --use-torch-fsdp2 (default optim_grads_params,
@@ -161,18 +161,16 @@ class ParallelConfig:
     and its values a part at a time, so that the host never holds the whole model."""
 
     @property
-    def grad_shards(self) -> bool:
-        """Whether the flat-buffer ZeRO-2 engine runs (megatron/parallel/grad_shards.py): --use-megatron-fsdp with
-        strategy optim_grads, without --use-torch-fsdp2."""
+    def gradient_engine(self) -> str:
+        """The gradient engine the flags choose, once the strategy is resolved (config/sharding.py; the table in
+        megatron/parallel/engines.py): "fsdp2" where PyTorch's FSDP2 holds the parameters (strategy optim_grads or
+        optim_grads_params, except optim_grads under --use-megatron-fsdp alone), "flat_shards" for that exception
+        (the distributed optimizer's flat buckets, each micro-batch's gradients reduce-scattered into shards), else
+        "buffers" (whole gradient buckets, with or without the distributed optimizer)."""
         strategy = self.data_parallel_sharding_strategy
-        return strategy == "optim_grads" and self.use_megatron_fsdp and not self.use_torch_fsdp2
-
-    @property
-    def fsdp(self) -> bool:
-        """Whether FSDP2 holds the parameters (strategy optim_grads or optim_grads_params, once resolved, except
-        optim_grads on the flat-buffer engine: `grad_shards`)."""
-        strategy = self.data_parallel_sharding_strategy
-        return strategy in ("optim_grads", "optim_grads_params") and not self.grad_shards
+        if strategy == "optim_grads" and self.use_megatron_fsdp and not self.use_torch_fsdp2:
+            return "flat_shards"
+        return "fsdp2" if strategy in ("optim_grads", "optim_grads_params") else "buffers"
 
     def _given(self, *names: str) -> list[str]:
         """The flags of `names` that were given (neither None nor a switch left off), as written on the command

@@ -11,9 +11,9 @@ from .base import option, require
 LOCAL_FP8_PARAM_RECIPES = ("delayed", "tensorwise")
 TE_FP8_PARAM_RECIPES = ("delayed", "tensorwise", "blockwise")
 #: Under FSDP the weights stay high-precision shards cast for the all-gathers: Transformer Engine's with one scale per
-#: tensor or per 128x128 block (`TE_FP8_PARAM_RECIPES`: te_fsdp_params.py, te_blockwise_gather.py), the local
-#: layers' with every recipe (megatron/fp8/fsdp_params.py; rowwise and mxfp8, whose two GEMMs read casts along both
-#: axes of the weight, gather the cast each pass needs: megatron/fp8/fsdp_axes.py).
+#: tensor or per 128x128 block (`TE_FP8_PARAM_RECIPES`: parallel/fsdp/te_fp8_gather.py, te_blockwise_gather.py),
+#: the local layers' with every recipe (megatron/parallel/fsdp/fp8_gather.py; rowwise and mxfp8, whose two GEMMs read
+#: casts along both axes of the weight, gather the cast each pass needs: megatron/parallel/fsdp/fp8_gather_axes.py).
 
 
 @dataclass

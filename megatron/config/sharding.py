@@ -1,11 +1,13 @@
 """Data-parallel sharding (--use-megatron-fsdp / --use-torch-fsdp2 and their options): the one place that turns the
-flags into a strategy and rejects what is not built. The engines: PyTorch's FSDP2 (megatron/parallel/fsdp.py), and for
+flags into a strategy and rejects what is not built. The engines: PyTorch's FSDP2 (megatron/parallel/fsdp/fsdp2.py), and
+for
 --use-megatron-fsdp's optim_grads sharded gradient accumulation on the distributed optimizer's flat buckets
-(megatron/parallel/grad_shards.py)."""
+(megatron/parallel/fsdp/flat_shards.py)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 from .base import require
@@ -70,10 +72,12 @@ def resolve_sharding(cfg: Config) -> None:
             not opt.use_distributed_optimizer,
             "--data-parallel-sharding-strategy no_shard with --use-distributed-optimizer: choose optim, or drop one",
         )
-    if par.grad_shards:
+    if par.gradient_engine == "flat_shards":
         _check_grad_shards(cfg)
         return
-    if not par.fsdp:  # no_shard and optim: the gradient buffers without and with the distributed optimizer
+    if (
+        par.gradient_engine == "buffers"
+    ):  # no_shard and optim: the gradient buffers without and with the distributed optimizer
         extras = [_flag(n) for n in _FSDP2_UNITS if getattr(par, n) not in (None, False)]
         extras += ["--torch-fsdp2-no-reshard-after-forward"] if no_reshard else []
         require(not extras, f"{', '.join(extras)} need --data-parallel-sharding-strategy optim_grads(_params)")
@@ -88,7 +92,7 @@ def check_meta_device_layers(cfg: Config) -> None:
     par = cfg.parallel
     te_fp8_weights = cfg.precision.fp8_param_gather and cfg.model.transformer_impl == "transformer_engine"
     require(
-        not (par.init_model_with_meta_device and not par.fsdp and te_fp8_weights),
+        not (par.init_model_with_meta_device and par.gradient_engine != "fsdp2" and te_fp8_weights),
         f"--data-parallel-sharding-strategy {par.data_parallel_sharding_strategy} with --init-model-with-meta-device"
         " and --fp8-param-gather: Transformer Engine makes its FP8 weights as it builds them, which the meta device"
         " defers (not built); drop one of the two flags, or shard the weights (optim_grads_params, or"
@@ -124,7 +128,7 @@ def _check_dtypes(cfg: Config) -> None:
 
 
 def _check_grad_shards(cfg: Config) -> None:
-    """--use-megatron-fsdp's optim_grads (megatron/parallel/grad_shards.py): the distributed optimizer's state and
+    """--use-megatron-fsdp's optim_grads (megatron/parallel/fsdp/flat_shards.py): the distributed optimizer's state and
     buckets, so its rules hold; combinations the engine does not run, each a one-line error."""
     par, opt, prec = cfg.parallel, cfg.optimizer, cfg.precision
     strategy = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
@@ -169,8 +173,9 @@ def _check_fsdp(cfg: Config) -> None:
     require(not prec.fp16, f"{strategy} with --fp16: not built yet; use --bf16")
     if prec.fp8_param_gather and prec.fp8_recipe == "mxfp8":
         _note_mx_weights_gathered_in_bf16(cfg)
-    # --fp8-grad-reduce (and O1, O2): each unit's reduce-scatter sends FP8 (megatron/parallel/fsdp_fp8_reduce.py);
-    # O2's precision-aware states and bf16 gradients are FSDP's --use-precision-aware-optimizer and bf16 shards
+    # --fp8-grad-reduce (and O1, O2): each unit's reduce-scatter sends FP8
+    # (megatron/parallel/fsdp/fp8_reduce_scatter.py); O2's precision-aware states and bf16 gradients are FSDP's
+    # --use-precision-aware-optimizer and bf16 shards
     require(
         cfg.training.cuda_graph_impl == "none",
         f"{strategy} with --cuda-graph-impl {cfg.training.cuda_graph_impl}: not built yet",
@@ -195,7 +200,8 @@ def _check_fsdp(cfg: Config) -> None:
 
 def _note_mx_weights_gathered_in_bf16(cfg: Config) -> None:
     """mxfp8's FP8 all-gathers carry their E8M0 scales beside the bytes, which FSDP2 allows only where its ranks divide
-    a weight's rows (megatron/fp8/fsdp_axes.py): say which linears gather in the training dtype instead."""
+    a weight's rows (megatron/parallel/fsdp/fp8_gather_axes.py): say which linears gather in the training dtype
+    instead."""
     model, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
     ranks = cfg.data_parallel_size * cfg.parallel.context_parallel_size  # FSDP shards over data x context ranks
     heads, groups = model.num_attention_heads, model.num_query_groups
@@ -214,39 +220,71 @@ def _note_mx_weights_gathered_in_bf16(cfg: Config) -> None:
         )
 
 
-def shards_hold_main_weights(cfg: Config) -> bool:
-    """Whether FSDP's weight shards are the fp32 main weights the optimizer steps on in place (else, with
+@dataclass(frozen=True)
+class Sharding:
+    """The run's data-parallel sharding and its precisions, resolved once by `Config.finalize` (`cfg.sharding`) from
+    the flags; what the memory estimate, the build, the engines and the optimizer read."""
+
+    engine: str
+    """The gradient engine: "buffers", "flat_shards" or "fsdp2" (`ParallelConfig.gradient_engine`; the table in
+    megatron/parallel/engines.py)."""
+    distributed_optimizer: bool
+    """The optimizer's states are sharded over the data-parallel ranks on the flat buckets (--use-distributed-optimizer,
+    strategy optim, and the flat gradient shards); FSDP2 shards them itself."""
+    main_grads_bf16: bool
+    """The gradients accumulate in bf16, else fp32: the buffers with --grad-reduce-in-bf16; the gradient shards per
+    --megatron-fsdp-main-grads-dtype (auto: as --grad-reduce-in-bf16)."""
+    grad_comm_bf16: bool
+    """The gradients are reduced (all-reduced or reduce-scattered) in bf16, else fp32: the buffers with
+    --grad-reduce-in-bf16; the gradient shards per --megatron-fsdp-grad-comm-dtype (auto: as they accumulate)."""
+    shards_hold_main_weights: bool
+    """FSDP2's weight shards are the fp32 main weights the optimizer steps on in place (else, with
     --use-precision-aware-optimizer, they hold the training dtype, bf16 under --bf16, and the optimizer holds the
     main weights of its shard in --main-params-dtype: FSDP2 gathers the shards without a cast)."""
-    return not cfg.optimizer.use_precision_aware_optimizer
-
-
-def fsdp_keeps_weight_casts(cfg: Config) -> bool:
-    """Whether FSDP lets the FP8 linears keep each step's weight casts for its later micro-batches, as the distributed
+    keeps_weight_casts: bool
+    """FSDP2 lets the FP8 linears keep each step's weight casts for its later micro-batches, as the distributed
     optimizer's do: under optim_grads, whose gathered weights stay unchanged from the first forward to the last
     micro-batch's backward, without --fp8-param-gather (whose gathered weights are FP8 already). Under
     optim_grads_params each weight is freed after use, and kept casts would be an unsharded FP8 copy of the model."""
-    par = cfg.parallel
-    return par.fsdp and par.data_parallel_sharding_strategy == "optim_grads" and not cfg.precision.fp8_param_gather
+
+    @property
+    def fsdp2(self) -> bool:
+        """Whether PyTorch's FSDP2 holds the parameters (each rank 1/dp of every weight)."""
+        return self.engine == "fsdp2"
+
+    @property
+    def flat_shards(self) -> bool:
+        """Whether the flat gradient shards run (--use-megatron-fsdp's optim_grads)."""
+        return self.engine == "flat_shards"
 
 
-def main_grads_bf16(cfg: Config) -> bool:
-    """Whether FSDP accumulates the gradient shards in bf16 (else fp32; auto: fp32 unless --grad-reduce-in-bf16)."""
-    par = cfg.parallel
-    grads = par.megatron_fsdp_main_grads_dtype
-    return grads == "bf16" or (grads == "auto" and par.grad_reduce_in_bf16)
-
-
-def grad_comm_bf16(cfg: Config) -> bool:
-    """Whether FSDP reduce-scatters gradients in bf16 (else fp32; auto: as the gradient shards are kept)."""
-    comm = cfg.parallel.megatron_fsdp_grad_comm_dtype
-    return comm == "bf16" or (comm == "auto" and main_grads_bf16(cfg))
+def resolved_sharding(cfg: Config) -> Sharding:
+    """The `Sharding` of a configuration whose flags are final (`Config.finalize` calls it last)."""
+    par, opt = cfg.parallel, cfg.optimizer
+    engine = par.gradient_engine
+    fsdp_dtypes = engine != "buffers"  # the --megatron-fsdp-*-dtype flags, at their defaults without FSDP
+    main_grads = par.megatron_fsdp_main_grads_dtype
+    main_grads_bf16 = main_grads == "bf16" or (main_grads == "auto" and par.grad_reduce_in_bf16)
+    comm = par.megatron_fsdp_grad_comm_dtype
+    grad_comm_bf16 = comm == "bf16" or (comm == "auto" and main_grads_bf16)
+    return Sharding(
+        engine=engine,
+        distributed_optimizer=opt.use_distributed_optimizer,
+        main_grads_bf16=main_grads_bf16 if fsdp_dtypes else par.grad_reduce_in_bf16,
+        grad_comm_bf16=grad_comm_bf16 if fsdp_dtypes else par.grad_reduce_in_bf16,
+        shards_hold_main_weights=not opt.use_precision_aware_optimizer,
+        keeps_weight_casts=(
+            engine == "fsdp2"
+            and par.data_parallel_sharding_strategy == "optim_grads"
+            and not cfg.precision.fp8_param_gather
+        ),
+    )
 
 
 def fsdp_layer_units(num_layers: int, layer_elements: float, unit_size: int | None) -> list[int]:
     """Layers per FSDP unit, in order: consecutive layers until a unit holds at least `unit_size` parameter elements
     (--suggested-communication-unit-size; None: one layer each), the rest in a last unit
-    (`megatron.parallel.fsdp.fsdp_units` groups the modules so, on layers of `layer_elements` parameters)."""
+    (`megatron.parallel.fsdp.fsdp2.fsdp_units` groups the modules so, on layers of `layer_elements` parameters)."""
     if unit_size is None:
         return [1] * num_layers
     per_unit = max(1, math.ceil(unit_size / layer_elements))

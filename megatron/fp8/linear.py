@@ -65,7 +65,7 @@ class Fp8LinearState:
         ranks make up the weight once."""
         self._weight_cache: tuple[Any, Fp8Tensor, Fp8Tensor | None] | None = None
         self.cache_weight = True
-        """Keep the weight's casts for the step's later micro-batches. Off under FSDP (megatron/parallel/fsdp.py),
+        """Keep the weight's casts for the step's later micro-batches. Off under FSDP (megatron/parallel/fsdp/fsdp2.py),
         which frees each gathered weight after use: cached casts of every layer would hold a byte or two per
         parameter of the whole model."""
 
@@ -125,8 +125,8 @@ class Fp8LinearState:
     def weight_operands(self, weight: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor | None]:
         """(q(W) along K for fprop, q(W^T) along N for dgrad), cached until the step ends or W changes. An FP8
         weight (--fp8-param-gather) is its own q(W); only its transpose is made here, but for a weight gathered per
-        axis under FSDP (rowwise, mxfp8: fsdp_axes.py), whose dgrad operand the backward reads from its own gather
-        (None here)."""
+        axis under FSDP (rowwise, mxfp8: parallel/fsdp/fp8_gather_axes.py), whose dgrad operand the backward reads from
+        its own gather (None here)."""
         if holds_fp8(weight):
             key: tuple = (id(weight), weight.version)
         else:
@@ -159,7 +159,7 @@ class Fp8LinearState:
             return
         piece, first_row = self.weight_piece()
         if hasattr(weight, "dgrad_operand") and piece.numel():  # rowwise, mxfp8: a row's scales are its own
-            self.stats.record(self.index, Role.WEIGHT, piece, self.recipe, None)  # (fsdp_axes.py)
+            self.stats.record(self.index, Role.WEIGHT, piece, self.recipe, None)  # (parallel/fsdp/fp8_gather_axes.py)
             return
         self.stats.record_cast(self.index, Role.WEIGHT, piece, first_row, weight.scale_inv.reciprocal(), self.recipe)
 

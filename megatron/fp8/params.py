@@ -39,7 +39,7 @@ from .quantize import TENSOR, Fp8Tensor, scale_from_amax, scaled_cast, tensor_am
 
 def holds_fp8(weight: torch.Tensor | None) -> bool:
     """A weight the FP8 linear reads as its operand without casting (`fp8_tensor`): an `Fp8Parameter`, or under
-    FSDP the gathered FP8 weight (fsdp_params.py)."""
+    FSDP the gathered FP8 weight (parallel/fsdp/fp8_gather.py)."""
     return callable(getattr(weight, "fp8_tensor", None))
 
 
@@ -207,9 +207,9 @@ def high_precision_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 def accumulate_weight_grad(weight: torch.Tensor, dw: torch.Tensor) -> torch.Tensor:
     """main_grad += dw (fp32) for an FP8 weight, which can hold no gradient of its own (main_grad = dw for a weight
-    marked `overwrite_main_grad`: grad_shards.py's buffers); returns the zero-stride dummy gradient autograd gets
-    instead (the gradient buffers' hook frees it). A weight gathered by FSDP gets dw itself (FSDP reduce-scatters the
-    autograd gradient into the shards)."""
+    marked `overwrite_main_grad`: parallel/fsdp/flat_shards.py's buffers); returns the zero-stride dummy gradient
+    autograd gets instead (the gradient buffers' hook frees it). A weight gathered by FSDP gets dw itself (FSDP
+    reduce-scatters the autograd gradient into the shards)."""
     if getattr(weight, "grad_to_autograd", False):
         return dw.to(weight.dtype)
     main_grad = getattr(weight, "main_grad", None)
@@ -218,7 +218,7 @@ def accumulate_weight_grad(weight: torch.Tensor, dw: torch.Tensor) -> torch.Tens
             "FP8 weights (--fp8-param-gather) add their gradients into main_grad: build"
             " megatron.parallel.GradientBuffers for the model before its first backward"
         )
-    if getattr(weight, "overwrite_main_grad", False):  # grad_shards.py's buffers: written, not accumulated
+    if getattr(weight, "overwrite_main_grad", False):  # the flat gradient shards' buffers: written, not added
         main_grad.copy_(dw)
     else:
         main_grad.add_(dw)

@@ -235,7 +235,7 @@ class GPTModel(nn.Module):
             self.rotary = RotaryEmbedding(int(cfg.kv_channels * cfg.rotary_percent), cfg.rotary_base)
         self.decoder = Decoder(cfg, dtype, self.te_fp8, tp, stage, base_seed)
         self.recompute = RecomputePlan.from_config(cfg)
-        # Layers per FSDP unit over decoder.layers, in order, once sharded (parallel/fsdp.py): full recomputation
+        # Layers per FSDP unit over decoder.layers, in order, once sharded (parallel/fsdp/fsdp2.py): full recomputation
         # recomputes a unit of several layers whole (`recompute.check_units_whole`)
         self.layer_units: tuple[int, ...] = ()
         self.output_layer = None

@@ -5,7 +5,7 @@ its weight gradient dY^T X straight into that buffer: one `addmm_` when the weig
 in between), or the GEMM's product added into the fp32 buffer for bf16/fp16 weights. Autograd then gets a
 placeholder (`wgrad_placeholder`) and `weight.grad_added_to_main_grad` tells the buffers' hook not to add it (the
 contract Transformer Engine's fused wgrad accumulation follows). A weight marked `overwrite_main_grad` (Transformer
-Engine's attribute, set by megatron/parallel/grad_shards.py, whose buffers live for one micro-batch and are not
+Engine's attribute, set by megatron/parallel/fsdp/flat_shards.py, whose buffers live for one micro-batch and are not
 zeroed) gets the product written into `main_grad` instead: no read of the old contents.
 `--no-gradient-accumulation-fusion` uses plain F.linear: the gradient lands in `.grad` and the hook adds it.
 The untied output layer (model/output_layer.py) fuses its weight gradient the same way.

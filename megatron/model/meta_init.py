@@ -8,15 +8,15 @@ its values are the part's values in the whole model. Each twin is built where an
 Transformer Engine's layers on the GPU, initialized by TE as in an ordinary build), cast as the ordinary build casts
 (the training dtype; fp32 FSDP shards keep those values in fp32), copied into this rank's shards and dropped.
 
-The flat-bucket engine (--use-megatron-fsdp's optim_grads, megatron/parallel/grad_shards.py) keeps every weight whole,
-so there `materialize` gives the whole model its storage on the device and its values the same way, before the FP8
-state and the buckets see it: the host never holds more than one part, as FSDP's ranks never hold more than their
+The flat-bucket engine (--use-megatron-fsdp's optim_grads, megatron/parallel/fsdp/flat_shards.py) keeps every weight
+whole, so there `materialize` gives the whole model its storage on the device and its values the same way, before the
+FP8 state and the buckets see it: the host never holds more than one part, as FSDP's ranks never hold more than their
 shards and one part.
 
 Transformer Engine's modules are built with device="meta" inside the meta-device context (te_layers.py), which makes
 TE defer its own initialization. The FP8 state is real from the start: the local engine's amax state and the FP8
-all-gather scales are made on the run's device (training/build.py, parallel/fsdp.py); TE makes its own at the first
-forward, on the GPU.
+all-gather scales are made on the run's device (training/build.py, parallel/fsdp/fsdp2.py); TE makes its own at the
+first forward, on the GPU.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from megatron.fp8.fsdp_params import shards_written
-from megatron.parallel.fsdp import flat_offset, local_shard, to_empty_keeping_attributes
+from megatron.parallel.fsdp.fp8_gather import shards_written
+from megatron.parallel.fsdp.fsdp2 import flat_offset, local_shard, to_empty_keeping_attributes
 
 from .gpt import Stage
 
@@ -89,5 +89,5 @@ class DeferredInit:
             for name, value in twin.named_buffers():
                 if (target := buffers.get(_model_name(name, layers))) is not None:
                     target.copy_(value)
-        shards_written(model)  # FP8 all-gathers: scales agreed and shards cast from these values (fp8/fsdp_params.py)
+        shards_written(model)  # FP8 all-gathers: scales agreed, shards cast from these values (fsdp/fp8_gather.py)
         torch.set_rng_state(self._rng_after)

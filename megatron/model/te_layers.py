@@ -27,7 +27,7 @@ What this layer does that the local one does not, and why:
   * with --fp8-param-gather, FP8-only weights (TE's quantized parameters; see `TEFp8Autocast.param_init`).
   * fused wgrad accumulation: when a weight carries the fp32 `main_grad` of `megatron.parallel.GradientBuffers`,
     TE's weight-gradient GEMM accumulates into it in place (fp32 output, no bf16 gradient, no separate add; it
-    writes it instead for weights marked `overwrite_main_grad`: megatron/parallel/grad_shards.py's buckets). It
+    writes it instead for weights marked `overwrite_main_grad`: megatron/parallel/fsdp/flat_shards.py's buckets). It
     then sets `weight.grad_added_to_main_grad = True` and returns a placeholder gradient, so the buffers'
     post-accumulate-grad hook still fires (it counts finished parameters to start overlapped all-reduces) but only
     frees it. Norm weights and biases come back as ordinary gradients that the hook adds.
@@ -84,7 +84,7 @@ class TETransformerLayer(nn.Module):
         self.set_recompute(RecomputePlan.from_config(cfg))
         self._weights_version: int | None = None
         # Keep each step's FP8 weight casts for its later micro-batches (off under FSDP's optim_grads_params: a cast of
-        # every weight kept for the whole step would be an unsharded copy of the model, megatron/parallel/fsdp.py;
+        # every weight kept for the whole step would be an unsharded copy of the model, megatron/parallel/fsdp/fsdp2.py;
         # kept under optim_grads, `keep_weight_casts_under_fsdp2`)
         self.cache_weight_casts = True
         self._graphed: Callable[..., torch.Tensor] | None = None  # see `use_graph`
@@ -130,7 +130,7 @@ class TETransformerLayer(nn.Module):
     def forget_weight_casts(self) -> None:
         """Make the next training forward cast the weights again, as after an optimizer step (after a pass that
         cached no FP8 weight casts: delayed scaling's calibration, megatron/fp8/calibration.py; under FSDP whenever
-        it gathers the weights anew, megatron/parallel/fsdp.py)."""
+        it gathers the weights anew, megatron/parallel/fsdp/fsdp2.py)."""
         self._weights_version = None
 
     def keep_weight_casts_under_fsdp2(self) -> None:

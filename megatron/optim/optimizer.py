@@ -1,23 +1,24 @@
 """AdamW with Megatron-LM's mixed precision, global-norm clipping and non-finite step skipping.
 
-Gradients come from `param.main_grad`, the fp32 accumulation buffers of `megatron.parallel.GradientBuffers`
-(build those first). With fp32 parameters (CPU default) the optimizer updates the model's parameters directly.
-With bf16 parameters (`--bf16`) it keeps an fp32 *main* copy of every parameter, steps on that, and casts it back
-into the bf16 parameter once per step (not once per micro-batch).
+Gradients come from the model's gradient engine (`megatron.parallel.engines.GradientEngine`: `param.main_grad`, or
+where the engine says; build it first). With fp32 parameters (CPU default) the optimizer updates the model's
+parameters directly. With bf16 parameters (`--bf16`) it keeps an fp32 *main* copy of every parameter, steps on that,
+and casts it back into the bf16 parameter once per step (not once per micro-batch).
 
 With sharded buffers (`--use-distributed-optimizer`) the same holds for the flattened *pieces* of the parameters
 that lie in this data-parallel rank's shard of each bucket: main copies, Adam moments, the update and the
 gradient-norm contribution cover those pieces only, and the buffers all-gather the updated parameters. The pieces'
 gradients are where the buffers say (`grad_piece`): views of `main_grad`, or under --use-megatron-fsdp's optim_grads
-(megatron/parallel/grad_shards.py) of the persistent gradient shards, as no whole gradient buffer outlives a bucket.
+(megatron/parallel/fsdp/flat_shards.py) of the persistent gradient shards, as no whole gradient buffer outlives a
+bucket.
 
 FP8 weights (--fp8-param-gather) are written from their fp32 main copies (or pieces) by casting straight into their
 FP8 bytes (`megatron.fp8.params.quantize_masters`), so with the distributed optimizer the all-gather moves FP8.
 
-Under FSDP (megatron/parallel/fsdp.py) the pieces are each rank's whole local shards: fp32 ones are the main
+Under FSDP (megatron/parallel/fsdp/fsdp2.py) the pieces are each rank's whole local shards: fp32 ones are the main
 weights themselves; bf16 ones (--use-precision-aware-optimizer) get main copies like the distributed optimizer's, and
 those of FP8-gathered weights are freed during the forward and backward and given back here, before the step writes
-them (megatron/fp8/fsdp_params.py).
+them (megatron/parallel/fsdp/fp8_gather.py).
 
 With --use-precision-aware-optimizer the main copies and Adam's moments are held in lower precisions by
 `megatron.optim.precision_aware.PrecisionAwareAdamW` (fp16 masters, fp8/fp16/bf16 moments), which updates one
@@ -35,10 +36,11 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.config import OptimizerConfig
-from megatron.fp8.fsdp_params import shard_data
 from megatron.fp8.params import is_fp8_param, quantize_masters
-from megatron.parallel import GradientBuffers, counts_in_grad_norm
-from megatron.parallel.fsdp import ShardedGrads, flat_offset, local_shard
+from megatron.parallel import counts_in_grad_norm
+from megatron.parallel.engines import GradientEngine
+from megatron.parallel.fsdp.fp8_gather import shard_data
+from megatron.parallel.fsdp.fsdp2 import flat_offset, local_shard
 
 from .precision_aware import PrecisionAwareAdamW
 from .schedule import DECOUPLED, DEFAULT, LearningRates, lr_group
@@ -76,17 +78,17 @@ class MixedPrecisionAdamW:
         model: nn.Module,
         cfg: OptimizerConfig,
         fused: bool = False,
-        buffers: GradientBuffers | ShardedGrads | None = None,
+        buffers: GradientEngine | None = None,
         fp8_group: dist.ProcessGroup | None = None,
     ):
-        """`buffers`: the model's gradient buffers; needed when they are sharded (the distributed optimizer).
+        """`buffers`: the model's gradient engine; needed when it shards the optimizer's state (`sharded_state`).
         `fp8_group`: the ranks over which FP8 weights' amaxes are max-reduced when their main copies are cast
         (see `quantize_masters`; the data-parallel group for TE's weights, tensor x data parallel for local ones)."""
         self.cfg = cfg
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not all(hasattr(p, "main_grad") for p in self.params):
-            raise RuntimeError("build megatron.parallel.GradientBuffers for the model before its optimizer")
-        self.buffers = buffers if buffers is not None and buffers.sharded else None
+            raise RuntimeError("build the model's gradient engine (megatron.parallel.engines) before its optimizer")
+        self.buffers = buffers if buffers is not None and buffers.sharded_state else None
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
         if self.buffers is None:
             owned, starts = self.params, [0] * len(self.params)
@@ -240,16 +242,16 @@ class MixedPrecisionAdamW:
 
     def restore_freed_shards(self) -> None:
         """After a training pass no step follows (delayed scaling's calibration): FSDP weight shards freed once cast
-        for the FP8 all-gathers (fp8/fsdp_params.py) are written again from the main weights they were made from."""
-        scales = getattr(self.buffers, "fp8_scales", None)
-        if scales is not None and scales.released:
+        for the FP8 all-gathers (parallel/fsdp/fp8_gather.py) are written again from the main weights they were made
+        from."""
+        if self.buffers is not None and self.buffers.shards_released():
             self._copy_main_to_model()
 
     def _reclaim_shards(self) -> None:
         """Under FSDP the weight shards its FP8 all-gathers were cast from may be freed since the training forward
-        (fp8/fsdp_params.py: not being the main weights, they are written from them, in every element, skipped step
-        or not: `PrecisionAwareAdamW.step`); their storage comes back before any write."""
-        if isinstance(self.buffers, ShardedGrads):
+        (parallel/fsdp/fp8_gather.py: not being the main weights, they are written from them, in every element, skipped
+        step or not: `PrecisionAwareAdamW.step`); their storage comes back before any write."""
+        if self.buffers is not None:
             self.buffers.reclaim_shards()
 
     def _model_copies(self) -> tuple[list[torch.Tensor | None] | None, list[torch.Tensor | None]]:

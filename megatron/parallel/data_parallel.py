@@ -25,9 +25,9 @@ owned shard, all-gathers every bucket's parameters in one collective (`gather_pa
 forward pass waits for each bucket just before the first module that uses it (`wait_for_params_in_forward`), so
 the gathers overlap the forward pass instead of preceding it.
 
-`GradShards` (grad_shards.py, --use-megatron-fsdp's optim_grads) keeps these buckets, parameter buffers and shards
-but reduce-scatters every micro-batch into persistent gradient shards, each bucket's gradients allocated only while
-in use.
+`FlatGradShards` (parallel/fsdp/flat_shards.py, --use-megatron-fsdp's optim_grads) keeps these buckets, parameter
+buffers and shards but reduce-scatters every micro-batch into persistent gradient shards, each bucket's gradients
+allocated only while in use.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class _Bucket:
         self.params = params
         self.numel = -(-sum(p.numel() for p in params) // pad_to) * pad_to
         self.device, self.dtype = device, dtype
-        # the gradients; not allocated here for megatron/parallel/grad_shards.py, whose buckets allocate it per
+        # the gradients; not allocated here for megatron/parallel/fsdp/flat_shards.py, whose buckets allocate it per
         # micro-batch
         self.data = torch.zeros(self.numel, dtype=dtype, device=device) if allocate else None
         self.param_data: torch.Tensor | None = None  # the distributed optimizer's parameter buffer
@@ -100,7 +100,11 @@ def _storage_kind(param: nn.Parameter) -> object:
 
 
 class GradientBuffers:
-    # Each bucket's whole gradient buffer is allocated at construction and kept (grad_shards.py's buckets: not)
+    """The data-parallel gradient buffers, and with `shard` the distributed optimizer's (the module docstring): a
+    `GradientEngine` (megatron/parallel/engines.py)."""
+
+    # Each bucket's whole gradient buffer is allocated at construction and kept (parallel/fsdp/flat_shards.py's buckets:
+    # not)
     _bucket_type = _Bucket
 
     def __init__(
@@ -121,7 +125,7 @@ class GradientBuffers:
         self.group = dp_group
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
-        self.sharded = shard
+        self.sharded_state = shard
         self.overlap_param_gather = overlap_param_gather and shard
         # NCCL averages inside the all-reduce; gloo has no AVG, so its buckets are divided first. On a GPU the
         # division would be one more pass over every gradient byte, on the compute stream, during the backward.
@@ -170,7 +174,7 @@ class GradientBuffers:
         for param in bucket.params:
             offset = self._offset_of[param]
             param.main_grad = bucket.data[offset : offset + param.numel()].view_as(param)
-        if self.sharded:
+        if self.sharded_state:
             bucket.shard = self._shard(bucket.data)
 
     def _move_params_into_buffer(self, bucket: _Bucket) -> None:
@@ -201,7 +205,7 @@ class GradientBuffers:
     def owned_range(self, param: nn.Parameter) -> tuple[int, int] | None:
         """The [start, stop) range of `param`'s flattened elements that lie in this rank's shard (all of them when
         not sharded), or None when none do."""
-        if not self.sharded:
+        if not self.sharded_state:
             return 0, param.numel()
         offset = self._offset_of[param]
         shard_start, shard_stop = self._shard_bounds(self._bucket_of[param].numel)
@@ -234,12 +238,12 @@ class GradientBuffers:
 
     def _start(self, bucket: _Bucket) -> None:
         if self.fp8_reduce:  # averages in fp32 after the sum: no division first
-            start = start_fp8_reduce_scatter if self.sharded else start_fp8_all_reduce
+            start = start_fp8_reduce_scatter if self.sharded_state else start_fp8_all_reduce
             bucket.work = start(bucket.data, self.group, average=True, stats=self.fp8_stats)
             return
         if not self._nccl_avg:
             bucket.data.div_(self.dp)
-        if self.sharded:  # in place: this rank's shard of the bucket receives the average
+        if self.sharded_state:  # in place: this rank's shard of the bucket receives the average
             bucket.work = _reduce_scatter(bucket.shard, bucket.data, self._reduce_op, group=self.group, async_op=True)
         else:
             bucket.work = dist.all_reduce(bucket.data, self._reduce_op, group=self.group, async_op=True)
@@ -260,7 +264,7 @@ class GradientBuffers:
         """After the distributed optimizer has written its shard of every bucket's parameters: all-gather them, so
         every rank holds the whole updated model. With `overlap_param_gather` this only starts the gathers;
         `wait_for_params` (or the forward hooks) completes them before the parameters are read."""
-        if not (self.sharded and self.dp > 1):
+        if not (self.sharded_state and self.dp > 1):
             return
         self.wait_for_params()
         for bucket in reversed(self.buckets):  # the forward pass reads the last bucket (the first layers) first
@@ -274,6 +278,12 @@ class GradientBuffers:
             if bucket.gather is not None:
                 bucket.gather.wait()
                 bucket.gather = None
+
+    def reclaim_shards(self) -> None:
+        """Nothing to reclaim: every rank holds its weights whole."""
+
+    def shards_released(self) -> bool:
+        return False
 
     def wait_for_params_in_forward(self, model: nn.Module, layers: list[nn.Module]) -> None:
         """Forward pre-hooks that complete the all-gathers of a module's buckets before it runs: of its own

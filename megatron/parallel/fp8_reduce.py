@@ -240,7 +240,7 @@ class Fp8ReduceHandle:
             return
         if self._work is not None:
             self._work.wait()
-        if self._recv.is_cuda:  # waited for on another stream than they were allocated on (grad_shards.py's)
+        if self._recv.is_cuda:  # waited for on another stream than they were allocated on (fsdp/flat_shards.py's)
             # Both buffers: the all-to-all may still be reading `_send` when the host gets here; dropped below without
             # this, its memory would go back to the allocating stream, which could overwrite it before the collective
             # is done. Recorded on the stream that waited, the block is reused only after that stream passes this point.
@@ -314,9 +314,9 @@ def fp8_reduce_scatter_chunks(
     stats: Fp8ReduceStats | None = None,
 ) -> None:
     """The FP8 reduce-scatter for a caller that lays its input out itself (FSDP2's, megatron/parallel/
-    fsdp_fp8_reduce.py), run to completion: `chunks` [dp, cols] (contiguous, fp32 or bf16), row j destined for
-    rank j; `out` (cols elements, fp32 or bf16) receives this rank's sum, as `start_fp8_reduce_scatter`'s shard.
-    Any cols: rows that do not end on a whole block are zero-padded into a copy first (the padding quantizes to
+    parallel/fsdp/fp8_reduce_scatter.py), run to completion: `chunks` [dp, cols] (contiguous, fp32 or bf16), row j
+    destined for rank j; `out` (cols elements, fp32 or bf16) receives this rank's sum, as `start_fp8_reduce_scatter`'s
+    shard. Any cols: rows that do not end on a whole block are zero-padded into a copy first (the padding quantizes to
     zeros, adds nothing, and counts among the stats' quantized values)."""
     dp, cols = chunks.shape
     padded = -(-cols // FP8_REDUCE_ALIGN) * FP8_REDUCE_ALIGN

@@ -49,7 +49,7 @@ def reduce_sequence_parallel_grads(
     """Sum the partial gradients of sequence-parallel parameters over the tensor-parallel group (call after the
     data-parallel reduction, before clipping; tensor-parallel peers shard their buckets alike). `reduced_grad`:
     where a parameter's reduced gradient lives (the gradient buffers' `reduced_grad`: its `main_grad`, or under
-    megatron/parallel/grad_shards.py this rank's piece of it)."""
+    megatron/parallel/fsdp/flat_shards.py this rank's piece of it)."""
     if dims.tp > 1:
         sequence_parallel = [p for p in params if getattr(p, "sequence_parallel", False)]
         _all_reduce_coalesced([reduced_grad(p) for p in sequence_parallel], dims.tp_group)

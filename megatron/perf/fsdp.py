@@ -1,6 +1,6 @@
 """FSDP's own work per iteration (strategies optim_grads and optim_grads_params: PyTorch's FSDP2 as
-megatron/parallel/fsdp.py applies it; docs/fsdp.md), in traffic.py's conventions: one pass per operation, each input
-read once and each output written once.
+megatron/parallel/fsdp/fsdp2.py applies it; docs/fsdp.md), in traffic.py's conventions: one pass per operation, each
+input read once and each output written once.
 
 Units, in forward order, as `apply_fsdp` makes them (U = a unit's parameters on this rank, its tensor-parallel
 piece, whole; U8 = those of them gathered as FP8: the FP8 layers' linear weights with --fp8-param-gather):
@@ -61,13 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config import Config
-from megatron.config.sharding import (
-    fsdp_keeps_weight_casts,
-    fsdp_layer_units,
-    grad_comm_bf16,
-    main_grads_bf16,
-    shards_hold_main_weights,
-)
+from megatron.config.sharding import fsdp_layer_units
 
 from .work import DTYPE_BYTES, CommWork, param_parts
 
@@ -91,9 +85,9 @@ def _bytes(cfg: Config) -> dict[str, int]:
     b = 2 if cfg.precision.bf16 or cfg.precision.fp16 else 4
     return {
         "b": b,
-        "s": 4 if shards_hold_main_weights(cfg) else b,
-        "g": 2 if main_grads_bf16(cfg) else 4,
-        "r": 2 if grad_comm_bf16(cfg) else 4,
+        "s": 4 if cfg.sharding.shards_hold_main_weights else b,
+        "g": 2 if cfg.sharding.main_grads_bf16 else 4,
+        "r": 2 if cfg.sharding.grad_comm_bf16 else 4,
     }
 
 
@@ -173,8 +167,8 @@ def fsdp_memory(cfg: Config, vocab: int) -> list[Item]:
     m1 = DTYPE_BYTES[opt.exp_avg_dtype] if precision_aware else 4
     m2 = DTYPE_BYTES[opt.exp_avg_sq_dtype] if precision_aware else 4
     shard = params / dp
-    step = (2 * mp + 2 * m1 + 2 * m2 + 3 * g) * shard + (b * shard if not shards_hold_main_weights(cfg) else 0)
-    formula = "(2mp+2m1+2m2+3g)S" + (" + bS" if not shards_hold_main_weights(cfg) else "")
+    step = (2 * mp + 2 * m1 + 2 * m2 + 3 * g) * shard + (b * shard if not cfg.sharding.shards_hold_main_weights else 0)
+    formula = "(2mp+2m1+2m2+3g)S" + (" + bS" if not cfg.sharding.shards_hold_main_weights else "")
     items.append(("optimizer", "Adam step + grad zero + grad norm (FSDP shards)", step, formula, 1))
     fp8_weights = len(prec.fp8_layer_numbers(cfg.model.num_layers)) * param_parts(cfg, vocab)["linears"]
     if prec.fp8_param_gather and p8:
@@ -183,7 +177,7 @@ def fsdp_memory(cfg: Config, vocab: int) -> list[Item]:
             ("cast/transpose", "FP8 shard amax + cast (FSDP)", (2 * s + 1) * p8 / dp, "(2s+1)P8/D", 1),
             ("cast/transpose", "FP8 weight transpose (FSDP, dgrad)", 2 * p8, "2 P8", backward_gathers),
         ]
-    elif fp8_weights and fsdp_keeps_weight_casts(cfg):
+    elif fp8_weights and cfg.sharding.keeps_weight_casts:
         formula = "(b+2) P8 (rows + transpose, kept)"
         items.append(("cast/transpose", "FP8 weight casts (FSDP, once per step)", (b + 2) * fp8_weights, formula, 1))
     elif fp8_weights:

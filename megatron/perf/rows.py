@@ -198,7 +198,8 @@ CATALOGUE = (
     Config("local", "blockwise"),
     Config("local", "mxfp8"),
     # FSDP2 layouts (fsdp2*) only: the row cast gathered for the forward, the column cast for the backward
-    # (megatron/fp8/fsdp_axes.py); the distributed optimizer's local FP8 weights have one scale per tensor
+    # (megatron/parallel/fsdp/fp8_gather_axes.py); the distributed optimizer's local FP8 weights have one scale per
+    # tensor
     Config("local", "rowwise", ("fp8params",)),
     Config("local", "mxfp8", ("fp8params",)),
 )
@@ -226,8 +227,9 @@ FSDP_ENGINES = {
     # and micro-batch instead of two; the whole model gathered at the end of each forward)
     "fsdp2_noreshard": "--use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads_params"
     " --torch-fsdp2-no-reshard-after-forward --fsdp-double-buffer",
-    # optim_grads on the distributed optimizer's flat buckets (megatron/parallel/grad_shards.py): each micro-batch's
-    # buckets reduce-scattered into persistent fp32 gradient shards, every bucket allocated only while it is in use
+    # optim_grads on the distributed optimizer's flat buckets (megatron/parallel/fsdp/flat_shards.py): each
+    # micro-batch's buckets reduce-scattered into persistent fp32 gradient shards, every bucket allocated only while
+    # it is in use
     "mfsdp2_optim_grads": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --overlap-grad-reduce"
     " --overlap-param-gather",
 }
@@ -368,7 +370,7 @@ _CATALOGUE_LAYOUTS = (
     "fsdp2_optim_grads_units100m",  # llama-1b: two and four layers a unit; losses bitwise those of one-layer units
     "fsdp2_optim_grads_units200m",
     "fsdp2_bf16comm",
-    "fsdp2_fp8comm",  # megatron/parallel/fsdp_fp8_reduce.py
+    "fsdp2_fp8comm",  # megatron/parallel/fsdp/fp8_reduce_scatter.py
     "fsdp2_optim_grads_bf16comm",
     "fsdp2_bf16grads",  # the Llama-3-8B shape's fit on 80 GB
     "fsdp2_o2states",  # room for the 8B's activations, so that fewer layers are recomputed

@@ -38,7 +38,7 @@ the optimizer with --use-distributed-optimizer):
 
 Under FSDP2 (--data-parallel-sharding-strategy optim_grads / optim_grads_params) fsdp.py's terms replace the
 optimizer, the FP8 weight casts and the data-parallel communication here. --use-megatron-fsdp's optim_grads
-(megatron/parallel/grad_shards.py, gradient shards of gs bytes per element, buckets of gc: the reduce-scatter's
+(megatron/parallel/fsdp/flat_shards.py, gradient shards of gs bytes per element, buckets of gc: the reduce-scatter's
 dtype) keeps the distributed optimizer's terms except the gradients': the step reads the shards only, zeroing
 nothing, (2mp+2m1+2m2+2gs)S + M*S/P; a step's first micro-batch copies this rank's shard of each reduce-scatter
 into the shards, (gc+gs)S, and every later one adds it, (gc+2gs)S (its fresh buckets are not zeroed: the wgrad
@@ -57,7 +57,8 @@ Communication that cannot overlap, per iteration:
     per parameter (2 with bf16 gradients, 1 with --fp8-grad-reduce): all of it, or with --overlap-grad-reduce only
     the last bucket (--ddp-bucket-size elements, reduced after the backward ends); the distributed optimizer's
     all-gather of the updated weights (2 bytes, FP8 weights 1): all, or one bucket with --overlap-param-gather.
-    grad_shards.py reduce-scatters every micro-batch's buckets during its backward (gc bytes per element, 1 with
+    parallel/fsdp/flat_shards.py reduce-scatters every micro-batch's buckets during its backward (gc bytes per element,
+    1 with
     --fp8-grad-reduce), those of the micro-batches before the last overlapping the next forward: the last bucket of
     the last micro-batch is left, whatever --overlap-grad-reduce says.
 """
@@ -65,7 +66,6 @@ Communication that cannot overlap, per iteration:
 from __future__ import annotations
 
 from megatron.config import Config
-from megatron.config.sharding import grad_comm_bf16, main_grads_bf16
 
 from .fsdp import fsdp_communication, fsdp_memory
 from .work import DTYPE_BYTES, CommWork, MemoryWork, param_count, recomputed_layers
@@ -176,13 +176,13 @@ def memory_traffic(cfg: Config, vocab: int) -> list[MemoryWork]:
     add(
         [
             ("elementwise", "embedding fwd", 4 * Th, "4Th"),
-            ("elementwise", "embedding bwd", *((6 * Th, "6Th") if cfg.parallel.fsdp else (10 * Th, "10Th"))),
+            ("elementwise", "embedding bwd", *((6 * Th, "6Th") if cfg.sharding.fsdp2 else (10 * Th, "10Th"))),
             ("norm", "final norm fwd+bwd", 10 * E, "10E"),
             ("loss", "cross entropy fwd+bwd", 6 * TV, "6TV/t"),
         ],
         micro,
     )
-    if cfg.parallel.fsdp:  # its own optimizer, weight casts, gathers and reduce-scatters (fsdp.py)
+    if cfg.sharding.fsdp2:  # its own optimizer, weight casts, gathers and reduce-scatters (fsdp.py)
         for category, name, nbytes, formula, count in fsdp_memory(cfg, vocab):
             add([(category, name, nbytes, formula)], count)
         return [MemoryWork(c, name, nbytes, count, formula) for (c, name, nbytes, formula), count in merged.items()]
@@ -196,8 +196,8 @@ def memory_traffic(cfg: Config, vocab: int) -> list[MemoryWork]:
     g = grad_bytes(cfg)
     model_bytes = 2 * params - (fp8_weights if prec.fp8_param_gather else 0)  # per parameter: bf16, FP8 weights 1
     # S = the optimizer's shard of the P parameters, M = the model's weight bytes (2P, less P8 with FP8 weights)
-    if cfg.parallel.grad_shards:  # the step reads the gradient shards; the first micro-batch overwrites them
-        gc = 2 if grad_comm_bf16(cfg) else 4
+    if cfg.sharding.flat_shards:  # the step reads the gradient shards; the first micro-batch overwrites them
+        gc = 2 if cfg.sharding.grad_comm_bf16 else 4
         step = (2 * mp + 2 * m1 + 2 * m2 + 2 * g) * shard + model_bytes * shard / params
         add([("optimizer", "Adam step + grad norm", step, "(2mp+2m1+2m2+2gs)S + M*S/P")], 1)
         add([("elementwise", "gradient shard copy", (gc + g) * shard, "(gc+gs)S")], 1)
@@ -213,10 +213,10 @@ def memory_traffic(cfg: Config, vocab: int) -> list[MemoryWork]:
 
 
 def grad_bytes(cfg: Config) -> int:
-    """Bytes per element of the gradient buffers (`main_grad`; grad_shards.py's gradient shards)."""
+    """Bytes per element of the gradient buffers (`main_grad`; parallel/fsdp/flat_shards.py's gradient shards)."""
     opt, par = cfg.optimizer, cfg.parallel
-    if par.grad_shards:
-        return 2 if main_grads_bf16(cfg) else 4
+    if cfg.sharding.flat_shards:
+        return 2 if cfg.sharding.main_grads_bf16 else 4
     bf16 = par.grad_reduce_in_bf16 or (opt.use_precision_aware_optimizer and opt.main_grads_dtype == "bf16")
     return 2 if bf16 else 4
 
@@ -245,13 +245,13 @@ def communication(cfg: Config, vocab: int) -> list[CommWork]:
             out = [CommWork(c.name, c.op, c.nbytes, c.ranks, c.count * micro) for c in out]
         else:
             out.append(CommWork("TP all-reduce", "all_reduce", full, t, (4 * m.num_layers + 2) * micro))
-    if dp > 1 and par.fsdp:
+    if dp > 1 and cfg.sharding.fsdp2:
         out += fsdp_communication(cfg, vocab)
     elif dp > 1:
         params, fp8_weights = param_count(cfg, vocab)
-        comm = (2 if grad_comm_bf16(cfg) else 4) if par.grad_shards else grad_bytes(cfg)
+        comm = (2 if cfg.sharding.grad_comm_bf16 else 4) if cfg.sharding.flat_shards else grad_bytes(cfg)
         per_elem = 1 if par.fp8_grad_reduce else comm
-        overlapped = par.overlap_grad_reduce or par.grad_shards
+        overlapped = par.overlap_grad_reduce or cfg.sharding.flat_shards
         reduced = min(par.ddp_bucket_size, params) if overlapped else params
         op = "reduce_scatter" if opt.use_distributed_optimizer else "all_reduce"
         out.append(CommWork("DP gradient reduction", op, reduced * per_elem, dp, 1))

@@ -14,17 +14,16 @@ import numpy as np
 import torch
 
 from megatron.config import Config
-from megatron.config.sharding import grad_comm_bf16, main_grads_bf16
 from megatron.fp8.linear import Fp8LinearState
 from megatron.fp8.monitor import Fp8Monitor, build_fp8_monitor
 from megatron.model import GPTModel, Stage
 from megatron.model.meta_init import DeferredInit
 from megatron.model.recompute import check_units_whole
 from megatron.optim import MixedPrecisionAdamW
-from megatron.parallel import GradientBuffers, ParallelDims
+from megatron.parallel import ParallelDims
 from megatron.parallel.context_parallel import ContextParallel, attach_context_parallel
-from megatron.parallel.fsdp import ShardedGrads, build_fsdp, fp8_gather_pieces
-from megatron.parallel.grad_shards import GradShards
+from megatron.parallel.engines import GradientEngine, build_gradient_engine
+from megatron.parallel.fsdp.fsdp2 import fp8_gather_pieces
 from megatron.parallel.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -62,9 +61,10 @@ def build_model(
         initialize_userbuffers(cfg, dims.tp)
     chunks = cfg.stage_chunks(dims.pp_rank)
     stage = Stage.of_chunks(chunks, pre_process=dims.is_first_stage, post_process=dims.is_last_stage)
-    # Under FSDP the FP8 weights are high-precision shards that FSDP all-gathers as FP8 (megatron/parallel/fsdp.py),
-    # not TE's quantized parameters (as the local layers' are not Fp8Parameters then: megatron/fp8/manager.py)
-    precision = replace(cfg.precision, fp8_param_gather=False) if par.fsdp else cfg.precision
+    # Under FSDP the FP8 weights are high-precision shards that FSDP all-gathers as FP8
+    # (megatron/parallel/fsdp/fsdp2.py), not TE's quantized parameters (as the local layers' are not Fp8Parameters then:
+    # megatron/fp8/manager.py)
+    precision = replace(cfg.precision, fp8_param_gather=False) if cfg.sharding.fsdp2 else cfg.precision
     build = partial(
         GPTModel, cfg.model, vocab_size, precision=precision, amax_group=dims.amax_group, tp=tp, init_threads=_cpus()
     )
@@ -72,7 +72,7 @@ def build_model(
         with times.phase("model built on the meta device"):
             deferred = DeferredInit(build, stage, cfg.precision.params_dtype)
         model = deferred.model
-        if not par.fsdp:  # the flat-bucket engine keeps the weights whole: its values now, a part at a time
+        if not cfg.sharding.fsdp2:  # the flat-bucket engine keeps the weights whole: its values now, a part at a time
             with times.phase(f"model given its values on {device.type}, a part at a time"):
                 model = deferred.materialize(device)
             deferred = None
@@ -101,48 +101,17 @@ def build_fp8(
 
 def build_grad_buffers(
     cfg: Config, dims: ParallelDims, model: GPTModel, device: torch.device, deferred: DeferredInit | None
-) -> GradientBuffers | ShardedGrads:
-    """Where the gradients go: the data-parallel buffers, or under FSDP (megatron/parallel/fsdp.py) the sharded
-    model's gradient shards (a model built on the meta device is given its values there, its shards only)."""
-    par = cfg.parallel
-    if par.fsdp:
-        # FP8 weights gathered as FP8 (--fp8-param-gather): each weight's scale is agreed over the amax group, every
-        # rank holding a piece of it (data x tensor (x context) parallel under the local engine), as one process's
-        grads = build_fsdp(model, cfg, dims.dp_cp_group, device, deferred, scale_group=dims.amax_group)
+) -> GradientEngine:
+    """Where the gradients go: the gradient engine the configuration chose (megatron/parallel/engines.py); under
+    FSDP2 a model built on the meta device is given its values there, its shards only."""
+    engine = build_gradient_engine(cfg, dims, model, device, deferred)
+    if cfg.sharding.fsdp2:
         check_units_whole(model)
-        return grads
-    # Under the pipeline schedule the last micro-batch's backward is not the last backward of the step on every
-    # stage, so the buckets are reduced after the schedule there.
-    overlap = par.overlap_grad_reduce and dims.pp == 1
-    if par.grad_shards:  # --use-megatron-fsdp optim_grads: each micro-batch reduce-scattered into gradient shards
-        buffers = GradShards(
-            model,
-            dims.dp_cp_group,
-            par.ddp_bucket_size,
-            par.overlap_param_gather,
-            shard_dtype=torch.bfloat16 if main_grads_bf16(cfg) else torch.float32,
-            comm_dtype=torch.bfloat16 if grad_comm_bf16(cfg) else torch.float32,
-            fp8_reduce=par.fp8_grad_reduce,
-            layers=list(model.decoder.layers),
-        )
-    else:
-        buffers = GradientBuffers(
-            model,
-            dims.dp_cp_group,
-            overlap,
-            par.ddp_bucket_size,
-            cfg.optimizer.use_distributed_optimizer,
-            par.overlap_param_gather,
-            grad_dtype=torch.bfloat16 if par.grad_reduce_in_bf16 else torch.float32,
-            fp8_reduce=par.fp8_grad_reduce,
-        )
-    if buffers.overlap_param_gather:
-        buffers.wait_for_params_in_forward(model, list(model.decoder.layers))
-    return buffers
+    return engine
 
 
 def build_optimizer(
-    cfg: Config, dims: ParallelDims, model: GPTModel, device: torch.device, grad_buffers: GradientBuffers | ShardedGrads
+    cfg: Config, dims: ParallelDims, model: GPTModel, device: torch.device, grad_buffers: GradientEngine
 ) -> MixedPrecisionAdamW:
     # FP8 weights' amaxes, when their main copies are cast: TE scales each tensor-parallel shard by itself, the
     # local engine the whole tensor (as in one process)
@@ -159,7 +128,7 @@ def point_fp8_weights_at_their_casts(
     each weight once, under either layout: the monitor's sums over the data-parallel ranks count it once."""
     if not cfg.precision.fp8_param_gather:
         return
-    pieces = fp8_gather_pieces(model) if cfg.parallel.fsdp else optimizer.fp8_cast_pieces()
+    pieces = fp8_gather_pieces(model) if cfg.sharding.fsdp2 else optimizer.fp8_cast_pieces()
     by_weight = {id(weight): piece for weight, piece in pieces}
     for module in model.modules():
         state, weight = getattr(module, "fp8", None), getattr(module, "weight", None)

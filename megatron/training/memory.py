@@ -14,12 +14,12 @@ Held for the whole run, in bytes per parameter of this rank:
 * Transformer Engine's FP8 weight casts: without FSDP, TE keeps each FP8 linear's weight cast for the step's later
   micro-batches, with its transpose on Hopper (2 bytes per element; an FP8 parameter's transpose: 1); so it does
   under FSDP's optim_grads (without --fp8-param-gather), whose gathered weights live for the whole step: 2 bytes
-  per FP8 layer parameter beside them (`fsdp_keeps_weight_casts`). Under optim_grads_params TE (2.16 and later)
+  per FP8 layer parameter beside them (`Sharding.keeps_weight_casts`). Under optim_grads_params TE (2.16 and later)
   keeps none: it casts the gathered weight for each GEMM and frees the cast, so none is held at the peak. The
   local layers' casts are not counted.
 
 The distributed optimizer keeps 1/dp of the main copy and the moments (the gradient buffer stays whole: it is
-reduce-scattered in place). --use-megatron-fsdp's optim_grads (megatron/parallel/grad_shards.py) keeps what the
+reduce-scattered in place). --use-megatron-fsdp's optim_grads (megatron/parallel/fsdp/flat_shards.py) keeps what the
 distributed optimizer keeps but holds 1/dp of the gradients (persistent fp32 shards, bf16 with
 --megatron-fsdp-main-grads-dtype bf16 or --grad-reduce-in-bf16) and no whole gradient buffer: a bucket exists only
 while its gradients are formed and reduce-scattered (in --megatron-fsdp-grad-comm-dtype), and at the peak, the start
@@ -27,9 +27,9 @@ of the backward, one is (the output layer's, or the last layers'; counted as a b
 FSDP keeps 1/dp of the weights, gradients and moments: fp32 weight shards that are the
 main weights, or with --use-precision-aware-optimizer shards in the training dtype beside 1/dp of its main weights;
 with --fp8-param-gather also the FP8 layers' shards cast to E4M3 for the step's all-gathers (1 byte per element /
-dp, cast once per step and kept: megatron/fp8/fsdp_params.py). Those casts are all a step needs of the FP8 layers'
-training-dtype shards (--use-precision-aware-optimizer): these are freed from the forward to the optimizer step, so
-they count in the step (`freed_shards`), not before the activations (unless --fp8-stats-interval: a watched step
+dp, cast once per step and kept: megatron/parallel/fsdp/fp8_gather.py). Those casts are all a step needs of the FP8
+layers' training-dtype shards (--use-precision-aware-optimizer): these are freed from the forward to the optimizer step,
+so they count in the step (`freed_shards`), not before the activations (unless --fp8-stats-interval: a watched step
 keeps them).
 
 The peak comes at the start of the backward pass, or in the optimizer step, whichever holds more:
@@ -65,16 +65,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import Config
-from megatron.config.sharding import (
-    fsdp_keeps_weight_casts,
-    fsdp_layer_units,
-    grad_comm_bf16,
-    main_grads_bf16,
-    shards_hold_main_weights,
-)
-from megatron.fp8.fsdp_axes import AXES_RECIPES
+from megatron.config.sharding import fsdp_layer_units
 from megatron.model.output_layer import SLICE_BYTES_PER_ELEMENT, chunk_rows
 from megatron.optim.states import state_bytes
+from megatron.parallel.fsdp.fp8_gather_axes import AXES_RECIPES
 
 from .activation_memory import calibration_activation_units, recomputed_activation_units
 from .logger import print_rank_0
@@ -103,7 +97,7 @@ def _optimizer_shards(cfg: Config) -> int:
     """How many ranks share the main parameters and Adam states (the distributed optimizer's data x context parallel
     size)."""
     shards = cfg.data_parallel_size * cfg.parallel.context_parallel_size
-    return shards if cfg.optimizer.use_distributed_optimizer or cfg.parallel.fsdp else 1
+    return shards if cfg.optimizer.use_distributed_optimizer or cfg.sharding.fsdp2 else 1
 
 
 def _te(cfg: Config) -> bool:
@@ -133,23 +127,24 @@ def _fsdp_weights_and_grads(cfg: Config, num_params: int, itemsize: int, fp8_gat
     step's cast to the next). Under tensor parallelism `num_params` is this rank's tensor-parallel piece, which FSDP
     shards over the data (x context) parallel ranks."""
     dp = _optimizer_shards(cfg)
-    shard_bytes = 4 if shards_hold_main_weights(cfg) else itemsize
+    shard_bytes = 4 if cfg.sharding.shards_hold_main_weights else itemsize
     casts = fp8_gathered * _fp8_gathered_casts(cfg)
-    return (num_params * shard_bytes + casts) / dp, num_params * (2 if main_grads_bf16(cfg) else 4) / dp
+    return (num_params * shard_bytes + casts) / dp, num_params * (2 if cfg.sharding.main_grads_bf16 else 4) / dp
 
 
 def _fp8_gathered_casts(cfg: Config) -> int:
     """E4M3 casts of an FP8-gathered weight FSDP keeps per step and gathers into a unit kept gathered: two (along
-    both axes, 1 byte each) for the local layers' rowwise and mxfp8 (megatron/fp8/fsdp_axes.py), else one."""
+    both axes, 1 byte each) for the local layers' rowwise and mxfp8 (megatron/parallel/fsdp/fp8_gather_axes.py), else
+    one."""
     return 2 if cfg.precision.fp8_recipe in AXES_RECIPES and not _te(cfg) else 1
 
 
 def _fsdp_freed_shards(cfg: Config, fp8_gathered: float, itemsize: int) -> float:
     """Bytes of the `fp8_gathered` parameters' shards FSDP frees from the training forward's cast to the optimizer
-    step (megatron/fp8/fsdp_params.py): shards in the training dtype beside the optimizer's main weights
+    step (megatron/parallel/fsdp/fp8_gather.py): shards in the training dtype beside the optimizer's main weights
     (--use-precision-aware-optimizer), unless the FP8 monitor watches steps (a watched step keeps them: the local
     linears count their cast from them)."""
-    if shards_hold_main_weights(cfg) or cfg.precision.fp8_stats_interval:
+    if cfg.sharding.shards_hold_main_weights or cfg.precision.fp8_stats_interval:
         return 0.0
     return fp8_gathered * itemsize / _optimizer_shards(cfg)
 
@@ -168,10 +163,10 @@ def _fsdp_buffers(
     gathered as E4M3, 1 byte per element; Transformer Engine's layers also get a 1-byte transpose of each, allocated
     with the gathered unit and freed with it: 2 bytes, as in bf16 (then without TE's own cast of the bf16 weight,
     which is not held at the peak either: see the module docstring). Not blockwise: TE derives that layer's
-    column-wise copy in its backward, one linear at a time, and drops it after the dgrad (te_blockwise_gather.py),
-    so 1 byte (its grid of block scales, 4 bytes per 16384 elements, is not counted). The local layers' rowwise and
-    mxfp8 weights in a unit kept gathered hold both casts: 2 bytes (mxfp8's scales not counted). Norm weights are
-    counted as the linears.
+    column-wise copy in its backward, one linear at a time, and drops it after the dgrad
+    (parallel/fsdp/te_blockwise_gather.py), so 1 byte (its grid of block scales, 4 bytes per 16384 elements, is not
+    counted). The local layers' rowwise and mxfp8 weights in a unit kept gathered hold both casts: 2 bytes (mxfp8's
+    scales not counted). Norm weights are counted as the linears.
 
     staging: after the output unit's backward, each unit's backward holds its unsharded gradient (training dtype)
     while the previous unit's reduce-scatter input and output (the reduce dtype: bf16 with bf16 gradient shards or
@@ -193,7 +188,7 @@ def _fsdp_buffers(
         last_fp8 = m.num_layers in fp8
         gathered = vocab * itemsize + per_unit * layer * (fp8_bytes if last_fp8 else itemsize)
     unit = max(vocab, per_unit * layer)
-    rs = 2 if grad_comm_bf16(cfg) else 4
+    rs = 2 if cfg.sharding.grad_comm_bf16 else 4
     staging = unit * (itemsize + rs + rs / _optimizer_shards(cfg))
     return gathered, max(staging - loss_side, 0.0)
 
@@ -215,13 +210,8 @@ def _step_bytes(cfg: Config, num_params: int, fp8_params: int) -> float:
     shards = _optimizer_shards(cfg)
     if cfg.optimizer.use_precision_aware_optimizer:
         return 4 * fp8_params / shards
-    bf16 = main_grads_bf16(cfg) if _sharded_grads(cfg) else cfg.parallel.grad_reduce_in_bf16
+    bf16 = cfg.sharding.main_grads_bf16
     return 4 * num_params / shards if bf16 else 0.0
-
-
-def _sharded_grads(cfg: Config) -> bool:
-    """Whether each rank keeps 1/dp of the gradients (FSDP2 or grad_shards.py), in --megatron-fsdp-main-grads-dtype."""
-    return cfg.parallel.fsdp or cfg.parallel.grad_shards
 
 
 def output_wgrad_in_buffer(cfg: Config, dtype: torch.dtype) -> bool:
@@ -229,19 +219,18 @@ def output_wgrad_in_buffer(cfg: Config, dtype: torch.dtype) -> bool:
     separate tensor (model/output_layer.OutputLinear): gradient accumulation fusion on, a buffer (the
     distributed optimizer's, DDP's or the flat-bucket engine's; FSDP2 reduce-scatters autograd's gradient), and
     the buffer in the training dtype (an fp32 buffer for bf16 weights takes the product through a bf16 copy)."""
-    m, par = cfg.model, cfg.parallel
-    if not m.untie_embeddings_and_output_weights or not m.gradient_accumulation_fusion or par.fsdp:
+    m = cfg.model
+    if not m.untie_embeddings_and_output_weights or not m.gradient_accumulation_fusion or cfg.sharding.fsdp2:
         return False
-    buffer_bf16 = grad_comm_bf16(cfg) if par.grad_shards else par.grad_reduce_in_bf16
-    return dtype == (torch.bfloat16 if buffer_bf16 else torch.float32)
+    return dtype == (torch.bfloat16 if cfg.sharding.grad_comm_bf16 else torch.float32)
 
 
 def _first_bucket(cfg: Config, num_params: int, vocab: float) -> float:
-    """Bytes of the gradient bucket grad_shards.py holds at the start of the backward: --ddp-bucket-size elements
-    (a bucket closes once it holds that many), or the output layer's weight alone where that is larger, in the
+    """Bytes of the gradient bucket parallel/fsdp/flat_shards.py holds at the start of the backward: --ddp-bucket-size
+    elements (a bucket closes once it holds that many), or the output layer's weight alone where that is larger, in the
     reduce-scatter's dtype."""
     elements = min(num_params, max(cfg.parallel.ddp_bucket_size, vocab))
-    return elements * (2 if grad_comm_bf16(cfg) else 4)
+    return elements * (2 if cfg.sharding.grad_comm_bf16 else 4)
 
 
 def in_flight_layers(cfg: Config, pp_rank: int = 0) -> int:
@@ -301,13 +290,13 @@ def estimate_bytes(
     layer = _layer_params(cfg, num_params, vocab, pp_rank)
     fp8_layers = len(set(layers) & set(cfg.precision.fp8_layer_numbers(m.num_layers)))
     weight_casts = freed = 0.0
-    keeps_casts = not par.fsdp or fsdp_keeps_weight_casts(cfg)
+    keeps_casts = not cfg.sharding.fsdp2 or cfg.sharding.keeps_weight_casts
     if _te(cfg) and cfg.precision.fp8 and keeps_casts:  # kept for the step: data and transpose, 1 byte each
         weight_casts = fp8_params if fp8_params else 2.0 * fp8_layers * layer  # an FP8 parameter: its transpose
-    if par.fsdp:  # --fp8-param-gather: the FP8 layers' parameters (norms counted as the linears, as gathered below)
+    if cfg.sharding.fsdp2:  # --fp8-param-gather: the FP8 layers' parameters (norms counted as the linears, as gathered)
         fp8_gathered = fp8_layers * layer if cfg.precision.fp8_param_gather else 0.0
         weights, grads = _fsdp_weights_and_grads(cfg, num_params, itemsize, fp8_gathered)
-        main_params = 0 if shards_hold_main_weights(cfg) else main_params
+        main_params = 0 if cfg.sharding.shards_hold_main_weights else main_params
         freed = _fsdp_freed_shards(cfg, fp8_gathered, itemsize)  # held in the optimizer step only
         weights -= freed
     # this rank's part of the sequence under context parallelism
@@ -329,18 +318,18 @@ def estimate_bytes(
         loss_activations = logits + inputs
         activations += loss_activations
         loss_side = logits + inputs + buffers
-    if par.fsdp:
+    if cfg.sharding.fsdp2:
         gathered, staging = _fsdp_buffers(cfg, num_params, vocab, layer, itemsize, loss_side)
         buffers += gathered + staging
-    if par.grad_shards:  # persistent gradient shards, and one bucket at the peak
-        grads = num_params * (2 if main_grads_bf16(cfg) else 4) / shards
+    if cfg.sharding.flat_shards:  # persistent gradient shards, and one bucket at the peak
+        grads = num_params * (2 if cfg.sharding.main_grads_bf16 else 4) / shards
         buffers += _first_bucket(cfg, num_params, vocab)
     step = _step_bytes(cfg, num_params, fp8_params) + freed
     calibration = 0.0
     # delayed scaling's calibration pass: a fresh run assumed (a resumed one runs none), none with TE's userbuffers
     if needs_calibration(cfg, 0) and not (_te(cfg) and par.tp_comm_overlap):
         # recomputed an FSDP unit at a time where units hold several layers (model/recompute.py)
-        together = _layers_per_unit(cfg, layer) if par.fsdp else 1
+        together = _layers_per_unit(cfg, layer) if cfg.sharding.fsdp2 else 1
         calibration = calibration_activation_units(cfg, layers, together) * s * b * h * act_scale
         calibration += loss_activations + buffers
     static = weights + grads + main_params + adam + weight_casts
@@ -371,8 +360,10 @@ def memory_estimate_lines(
     par, opt = cfg.parallel, cfg.optimizer
     shards = _optimizer_shards(cfg)
     over = f" over {shards} data-parallel ranks" if shards > 1 else ""
-    if par.fsdp:  # the shards; what is gathered counts as a buffer
-        weights = f"{_per(est['weights'] / n)} B/param, {'fp32' if shards_hold_main_weights(cfg) else high} shards"
+    if cfg.sharding.fsdp2:  # the shards; what is gathered counts as a buffer
+        weights = (
+            f"{_per(est['weights'] / n)} B/param, {'fp32' if cfg.sharding.shards_hold_main_weights else high} shards"
+        )
         weights += " except the FP8 layers', freed until the optimizer step," if est["freed_shards"] else ""
         cast = " and the FP8 layers' E4M3 casts" if cfg.precision.fp8_param_gather else ""
         weights += f"{cast}{over}{', gathered in FP8' if cast else ''}"
@@ -381,8 +372,8 @@ def memory_estimate_lines(
         weights += f" {high}"
     else:
         weights = f"{_per(est['weights'] / n)} B/param, {high}"
-    bf16_grads = main_grads_bf16(cfg) if _sharded_grads(cfg) else par.grad_reduce_in_bf16
-    grads_dtype = (", bf16" if bf16_grads else "") + (f" shards{over}" if par.grad_shards else "")
+    bf16_grads = cfg.sharding.main_grads_bf16
+    grads_dtype = (", bf16" if bf16_grads else "") + (f" shards{over}" if cfg.sharding.flat_shards else "")
     moments = (
         "" if opt.exp_avg_dtype == opt.exp_avg_sq_dtype == "fp32" else f", {opt.exp_avg_dtype}/{opt.exp_avg_sq_dtype}"
     )
@@ -395,10 +386,10 @@ def memory_estimate_lines(
     else:
         main = "no fp32 main params (the fp32 weights are the master copy)"
     casts = f", TE's FP8 weight casts {_size(est['weight_casts'])}" if est["weight_casts"] else ""
-    if casts and par.fsdp:  # optim_grads: beside the gathered weights, for the step
+    if casts and cfg.sharding.fsdp2:  # optim_grads: beside the gathered weights, for the step
         casts += " (kept for the step's micro-batches with the gathered weights, 2 B per FP8 layer parameter)"
-    buffers = "gathered units, gradients in flight" if par.fsdp else "the output layer's gradients"
-    buffers += ", a gradient bucket" if par.grad_shards else ""
+    buffers = "gathered units, gradients in flight" if cfg.sharding.fsdp2 else "the output layer's gradients"
+    buffers += ", a gradient bucket" if cfg.sharding.flat_shards else ""
     step = ""
     if est["step"]:
         peak = " (the peak)" if est["step"] > est["activations"] + est["buffers"] else ""

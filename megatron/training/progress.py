@@ -10,7 +10,8 @@ import torch
 
 from megatron.config import Config
 from megatron.optim.loss_scaler import LossScaler
-from megatron.parallel import GradientBuffers, ParallelDims
+from megatron.parallel import ParallelDims
+from megatron.parallel.engines import GradientEngine
 
 from .flops import num_floating_point_operations, peak_tflops
 from .logger import TensorBoardWriter, print_rank_0, training_log_line, validation_log_lines
@@ -31,7 +32,7 @@ class Progress:
         train_iters: int,
         *,
         loss_scaler: LossScaler,
-        grad_buffers: GradientBuffers,
+        grad_buffers: GradientEngine,
         stats: Stats,
         runtime: Runtime,
         tensorboard: TensorBoardWriter,

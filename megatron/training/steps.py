@@ -16,13 +16,13 @@ from megatron.optim import MixedPrecisionAdamW
 from megatron.optim.loss_scaler import LossScaler
 from megatron.optim.schedule import LearningRates
 from megatron.parallel import (
-    GradientBuffers,
     ParallelDims,
     grad_norm,
     reduce_sequence_parallel_grads,
     reduce_tied_embedding_grads,
 )
 from megatron.parallel.context_parallel import ContextParallel
+from megatron.parallel.engines import GradientEngine
 from megatron.parallel.interleaved import run_interleaved
 from megatron.parallel.pipeline import forward_backward_1f1b, forward_only
 from megatron.parallel.tensor_parallel import TensorParallel
@@ -49,7 +49,7 @@ class Steps:
         cp: ContextParallel,
         *,
         optimizer: MixedPrecisionAdamW,
-        grad_buffers: GradientBuffers,
+        grad_buffers: GradientEngine,
         loss_scaler: LossScaler,
         fp8: Any,
         stats: Stats,
@@ -147,7 +147,7 @@ class Steps:
         timers("forward-backward", 1).stop()
         self.runtime.empty_cache(1)
         fp8_finite = self.fp8.step() if self.fp8 is not None else True
-        params, sharded = self.optimizer.params, self.grad_buffers.sharded
+        params, sharded = self.optimizer.params, self.grad_buffers.sharded_state
         timers("all-grads-sync", 1).start()
         reduce_tied_embedding_grads(params, self.dims)
         self.grad_buffers.finish()

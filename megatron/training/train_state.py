@@ -14,7 +14,7 @@ from megatron.convert.mlm_load import load_megatron_lm
 from megatron.convert.mlm_resume import is_megatron_lm
 from megatron.errors import MissingCheckpointError
 from megatron.optim import MixedPrecisionAdamW
-from megatron.parallel import GradientBuffers
+from megatron.parallel.engines import GradientEngine
 
 from .logger import print_rank_0
 
@@ -129,7 +129,7 @@ def save_train_state(
     cfg: Config,
     model: nn.Module,
     optimizer: MixedPrecisionAdamW,
-    grad_buffers: GradientBuffers,
+    grad_buffers: GradientEngine,
 ) -> None:
     """Save iteration `state.iteration` into --save (the checkpointer logs Megatron-LM's line), unless the weights or
     optimizer state are not finite."""

@@ -95,7 +95,7 @@ class Trainer:
         self.runtime = Runtime(cfg, dims.rank, self.device)  # gc, empty cache, exit budget, timers, profiler
         self.shutdown.add("the profiler, --manual-gc and the exit signal handler", self.runtime.end_training)
         self.guards = RunGuards(cfg, self.loss_scaler, self.tensorboard)  # divergence stop, loss spikes
-        self.stats = Stats(cfg.logging, dims, self.optimizer, self.grad_buffers.sharded, self.device)
+        self.stats = Stats(cfg.logging, dims, self.optimizer, self.grad_buffers.sharded_state, self.device)
         self.steps = Steps(
             cfg,
             dims,
@@ -151,7 +151,7 @@ class Trainer:
         with phase("FP8 state"):
             self.fp8, self.fp8_monitor = build_fp8(cfg, self.model, dims, self.device)
         sharding = "FSDP sharding" + (" and the meta-device model's values" if deferred else "")
-        with phase(sharding if cfg.parallel.fsdp else "gradient buffers"):
+        with phase(sharding if cfg.sharding.fsdp2 else "gradient buffers"):
             self.grad_buffers = build_grad_buffers(cfg, dims, self.model, self.device, deferred)
         self.shutdown.add_at_exit("the gradient buffers' hooks", self.grad_buffers.remove_hooks)
         with phase("optimizer"):

@@ -8,7 +8,7 @@ llama-1b's flat-bucket step (mfsdp2_*) on two H100s is host-bound (docs/fsdp.md)
 longer than the distributed optimizer's, and cProfile put ~40 ms of its own time a step in the engine's per-bucket
 functions, but cProfile's cost per call inflates small calls unevenly. Here each layout's trainer is built in one
 process per rank (benchmark.py's flags, as scripts/probes/ab_steps.py does) and run for `--warmup` steps; then
-for `--steps` steps the engines' functions (`GradShards` and `GradientBuffers`: the forward hooks that register the
+for `--steps` steps the engines' functions (`FlatGradShards` and `GradientBuffers`: the forward hooks that register the
 allocating gradient hooks, allocating a bucket, freeing it, the gradient hook, starting a bucket's reduce-scatter, the
 reduce-scatter call itself, retiring it, the end of a backward, `finish`) run under perf_counter timers, nothing else.
 A function's exclusive time leaves out the timed functions it calls. `--parts` times the torch calls inside them too
@@ -31,17 +31,17 @@ from megatron.perf.steps import build_trainers, meet, one_size
 
 # (module, class or None for a module function, name): what runs on the host per bucket, parameter or step
 TIMED = (
-    ("megatron.parallel.grad_shards", "GradShards", "_on_output"),
-    ("megatron.parallel.grad_shards", "GradShards", "_allocate_all"),
-    ("megatron.parallel.grad_shards", "GradShards", "_allocate"),
-    ("megatron.parallel.grad_shards", "GradShards", "_free"),
-    ("megatron.parallel.grad_shards", "GradShards", "_on_grad"),
-    ("megatron.parallel.grad_shards", "GradShards", "_start"),
-    ("megatron.parallel.grad_shards", "GradShards", "_retire"),
-    ("megatron.parallel.grad_shards", "GradShards", "_end_of_backward_hook"),
-    ("megatron.parallel.grad_shards", "GradShards", "_queue_end_of_backward"),
-    ("megatron.parallel.grad_shards", "GradShards", "_end_of_backward"),
-    ("megatron.parallel.grad_shards", "GradShards", "finish"),
+    ("megatron.parallel.fsdp.flat_shards", "FlatGradShards", "_on_output"),
+    ("megatron.parallel.fsdp.flat_shards", "FlatGradShards", "_allocate_all"),
+    ("megatron.parallel.fsdp.flat_shards", "FlatGradShards", "_allocate"),
+    ("megatron.parallel.fsdp.flat_shards", "FlatGradShards", "_free"),
+    ("megatron.parallel.fsdp.flat_shards", "FlatGradShards", "_on_grad"),
+    ("megatron.parallel.fsdp.flat_shards", "FlatGradShards", "_start"),
+    ("megatron.parallel.fsdp.flat_shards", "FlatGradShards", "_retire"),
+    ("megatron.parallel.fsdp.flat_shards", "FlatGradShards", "_end_of_backward_hook"),
+    ("megatron.parallel.fsdp.flat_shards", "FlatGradShards", "_queue_end_of_backward"),
+    ("megatron.parallel.fsdp.flat_shards", "FlatGradShards", "_end_of_backward"),
+    ("megatron.parallel.fsdp.flat_shards", "FlatGradShards", "finish"),
     ("megatron.parallel.data_parallel", "GradientBuffers", "_on_grad"),
     ("megatron.parallel.data_parallel", "GradientBuffers", "_start"),
     ("megatron.parallel.data_parallel", "GradientBuffers", "finish"),

@@ -4,7 +4,7 @@ and inside a gradient hook (the autograd engine's thread, where the engines' hoo
     python3 scripts/probes/host_costs.py              # two GPUs (NCCL)
     python3 scripts/probes/host_costs.py --device cpu # two gloo ranks: the calls that need no GPU
 
-megatron/parallel/grad_shards.py's calls were chosen by these numbers: a stream context against
+megatron/parallel/fsdp/flat_shards.py's calls were chosen by these numbers: a stream context against
 setting the stream directly, the current stream asked for by device object or index, a reduce-scatter launched
 asynchronously and waited for against one issued synchronously on a side stream, one copy per gradient against one
 `_foreach_copy_` a bucket, views made per allocation against a storage resized under views made once. A hot loop

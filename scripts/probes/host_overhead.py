@@ -53,7 +53,7 @@ LAYOUTS = {
     for name, benchmark_name in (
         ("distopt", "dp2_distopt"),
         ("fsdp_optim_grads", "fsdp2_optim_grads"),
-        ("mfsdp_optim_grads", "mfsdp2_optim_grads"),  # the flat-buffer engine (megatron/parallel/grad_shards.py)
+        ("mfsdp_optim_grads", "mfsdp2_optim_grads"),  # the flat-buffer engine (megatron/parallel/fsdp/flat_shards.py)
         ("fsdp", "fsdp2"),
     )
 }

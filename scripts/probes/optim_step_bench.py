@@ -27,9 +27,9 @@ import argparse
 
 import torch
 
-from megatron.fp8.fsdp_params import GatherScale, gather_view
 from megatron.optim import adam_kernel
 from megatron.optim.states import ScaledState
+from megatron.parallel.fsdp.fp8_gather import GatherScale, gather_view
 from megatron.perf.probes import _time_ms
 
 HIDDEN, FFN, KV, VOCAB, LAYERS, DP, MICRO = 4096, 14336, 1024, 128256, 32, 2, 4

@@ -26,7 +26,7 @@ def _body(rank, world_size, capture):
     layouts = ["mfsdp2_optim_grads", "mfsdp2_optim_grads_bf16comm_b100m", "dp2_distopt"]
     runs = ab_steps.build_trainers("llama-1b", "local-bf16", layouts, TINY, 20, "cpu")
     trainers = [trainer for trainer, _ in runs]
-    assert [t.cfg.parallel.grad_shards for t in trainers] == [True, True, False]  # each its own layout
+    assert [t.cfg.sharding.flat_shards for t in trainers] == [True, True, False]  # each its own layout
     assert trainers[1].cfg.parallel.ddp_bucket_size == 100_000_000
     calls = []  # which trainer stepped when
 

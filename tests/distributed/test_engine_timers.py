@@ -54,13 +54,13 @@ def test_both_engines_timed_per_step(tmp_path):
     rows = {line.split(" | ")[0].removeprefix("| "): line.split(" | ")[1:] for line in flat[3:-1]}
     # 2 micro-batches a step (global batch 8, micro-batch 2, DP=2): every bucket reduce-scattered in each (the
     # distributed optimizer's in the last only)
-    assert {"GradShards._on_grad", "GradShards._retire", "_reduce_scatter"} <= set(rows)
+    assert {"FlatGradShards._on_grad", "FlatGradShards._retire", "_reduce_scatter"} <= set(rows)
     distopt_rows = {line.split(" | ")[0].removeprefix("| "): line.split(" | ")[1:] for line in distopt[3:-1]}
-    assert "GradShards._retire" not in distopt_rows
+    assert "FlatGradShards._retire" not in distopt_rows
     assert int(rows["_reduce_scatter"][0]) == 2 * int(distopt_rows["_reduce_scatter"][0])
     assert flat[0].startswith("mfsdp2_optim_grads: ") and flat[-1].startswith("| all of them |")
     # --parts: the torch calls inside them (each retire waits for its reduce-scatter; each allocation and each free
     # resizes a bucket's storage; the norm weights' gradients are copied in one call a bucket)
     assert {"Work.wait", "UntypedStorage.resize_", "_foreach_copy_"} <= set(rows)
-    assert int(rows["UntypedStorage.resize_"][0]) == 2 * int(rows["GradShards._free"][0])
+    assert int(rows["UntypedStorage.resize_"][0]) == 2 * int(rows["FlatGradShards._free"][0])
     assert int(rows["Work.wait"][0]) >= int(rows["_reduce_scatter"][0])  # every reduce-scatter waited for

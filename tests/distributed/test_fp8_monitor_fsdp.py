@@ -65,7 +65,8 @@ def _body(rank: int, world_size: int) -> None:
 
     # blockwise FP8 gathers (FSDP only): each shard counted with its rows' blocks, a block cut by the shard boundary
     # (96 rows of linear_qkv: one 128x128 block over the two shards) as the linear's cast of the gathered weight
-    # rowwise and mxfp8 gathered per axis (fp8/fsdp_axes.py): each shard's row cast counted, its scales its own
+    # rowwise and mxfp8 gathered per axis (parallel/fsdp/fp8_gather_axes.py): each shard's row cast counted, its scales
+    # its own
     for recipe in ("blockwise", "rowwise", "mxfp8"):
         blocks = {}
         for gather in ("", "--fp8-param-gather"):

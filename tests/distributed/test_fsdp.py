@@ -17,14 +17,14 @@ steps in at most 0.55x the bytes per layer, its gathered bytes and block scales 
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from megatron.fp8.formats import E4M3
-from megatron.fp8.fsdp_params import gathered_bytes, shard_data
 from megatron.fp8.quantize import BLOCK_128x128, quantize
 from megatron.model import meta_init
 from megatron.optim.states import state_bytes
-from megatron.parallel.fsdp import local_shard
+from megatron.parallel.fsdp import fsdp2_internals as internals
+from megatron.parallel.fsdp.fp8_gather import gathered_bytes, shard_data
+from megatron.parallel.fsdp.fsdp2 import local_shard
 from megatron.training import Trainer
 from megatron.training.data_loading import to_device
 from tests.dist_utils import run_distributed
@@ -47,10 +47,9 @@ def _storage_bytes(tensors) -> int:
 
 def _gathered_bytes(model) -> int:
     """Bytes of all-gathered (unsharded) weights FSDP2 still holds."""
-    groups = {
-        id(g): g for m in model.modules() if isinstance(m, FSDPModule) and (g := m._get_fsdp_state()._fsdp_param_group)
-    }
-    outputs = [t for g in groups.values() for p in g.fsdp_params for t in getattr(p, "all_gather_outputs", [])]
+    outputs = [
+        t for unit in internals.units(model) for p in internals.unit_params(unit) for t in internals.gathered_outputs(p)
+    ]
     return sum(t.untyped_storage().nbytes() for t in outputs)
 
 
@@ -63,7 +62,7 @@ def _fp8_gathered(trainer) -> list[torch.Tensor]:
 def _held_bytes(trainer) -> int:
     """Weights, gradients, main copies and Adam moments this rank holds between steps (the precision-aware
     optimizer's: its encoded tensors, their remainders and block scales); with --fp8-param-gather also the FP8
-    weights' shards cast to E4M3, kept from one step's cast to the next (fp8/fsdp_params.py)."""
+    weights' shards cast to E4M3, kept from one step's cast to the next (parallel/fsdp/fp8_gather.py)."""
     opt = trainer.optimizer
     weights = _storage_bytes(shard_data(local_shard(p)) for p in trainer.model.parameters())
     weights += _storage_bytes(p.to_local()._scale.data for p in _fp8_gathered(trainer))
@@ -107,7 +106,7 @@ def _body(rank, world_size):
     want, _ = _run(f"{FLAGS} --untie-embeddings-and-output-weights {DISTOPT}", world_size)
     got, trainer = _run(f"{FLAGS} {UNITS} {PARAMS}", world_size)
     _close(got, want, 1e-5, "two-layer units, untied")
-    units = {id(m._get_fsdp_state()) for m in trainer.model.modules() if isinstance(m, FSDPModule)}
+    units = list(internals.units(trainer.model))
     assert len(units) == 5, len(units)  # root, embedding, two units of two layers, final norm + output layer
 
 

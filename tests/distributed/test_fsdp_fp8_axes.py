@@ -1,9 +1,9 @@
 """FSDP with --fp8-param-gather under the rowwise and mxfp8 recipes (local layers, FP8 emulated on the CPU), whose
-weights are cast along both axes (megatron/fp8/fsdp_axes.py), against the distributed optimizer with the same recipe
-(which casts the gathered weight itself) over 10 steps: within 1e-3 under optim_grads_params (and with activation
-recomputation and O2's precision-aware states), optim_grads and --torch-fsdp2-no-reshard-after-forward at DP=2, and
-at TP=2 x FSDP=2 (with explicit prefetches). Measured: a resharded unit's forward gathers carry the row cast only
-and its backward gathers the column cast only, a unit kept gathered (or recomputed) gathers both at once; each
+weights are cast along both axes (megatron/parallel/fsdp/fp8_gather_axes.py), against the distributed optimizer with the
+same recipe (which casts the gathered weight itself) over 10 steps: within 1e-3 under optim_grads_params (and with
+activation recomputation and O2's precision-aware states), optim_grads and --torch-fsdp2-no-reshard-after-forward at
+DP=2, and at TP=2 x FSDP=2 (with explicit prefetches). Measured: a resharded unit's forward gathers carry the row cast
+only and its backward gathers the column cast only, a unit kept gathered (or recomputed) gathers both at once; each
 resharded layer's gather moves at most 0.55x the bf16 gather's bytes (rowwise 0.518x, mxfp8 0.540x); one amax
 all-reduce per step. The gathered bytes and scales of both casts are the linear's own casts of the whole weight,
 `quantize(W)` and `quantize(W.t())`, byte for byte, at DP=2 and FSDP=4, where shard boundaries cut mx blocks of 32
@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.fp8.formats import E4M3
-from megatron.fp8.fsdp_axes import BOTH_CASTS, COLUMN_CAST, ROW_CAST, AxesCast
-from megatron.fp8.fsdp_params import Fp8ShardWeight, shard_rows
 from megatron.fp8.quantize import MX_BLOCK, ROW, quantize
-from megatron.parallel.fsdp import local_shard
+from megatron.parallel.fsdp.fp8_gather import Fp8ShardWeight, shard_rows
+from megatron.parallel.fsdp.fp8_gather_axes import BOTH_CASTS, COLUMN_CAST, ROW_CAST, AxesCast
+from megatron.parallel.fsdp.fsdp2 import local_shard
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import DISTOPT, GRADS, PA, PARAMS, _counted, _run

@@ -1,19 +1,19 @@
-"""FSDP's FP8 all-gathers switched to the training dtype and back between steps (parallel/fsdp.py, `Fp8GatherDtypes`:
-what --fp8-auto-bf16 does to a Transformer Engine layer it moves to bf16; tests/gpu/test_te_fsdp_guard.py runs it
-with TE), here on the local layers' FP8-gathered weights on 2 gloo ranks, the switch following each linear's
-`enabled` (the guard's move, then a move back). Layer 2 moved after step 2 and back after step 3: its linears read
-Fp8GatheredWeights holding the cast of each rank's shard in steps 1, 2 and 4 and a plain bf16 weight (each rank's
-rows: its shard in bf16) in step 3; the all-gathers of step 3 move more bytes (bf16) and those of step 4 as many as
-step 2's; the losses within 1e-3 of FSDP's bf16 gathers with the same moves, the first two steps bitwise those of
-the run that keeps FP8 gathers."""
+"""FSDP's FP8 all-gathers switched to the training dtype and back between steps (parallel/fsdp/fsdp2.py,
+`Fp8GatherDtypes`: what --fp8-auto-bf16 does to a Transformer Engine layer it moves to bf16;
+tests/gpu/test_te_fsdp_guard.py runs it with TE), here on the local layers' FP8-gathered weights on 2 gloo ranks, the
+switch following each linear's `enabled` (the guard's move, then a move back). Layer 2 moved after step 2 and back after
+step 3: its linears read Fp8GatheredWeights holding the cast of each rank's shard in steps 1, 2 and 4 and a plain bf16
+weight (each rank's rows: its shard in bf16) in step 3; the all-gathers of step 3 move more bytes (bf16) and those of
+step 4 as many as step 2's; the losses within 1e-3 of FSDP's bf16 gathers with the same moves, the first two steps
+bitwise those of the run that keeps FP8 gathers."""
 
 import torch
 import torch.distributed as dist
 
 from megatron.fp8.formats import E4M3
-from megatron.fp8.fsdp_params import Fp8GatheredWeight
 from megatron.fp8.quantize import TENSOR, scaled_cast
-from megatron.parallel.fsdp import fp8_gather_pieces
+from megatron.parallel.fsdp.fp8_gather import Fp8GatheredWeight
+from megatron.parallel.fsdp.fsdp2 import fp8_gather_pieces
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import PARAMS, _close

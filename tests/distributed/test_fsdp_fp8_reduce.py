@@ -1,6 +1,6 @@
 """FSDP with --fp8-grad-reduce (O1) at DP=2: each unit's gradient reduce-scatter sends E4M3 bytes and block scales
-in one all-to-all and sums in fp32 (megatron/parallel/fsdp_fp8_reduce.py). The comm FSDP2 calls gives, bit for bit,
-the sum of each rank's chunk quantized and dequantized with the project's blockwise quantizer (rows padded to whole
+in one all-to-all and sums in fp32 (megatron/parallel/fsdp/fp8_reduce_scatter.py). The comm FSDP2 calls gives, bit for
+bit, the sum of each rank's chunk quantized and dequantized with the project's blockwise quantizer (rows padded to whole
 blocks; fp32 and bf16, AVG and SUM). Over 20 steps (two micro-batches each) its losses stay within 1e-3 of the
 distributed optimizer's with --fp8-grad-reduce, in bf16 and with the local FP8 linears (delayed), under
 optim_grads_params and optim_grads, at lr 1e-3: the two quantize different blocks (FSDP each micro-batch's unit
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.parallel.fp8_reduce import FP8_REDUCE_BLOCK, Fp8ReduceStats
-from megatron.parallel.fsdp import local_shard
-from megatron.parallel.fsdp_fp8_reduce import Fp8ReduceScatter
+from megatron.parallel.fsdp.fp8_reduce_scatter import Fp8ReduceScatter
+from megatron.parallel.fsdp.fsdp2 import local_shard
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fp8_reduce import _emulated
 from tests.distributed.test_fsdp import DISTOPT, FLAGS, GRADS, PARAMS, _close, _run

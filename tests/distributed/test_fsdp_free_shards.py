@@ -1,6 +1,6 @@
 """FSDP with --fp8-param-gather and --use-precision-aware-optimizer (2 gloo ranks, local layers, FP8 emulated): the
 bf16 shards of the FP8-gathered weights are freed once a training forward has cast them for the step's all-gathers,
-and given back when the optimizer step writes the new weights (megatron/fp8/fsdp_params.py, `Fp8GatherScales`).
+and given back when the optimizer step writes the new weights (megatron/parallel/fsdp/fp8_gather.py, `Fp8GatherScales`).
 
 Storage given back holds whatever the allocator had there: here every reclaimed byte is set to 0xFF (bf16 NaN), so
 that an element the optimizer step did not write shows in the losses. Then:
@@ -14,15 +14,15 @@ that an element the optimizer step did not write shows in the losses. Then:
   bit for bit as the one with nothing freed;
 * torch_dist checkpoints saved after a step and after an evaluation resume exactly;
 * over 3 ranks, whose last rank's shards have FSDP's pad rows (FSDP2 keeps the padded storage the optimizer steps:
-  parallel/fsdp.py, `share_padded_storage`), every rank frees its shards, pad rows included (poisoned too when given
-  back: nothing reads them), and the losses are still those of the run with nothing freed."""
+  parallel/fsdp/fsdp2.py, `share_padded_storage`), every rank frees its shards, pad rows included (poisoned too when
+  given back: nothing reads them), and the losses are still those of the run with nothing freed."""
 
 from pathlib import Path
 
 import torch
 
-from megatron.fp8.fsdp_params import Fp8GatherScales, shard_data
-from megatron.parallel.fsdp import local_shard
+from megatron.parallel.fsdp.fp8_gather import Fp8GatherScales, shard_data
+from megatron.parallel.fsdp.fsdp2 import local_shard
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import PA, _storage_bytes
@@ -60,7 +60,7 @@ def _run(
 ) -> tuple[list[float], Trainer, list]:
     """Losses, trainer and, for each optimizer step, what the rank held just before it: (shards freed, each FP8
     shard's storage bytes, the weight storages' bytes). `release`: whether the FP8 shards are freed (the setting
-    build_fsdp derives from the flags; off: the run without freeing). `poison_step`: the step whose first gradient
+    build_fsdp2 derives from the flags; off: the run without freeing). `poison_step`: the step whose first gradient
     is made infinite (skipped), after which each shard is checked against its decoded main weight."""
     init, before = Fp8GatherScales.__init__, len(RECLAIMED)
     if not release:  # from the start: delayed scaling's calibration pass, in the trainer's build, frees nothing

@@ -10,6 +10,7 @@ scripts/probes/host_overhead.py measures it on the CPU). With four micro-batches
 
 from torch.distributed.fsdp import FSDPModule
 
+from megatron.parallel.fsdp import fsdp2_internals as internals
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import _counted, _gathered_bytes
 
@@ -27,8 +28,7 @@ TWO_LAYERS = "--suggested-communication-unit-size 10000"  # about 9.3k elements 
 
 def _units(model) -> int:
     """FSDP units holding parameters (the root holds none with untied embeddings)."""
-    states = {id(s): s for m in model.modules() if isinstance(m, FSDPModule) and (s := m._get_fsdp_state())}
-    return sum(1 for s in states.values() if s._fsdp_param_group is not None)
+    return sum(1 for unit in internals.units(model) if internals.param_group(unit) is not None)
 
 
 def _body(rank, world_size):

@@ -7,9 +7,9 @@ parameters at once. (tests/gpu/test_te_fsdp_meta.py runs the same comparison wit
 
 import torch
 
-from megatron.fp8.fsdp_params import Fp8ShardWeight
 from megatron.model import meta_init
-from megatron.parallel.fsdp import local_shard
+from megatron.parallel.fsdp.fp8_gather import Fp8ShardWeight
+from megatron.parallel.fsdp.fsdp2 import local_shard
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.distributed.test_parallel_layouts import BASE, FP8, TENSORWISE, _parse

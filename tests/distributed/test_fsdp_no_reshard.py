@@ -9,8 +9,7 @@ torch_dist checkpoint resumes exactly, and under the distributed optimizer withi
 
 from collections import Counter
 
-from torch.distributed.fsdp import FSDPModule
-
+from megatron.parallel.fsdp import fsdp2_internals as internals
 from megatron.training.data_loading import to_device
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import (
@@ -36,8 +35,8 @@ LAYERS, MICRO = 4, 2
 
 def _gathered_units(trainer) -> list[bool]:
     """Whether each FSDP unit (the root included) holds its gathered weights now."""
-    states = {id(s): s for m in trainer.model.modules() if isinstance(m, FSDPModule) for s in [m._get_fsdp_state()]}
-    return [s._fsdp_param_group.is_unsharded for s in states.values() if s._fsdp_param_group is not None]
+    groups = [internals.param_group(unit) for unit in internals.units(trainer.model)]
+    return [internals.is_unsharded(group) for group in groups if group is not None]
 
 
 def _micro_batch(trainer) -> list[bool]:

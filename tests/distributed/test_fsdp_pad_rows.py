@@ -2,7 +2,7 @@
 weights' rows (the fused QKV's 64, the MLP's 128 and 32): the last rank's shards have FSDP's pad rows. FSDP2 pads
 them into storage of its own at sharding, and its lazy initialization (the first forward) and a checkpoint load
 check that the local shard still lives there; the wrapped FP8 shards must pass that check
-(megatron/parallel/fsdp.py, `share_padded_storage`), else FSDP2 copies them into new storage that the optimizer,
+(megatron/parallel/fsdp/fsdp2.py, `share_padded_storage`), else FSDP2 copies them into new storage that the optimizer,
 built before, never writes. Then:
 * every rank's FP8-gathered shards change at every step and keep the storage they were built with, which the
   optimizer steps (tensorwise under optim_grads_params; delayed under optim_grads; tensorwise with
@@ -15,7 +15,7 @@ built before, never writes. Then:
 
 import torch
 
-from megatron.fp8.fsdp_params import shard_data
+from megatron.parallel.fsdp.fp8_gather import shard_data
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import PA, _close

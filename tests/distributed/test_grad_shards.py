@@ -1,5 +1,5 @@
 """--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads: sharded gradient accumulation on the distributed
-optimizer's flat buckets (megatron/parallel/grad_shards.py), at DP=2 against the distributed optimizer at DP=2 over
+optimizer's flat buckets (megatron/parallel/fsdp/flat_shards.py), at DP=2 against the distributed optimizer at DP=2 over
 20 steps of four micro-batches (small buckets, so that parameters are cut by bucket and shard boundaries): fp32
 within 1e-5 relative; bf16, FP8 delayed (local layers) with and without --fp8-param-gather, with every layer
 recomputed, bf16 with selective recomputation, and O2's states (precision-aware optimizer, FP8 gradient reduction)
@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from megatron.model.layers import Linear
-from megatron.parallel.grad_shards import LAG, GradShards
+from megatron.parallel.fsdp.flat_shards import LAG, FlatGradShards
 from megatron.training import Trainer
 from megatron.training.data_loading import to_device
 from tests.dist_utils import run_distributed
@@ -43,13 +43,13 @@ O2 = "--fp8-optimizer-level O2"
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 
 
-def _bucket_elements(engine: GradShards) -> int:
+def _bucket_elements(engine: FlatGradShards) -> int:
     return sum(b.numel for b in engine.buckets)
 
 
 def _held_between_steps(trainer: Trainer) -> None:
     engine = trainer.grad_buffers
-    assert isinstance(engine, GradShards)
+    assert isinstance(engine, FlatGradShards)
     assert not any(b.live for b in engine.buckets)
     assert all(p.main_grad.untyped_storage().nbytes() == 0 for p in engine.params)
     itemsize = engine.shards.element_size()
@@ -57,7 +57,7 @@ def _held_between_steps(trainer: Trainer) -> None:
 
 
 def _parity_body(rank, world_size):
-    GradShards.fill_new_buckets = float("nan")
+    FlatGradShards.fill_new_buckets = float("nan")
     cases = [
         ("fp32", "", 1e-5),
         ("bf16", "--bf16", 1e-3),
@@ -100,7 +100,7 @@ def test_grad_shards_match_the_distributed_optimizer():
 
 
 def _memory_body(rank, world_size):
-    GradShards.fill_new_buckets = float("nan")
+    FlatGradShards.fill_new_buckets = float("nan")
     trainer = Trainer(_parse(f"{FLAGS} --train-iters 1 {ZERO2}", world_size))
     engine = trainer.grad_buffers
     assert len(engine.buckets) >= 6, len(engine.buckets)
@@ -171,7 +171,7 @@ def test_no_whole_gradient_buffer_between_micro_batches_or_steps():
 def _layouts_body(rank, world_size):
     """Tensor (+ sequence: its norm weights' gradients summed over the tensor-parallel peers' shard pieces) and
     context parallelism beside DP=2."""
-    GradShards.fill_new_buckets = float("nan")
+    FlatGradShards.fill_new_buckets = float("nan")
     for label, layout in (
         ("TP=2 + SP", "--tensor-model-parallel-size 2 --sequence-parallel"),
         ("CP=2", "--context-parallel-size 2"),
@@ -260,11 +260,11 @@ class _ZeroedElements(TorchDispatchMode):
 
 
 def _toy_body(rank, world_size):
-    GradShards.fill_new_buckets = float("nan")
+    FlatGradShards.fill_new_buckets = float("nan")
     torch.manual_seed(0)
     model = _Toy()
     reference = copy.deepcopy(model)  # plain autograd: F.linear, no main_grad
-    engine = GradShards(model, dist.group.WORLD, bucket_size=60)
+    engine = FlatGradShards(model, dist.group.WORLD, bucket_size=60)
     sizes = {b.numel * b.dtype.itemsize for b in engine.buckets}
     assert len(engine.buckets) == 4 and sizes == {1024}  # padded to 256 elements; the toy's tensors are smaller
     padding = sum(b.numel - sum(p.numel() for p in b.params) for b in engine.buckets)

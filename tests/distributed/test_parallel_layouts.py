@@ -76,7 +76,7 @@ def _owned_grad(param, buffers) -> torch.Tensor:
     """The parameter's averaged gradient where this rank holds it: all of it, or with the distributed optimizer its
     pieces in this rank's shard (zeros elsewhere; the data-parallel ranks' parts add up to the whole)."""
     grad = param.main_grad.detach().cpu().clone()
-    if buffers.sharded:
+    if buffers.sharded_state:
         owned = torch.zeros_like(grad).view(-1)
         if (piece := buffers.owned_range(param)) is not None:
             owned[piece[0] : piece[1]] = grad.view(-1)[piece[0] : piece[1]]
@@ -104,7 +104,7 @@ def _record(flags: str, world_size: int) -> dict:
         "grads": grads,
         "specs": specs,
         "coords": (dims.tp_rank, dims.pp_rank, dims.dp_rank),
-        "sharded": buffers.sharded,
+        "sharded": buffers.sharded_state,
     }
 
 

@@ -1,9 +1,9 @@
-"""TE's blockwise FP8 all-gather (megatron/fp8/te_blockwise_gather.py) through PyTorch's FSDP2 on two gloo processes:
-weights sharded by `fully_shard` (shards padded to equal rows, 128-row blocks straddling the two shards), their grids
-of block scales agreed by `Fp8GatherScales` (one all-reduce), gathered by `unshard()`. The bytes FSDP hands to the
-post-all-gather hook, cut to the weight, and the padded grid it is given are quantize(whole weight) in 128x128 blocks,
-on the first gather and, after the shards change, on a later one (FSDP's `out=` path). TE does not import on a CPU
-machine: the TE tensor is replaced by the bytes themselves here; tests/gpu/test_te_fsdp_blockwise.py builds it."""
+"""TE's blockwise FP8 all-gather (megatron/parallel/fsdp/te_blockwise_gather.py) through PyTorch's FSDP2 on two gloo
+processes: weights sharded by `fully_shard` (shards padded to equal rows, 128-row blocks straddling the two shards),
+their grids of block scales agreed by `Fp8GatherScales` (one all-reduce), gathered by `unshard()`. The bytes FSDP hands
+to the post-all-gather hook, cut to the weight, and the padded grid it is given are quantize(whole weight) in 128x128
+blocks, on the first gather and, after the shards change, on a later one (FSDP's `out=` path). TE does not import on a
+CPU machine: the TE tensor is replaced by the bytes themselves here; tests/gpu/test_te_fsdp_blockwise.py builds it."""
 
 import torch
 import torch.distributed as dist
@@ -11,11 +11,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import megatron.fp8.te_blockwise_gather as te_blockwise_gather
+import megatron.parallel.fsdp.te_blockwise_gather as te_blockwise_gather
 from megatron.fp8.formats import E4M3
-from megatron.fp8.fsdp_params import Fp8GatherScales
 from megatron.fp8.quantize import BLOCK_128x128, quantize
-from megatron.fp8.te_blockwise_gather import TeBlockShardWeight, block_grid, te_scale_shape, wrap_te_weight
+from megatron.parallel.fsdp.fp8_gather import Fp8GatherScales
+from megatron.parallel.fsdp.te_blockwise_gather import TeBlockShardWeight, block_grid, te_scale_shape, wrap_te_weight
 from tests.dist_utils import run_distributed
 from tests.unit.test_te_blockwise_gather import Recipe, _weight
 

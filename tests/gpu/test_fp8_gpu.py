@@ -133,8 +133,8 @@ def test_fsdp_shard_cast_into_its_buffer_equals_the_eager_cast(dtype):
     """FSDP's FP8 all-gather casts each shard once per step into its padded buffer (`GatherScale.fill`): on CUDA the
     checked Triton kernel writing into the buffer, the eager cast's bytes (fp32 main-weight shards, bf16 ones under
     the precision-aware optimizer), the pad rows zero."""
-    from megatron.fp8.fsdp_params import GatherScale
     from megatron.fp8.quantize import per_tensor_triton
+    from megatron.parallel.fsdp.fp8_gather import GatherScale
 
     assert per_tensor_triton() is not None, KERNEL_NOTES
     shard = cuda_randn(301, 520, dtype=torch.float32) * torch.exp2(torch.linspace(-24, 12, 520, device="cuda"))

@@ -1,5 +1,5 @@
 """The FP8 reduce-scatter waited for on another stream than the one that started it, as the flat-bucket engine does
-(megatron/parallel/grad_shards.py waits on its reduce stream), on 2 GPUs (NCCL).
+(megatron/parallel/fsdp/flat_shards.py waits on its reduce stream), on 2 GPUs (NCCL).
 
 The handle drops its send buffer at `wait()`. If the buffer's memory went back to the starting stream while the
 all-to-all could still be reading it, the next allocation there would take it over and overwrite it before it was

@@ -10,11 +10,11 @@ reduce-scattered in fp32. So the runs differ by rounding: losses within 2e-3 rel
 Between steps each rank holds at most half of the weight, gradient and state bytes plus one layer; with O2's
 precision-aware states (bf16 weight shards) within 1e-2 of the distributed optimizer's, at most half the bytes their
 dtypes imply plus one layer. With --fp8-param-gather the FP8 layers' weights are all-gathered as E4M3 bytes instead
-(megatron/fp8/te_fsdp_params.py), over 30 steps within 2e-3 of the distributed optimizer's TE FP8 weights with fp32
-shards (1e-2 with O2's bf16 ones), each gather of an FP8 layer at most 0.55x bf16's bytes. A torch_dist checkpoint
+(megatron/parallel/fsdp/te_fp8_gather.py), over 30 steps within 2e-3 of the distributed optimizer's TE FP8 weights with
+fp32 shards (1e-2 with O2's bf16 ones), each gather of an FP8 layer at most 0.55x bf16's bytes. A torch_dist checkpoint
 written under FSDP resumes under the distributed optimizer."""
 
-from megatron.fp8.te_fsdp_params import TeFp8ShardWeight
+from megatron.parallel.fsdp.te_fp8_gather import TeFp8ShardWeight
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import (
     DISTOPT,
@@ -103,8 +103,8 @@ def test_te_fsdp_matches_distributed_optimizer(tmp_path):
 def _no_reshard_body(rank, world_size):
     """--torch-fsdp2-no-reshard-after-forward: each unit's gathered weights serve its backward too (TE's bf16 weights;
     with --fp8-param-gather the Float8Tensors, whose transpose TE's backward writes into FSDP's buffer, gathered
-    and marked invalid with the bytes: te_fsdp_params.py), against the distributed optimizer as above; after each
-    step no gathered byte and no transpose buffer is left, and no step was skipped."""
+    and marked invalid with the bytes: parallel/fsdp/te_fp8_gather.py), against the distributed optimizer as above;
+    after each step no gathered byte and no transpose buffer is left, and no step was skipped."""
     for recipe, rel in (("", 2e-3), (FP8, 1e-2), (FP8 + RECOMPUTE, 1e-2)):
         want, _ = _run(f"{FLAGS} {recipe} {DISTOPT}", world_size)
         got, trainer = _run(f"{FLAGS} {recipe} {NO_RESHARD}", world_size)

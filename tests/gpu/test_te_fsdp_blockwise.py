@@ -1,5 +1,5 @@
 """Transformer Engine's weights all-gathered as FP8 in 128x128 blocks under FSDP2 on 2 GPUs (NCCL): --fp8-param-gather
---fp8-recipe blockwise with --transformer-impl transformer_engine (megatron/fp8/te_blockwise_gather.py).
+--fp8-recipe blockwise with --transformer-impl transformer_engine (megatron/parallel/fsdp/te_blockwise_gather.py).
 
 (a) The gathered weight is a TE Float8BlockwiseQTensor whose bytes and scales are TE's own blockwise quantization of
     the whole fp32 weight (TE's weight quantizer of the recipe), row-wise and, once TE derives it for the dgrad,
@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from megatron.fp8.fsdp_params import Fp8GatherScales
-from megatron.fp8.te_blockwise_gather import TeBlockShardWeight, block_grid, te_scale_shape, wrap_te_weight
 from megatron.fp8.te_recipe import te_recipe
+from megatron.parallel.fsdp import fsdp2_internals as internals
+from megatron.parallel.fsdp.fp8_gather import Fp8GatherScales
+from megatron.parallel.fsdp.te_blockwise_gather import TeBlockShardWeight, block_grid, te_scale_shape, wrap_te_weight
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import DISTOPT, GRADS, PARAMS, _close, _counted, _gather_rows, _gathered_bytes, _run
 from tests.distributed.test_parallel_layouts import BASE, _parse
@@ -116,10 +117,7 @@ def _model_weights(trainer, world_size: int) -> None:
 
 def _columnwise_left(model) -> list[str]:
     """The gathered weights FSDP2 keeps between steps that still hold a column-wise copy (none should)."""
-    groups = {
-        id(g): g for m in model.modules() if isinstance(m, FSDPModule) and (g := m._get_fsdp_state()._fsdp_param_group)
-    }
-    params = [getattr(p, "_unsharded_param", None) for g in groups.values() for p in g.fsdp_params]
+    params = [internals.unsharded_param(p) for unit in internals.units(model) for p in internals.unit_params(unit)]
     return [repr(p.shape) for p in params if getattr(p, "_columnwise_data", None) is not None]
 
 

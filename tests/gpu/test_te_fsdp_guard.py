@@ -2,14 +2,14 @@
 monitor on 2 GPUs (NCCL), against the distributed optimizer.
 
 * --fp8-auto-bf16: a layer the guard moves to bf16 (here through its API, `Fp8Guard.move`, the call its trigger makes)
-  gathers bf16 from the next step on, and TE's linears read plain bf16 weights (parallel/fsdp.py, `Fp8GatherDtypes`).
-  Moved before the first step (delayed scaling), the run matches the distributed optimizer's TE FP8 weights with that
-  layer built in bf16 (--fp8-first-layer-bf16) over 10 steps within 2e-3 (tests/gpu/test_te_fsdp.py's bound for the
-  FP8 gathers); the moved layer's all-gather outputs are bf16 (2 bytes per element), the others' E4M3 bytes (1). Moved
-  after step 3 (tensorwise) and back after step 6 (the guard never moves a layer back: the test puts it back in the
-  autocast's `fp8_layers`), the run matches the distributed optimizer without FP8 weights making the same moves within
-  1e-2 (test_te_fsdp.py's FP8 bound), its linears reading Float8Tensors before, plain bf16 weights between and
-  Float8Tensors again after.
+  gathers bf16 from the next step on, and TE's linears read plain bf16 weights (parallel/fsdp/fsdp2.py,
+  `Fp8GatherDtypes`). Moved before the first step (delayed scaling), the run matches the distributed optimizer's TE FP8
+  weights with that layer built in bf16 (--fp8-first-layer-bf16) over 10 steps within 2e-3 (tests/gpu/test_te_fsdp.py's
+  bound for the FP8 gathers); the moved layer's all-gather outputs are bf16 (2 bytes per element), the others' E4M3
+  bytes (1). Moved after step 3 (tensorwise) and back after step 6 (the guard never moves a layer back: the test puts it
+  back in the autocast's `fp8_layers`), the run matches the distributed optimizer without FP8 weights making the same
+  moves within 1e-2 (test_te_fsdp.py's FP8 bound), its linears reading Float8Tensors before, plain bf16 weights between
+  and Float8Tensors again after.
 * --fp8-stats-interval: the monitor counts each FP8-gathered weight from the cast of each rank's shard, summed over
   the data-parallel ranks: its weight rows equal the distributed optimizer's (which count the cast of each rank's
   main piece) at step 1 within float rounding, and every weight is counted once (the elements counted are the
@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from megatron.parallel.fsdp import fsdp2_internals as internals
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import DISTOPT, PARAMS, _close
@@ -77,10 +78,10 @@ def _gather_dtypes(t: Trainer) -> dict[int, set[int]]:
     layer_of = {id(m): layer.layer_number for layer in t.model.decoder.layers for m in layer.te_modules()}
     widths: dict[int, set[int]] = {}
     for _, param in t.grad_buffers.fp8_dtypes.params:
-        number = layer_of[id(param._module_info.module)]
+        number = layer_of[id(internals.module_of(param))]
         gathered = param.padded_sharded_param_size.numel() * param.mesh_info.shard_mesh_size
         widths.setdefault(number, set()).update(
-            o.numel() * o.element_size() // gathered for o in param.all_gather_outputs
+            o.numel() * o.element_size() // gathered for o in internals.gathered_outputs(param)
         )
     return widths
 

@@ -1,7 +1,7 @@
 """Transformer Engine's layers under FSDP with --fp8-param-gather on 3 GPUs (NCCL), where the ranks do not divide the
 weights' rows: tests/distributed/test_fsdp_pad_rows.py with TE's shard classes (`TeFp8ShardWeight`, delayed;
 `TeBlockShardWeight`, blockwise), which FSDP2 must keep in the padded storage the optimizer steps
-(megatron/parallel/fsdp.py, `share_padded_storage`).
+(megatron/parallel/fsdp/fsdp2.py, `share_padded_storage`).
 
 * every rank's FP8-gathered shards change at every step, in the storage they were built with (delayed under
   optim_grads_params and optim_grads, delayed with the precision-aware optimizer, whose freed shards have pad rows

@@ -1,5 +1,5 @@
-"""The parameter FSDP2 makes from a TE weight's first FP8 all-gather (megatron/fp8/te_fsdp_params.py) on one GPU:
-FSDP2 builds it with `torch.as_strided` and `nn.Parameter` (a detach) from the Float8Tensor that
+"""The parameter FSDP2 makes from a TE weight's first FP8 all-gather (megatron/parallel/fsdp/te_fp8_gather.py) on one
+GPU: FSDP2 builds it with `torch.as_strided` and `nn.Parameter` (a detach) from the Float8Tensor that
 `fsdp_post_all_gather` returns, and TE 2.20's copies (`make_like`) keep the transpose buffer but not its invalid
 mark. A unit kept gathered from its forward into its backward (the last layer unit under optim_grads_params, all under
 optim_grads) then ran its first dgrad on the buffer as allocated: on two H100s FSDP's step 1 looked skipped (its weights
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from megatron.config.te_rules import te_import_error
-from megatron.fp8.te_fsdp_params import _needs_transpose, wrap_te_fp8_weight
+from megatron.parallel.fsdp.te_fp8_gather import _needs_transpose, wrap_te_fp8_weight
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,8 +1,8 @@
 """Under FSDP's optim_grads, Transformer Engine casts each FP8 weight once per step, as under the distributed
 optimizer, on 2 GPUs (NCCL): the layers ask TE to keep the first micro-batch's casts (`is_first_microbatch`), which
 TE 2.20 does for a module held by FSDP2 only when told it is not (megatron/model/te_layers.py, `_treat_as_unsharded`),
-and FSDP forgets the casts at every gather and optimizer step (megatron/parallel/fsdp.py). optim_grads_params keeps
-today's behaviour: a cast in every forward and again in every backward, nothing kept.
+and FSDP forgets the casts at every gather and optimizer step (megatron/parallel/fsdp/fsdp2.py). optim_grads_params
+keeps today's behaviour: a cast in every forward and again in every backward, nothing kept.
 
   (a) FP8 delayed losses under optim_grads equal the distributed optimizer's over 10 steps within 1e-4 relative,
       tighter than test_te_fsdp.py's 1e-2 for that case. Both runs now cast the same bf16 weights with the same

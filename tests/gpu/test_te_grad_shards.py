@@ -1,5 +1,5 @@
 """Transformer Engine layers under --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads (the flat-bucket
-ZeRO-2 engine, megatron/parallel/grad_shards.py) on 2 GPUs (NCCL) train as under the distributed optimizer: the CPU
+ZeRO-2 engine, megatron/parallel/fsdp/flat_shards.py) on 2 GPUs (NCCL) train as under the distributed optimizer: the CPU
 comparison of tests/distributed/test_grad_shards.py with TE's fused wgrad GEMMs, which read `weight.main_grad` at the
 start of each linear's backward, after the engine has allocated the bucket and pointed `main_grad` at it. Six steps
 of four micro-batches, small buckets: bf16 within 2e-3, FP8 delayed (also with every layer recomputed, TE's
@@ -8,7 +8,7 @@ tolerances). Between steps no bucket holds storage and the gradient state is hal
 are filled with NaN: TE's wgrad GEMMs must write them (`overwrite_main_grad`), not accumulate into them, or the
 losses turn NaN."""
 
-from megatron.parallel.grad_shards import GradShards
+from megatron.parallel.fsdp.flat_shards import FlatGradShards
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import _close, _run
 from tests.distributed.test_grad_shards import DISTOPT, O2, RECOMPUTE, ZERO2, _held_between_steps
@@ -23,7 +23,7 @@ pytestmark = TE_ON_TWO_GPUS
 
 
 def _body(rank, world_size):
-    GradShards.fill_new_buckets = float("nan")
+    FlatGradShards.fill_new_buckets = float("nan")
     cases = (("bf16", "", 2e-3), ("FP8", FP8, 1e-2), ("FP8 recomputed", f"{FP8} {RECOMPUTE}", 1e-2))
     # O2 reduce-scatters in FP8 (fp8_reduce.py): its handle is waited for on the engine's reduce stream
     more = (("FP8 --fp8-param-gather", f"{FP8} --fp8-param-gather", 1e-2), ("FP8 O2", f"{FP8} {O2}", 1e-2))

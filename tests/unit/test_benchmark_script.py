@@ -168,7 +168,6 @@ def test_the_fsdp_layouts_parse_with_the_local_configs():
     """The FSDP rows: llama-1b and the Llama-3-8B shape under FSDP at DP=2, and with TP=2 or CP=2 on 4 GPUs (local
     layers, bf16 and FP8)."""
     from megatron.config import parse_args
-    from megatron.config.sharding import main_grads_bf16
 
     strategies = {
         "fsdp2": "optim_grads_params",
@@ -194,13 +193,17 @@ def test_the_fsdp_layouts_parse_with_the_local_configs():
                 flags = benchmark.train_flags(preset, config, 10, 5, layout)
                 cfg = parse_args(flags, world_size=gpus, device_type="cuda")
                 assert cfg.parallel.data_parallel_sharding_strategy == strategy, (preset, config, layout)
-                # mfsdp2_*: the flat-buffer engine (grad_shards.py); fsdp2_*: FSDP2
-                assert cfg.parallel.grad_shards == layout.startswith("mfsdp2_"), (preset, config, layout)
+                # mfsdp2_*: the flat-buffer engine (parallel/fsdp/flat_shards.py); fsdp2_*: FSDP2
+                assert cfg.sharding.flat_shards == layout.startswith("mfsdp2_"), (preset, config, layout)
                 assert cfg.data_parallel_size == 2, (preset, config, layout)
-                assert main_grads_bf16(cfg) == layout.endswith(("bf16grads", "o2states")), (preset, config, layout)
+                assert cfg.sharding.main_grads_bf16 == layout.endswith(("bf16grads", "o2states")), (
+                    preset,
+                    config,
+                    layout,
+                )
                 assert cfg.parallel.fp8_grad_reduce == layout.endswith("fp8comm"), (preset, config, layout)
     assert "--nproc-per-node=4" in benchmark.command("llama3-8b", "local-delayed-fp8params", 10, 5, "fsdp2_tp2")
-    # rowwise and mxfp8 FP8 gathers: FSDP2 only (megatron/fp8/fsdp_axes.py)
+    # rowwise and mxfp8 FP8 gathers: FSDP2 only (megatron/parallel/fsdp/fp8_gather_axes.py)
     for config in ("local-rowwise-fp8params", "local-mxfp8-fp8params"):
         for layout in [name for name in strategies if name.startswith("fsdp2")]:
             flags = benchmark.train_flags("llama-1b", config, 10, 5, layout)

@@ -119,12 +119,12 @@ def test_over_a_tensor_parallel_group():
 
 
 def _layouts_body(rank, world):
-    from megatron.parallel.grad_shards import GradShards
+    from megatron.parallel.fsdp.flat_shards import FlatGradShards
     from tests.distributed.test_fsdp import _close, _run
     from tests.distributed.test_parallel_layouts import BASE
 
     output_layer.CHUNK_ELEMENTS = 32 * 5  # slices of 5 rows of a rank's 64 (the vocabulary of 127 padded to 128)
-    GradShards.fill_new_buckets = float("nan")  # every row of the output layer's gradient must be written
+    FlatGradShards.fill_new_buckets = float("nan")  # every row of the output layer's gradient must be written
     flags = f"{BASE} --train-iters 2 --eval-iters 0 --untie-embeddings-and-output-weights --cross-entropy-loss-fusion"
     layouts = {
         "tp2 sp": "--tensor-model-parallel-size 2 --sequence-parallel",

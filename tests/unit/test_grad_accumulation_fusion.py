@@ -1,6 +1,6 @@
 """--no-gradient-accumulation-fusion: weight gradients through `.grad` instead of straight into the fp32 buffers;
 both give the same gradients (megatron/model/grad_accumulation.py). A weight marked `overwrite_main_grad`
-(megatron/parallel/grad_shards.py's unzeroed buckets) gets the product written over whatever `main_grad` held: the
+(megatron/parallel/fsdp/flat_shards.py's unzeroed buckets) gets the product written over whatever `main_grad` held: the
 same bits as accumulating into zeros, also for FP8 weights (megatron/fp8/params.py)."""
 
 import pytest

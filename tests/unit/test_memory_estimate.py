@@ -342,9 +342,9 @@ def test_llama_1b_te_distributed_optimizer_counts_the_cached_weight_casts():
 
 
 def test_llama_1b_te_grad_shards_hold_a_gradient_shard_and_one_bucket():
-    """--use-megatron-fsdp optim_grads on the flat buckets (grad_shards.py): the distributed optimizer's weights, main
-    copy, Adam states and TE weight casts, but fp32 gradient shards (4 / 2 B/param) instead of the whole buffer; at
-    the start of the backward one bucket more than the distributed optimizer holds: the untied output layer's
+    """--use-megatron-fsdp optim_grads on the flat buckets (parallel/fsdp/flat_shards.py): the distributed optimizer's
+    weights, main copy, Adam states and TE weight casts, but fp32 gradient shards (4 / 2 B/param) instead of the whole
+    buffer; at the start of the backward one bucket more than the distributed optimizer holds: the untied output layer's
     weight, 65.5M fp32 elements (more than --ddp-bucket-size's 40M: a bucket of its own). bf16 shards
     (--grad-reduce-in-bf16) halve the shards; a bf16 reduce-scatter halves the bucket, and the output layer's GEMM
     writes its weight gradient there, with no copy beside it."""
@@ -387,8 +387,8 @@ def test_fsdp_fp8_param_gather(impl, fp8_bytes, recipe):
     blockwise, where TE makes a linear's transposed copy in its backward and drops it after the dgrad. The last
     layer is an FP8 one, the output unit stays bf16; under optim_grads the 15 FP8 layers of 16 count so. Each rank
     also keeps its shards of the 15 FP8 layers cast to E4M3 from one step's cast to the next: 1 byte per element,
-    halved. The local layers' rowwise and mxfp8 keep both casts (fp8/fsdp_axes.py): 2 bytes, in the shards' casts
-    and in a unit kept gathered."""
+    halved. The local layers' rowwise and mxfp8 keep both casts (parallel/fsdp/fp8_gather_axes.py): 2 bytes, in the
+    shards' casts and in a unit kept gathered."""
     fsdp = "--use-torch-fsdp2 --fsdp-double-buffer --fp8-param-gather --data-parallel-sharding-strategy"
     casts = 2 if recipe in ("rowwise", "mxfp8") else 1
     if recipe:
@@ -411,7 +411,7 @@ def test_fsdp_fp8_param_gather(impl, fp8_bytes, recipe):
 @pytest.mark.parametrize("impl", ["transformer_engine", "local"])
 def test_fsdp_fp8_param_gather_frees_the_bf16_shards_until_the_step(impl):
     """--fp8-param-gather with the precision-aware optimizer under FSDP: the 15 FP8 layers' bf16 shards (2 bytes per
-    element, halved) are freed from the forward's cast to the optimizer step (fp8/fsdp_params.py): out of the
+    element, halved) are freed from the forward's cast to the optimizer step (parallel/fsdp/fp8_gather.py): out of the
     weights held before the activations, into the step, where they come back. Not with fp32 shards (the main
     weights), nor when the FP8 monitor watches steps (a watched step keeps them)."""
     o2 = "--use-precision-aware-optimizer --main-params-dtype fp16 --exp-avg-dtype fp8 --exp-avg-sq-dtype fp16"

@@ -167,11 +167,11 @@ def test_tensor_and_data_parallel_communication():
 
 
 def test_grad_shards_traffic_and_communication():
-    """--use-megatron-fsdp optim_grads (grad_shards.py) at DP=2, two micro-batches: the distributed optimizer's step
-    without the whole buffer's zeroing (the shards are read, 2 x 4 bytes per shard element, never zeroed), the first
-    micro-batch's reduce-scatter output copied into the shards (4 + 4 per shard element) and the second's added
-    (4 + 2 x 4; the buckets are not zeroed); a bf16 reduce-scatter halves the buckets' bytes. One bucket's
-    reduce-scatter is left exposed, as with --overlap-grad-reduce."""
+    """--use-megatron-fsdp optim_grads (parallel/fsdp/flat_shards.py) at DP=2, two micro-batches: the distributed
+    optimizer's step without the whole buffer's zeroing (the shards are read, 2 x 4 bytes per shard element, never
+    zeroed), the first micro-batch's reduce-scatter output copied into the shards (4 + 4 per shard element) and the
+    second's added (4 + 2 x 4; the buckets are not zeroed); a bf16 reduce-scatter halves the buckets' bytes. One
+    bucket's reduce-scatter is left exposed, as with --overlap-grad-reduce."""
     zero2 = " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --ddp-bucket-size 1000"
     batch = " --global-batch-size 8"
     cfg, distopt = config(zero2 + batch, world_size=2), config(" --use-distributed-optimizer" + batch, world_size=2)
@@ -311,7 +311,7 @@ def memory_by_name(cfg) -> dict[str, float]:
 
 def test_fsdp_units_follow_the_trainers_grouping():
     torch = pytest.importorskip("torch")
-    from megatron.parallel.fsdp import fsdp_units as module_units
+    from megatron.parallel.fsdp.fsdp2 import fsdp_units as module_units
 
     layers = [torch.nn.Linear(3, 2) for _ in range(5)]  # 8 parameters each
     for unit_size in (None, 1, 8, 9, 16, 17, 40, 100):

@@ -15,8 +15,8 @@ TE_MODULES = {
     "megatron/config/te_rules.py",
     "megatron/fp8/te_recipe.py",
     "megatron/fp8/params.py",
-    "megatron/fp8/te_fsdp_params.py",  # the gathered weight under FSDP is a TE Float8Tensor
-    "megatron/fp8/te_blockwise_gather.py",  # ... or, blockwise, a TE Float8BlockwiseQTensor
+    "megatron/parallel/fsdp/te_fp8_gather.py",  # the gathered weight under FSDP is a TE Float8Tensor
+    "megatron/parallel/fsdp/te_blockwise_gather.py",  # ... or, blockwise, a TE Float8BlockwiseQTensor
     "megatron/model/te_attention.py",
     "megatron/model/te_fp8.py",
     "megatron/model/te_layers.py",

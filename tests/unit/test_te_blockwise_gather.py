@@ -1,5 +1,5 @@
-"""What TE's blockwise FP8 all-gather under FSDP (megatron/fp8/te_blockwise_gather.py) computes without TE: TE's
-padded layout of the grid of block scales, the shard's cast (the whole weight's 128x128 blocks, a block straddling
+"""What TE's blockwise FP8 all-gather under FSDP (megatron/parallel/fsdp/te_blockwise_gather.py) computes without TE:
+TE's padded layout of the grid of block scales, the shard's cast (the whole weight's 128x128 blocks, a block straddling
 two shards), the bytes gathered, and the column-wise operand TE derives from them (the transpose with the transposed
 grid, which for square blocks is the cast of W^T). FP8 is emulated with megatron/fp8/quantize.py; the TE tensor built
 over these bytes is checked against TE's own cast on two GPUs (tests/gpu/test_te_fsdp_blockwise.py), the sharding
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megatron.fp8.formats import E4M3
-from megatron.fp8.fsdp_params import gathered_bytes, shard_rows
 from megatron.fp8.quantize import BLOCK_128x128, quantize
-from megatron.fp8.te_blockwise_gather import (
+from megatron.parallel.fsdp.fp8_gather import gathered_bytes, shard_rows
+from megatron.parallel.fsdp.te_blockwise_gather import (
     TeBlockScale,
     TeBlockShardWeight,
     block_grid,
@@ -21,7 +21,7 @@ from megatron.fp8.te_blockwise_gather import (
     te_scale_shape,
     wrap_te_weight,
 )
-from megatron.fp8.te_fsdp_params import TeFp8ShardWeight
+from megatron.parallel.fsdp.te_fp8_gather import TeFp8ShardWeight
 
 
 class QParams:

@@ -1,12 +1,12 @@
-"""The shard side of TE's FP8 all-gather under FSDP (megatron/fp8/te_fsdp_params.py), which needs no GPU: FSDP2's
-ops on a shard keep the TE wrapper and the per-weight state it shares (scale, transpose buffer), the optimizer's
+"""The shard side of TE's FP8 all-gather under FSDP (megatron/parallel/fsdp/te_fp8_gather.py), which needs no GPU:
+FSDP2's ops on a shard keep the TE wrapper and the per-weight state it shares (scale, transpose buffer), the optimizer's
 arithmetic gives plain tensors, and the cast before the gather is the local layers' (E4M3 bytes at the agreed
 scale, padded to FSDP's rows). The gathered side (a TE Float8Tensor) runs in tests/gpu/test_te_fsdp.py."""
 
 import torch
 
-from megatron.fp8.fsdp_params import Fp8ShardWeight, gathered_bytes
-from megatron.fp8.te_fsdp_params import TeFp8ShardWeight, wrap_te_fp8_weight
+from megatron.parallel.fsdp.fp8_gather import Fp8ShardWeight, gathered_bytes
+from megatron.parallel.fsdp.te_fp8_gather import TeFp8ShardWeight, wrap_te_fp8_weight
 
 
 class _Mesh:
@@ -59,8 +59,8 @@ def test_gathered_scales_come_from_tensors_that_outlive_the_gather():
 
 
 def test_a_weight_moved_to_bf16_gathers_its_shard_in_the_gather_dtype():
-    """--fp8-auto-bf16 under FSDP (parallel/fsdp.py, `Fp8GatherDtypes`, sets `high_precision`): the shard's rows in
-    bf16, padded to FSDP's rows, and no metadata; the gathered weight is the plain tensor (FSDP views its rows), and
+    """--fp8-auto-bf16 under FSDP (parallel/fsdp/fsdp2.py, `Fp8GatherDtypes`, sets `high_precision`): the shard's rows
+    in bf16, padded to FSDP's rows, and no metadata; the gathered weight is the plain tensor (FSDP views its rows), and
     nothing to rebuild at later gathers. The FP8 bytes of the step, no longer gathered, are not kept."""
     weight = torch.randn(2, 8)
     shard = wrap_te_fp8_weight(weight).data
@@ -80,7 +80,7 @@ def test_te_linears_gather_fp8_while_their_layer_is_in_the_autocasts_fp8_layers(
     any other linear (the local layers', which compute a moved layer on dequantized FP8 weights) keeps FP8."""
     from types import SimpleNamespace
 
-    from megatron.parallel.fsdp import te_gathers_fp8
+    from megatron.parallel.fsdp.fsdp2 import te_gathers_fp8
 
     class Layer(torch.nn.Module):
         def __init__(self, number, fp8):
@@ -103,7 +103,7 @@ def test_te_linears_gather_fp8_while_their_layer_is_in_the_autocasts_fp8_layers(
 def test_the_bytes_go_as_the_gather_dtype_where_the_columns_divide():
     """`gather_view`: E4M3 bytes travel as the unit's gather dtype (one dtype per unit: FSDP2's copy-in then moves
     2 or 4 bytes per element, not 1), as bytes where the columns do not divide; the output views back to them."""
-    from megatron.fp8.fsdp_params import gather_view
+    from megatron.parallel.fsdp.fp8_gather import gather_view
 
     data = torch.arange(24, dtype=torch.uint8).view(3, 8)
     for dtype, shape in ((torch.bfloat16, (3, 4)), (torch.float32, (3, 2)), (torch.uint8, (3, 8))):

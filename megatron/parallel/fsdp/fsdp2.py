@@ -1,7 +1,7 @@
 """Sharded data parallelism (--use-megatron-fsdp / --use-torch-fsdp2) on PyTorch's FSDP2 (`fully_shard`, DTensor).
 
-`build_fsdp` applies FSDP2 to a built GPT model in torchtitan's form and returns the object the trainer and the
-optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.py):
+`build_fsdp2` applies FSDP2 to a built GPT model in torchtitan's form and returns its gradient engine, `Fsdp2Grads`
+(megatron/parallel/engines.py):
 
   * units: each transformer layer (or, with --suggested-communication-unit-size, a run of consecutive layers) is
     one FSDP unit; an untied embedding is a unit of its own; the final norm and an untied output layer form the last
@@ -21,20 +21,21 @@ optimizer use in place of the gradient buffers (megatron/parallel/data_parallel.
     holds a whole-model gradient buffer, and the shard's address never changes (the optimizer lists it once).
     FSDP2 hands a gradient over in its shard's dtype: fp32 gradient shards of bf16 weight shards receive each
     micro-batch's reduce-scattered sum rounded to bf16 (reduced in fp32 or bf16 as the flags say; with
-    --fp8-grad-reduce sent as FP8 bytes and summed in fp32, megatron/parallel/fsdp_fp8_reduce.py);
+    --fp8-grad-reduce sent as FP8 bytes and summed in fp32, megatron/parallel/fsdp/fp8_reduce_scatter.py);
   * the strategy decides when gathered weights are freed: optim_grads_params after each unit's forward and
     backward; optim_grads keeps them from the first forward to the last micro-batch's backward (one all-gather per
     step, as the distributed optimizer's), and so lets the FP8 linears (local and TE's) keep the step's first weight
-    casts for its later micro-batches, as the distributed optimizer's do (`fsdp_keeps_weight_casts`);
+    casts for its later micro-batches, as the distributed optimizer's do (`Sharding.keeps_weight_casts`);
     optim_grads_params with --torch-fsdp2-no-reshard-after-forward keeps each unit from its forward to its backward
     (one all-gather per unit and micro-batch; every unit gathered at the end of the forward) and frees it after the
     backward; a forward without a backward (evaluation) frees them all at its end (`_reshard_after_no_grad_forward`);
   * with --fp8-param-gather, the FP8 linears' weights are all-gathered as E4M3 bytes with one scale per tensor
     (delayed, tensorwise) or per 128x128 block (blockwise) agreed by the ranks once per step
-    (megatron/fp8/fsdp_params.py; rowwise and mxfp8, cast along both axes, gather the row cast for the forward and
-    the column cast for the backward: fsdp_axes.py), and the linears read them as their FP8 operands: the local
-    linears as their own FP8 weights, Transformer Engine's as TE Float8Tensors (megatron/fp8/te_fsdp_params.py)
-    or, blockwise, Float8BlockwiseQTensors (megatron/fp8/te_blockwise_gather.py), which TE casts no more. With
+    (megatron/parallel/fsdp/fp8_gather.py; rowwise and mxfp8, cast along both axes, gather the row cast for the forward
+    and the column cast for the backward: fp8_gather_axes.py), and the linears read them as their FP8 operands: the
+    local linears as their own FP8 weights, Transformer Engine's as TE Float8Tensors
+    (megatron/parallel/fsdp/te_fp8_gather.py) or, blockwise, Float8BlockwiseQTensors
+    (megatron/parallel/fsdp/te_blockwise_gather.py), which TE casts no more. With
     --use-precision-aware-optimizer those weights' bf16 shards are freed once cast, from the training forward to the
     optimizer step (`reclaim_shards`).
 """
@@ -55,19 +56,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from megatron.config import Config
-from megatron.config.sharding import (
-    fsdp_keeps_weight_casts,
-    grad_comm_bf16,
-    main_grads_bf16,
-    shards_hold_main_weights,
-)
-from megatron.fp8.fsdp_axes import bind_gather_phases, gathers_axes, rerun_in_backward
-from megatron.fp8.fsdp_params import Fp8GatherScales, Fp8ShardWeight, shard_data, wrap_fp8_weight
 from megatron.fp8.linear import Fp8LinearState
-from megatron.fp8.te_blockwise_gather import wrap_te_weight
+from megatron.parallel.fsdp.fp8_gather import Fp8GatherScales, Fp8ShardWeight, shard_data, wrap_fp8_weight
+from megatron.parallel.fsdp.fp8_gather_axes import bind_gather_phases, gathers_axes, rerun_in_backward
+from megatron.parallel.fsdp.te_blockwise_gather import wrap_te_weight
 
-from .fp8_reduce import Fp8ReduceStats
-from .fsdp_fp8_reduce import use_fp8_reduce_scatter
+from ..fp8_reduce import Fp8ReduceStats
+from . import fsdp2_internals as internals
+from .fp8_reduce_scatter import use_fp8_reduce_scatter
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:
@@ -134,31 +130,27 @@ class Fp8GatherDtypes:
         """Switch the weights whose gather dtype changed; returns their linears."""
         switched = []
         for unit, param in self.params:
-            linear, scale = param._module_info.module, param._sharded_local_tensor._scale
+            linear, scale = internals.module_of(param), internals.sharded_local_tensor(param)._scale
             if scale.high_precision != self.gathers_fp8(linear):
                 continue
             unit.reshard()  # (between steps every unit is resharded already: a no-op)
             scale.high_precision, scale.data, scale.fresh = not scale.high_precision, None, False
-            param.all_gather_outputs, param._unsharded_inner_tensors = [], []
-            if hasattr(param, "_unsharded_param"):
-                del param._unsharded_param
+            internals.forget_gathered(param)
             switched.append(linear)
         return switched
 
 
 def _fp8_fsdp_params(model: nn.Module) -> Iterator[tuple[nn.Module, Any]]:
     """(the FSDP unit, FSDP2's record of the parameter: its `FSDPParam`) of each FP8-gathered weight of `model`."""
-    for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            group = unit._get_fsdp_state()._fsdp_param_group  # one per unit (torch 2.11 has no list of them)
-            for param in group.fsdp_params if group is not None else ():
-                if isinstance(param._sharded_local_tensor, Fp8ShardWeight):
-                    yield unit, param
+    for unit in internals.units(model):
+        for param in internals.unit_params(unit):
+            if isinstance(internals.sharded_local_tensor(param), Fp8ShardWeight):
+                yield unit, param
 
 
 def share_padded_storage(model: nn.Module) -> None:
     """Let FSDP2 see that each FP8-gathered shard lives in the padded storage it made for it. FSDP2 keeps every
-    shard padded to ceil(rows / ranks) rows (`_sharded_param_data`) and, at its lazy initialization (the first
+    shard padded to ceil(rows / ranks) rows (`internals.padded_shard`) and, at its lazy initialization (the first
     forward) and after a load, re-pads a local shard shorter than that into new storage unless that storage is
     the shard's, which it checks for a plain tensor only (`FSDPParam.reset_sharded_param`, torch 2.11 to 2.13:
     "TODO: need to support tensor subclass"). An `Fp8ShardWeight` on a rank with pad rows (the ranks do not divide
@@ -169,9 +161,9 @@ def share_padded_storage(model: nn.Module) -> None:
     hook before the root's) may have freed the shards, whose empty storage fails the check."""
     params = [param for _, param in _fp8_fsdp_params(model)]
     for param in params:
-        param._sharded_param_data = shard_data(param._sharded_param_data)
+        internals.set_padded_shard(param, shard_data(internals.padded_shard(param)))
     if params:
-        model._get_fsdp_state()._lazy_init()  # idempotent: the first forward's is then a no-op
+        internals.lazy_init(model)  # idempotent: the first forward's is then a no-op
 
 
 def te_gathers_fp8(model: nn.Module) -> Callable[[nn.Module], bool]:
@@ -193,7 +185,7 @@ def _wrap_fp8_weights(modules: list[nn.Module], device: torch.device, ranks: int
     linears (their `fp8` state) and the Transformer Engine linears of the layers in FP8 (`te_modules()` of a layer
     whose autocast has it among its FP8 layers; layers kept in bf16 gather bf16). Their scales are made on `device`
     (the weights may still be on the meta device). mxfp8 weights whose rows the `ranks` do not divide stay plain
-    (megatron/fp8/fsdp_axes.py, `gathers_axes`)."""
+    (megatron/parallel/fsdp/fp8_gather_axes.py, `gathers_axes`)."""
     for module in modules:
         for sub in module.modules():
             if hasattr(sub, "te_modules"):
@@ -298,11 +290,11 @@ def _add_into_main_grad(param: nn.Parameter) -> None:
     param.grad = None
 
 
-class ShardedGrads:
-    """The gradient side of FSDP, with the interface of `GradientBuffers` that the trainer and optimizer use: each
-    parameter's `main_grad` is its persistent gradient shard; `owned_range` is the whole local shard."""
+class Fsdp2Grads:
+    """The gradient engine of FSDP2 (megatron/parallel/engines.py's `GradientEngine`): each parameter's `main_grad` is
+    its persistent gradient shard; `owned_range` is the whole local shard."""
 
-    sharded = True
+    sharded_state = True
     overlap_param_gather = False
     fp8_stats: Fp8ReduceStats | None = None  # --fp8-grad-reduce: what the FP8 reduce-scatters lost (the log's)
     fp8_scales: Fp8GatherScales | None = None
@@ -359,7 +351,7 @@ class ShardedGrads:
     def gather_params(self) -> None:
         """Nothing to gather: each unit gathers its weights before its next forward."""
 
-    def wait_for_params(self, buckets: None = None) -> None:
+    def wait_for_params(self) -> None:
         """No all-gather runs between steps."""
 
     @contextlib.contextmanager
@@ -379,6 +371,10 @@ class ShardedGrads:
         for its FP8 all-gathers (with --use-precision-aware-optimizer: `Fp8GatherScales.release`)."""
         if self.fp8_scales is not None:
             self.fp8_scales.reclaim()
+
+    def shards_released(self) -> bool:
+        """Whether a training forward freed FP8 all-gather shards that only the optimizer step writes again."""
+        return self.fp8_scales is not None and self.fp8_scales.released
 
     def zero(self) -> None:
         """After each optimizer step: the gradients start again, and the FP8 all-gather scales and the TE layers'
@@ -424,20 +420,20 @@ def _reshard_after_no_grad_forward(units: list[nn.Module]) -> Callable[[nn.Modul
     return reshard
 
 
-def build_fsdp(
+def build_fsdp2(
     model: nn.Module,
     cfg: Config,
     group: dist.ProcessGroup,
     device: torch.device,
     initialize: Callable[[nn.Module], None] | None = None,
     scale_group: dist.ProcessGroup | None = None,
-) -> ShardedGrads:
+) -> Fsdp2Grads:
     """Shard `model` over the data-parallel `group` as the flags say (the one place that maps the strategy and
     options to FSDP2's). A model built on the meta device (--init-model-with-meta-device) is then allocated on
     `device`, its shards only, and given its values by `initialize(model)`. `scale_group`: with --fp8-param-gather,
     the ranks that agree each FP8 weight's scale, all that hold a piece of it (data x tensor parallel; default
     `group`), so that each piece is cast with the whole tensor's scale, as one process casts it."""
-    par = cfg.parallel
+    par, sharding = cfg.parallel, cfg.sharding
     params_dtype = cfg.precision.params_dtype
     fp8_gather = cfg.precision.fp8_param_gather
     shard_params = par.data_parallel_sharding_strategy == "optim_grads_params"
@@ -446,18 +442,18 @@ def build_fsdp(
         group,
         device,
         param_dtype=None if params_dtype == torch.float32 else params_dtype,
-        reduce_dtype=torch.bfloat16 if grad_comm_bf16(cfg) else torch.float32,
+        reduce_dtype=torch.bfloat16 if sharding.grad_comm_bf16 else torch.float32,
         shard_params=shard_params and par.torch_fsdp2_reshard_after_forward,
         prefetch=par.fsdp_double_buffer,
         unit_size=par.suggested_communication_unit_size,
         fp8_gather=fp8_gather,
-        shard_dtype=torch.float32 if shards_hold_main_weights(cfg) else params_dtype,
+        shard_dtype=torch.float32 if sharding.shards_hold_main_weights else params_dtype,
     )
     assert isinstance(model, FSDPModule)
     # FP8 casts of a freed weight (optim_grads_params) are not kept for the next micro-batch: not by a local FP8
     # linear, nor by TE's layers (TE 2.16 and later keep none under FSDP2 unless told: docs/fsdp.md). Under
     # optim_grads the step's first casts serve all its micro-batches, as under the distributed optimizer.
-    keep_casts = fsdp_keeps_weight_casts(cfg)
+    keep_casts = sharding.keeps_weight_casts
     cast_keepers = []
     for module in model.modules():
         if getattr(module, "fp8", None) is not None and hasattr(module.fp8, "cache_weight"):
@@ -476,7 +472,7 @@ def build_fsdp(
     share_padded_storage(model)
     if shard_params and not par.torch_fsdp2_reshard_after_forward:
         model.register_forward_hook(_reshard_after_no_grad_forward(units))
-    grads = ShardedGrads(model, keep, torch.bfloat16 if main_grads_bf16(cfg) else torch.float32)
+    grads = Fsdp2Grads(model, keep, torch.bfloat16 if sharding.main_grads_bf16 else torch.float32)
     if cast_keepers:
         grads.cast_keepers = tuple(cast_keepers)
         model.register_forward_pre_hook(_forget_casts_before_gathers(cast_keepers), prepend=True)
@@ -486,7 +482,7 @@ def build_fsdp(
         bind_gather_phases(_fp8_fsdp_params(model), rerun_in_backward(model))
         shards = [p for p in model.parameters() if isinstance(local_shard(p), Fp8ShardWeight)]
         # Shards that are not the main weights only feed the step's cast: freed from it to the optimizer step
-        release = not shards_hold_main_weights(cfg)
+        release = not sharding.shards_hold_main_weights
         grads.fp8_scales = scales = Fp8GatherScales(shards, group if scale_group is None else scale_group, release)
         grads.fp8_dtypes = dtypes = Fp8GatherDtypes(model, te_gathers_fp8(model))
 

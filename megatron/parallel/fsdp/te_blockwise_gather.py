@@ -1,7 +1,7 @@
 """FP8 all-gather of Transformer Engine's weights in 128x128 blocks under FSDP2 (--fp8-param-gather --fp8-recipe
 blockwise with --use-megatron-fsdp and --transformer-impl transformer_engine).
 
-The shard side is the local layers' blockwise gather (fsdp_params.py): the shard stays the fp32 main weight (bf16
+The shard side is the local layers' blockwise gather (fp8_gather.py): the shard stays the fp32 main weight (bf16
 under --use-precision-aware-optimizer); once per step `Fp8GatherScales.agree` max-reduces every weight's grid of
 block amaxes over the ranks sharding it, so every rank holds the whole grid, and each rank casts its rows (a block
 may straddle two shards) with their blocks' scales into the E4M3 bytes every all-gather of the step moves. The
@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from .fsdp_params import Fp8ShardWeight, GatherScale
-from .te_fsdp_params import gathered_rows, wrap_te_fp8_weight
+from .fp8_gather import Fp8ShardWeight, GatherScale
+from .te_fp8_gather import gathered_rows, wrap_te_fp8_weight
 
 BLOCK = 128
 """The side of TE's weight blocks (`Float8BlockQuantizer.block_len`)."""
@@ -156,7 +156,7 @@ def wrap_te_block_weight(weight: torch.Tensor, recipe: Any, device: torch.device
 def wrap_te_weight(weight: torch.Tensor, recipe: Any, device: torch.device | None = None) -> torch.nn.Parameter:
     """A TE linear's weight as a parameter whose FSDP2 all-gather moves FP8 bytes, as `recipe` (the TE recipe of
     the run) casts weights: in 128x128 blocks (Float8BlockScaling: `wrap_te_block_weight`), else with one scale per
-    tensor (te_fsdp_params.py)."""
+    tensor (te_fp8_gather.py)."""
     if recipe.float8_block_scaling():
         return wrap_te_block_weight(weight, recipe, device)
     return wrap_te_fp8_weight(weight, device)

@@ -1,7 +1,7 @@
 """FP8 all-gather of Transformer Engine's weights under FSDP2 (--fp8-param-gather with --use-megatron-fsdp and
 --transformer-impl transformer_engine).
 
-The shard is handled as the local layers' (fsdp_params.py): an fp32 main weight (or bf16 under
+The shard is handled as the local layers' (fp8_gather.py): an fp32 main weight (or bf16 under
 --use-precision-aware-optimizer) cast to E4M3 once per step, when the ranks agree its scale (fp8_max / amax of the
 whole weight), into the bytes every all-gather of the step moves: one byte per element. What differs is the gathered
 weight: a TE `Float8Tensor` over the gathered bytes, which TE's linears take as an already-quantized weight (as the
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .fsdp_params import Fp8ShardWeight, GatherScale, gathered_bytes
+from .fp8_gather import Fp8ShardWeight, GatherScale, gathered_bytes
 
 
 class TeGather:

@@ -19,15 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-try:
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-except ImportError:  # a torch without FSDP2's custom collectives: `use_fp8_reduce_scatter` says which one is needed
-    ReduceScatter = object
-
-from .fp8_reduce import Fp8ReduceStats, fp8_reduce_scatter_chunks
+from ..fp8_reduce import Fp8ReduceStats, fp8_reduce_scatter_chunks
+from .fsdp2_internals import ReduceScatter
 
 
-class Fp8ReduceScatter(ReduceScatter):
+class Fp8ReduceScatter(ReduceScatter or object):  # None: a torch without FSDP2's custom collectives
     """FSDP2's reduce-scatter, moving FP8 bytes and their scales (the module docstring); counts into `stats`."""
 
     def __init__(self, stats: Fp8ReduceStats):

@@ -1,5 +1,5 @@
 """FP8 all-gather under FSDP2 for the recipes that cast a weight along both of its axes: rowwise and mxfp8 (local
-layers; fsdp_params.py has the design and the per-tensor and blockwise recipes).
+layers; fp8_gather.py has the design and the per-tensor and blockwise recipes).
 
 A linear's fprop operand is q(W) cast along K (one scale per row, or 1x32 E8M0 blocks along a row) and its dgrad
 operand q(W^T) a second cast along N (one scale per column of W, or 32x1 blocks down a column): gathered q(W)
@@ -20,7 +20,7 @@ Which gather is the backward's: FSDP2's parameter group says, in its (private) t
 every all-gather made for a backward: the pre-backward unshard and the backward prefetches, which it issues from
 another unit's pre-backward under `use_training_state(PRE_BACKWARD)`; FORWARD for the forward and its prefetches.
 A state of our own set from hooks would have to replay FSDP2's prefetch order to tell a prefetch for the backward
-from one for the forward, so `bind_gather_phases` reads FSDP2's (torch 2.11 to 2.13; checked at build, one-line
+from one for the forward, so `bind_gather_phases` reads FSDP2's (fsdp2_internals.py; checked at build, one-line
 error if torch moves it), and whether the unit reshards after its forward from the same group.
 
 The scales (every cast equals the linear's own cast of the whole weight, `quantize(W)` and `quantize(W.t())`,
@@ -37,7 +37,7 @@ byte for byte):
   max-reduced in the same all-reduce, so that both ranks cast their rows of it with the whole block's scale. The
   scales ride in the gather, which FSDP2 allows only where the ranks divide the rows: a weight they do not divide
   stays a plain weight (gathered in the training dtype and cast by the linear, as without --fp8-param-gather).
-  The scales travel viewed as the unit's gather dtype, as the bytes do (fsdp_params.gather_view), with the same
+  The scales travel viewed as the unit's gather dtype, as the bytes do (fp8_gather.gather_view), with the same
   caveat on CUDA: two E8M0 bytes reading as a bf16 NaN arrive as the canonical NaN's, which takes a block of amax in
   (224, 448] beside one above 896 (or a NaN), far outside a weight's range.
 """
@@ -50,8 +50,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-from .formats import E4M3, E8M0
-from .quantize import MX_BLOCK, ROW, Fp8Tensor, block_amax, block_scales, scale_from_amax, scaled_cast
+from megatron.fp8.formats import E4M3, E8M0
+from megatron.fp8.quantize import MX_BLOCK, ROW, Fp8Tensor, block_amax, block_scales, scale_from_amax, scaled_cast
+
+from . import fsdp2_internals as internals
 
 AXES_RECIPES = ("rowwise", "mxfp8")
 ROW_CAST, COLUMN_CAST, BOTH_CASTS = "row", "column", "both"  # what one all-gather moves
@@ -83,7 +85,7 @@ class AxesCast:
         self.row_scales: torch.Tensor | None = None
         self.col_scales: torch.Tensor | None = None
         self.ranks = 1
-        # Set by `bind_gather_phases`; unbound (a model outside `build_fsdp`), every gather moves both casts
+        # Set by `bind_gather_phases`; unbound (a model outside `build_fsdp2`), every gather moves both casts
         self.split = False
         self.in_backward: Callable[[], bool] = lambda: False
 
@@ -320,16 +322,16 @@ def bind_gather_phases(params: Iterable[tuple[torch.nn.Module, Any]], rerun: Cal
     the module docstring). `rerun(linear)`: activation recomputation runs the linear's forward again in the
     backward; every gather of its weight then moves both casts."""
     for unit, param in params:
-        axes = param._sharded_local_tensor._scale.axes
+        axes = internals.sharded_local_tensor(param)._scale.axes
         if axes is None:
             continue
-        group = unit._get_fsdp_state()._fsdp_param_group
-        state, reshard = getattr(group, "_training_state", None), getattr(group, "_reshard_after_forward", None)
-        if getattr(state, "name", None) not in ("IDLE", "FORWARD") or not isinstance(reshard, bool):
+        group = internals.param_group(unit)
+        reshard = internals.reshards_after_forward(group)
+        if internals.training_phase(group) not in ("IDLE", "FORWARD") or reshard is None:
             raise RuntimeError(
                 f"torch {torch.__version__}'s FSDP2 parameter group has no _training_state / _reshard_after_forward,"
-                " which the rowwise and mxfp8 FP8 all-gathers read (megatron/fp8/fsdp_axes.py): use torch 2.11 to"
-                " 2.13, or drop --fp8-param-gather"
+                " which the rowwise and mxfp8 FP8 all-gathers read (megatron/parallel/fsdp/fsdp2_internals.py): use"
+                " torch 2.11 to 2.13, or drop --fp8-param-gather"
             )
-        axes.split = reshard and not rerun(param._module_info.module)
-        axes.in_backward = lambda group=group: group._training_state.name == "PRE_BACKWARD"
+        axes.split = reshard and not rerun(internals.module_of(param))
+        axes.in_backward = lambda group=group: internals.training_phase(group) == "PRE_BACKWARD"

@@ -11,11 +11,11 @@ unsharded weight from the gathered ones. Here:
   has no FP8 dtype), cast with one scale per tensor agreed by all ranks: one byte per element instead of bf16's two.
 * `Fp8GatheredWeight` is the unsharded weight the FP8 linear reads: the gathered bytes and the scale. The linear
   takes it as its FP8 operand without re-casting (`fp8_tensor`), as an `Fp8Parameter`; its weight gradient is
-  returned to autograd in fp32 (FSDP reduce-scatters `unsharded_param.grad`, not `main_grad`: params.py).
+  returned to autograd in fp32 (FSDP reduce-scatters `unsharded_param.grad`, not `main_grad`: fp8/params.py).
 * `Fp8GatherScales.agree` max-reduces the amaxes of all wrapped shards in one all-reduce, once per optimizer step,
   over the data-parallel ranks (and the tensor-parallel ones: the whole weight's amax)
-  (parallel/fsdp.py calls it from the root's forward pre-hook, before any unit's all-gather): tensorwise casts with
-  fp8_max / amax, delayed with delayed scaling's weight scale (reduced by the FP8 manager already; the agreed amax
+  (parallel/fsdp/fsdp2.py calls it from the root's forward pre-hook, before any unit's all-gather): tensorwise casts
+  with fp8_max / amax, delayed with delayed scaling's weight scale (reduced by the FP8 manager already; the agreed amax
   is what the linear records in the history). Each rank casts its own shard with the scale of the whole tensor: the
   bytes the distributed optimizer's FP8 weights hold.
 
@@ -25,7 +25,7 @@ optimizer steps, while a unit is gathered before its forward and again before it
 (8 casts of each weight per step with 4 micro-batches, each a handful of kernels launched from Python on the
 host's critical path). It costs 1 byte per FP8-gathered element / dp, held between steps, as Megatron-LM keeps its
 FP8 shard beside the main one. Whatever writes the shards marks the scales stale, and so the bytes: the optimizer
-step (`ShardedGrads.zero`), a checkpoint load or an initialization (`shards_written`); `agree` then recomputes both
+step (`Fsdp2Grads.zero`), a checkpoint load or an initialization (`shards_written`); `agree` then recomputes both
 before the next forward's gathers, and a gather that comes first (none in training) casts the shard itself.
 
 Where the shards are not the main weights (--use-precision-aware-optimizer: bf16 shards written from the optimizer's
@@ -35,7 +35,7 @@ new weights into every element of it. The peak, the forward and backward, then h
 element / dp less; eval forwards and everything between steps (checkpoints, the parameter norm) see whole shards.
 A shard with pad rows (FSDP pads the last ranks' shards when the ranks do not divide the rows) is freed whole, its
 pad rows included: nothing reads them (the all-gather sends `GatherScale.data`, whose pad rows are zero), and FSDP2
-keeps the storage it padded (parallel/fsdp.py, `share_padded_storage`), which the optimizer steps.
+keeps the storage it padded (parallel/fsdp/fsdp2.py, `share_padded_storage`), which the optimizer steps.
 
 Blockwise (the weight in 128x128 blocks): FSDP shards rows, ceil(rows / ranks) per rank, so a block straddles two
 shards wherever a shard's rows are not a multiple of 128. `agree` max-reduces every weight's grid of block amaxes
@@ -44,8 +44,8 @@ the weight (the tensor-parallel pieces are cast block by block on their own, as 
 then holds the whole grid of scales, casts its rows with their blocks' scales, and the grid travels as metadata
 like the per-tensor scale. The gathered bytes and scales are those the linear casts from the whole weight, and, as
 the blocks are square, the transpose of q(W) is the dgrad operand q(W^T). Rowwise and mxfp8 cast the weight along
-both axes (their dgrad operand is a second cast, recipes.py): `GatherScale.axes` (fsdp_axes.py) casts both, and a
-gather moves the one its pass needs (or both), agreed in the same all-reduce as the block grids.
+both axes (their dgrad operand is a second cast, fp8/recipes.py): `GatherScale.axes` (fp8_gather_axes.py) casts both,
+and a gather moves the one its pass needs (or both), agreed in the same all-reduce as the block grids.
 """
 
 from __future__ import annotations
@@ -59,9 +59,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from .formats import E4M3, Role
-from .fsdp_axes import AXES_RECIPES, AxesCast
-from .quantize import (
+from megatron.fp8.formats import E4M3, Role
+from megatron.fp8.quantize import (
     TENSOR,
     BLOCK_128x128,
     Fp8Tensor,
@@ -71,6 +70,8 @@ from .quantize import (
     scaled_cast,
     tensor_amax,
 )
+
+from .fp8_gather_axes import AXES_RECIPES, AxesCast
 
 aten = torch.ops.aten
 
@@ -102,7 +103,7 @@ def shard_rows(rows: int, ranks: int) -> int:
 class GatherScale:
     """The scale one weight is cast with for its all-gathers, the amax it came from, and the step's cast of this
     rank's shard (shared by all wrappers of the weight's shard). `state`: the local linear's `Fp8LinearState` (its
-    recipe; delayed scaling's scale), None for a Transformer Engine weight (te_fsdp_params.py: fp8_max / amax;
+    recipe; delayed scaling's scale), None for a Transformer Engine weight (te_fp8_gather.py: fp8_max / amax;
     under the blockwise recipe te_blockwise_gather.py's `TeBlockScale`). `shape`: the whole weight's [out, in],
     which sizes the grid of block scales under the blockwise recipe (else one scale)."""
 
@@ -112,7 +113,7 @@ class GatherScale:
         self.power_of_two = blockwise and state.recipe.power_of_two(Role.WEIGHT)  # the block scales' rule
         grid = tuple(-(-n // 128) for n in shape) if blockwise and shape is not None else ()
         self.scale = torch.ones(grid, device=device)
-        # rowwise and mxfp8: both casts of the shard, with their scales (fsdp_axes.py)
+        # rowwise and mxfp8: both casts of the shard, with their scales (fp8_gather_axes.py)
         axes = state is not None and shape is not None and state.recipe.name in AXES_RECIPES
         self.axes = AxesCast(state.recipe.mx, shape, device) if axes else None
         # The gathered weight's scale_inv and amax come from these tensors, which live as long as the weight: FSDP2
@@ -128,7 +129,7 @@ class GatherScale:
         self.fresh = False
         self.agreement: Fp8GatherScales | None = None
         # Gathered in the training dtype instead, as a plain tensor (its layer moved out of FP8 by the FP8 guard:
-        # parallel/fsdp.py, `Fp8GatherDtypes`): no scale agreed, no cast made
+        # parallel/fsdp/fsdp2.py, `Fp8GatherDtypes`): no scale agreed, no cast made
         self.high_precision = False
 
     @property
@@ -242,7 +243,7 @@ class Fp8ShardWeight(torch.Tensor):
 
     def untyped_storage(self) -> torch.UntypedStorage:
         """The storage of the shard it holds (a wrapper has none of its own): FSDP2 compares it with its padded
-        shard's to tell whether the shard still lives there (parallel/fsdp.py, `share_padded_storage`)."""
+        shard's to tell whether the shard still lives there (parallel/fsdp/fsdp2.py, `share_padded_storage`)."""
         return self._tensor.untyped_storage()
 
     def __repr__(self) -> str:
@@ -262,8 +263,8 @@ class Fp8ShardWeight(torch.Tensor):
         dtype = getattr(mp_policy, "param_dtype", None) or self._tensor.dtype  # the unit's other weights'
         if orig_size[0] % mesh.size():  # FSDP2 wants a padded shard's input in the shard's shape: as bytes, on all
             dtype = torch.uint8  # ranks (every rank's inputs must agree in dtype and element count)
-        if scale.axes is not None:  # the cast(s) this pass needs (fsdp_axes.py), agreed first where no step did (a
-            if not scale.fresh:  # collective, as the gather is: every rank gathers the unit)
+        if scale.axes is not None:  # the cast(s) this pass needs (fp8_gather_axes.py), agreed first where no step did
+            if not scale.fresh:  # (a collective, as the gather is: every rank gathers the unit)
                 assert scale.agreement is not None, "an FP8 weight cast per axis gathered without Fp8GatherScales"
                 scale.agreement.agree()
             tensors, casts = scale.axes.inputs()
@@ -277,7 +278,7 @@ class Fp8ShardWeight(torch.Tensor):
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         """The gathered weight (first gather), or nothing to do for `out`: its bytes are the re-allocated outputs
         already, and its scale and amax are the weight's own `GatherScale` tensors, which `agree` updates."""
-        if isinstance(metadata, str):  # cast per axis: `metadata` says which casts came (fsdp_axes.py)
+        if isinstance(metadata, str):  # cast per axis: `metadata` says which casts came (fp8_gather_axes.py)
             casts = tuple(gathered_bytes(t) for t in outputs)
             return self._scale.axes.gathered(casts, metadata, param_dtype, out), outputs
         (data,) = outputs

@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .data_parallel import GradientBuffers, _Bucket
+from ..data_parallel import GradientBuffers, _Bucket
 
 # Reduce-scatters in flight before the oldest is waited for: enough to overlap each with the next buckets' backward.
 LAG = 2
@@ -91,10 +91,14 @@ class _FreshBucket(_Bucket):
         self.used = sum(p.numel() for p in params)  # the elements before the padding
         self.data = torch.empty(self.numel, dtype=dtype, device=device)
         self.storage, self.nbytes = self.data.untyped_storage(), self.data.nbytes
-        self.storage.resize_(0)  # `GradShards._point_main_grads` makes the views while it briefly holds storage again
+        self.storage.resize_(
+            0
+        )  # `FlatGradShards._point_main_grads` makes the views while it briefly holds storage again
         self.padding: torch.Tensor | None = None  # `data` after its parameters' elements, zeroed at each allocation
         self.live = False  # whether the storage is allocated
-        self.grad_shard: torch.Tensor | None = None  # this rank's shard of the step's gradients (`GradShards.shards`)
+        self.grad_shard: torch.Tensor | None = (
+            None  # this rank's shard of the step's gradients (`FlatGradShards.shards`)
+        )
         self.shard_stale = True  # grad_shard holds no gradient of this step yet: the next reduce-scatter is copied
         # allocations so far, the allocation each parameter was last written in, and how many were in this one
         self.stamp, self.marks, self.written = 0, [0] * len(params), 0
@@ -104,7 +108,10 @@ class _FreshBucket(_Bucket):
         self.copy_from: list[torch.Tensor] = []
 
 
-class GradShards(GradientBuffers):
+class FlatGradShards(GradientBuffers):
+    """The distributed optimizer's flat buckets with each micro-batch's gradients reduce-scattered into persistent
+    shards (the module docstring): a `GradientEngine` (megatron/parallel/engines.py)."""
+
     _bucket_type = _FreshBucket
     # Tests set NaN: a bucket region reduced without having been written or zeroed then reaches the losses.
     fill_new_buckets: float | None = None
