@@ -87,6 +87,14 @@ def check_json(data: bytes | str, source: str, max_bytes: int = MAX_JSON_BYTES) 
     return raw
 
 
+def check_json_file(path: os.PathLike | str, what: str = "", max_bytes: int = MAX_JSON_BYTES) -> None:
+    """Raises (UserError, LimitExceeded) unless the file at `path` is a file whose JSON is within the limits; for
+    files another library then reads."""
+    path = require_file(path, what or "the JSON file")
+    check_size(path, max_bytes, str(path))
+    check_json(path.read_bytes(), str(path), max_bytes)
+
+
 def parse_json(data: bytes | str, source: str, max_bytes: int = MAX_JSON_BYTES) -> Any:
     """`json.loads` within the limits: LimitExceeded naming `source` past one (size, depth, an integer of more
     digits than Python converts). Invalid JSON raises json.JSONDecodeError as json.loads does."""

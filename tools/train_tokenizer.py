@@ -23,6 +23,7 @@ from collections.abc import Iterator
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.data.gpt2_bpe import END_OF_TEXT  # noqa: E402
+from megatron.untrusted import LimitExceeded, parse_json  # noqa: E402
 
 
 def iter_texts(paths: list[str], keys: list[str]) -> Iterator[str]:
@@ -33,9 +34,9 @@ def iter_texts(paths: list[str], keys: list[str]) -> Iterator[str]:
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
+                    record = parse_json(line, "the line")
                     texts = [record[key] for key in keys]
-                except (json.JSONDecodeError, KeyError, TypeError) as err:
+                except (json.JSONDecodeError, KeyError, TypeError, LimitExceeded) as err:
                     raise SystemExit(f"error: {path}:{number}: not a JSON object with keys {keys} ({err!r})") from None
                 yield from (t for t in texts if isinstance(t, str))
 

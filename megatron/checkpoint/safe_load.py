@@ -16,9 +16,9 @@ someone else could run a command. Three ways in, one allowlist:
 
 Whatever a pickle may call checks its arguments before it allocates (plain_data.py: no numpy object array or
 flagged dtype ever exists), and what a pickle unpickles to is bounded in depth and in what its shared references
-expand to (megatron/untrusted.py). A refusal is one line naming the file and the class or the limit. `--trust-checkpoint` (pretrain_gpt.py,
-tools/checkpoint/convert.py) or MEGATRON_TRUST_CHECKPOINT=1 loads files the user trusts the old way (any class;
-docs/checkpoints.md).
+expand to (megatron/untrusted.py). A refusal is one line naming the file and the class or the limit.
+`--trust-checkpoint` (pretrain_gpt.py, tools/checkpoint/convert.py) or MEGATRON_TRUST_CHECKPOINT=1 loads files the
+user trusts the old way (any class; docs/checkpoints.md).
 """
 
 from __future__ import annotations

@@ -152,7 +152,8 @@ class IndexedDataset:
         for path in (self.idx_path, self.bin_path):
             if not os.path.isfile(path):
                 raise IndexedDatasetError(
-                    f"{path}: no such file; --data-path takes the prefix without .bin/.idx "
+                    f"{path}: {'a directory, not a file' if os.path.isdir(path) else 'no such file'};"
+                    " --data-path takes the prefix without .bin/.idx "
                     "(make the pair with tools/preprocess_data.py)"
                 )
         self._read_index()

@@ -20,6 +20,7 @@ import os
 
 from megatron.config import DataConfig
 from megatron.config.data import TIKTOKEN_SPECIAL_TOKENS
+from megatron.untrusted import read_json
 
 from .errors import DataError
 
@@ -39,8 +40,7 @@ MAX_VOCAB = 2**17  # Megatron-LM's default vocabulary size for TikTokenizer
 def load_ranks(path: str, max_entries: int | None) -> dict[bytes, int]:
     """The file's tokens (its first `max_entries`, all when None) as {bytes: rank}; DataError on a malformed file."""
     try:
-        with open(path, encoding="utf-8") as f:
-            entries = json.load(f)
+        entries = read_json(path, "--tokenizer-model")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise DataError(
             f"{path}: not a TikTokenizer vocabulary (JSON list of rank/token_bytes entries): {err}"

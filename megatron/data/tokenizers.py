@@ -6,10 +6,10 @@ Each exposes `vocab_size`, `eod` (the end-of-document id), `tokenize(text) -> li
 
 from __future__ import annotations
 
-import json
 import os
 
 from megatron.config import DataConfig
+from megatron.untrusted import check_json_file, read_json, require_file
 
 from .errors import DataError
 from .gpt2_bpe import END_OF_TEXT, ByteLevelBPE
@@ -137,7 +137,10 @@ class HuggingFaceTokenizer:
         folder = path if os.path.isdir(path) else os.path.dirname(path)
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         try:
+            check_json_file(file, "--tokenizer-model")  # sized and nested within the limits
             self.tokenizer = Tokenizer.from_file(file)
+        except OSError as err:
+            raise DataError(f"{file}: cannot be read ({err.strerror})") from None
         except Exception as err:  # tokenizers raises a bare Exception on malformed files
             raise DataError(f"{file}: not a HF tokenizer.json ({err})") from None
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -169,8 +172,8 @@ def _load_sentencepiece(model_file: str):
 def _configured_eos(config_file: str) -> str | None:
     if not os.path.isfile(config_file):
         return None
-    with open(config_file, encoding="utf-8") as f:
-        eos = json.load(f).get("eos_token")
+    config = read_json(config_file)
+    eos = config.get("eos_token") if isinstance(config, dict) else None
     return eos.get("content") if isinstance(eos, dict) else eos
 
 
@@ -179,6 +182,8 @@ def _need_file(path: str | None, flag: str, tokenizer_type: str) -> str:
         raise DataError(f"--tokenizer-type {tokenizer_type} needs {flag}")
     if not os.path.exists(path):
         raise DataError(f"{flag} {path}: no such file")
+    if tokenizer_type != "HuggingFaceTokenizer":  # whose --tokenizer-model may be the folder holding tokenizer.json
+        require_file(path, flag)
     return path
 
 
