@@ -27,10 +27,10 @@ Python's own JSON parser and printer recurse, and fail near 1,000."""
 MAX_OBJECT_DEPTH = 200
 """Nesting of an unpickled object. Megatron-LM's args and optimizer states nest under 10, DCP's index under 8."""
 
-MAX_EXPANDED_FLOOR = 1 << 22
+MAX_EXPANDED_FLOOR = 1 << 20
 MAX_EXPANSION = 64
 """What an unpickled object expands to when walked or printed (every shared reference counted as a copy, a string as
-one node per 64 characters) may exceed 4M nodes only by 64 times the references the file holds. Real files share
+one node per 16 characters) may exceed 1M nodes only by 64 times the references the file holds. Real files share
 little (an enum member, a dtype), so they stay near 1x; a chain of lists each holding the previous one twice, a few
 hundred bytes, expands to 2**n."""
 
@@ -134,7 +134,7 @@ def check_expansion(obj: Any, source: str) -> None:
             raise LimitExceeded(f"{source} nests objects over {MAX_OBJECT_DEPTH} deep (the limit)")
         children = _children(node)
         if not children:
-            sizes[key] = 1 + (len(node) // 64 if isinstance(node, (str, bytes, bytearray)) else 0)
+            sizes[key] = 1 + (len(node) // 16 if isinstance(node, (str, bytes, bytearray)) else 0)
             continue
         sizes[key] = 1  # in progress: a cycle back here counts once
         keep.append(node)

@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megatron.errors import UserError
 from megatron.untrusted import read_json
 
 from .errors import DataError
@@ -78,7 +77,10 @@ def load_or_build(
             _atomic_save(f"{base}-{name}.npy", array)
         tmp = f"{done}.{socket.gethostname()}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"description": description, "arrays": sorted(built)}, f, indent=1, sort_keys=True)
+            shapes = {name: [array.dtype.str, len(array)] for name, array in built.items()}
+            json.dump(
+                {"description": description, "arrays": sorted(built), "shapes": shapes}, f, indent=1, sort_keys=True
+            )
         os.replace(tmp, done)
     arrays = _read_entry(base, names)
     if arrays is None:
@@ -105,13 +107,18 @@ def _read_entry(base: str, names: tuple[str, ...], warn: bool = False) -> dict[s
     if not os.path.exists(done):
         return None
     try:
-        listed = read_json(done, "the index cache entry").get("arrays")
+        entry = read_json(done, "the index cache entry")
+        listed, shapes = entry.get("arrays"), entry.get("shapes", {})
         if not (isinstance(listed, list) and all(isinstance(n, str) and n.isidentifier() for n in listed)):
             raise ValueError("it lists no arrays")
         if not set(names) <= set(listed):
             raise ValueError(f"it lacks {', '.join(sorted(set(names) - set(listed)))}")
-        return {name: _map_npy(f"{base}-{name}.npy") for name in listed}
-    except (OSError, ValueError, AttributeError, EOFError, UserError) as err:
+        arrays = {name: _map_npy(f"{base}-{name}.npy") for name in listed}
+        for name, array in arrays.items():  # entries written before shapes were recorded have none to compare
+            if name in shapes and shapes[name] != [array.dtype.str, len(array)]:
+                raise ValueError(f"its {name} is {array.dtype.str} x {len(array)}, not the {shapes[name]} it records")
+        return arrays
+    except Exception as err:  # any entry that does not read back is rebuilt: it is derived data
         if warn:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             warnings.warn(f"the index cache entry {done} is damaged ({reason}); rebuilding it", stacklevel=3)

@@ -80,7 +80,10 @@ class _Encoder:
             if not isinstance(text, str):
                 what = "is missing" if key not in record else f"holds {type(text).__name__}, not a string"
                 return number, len(raw), f"key {key!r} {what}"
-            ids = self.tokenizer.tokenize(text)
+            try:
+                ids = self.tokenizer.tokenize(text)
+            except DataError as err:  # text the tokenizer cannot read (NullTokenizer's ids)
+                return number, len(raw), str(err)
             if self.append_eod:
                 ids.append(self.tokenizer.eod)
             out[key] = np.asarray(ids, dtype=self.dtype)

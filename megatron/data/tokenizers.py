@@ -25,7 +25,12 @@ class NullTokenizer:
         self.eod = vocab_size
 
     def tokenize(self, text: str) -> list[int]:
-        return [int(t) for t in text.split()]
+        words = text.split()
+        ids = [int(w) if w.isascii() and w.isdigit() else -1 for w in words]
+        bad = next((w for w, i in zip(words, ids) if not 0 <= i < self.vocab_size), None)
+        if bad is not None:  # else a traceback (int("x")) or an id the dataset's dtype cannot hold
+            raise DataError(f"NullTokenizer reads ids 0..{self.vocab_size - 1} separated by spaces, got {bad!r:.40}")
+        return ids
 
     def detokenize(self, ids: list[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
@@ -174,7 +179,10 @@ def _configured_eos(config_file: str) -> str | None:
         return None
     config = read_json(config_file)
     eos = config.get("eos_token") if isinstance(config, dict) else None
-    return eos.get("content") if isinstance(eos, dict) else eos
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if eos is not None and not isinstance(eos, str):
+        raise DataError(f"{config_file}: its eos_token is a {type(eos).__name__}, not the token's text")
+    return eos
 
 
 def _need_file(path: str | None, flag: str, tokenizer_type: str) -> str:
