@@ -43,11 +43,12 @@ class LimitExceeded(UserError):
     """A file goes past one of this module's limits; the message names the file (or the object) and the limit."""
 
 
-def require_file(path: os.PathLike | str, what: str) -> Path:
-    """`path` as a Path; raises UserError naming `what` when it is a directory (open() of one is a traceback)."""
+def require_file(path: os.PathLike | str, what: str, fix: str = "pass the file itself") -> Path:
+    """`path` as a Path; raises UserError naming `what` and `fix` when it is a directory (open() of one is a
+    traceback)."""
     path = Path(path)
     if path.is_dir():
-        raise UserError(f"{what} {path} is a directory, not a file: pass the file itself")
+        raise UserError(f"{what} {path} is a directory, not a file: {fix}")
     return path
 
 

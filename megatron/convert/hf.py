@@ -347,8 +347,10 @@ def read_hf(folder: str | Path, true_vocab_size: int | None = None, log=print) -
         raise ConvertError(f"{folder / 'config.json'} is not JSON ({first_line(exc)}): restore the file") from None
     if not isinstance(c, dict):
         raise ConvertError(f"{folder / 'config.json'} is not a JSON object: restore the file")
-    arch = (c.get("architectures") or [""])[0]
-    kind = c.get("model_type")
+    architectures = c.get("architectures") or [""]
+    if not (isinstance(architectures, list) and isinstance(architectures[0], str)):
+        raise ConvertError(f"{folder / 'config.json'}: its architectures are not a list of names: restore the file")
+    arch, kind = architectures[0], c.get("model_type")
     source = f"Hugging Face {arch or kind} {folder}"
     if kind == "llama" and arch in ("", "LlamaForCausalLM"):
         full = _from_llama(c, _Weights(folder), source)

@@ -61,7 +61,9 @@ def find_iteration(root: Path, what: str = "checkpoint") -> tuple[int | str, Pat
             )
         raise ConvertError(f"{root} holds no {what} (no {LATEST})")
     try:
-        text = require_file(pointer, "the pointer").read_bytes()[:4096].decode("ascii").strip()
+        text = (
+            require_file(pointer, "the pointer", "restore the checkpoint's").read_bytes()[:4096].decode("ascii").strip()
+        )
     except UnicodeDecodeError:
         raise ConvertError(f"{pointer} is corrupt (not text): expected an iteration number") from None
     if text == "release":  # Megatron-LM's name for converted checkpoints

@@ -14,7 +14,6 @@ to their own ids (Megatron-LM encodes with every special token allowed).
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 import os
 
@@ -53,7 +52,7 @@ def load_ranks(path: str, max_entries: int | None) -> dict[bytes, int]:
             raise DataError(f"{path}: entry {i} should be {{'rank': {i}, 'token_bytes': ..., 'token_str': ...}}")
         try:
             token = base64.b64decode(entry["token_bytes"], validate=True)
-        except (binascii.Error, TypeError):
+        except (ValueError, TypeError):  # binascii.Error, or a str of other than ASCII
             raise DataError(f"{path}: entry {i}: token_bytes is not base64") from None
         if i < 256 and token != bytes([i]):
             raise DataError(f"{path}: entry {i} must be the single byte {i} (entries 0..255 are the 256 bytes)")

@@ -177,7 +177,10 @@ def _load_sentencepiece(model_file: str):
 def _configured_eos(config_file: str) -> str | None:
     if not os.path.isfile(config_file):
         return None
-    config = read_json(config_file)
+    try:
+        config = read_json(config_file)
+    except ValueError as err:  # not JSON, not UTF-8
+        raise DataError(f"{config_file}: not JSON ({err})") from None
     eos = config.get("eos_token") if isinstance(config, dict) else None
     eos = eos.get("content") if isinstance(eos, dict) else eos
     if eos is not None and not isinstance(eos, str):

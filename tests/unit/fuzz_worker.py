@@ -63,7 +63,8 @@ class Fixtures:
 
         self.root = root
         source = ROOT / "tests" / "assets" / "old_checkpoints" / "torch_dist" / "iter_0000004"
-        self.index = SafeReader(str(source)).read_metadata()
+        SafeReader(str(source)).read_metadata()  # the fixture is an index the loader accepts
+        self.index = pickle.loads((source / ".metadata").read_bytes())  # with its real classes, to be pickled again
         assert isinstance(self.index, dcp_metadata.Metadata)
         self.index_dir = root / "dcp"
         self.index_dir.mkdir()
@@ -207,8 +208,8 @@ def _json_case(fx: Fixtures, kind: str, rng: random.Random) -> tuple[Callable[[]
             if select_checkpoint(str(fx.ckpt_root)) == 1:
                 read_metadata(folder)
 
-        return select_and_read, str(folder / "metadata.json")
-    if kind == "HF config.json":
+        return select_and_read, str(fx.ckpt_root)
+    if kind == "HF config.json":  # read and checked before the (absent) weights are looked for
         (fx.hf_model / "config.json").write_bytes(fs.hostile_json(fx.hf_model_config, rng))
         return lambda: read_hf(fx.hf_model, log=lambda *_: None), str(fx.hf_model)
     if kind == "preprocess line":
