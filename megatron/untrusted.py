@@ -6,9 +6,11 @@ are beside each); a file past one is damaged or made to hurt."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -117,46 +119,62 @@ def read_json(path: os.PathLike | str, what: str = "", max_bytes: int = MAX_JSON
 
 def check_expansion(obj: Any, source: str) -> None:
     """Raises LimitExceeded naming `source` when `obj` (an unpickled object) nests deeper than MAX_OBJECT_DEPTH or
-    expands past MAX_EXPANSION times its references (see there). Walks each distinct object once, without recursion;
-    a reference back to an object being walked (a cycle) counts as one node, as repr prints it."""
-    sizes: dict[int, int] = {}  # id -> expanded size, once walked
+    expands past MAX_EXPANSION times its references (see there). Walks each distinct object once, without recursion,
+    and numbers without visiting them; a reference back to an object being walked (a cycle) counts as one node, as
+    repr prints it."""
+    collecting = gc.isenabled()
+    gc.disable()  # the walk makes millions of small tuples for a large index; none of them is garbage
+    try:
+        total, references = _expanded(obj, source)
+    finally:
+        if collecting:
+            gc.enable()
+    limit = max(MAX_EXPANDED_FLOOR, MAX_EXPANSION * (references + 1))
+    if total > limit:
+        raise LimitExceeded(
+            f"{source} expands to {total:,} nodes through shared references, over the limit of {limit:,}"
+        )
+
+
+def _expanded(obj: Any, source: str) -> tuple[int, int]:
+    """(what `obj` expands to, the references it holds), for check_expansion."""
+    sizes: dict[int, int] = {}  # id -> expanded size, once walked (everything stays alive: `obj` holds it)
+    get = sizes.get
     references = 0
-    stack: list[tuple[Any, int, bool]] = [(obj, 1, False)]
-    keep = []  # the objects whose ids are in `sizes` stay alive for the walk (ids of temporaries are reused)
+    stack: list[tuple[Any, int, Any]] = [(obj, 1, None)]
     while stack:
-        node, depth, done = stack.pop()
-        key = id(node)
-        if done:
-            sizes[key] = 1 + sum(sizes.get(id(c), 1) for c in _children(node))
+        node, depth, children = stack.pop()
+        if children is not None:  # its children are walked: a number (never in `sizes`) counts 1
+            sizes[id(node)] = 1 + sum(map(get, map(id, children), repeat(1)))
             continue
-        if key in sizes:
+        if id(node) in sizes:
             continue
         if depth > MAX_OBJECT_DEPTH:
             raise LimitExceeded(f"{source} nests objects over {MAX_OBJECT_DEPTH} deep (the limit)")
         children = _children(node)
         if not children:
-            sizes[key] = 1 + (len(node) // 16 if isinstance(node, (str, bytes, bytearray)) else 0)
+            sizes[id(node)] = 1 + (len(node) // 16 if isinstance(node, (str, bytes, bytearray)) else 0)
             continue
-        sizes[key] = 1  # in progress: a cycle back here counts once
-        keep.append(node)
+        sizes[id(node)] = 1  # in progress: a cycle back here counts once
         references += len(children)
-        stack.append((node, depth, True))
-        stack.extend((c, depth + 1, False) for c in children if id(c) not in sizes)
-    limit = max(MAX_EXPANDED_FLOOR, MAX_EXPANSION * (references + 1))
-    if sizes[id(obj)] > limit:
-        raise LimitExceeded(
-            f"{source} expands to {sizes[id(obj)]:,} nodes through shared references, over the limit of {limit:,}"
-        )
+        stack.append((node, depth, children))
+        stack.extend([(c, depth + 1, None) for c in children if type(c) not in _NUMBERS and id(c) not in sizes])
+    return sizes[id(obj)], references
 
 
-def _children(node: Any) -> list:
+_NUMBERS = frozenset((int, float, complex, bool, type(None)))
+
+
+def _children(node: Any) -> Any:
     """What a plain container (or a plain object's attributes) holds; tensors, arrays and scalars hold nothing
     to walk."""
+    if isinstance(node, (list, tuple)):
+        return node
     if isinstance(node, dict):
         return [*node.keys(), *node.values()]
-    if isinstance(node, (list, tuple, set, frozenset)):
+    if isinstance(node, (set, frozenset)):
         return list(node)
     attributes = getattr(node, "__dict__", None) if not isinstance(node, type) else None
     if isinstance(attributes, dict) and type(node).__module__ != "torch":
         return [*attributes.values()]
-    return []
+    return ()
