@@ -22,7 +22,7 @@ SEED = 20261201
 def test_structure_aware_fuzzing_finds_no_crash_and_no_traceback(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "tests.unit.fuzz_worker", str(tmp_path), str(SEED)],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)  # fmt: skip
+                         capture_output=True, text=True, timeout=1200, cwd=ROOT, env=env)  # fmt: skip
     lines = run.stdout.splitlines()
     started = [line.split(" ", 1)[1] for line in lines if line.startswith("start ")]
     finished = [m.groups() for m in map(re.compile(r"(loaded|refused|FAIL) (.+)#\d+ ").match, lines) if m]
