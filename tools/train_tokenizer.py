@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterator
 
 from megatron.data.gpt2_bpe import END_OF_TEXT
+from megatron.untrusted import LimitExceeded, parse_json
 
 
 def iter_texts(paths: list[str], keys: list[str]) -> Iterator[str]:
@@ -31,9 +32,9 @@ def iter_texts(paths: list[str], keys: list[str]) -> Iterator[str]:
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
+                    record = parse_json(line, "the line")
                     texts = [record[key] for key in keys]
-                except (json.JSONDecodeError, KeyError, TypeError) as err:
+                except (json.JSONDecodeError, KeyError, TypeError, LimitExceeded) as err:
                     raise SystemExit(f"error: {path}:{number}: not a JSON object with keys {keys} ({err!r})") from None
                 yield from (t for t in texts if isinstance(t, str))
 

@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from megatron.untrusted import LimitExceeded, read_json
+
 from . import faults
 from .save_folder import TMP, remove, write_new
 
@@ -137,8 +139,8 @@ def verify_checkpoint(directory: Path, group: Any = None) -> bool:
             recorded: dict[str, dict[str, Any]] = {}
         else:
             try:
-                metadata = json.loads(meta_path.read_bytes())
-            except ValueError as exc:  # not JSON, not UTF-8
+                metadata = read_json(meta_path)
+            except (ValueError, LimitExceeded) as exc:  # not JSON, not UTF-8, nested or sized past the limits
                 raise Unusable(f"{meta_path} is damaged: {str(exc).splitlines()[0]}") from None
             recorded = metadata.get("checksums") if isinstance(metadata, dict) else {}
             if recorded is None:

@@ -5,7 +5,8 @@ someone else could run a command. Three ways in, one allowlist:
 
 - This project's own files (model_optim_rng.pt, the distributed optimizer's rank files, DCP bytes entries) load with
   `torch.load(weights_only=True)`: tensors and plain containers, plus `OWN_GLOBALS` (numpy's RNG-state array, which
-  checkpoints written before this module hold; new ones store it as a list).
+  checkpoints written before this module hold, rebuilt from checked parts by plain_data.py; new ones store it as a
+  list).
 - Files of other programs (Megatron-LM's model_optim_rng.pt / common.pt, Hugging Face's pytorch_model.bin) and
   DCP's `.metadata` index go through `DataUnpickler`: tensors, plain containers, a fixed list of data classes
   (`PLAIN`), and, for classes of Megatron-LM and its dependencies, stand-ins that only keep the data the pickle
@@ -13,17 +14,17 @@ someone else could run a command. Three ways in, one allowlist:
 - Transformer Engine's `_extra_state` pickles are checked with `DataUnpickler` allowing TE's recipe classes, before
   TE is let to unpickle them itself (te_state.py).
 
-A refusal is one line naming the file and the class. `--trust-checkpoint` (pretrain_gpt.py,
-tools/checkpoint/convert.py) or MEGATRON_TRUST_CHECKPOINT=1 loads files the user trusts the old way (any class;
-docs/checkpoints.md).
+Whatever a pickle may call checks its arguments before it allocates (plain_data.py: no numpy object array or
+flagged dtype ever exists), and what a pickle unpickles to is bounded in depth and in what its shared references
+expand to (megatron/untrusted.py). A refusal is one line naming the file and the class or the limit.
+`--trust-checkpoint` (pretrain_gpt.py, tools/checkpoint/convert.py) or MEGATRON_TRUST_CHECKPOINT=1 loads files the
+user trusts the old way (any class; docs/checkpoints.md).
 """
 
 from __future__ import annotations
 
 import _compat_pickle
 import argparse
-import codecs
-import collections
 import contextlib
 import enum
 import io
@@ -36,7 +37,6 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 import torch._utils
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
@@ -45,6 +45,9 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.errors import UserError
+from megatron.untrusted import LimitExceeded, check_expansion, check_size
+
+from . import plain_data
 
 TRUST_ENV = "MEGATRON_TRUST_CHECKPOINT"
 TRUST_FLAG = "--trust-checkpoint"
@@ -55,13 +58,8 @@ _HOW_TO_TRUST = f"if you trust the file, rerun with {TRUST_FLAG} (or {TRUST_ENV}
 # pickled (its own files hold plain data), so a `megatron.*` name in a pickle is always treated as foreign data.
 FOREIGN_PACKAGES = ("megatron", "transformer_engine", "apex", "modelopt", "nvidia_resiliency_ext")
 
-_numpy_core = getattr(np, "_core", None) or np.core  # numpy 2 renamed numpy.core to numpy._core
 OWN_GLOBALS: list[Any] = [
-    _numpy_core.multiarray._reconstruct,
-    (_numpy_core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),  # files written under numpy 1
-    np.ndarray,
-    np.dtype,
-    type(np.dtype(np.uint32)),  # numpy 2's dtype class of the RNG keys
+    *plain_data.TORCH_NAMED,  # numpy's RNG-state array, rebuilt from checked parts
     io.BytesIO,  # Transformer Engine 1.x's `_extra_state`
 ]
 
@@ -122,12 +120,16 @@ def _canonical(name: str) -> str:
 
 def load_own(source: Any, what: str, error: type[Exception] = UserError, mmap: bool = False) -> Any:
     """`torch.load` of a file (or buffer) this project wrote, weights only. Raises `error` (one line naming `what`)
-    when it holds anything else or cannot be read."""
+    when it holds anything else, goes past a limit (megatron/untrusted.py) or cannot be read."""
     try:
         if trusted():
             return torch.load(source, map_location="cpu", weights_only=False)
         with torch.serialization.safe_globals(OWN_GLOBALS):
-            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+            loaded = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+        check_expansion(loaded, "it")
+        return loaded
+    except (plain_data.RefusedData, LimitExceeded) as exc:
+        raise error(_not_plain(what, exc)) from None
     except pickle.UnpicklingError as exc:
         found = _TORCH_REFUSAL.search(str(exc))
         if found:
@@ -135,6 +137,12 @@ def load_own(source: Any, what: str, error: type[Exception] = UserError, mmap: b
         raise error(f"cannot read {what} (truncated, or not a PyTorch file): {_torch_reason(exc)}") from None
     except Exception as exc:  # a truncated zip, bytes that are no pickle, a missing storage record
         raise error(f"cannot read {what} (truncated, or not a PyTorch file): {_torch_reason(exc)}") from None
+
+
+def _not_plain(what: str, exc: Exception) -> str:
+    """The refusal of a pickle whose data is not plain (plain_data.py) or too large (megatron/untrusted.py)."""
+    text = first_line(exc)
+    return f"{what} is not loaded: {text if text.startswith('it ') else 'it holds ' + text}"
 
 
 class StandIn:
@@ -190,20 +198,23 @@ def _named(*objects: Any) -> dict[tuple[str, str], Any]:
 
 
 PLAIN: dict[tuple[str, str], Any] = {
-    **_named(collections.OrderedDict, argparse.Namespace, set, frozenset, bytearray, slice, complex, range),
-    **_named(torch._utils._rebuild_tensor_v2, torch._utils._rebuild_parameter, torch.Size),
+    **_named(argparse.Namespace, slice, complex),
+    ("builtins", "set"): plain_data.make_set,  # these check their arguments before they allocate (plain_data.py)
+    ("builtins", "frozenset"): plain_data.make_frozenset,
+    ("builtins", "bytearray"): plain_data.make_bytearray,
+    ("builtins", "range"): plain_data.make_range,
+    ("collections", "OrderedDict"): plain_data.make_ordered_dict,
+    ("torch", "Size"): plain_data.make_size,
+    ("_codecs", "encode"): plain_data.encode,
+    **_named(torch._utils._rebuild_tensor_v2, torch._utils._rebuild_parameter),
     **{("torch._utils", n): getattr(torch._utils, n) for n in ("_rebuild_parameter_with_state",)},
-    ("_codecs", "encode"): codecs.encode,
     ("_io", "BytesIO"): io.BytesIO,
     ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
     ("builtins", "getattr"): _member,
     ("pathlib", "PosixPath"): pathlib.PurePosixPath,  # DCP's .metadata keeps its folder's path
     ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    **{(m, n): o for m in ("numpy.core.multiarray", "numpy._core.multiarray")
-       for n, o in (("_reconstruct", _numpy_core.multiarray._reconstruct), ("scalar", _numpy_core.multiarray.scalar))},
-    ("numpy", "ndarray"): np.ndarray,
-    ("numpy", "dtype"): np.dtype,
+    **plain_data.NUMPY,  # never an object array nor an object-flagged dtype
     ("signal", "Signals"): signal.Signals,  # an enum: Megatron-LM's args.exit_signal (SIGTERM)
 }  # fmt: skip
 """Globals any pickle may name: constructors of plain data that run no code of the pickle's choosing."""
@@ -237,6 +248,11 @@ class DataUnpickler(pickle.Unpickler):
 
     allowed: dict[tuple[str, str], Any] = {}
     stand_ins = False
+
+    def load(self) -> Any:
+        loaded = super().load()
+        check_expansion(loaded, "it")  # before anyone walks or prints it
+        return loaded
 
     def find_class(self, module: str, name: str) -> Any:
         # Python 2 names, which protocol-2 pickles (torch.save's) carry for some modules: mapped as pickle's own
@@ -303,6 +319,8 @@ def load_foreign(path: os.PathLike | str | io.BytesIO, what: str, error: type[Ex
             return torch.load(path, **kwargs)  # the legacy (non-zip) format cannot be mapped
     except RefusedGlobal as exc:
         raise error(_refused(what, str(exc))) from None
+    except (plain_data.RefusedData, LimitExceeded) as exc:
+        raise error(_not_plain(what, exc)) from None
     except Exception as exc:  # a truncated or foreign file
         raise error(f"cannot read {what} (truncated, or not a PyTorch file): {first_line(exc)}") from None
 
@@ -318,21 +336,70 @@ class SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as file:
-            try:
+        try:
+            check_size(path, MAX_INDEX_BYTES)
+            with self.fs.create_stream(path, "rb") as file:
                 metadata = DcpIndexUnpickler(file).load()
-            except RefusedGlobal as exc:
-                raise RefusedGlobal(_refused(str(path), str(exc))) from None
+        except RefusedGlobal as exc:
+            raise RefusedGlobal(_refused(str(path), str(exc))) from None
+        except (plain_data.RefusedData, LimitExceeded) as exc:
+            raise ValueError(_not_plain(str(path), exc)) from None
         entries = getattr(metadata, "state_dict_metadata", None)
         if not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(entries, dict):
             raise ValueError(f"{path} holds a {type(metadata).__name__}, not DCP's index")
-        kinds = (dcp_metadata.TensorStorageMetadata, dcp_metadata.BytesStorageMetadata)
-        if not all(isinstance(k, str) and isinstance(v, kinds) for k, v in entries.items()):
+        if not all(isinstance(k, str) and _is_entry(v) for k, v in entries.items()):
             raise ValueError(f"{path} is damaged: its entries are not DCP's tensor and bytes records")
+        storage = getattr(metadata, "storage_data", None)
+        if not (isinstance(storage, dict) and all(_is_storage(k, v) for k, v in storage.items())):
+            raise ValueError(f"{path} is damaged: its storage records are not DCP's (file, offset, length)")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+MAX_INDEX_BYTES = 1 << 32
+"""4 GiB: DCP's `.metadata` lists a record per tensor chunk; a 1T-parameter model's index on thousands of ranks is
+a few hundred MB."""
+
+
+def _is_size(value: Any, dims: int | None = None) -> bool:
+    return (
+        isinstance(value, torch.Size)
+        and (dims is None or len(value) == dims)
+        and all(type(d) is int and d >= 0 for d in value)
+    )
+
+
+def _is_entry(entry: Any) -> bool:
+    """A tensor record (sizes, dtype and chunks that agree) or a bytes record: what DCP's planner then reads
+    without checking."""
+    if type(entry) is dcp_metadata.BytesStorageMetadata:
+        return True
+    if type(entry) is not dcp_metadata.TensorStorageMetadata or not _is_size(entry.size):
+        return False
+    props, chunks = entry.properties, entry.chunks
+    return (
+        type(props) is dcp_metadata.TensorProperties
+        and isinstance(props.dtype, torch.dtype)
+        and isinstance(chunks, list)
+        and all(
+            type(c) is dcp_metadata.ChunkStorageMetadata
+            and _is_size(c.offsets, len(entry.size))
+            and _is_size(c.sizes, len(entry.size))
+            for c in chunks
+        )
+    )
+
+
+def _is_storage(index: Any, info: Any) -> bool:
+    return (
+        type(index) is dcp_metadata.MetadataIndex
+        and isinstance(index.fqn, str)
+        and type(info) is dcp_filesystem._StorageInfo
+        and isinstance(info.relative_path, str)
+        and all(type(n) is int and n >= 0 for n in (info.offset, info.length))
+    )
 
 
 def load_bytes_entry(value: io.BytesIO, fqn: str, folder: Any) -> Any:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from megatron.checkpoint.safe_load import first_line, load_foreign
+from megatron.untrusted import read_json
 
 from .state import ConvertError, FullModel, check_complete, model_config, own_storage
 
@@ -201,7 +202,7 @@ class _Weights:
         if (folder / "model.safetensors").exists():
             self.names = {n: "model.safetensors" for n in self._open("model.safetensors").keys()}
         elif index.exists():
-            self.names = json.loads(index.read_text())["weight_map"]
+            self.names = read_json(index)["weight_map"]
             for file in sorted(set(self.names.values())):
                 if not (folder / file).exists():
                     raise ConvertError(f"{folder / file} is missing: the download or copy is incomplete")
@@ -341,13 +342,15 @@ def read_hf(folder: str | Path, true_vocab_size: int | None = None, log=print) -
     if not (folder / "config.json").exists():
         raise ConvertError(f"{folder} has no config.json: not a Hugging Face model folder")
     try:
-        c = json.loads((folder / "config.json").read_bytes())
+        c = read_json(folder / "config.json")
     except ValueError as exc:
         raise ConvertError(f"{folder / 'config.json'} is not JSON ({first_line(exc)}): restore the file") from None
     if not isinstance(c, dict):
         raise ConvertError(f"{folder / 'config.json'} is not a JSON object: restore the file")
-    arch = (c.get("architectures") or [""])[0]
-    kind = c.get("model_type")
+    architectures = c.get("architectures") or [""]
+    if not (isinstance(architectures, list) and isinstance(architectures[0], str)):
+        raise ConvertError(f"{folder / 'config.json'}: its architectures are not a list of names: restore the file")
+    arch, kind = architectures[0], c.get("model_type")
     source = f"Hugging Face {arch or kind} {folder}"
     if kind == "llama" and arch in ("", "LlamaForCausalLM"):
         full = _from_llama(c, _Weights(folder), source)

@@ -21,7 +21,6 @@ whole as [gate; up] (or `<name>_w` / `<name>_v` with singleton local shards).
 from __future__ import annotations
 
 import io
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,8 @@ from typing import Any
 import torch
 
 from megatron.checkpoint.safe_load import SafeLoadPlanner, SafeReader, first_line, load_foreign
+from megatron.errors import UserError
+from megatron.untrusted import read_json
 
 from .files import load_torch_file
 from .state import ConvertError
@@ -44,8 +45,8 @@ def is_megatron_dist(folder: Path) -> bool:
     if (folder / "common.pt").is_file():
         return True
     try:
-        info = json.loads((folder / "metadata.json").read_bytes())
-    except (OSError, ValueError):
+        info = read_json(folder / "metadata.json")
+    except (OSError, ValueError, UserError):
         return False
     return isinstance(info, dict) and "sharded_backend" in info
 
@@ -58,7 +59,7 @@ class MegatronDist:
         info_path = self.folder / "metadata.json"
         if info_path.is_file():
             try:
-                info = json.loads(info_path.read_bytes())
+                info = read_json(info_path)
             except ValueError as exc:
                 raise ConvertError(f"{info_path} is damaged (not JSON: {first_line(exc)})") from None
             backend = info.get("sharded_backend") if isinstance(info, dict) else None

@@ -33,6 +33,7 @@ from megatron.config import Config, DataConfig, ModelConfig
 from megatron.config.pipeline_split import stage_layer_numbers
 from megatron.data.tokenizers import build_tokenizer, padded_vocab_size
 from megatron.errors import UserError
+from megatron.untrusted import parse_json, read_json, require_file
 
 from .files import load_torch_file
 from .state import (
@@ -66,7 +67,9 @@ def find_iteration(root: Path, what: str = "checkpoint") -> tuple[int | str, Pat
             )
         raise ConvertError(f"{root} holds no {what} (no {LATEST})")
     try:
-        text = pointer.read_bytes()[:4096].decode("ascii").strip()
+        text = (
+            require_file(pointer, "the pointer", "restore the checkpoint's").read_bytes()[:4096].decode("ascii").strip()
+        )
     except UnicodeDecodeError:
         raise ConvertError(f"{pointer} is corrupt (not text): expected an iteration number") from None
     if text == "release":  # Megatron-LM's name for converted checkpoints
@@ -151,7 +154,7 @@ def read_torch(root: Path, true_vocab_size: int | None = None) -> FullModel:
     tp, pp = detect_layout(folder)
     metadata = folder / "metadata.json"
     if metadata.exists():
-        saved = json.loads(metadata.read_bytes())["layout"]
+        saved = read_json(metadata)["layout"]
         if (saved["tp"], saved["pp"]) != (tp, pp):
             raise ConvertError(
                 f"{folder} is incomplete: metadata.json names tensor x pipeline {saved['tp']} x {saved['pp']}, the"
@@ -307,7 +310,8 @@ def read_torch_dist(root: Path, true_vocab_size: int | None = None) -> FullModel
             f"{folder}: the torch_dist checkpoint does not load ({type(exc).__name__}: {first_line(exc)})"
         ) from None
     train_state = state.pop("train_state")
-    train_state = json.loads(train_state) if isinstance(train_state, str) else train_state  # JSON since safe_load
+    if isinstance(train_state, str):  # JSON since safe_load
+        train_state = parse_json(train_state, f"{folder}'s train_state")
     config = train_state["config"]
     cfg = model_config(**config["model"])
 

@@ -44,7 +44,10 @@ def cached_blend_indices(
 ) -> tuple[np.ndarray, np.ndarray]:
     """`blend_indices` through the index cache (memory-mapped): (dataset_index, dataset_sample_index)."""
     description = {"version": INDEX_VERSION, "weights": [float(w) for w in weights], "num_samples": num_samples}
-    arrays, _ = load_or_build(cache_dir, f"{name}-blend", description, lambda: blend_indices(weights, num_samples))
+    names = ("dataset_index", "dataset_sample_index")
+    arrays, _ = load_or_build(
+        cache_dir, f"{name}-blend", description, lambda: blend_indices(weights, num_samples), names
+    )
     return arrays["dataset_index"], arrays["dataset_sample_index"]
 
 

@@ -16,6 +16,8 @@ import json
 
 import regex
 
+from megatron.untrusted import read_json
+
 from .errors import DataError
 
 # GPT-2's pre-tokenization pattern.
@@ -63,8 +65,7 @@ class ByteLevelBPE:
 
     def __init__(self, vocab_file: str, merge_file: str):
         try:
-            with open(vocab_file, encoding="utf-8") as f:
-                self.encoder: dict[str, int] = json.load(f)
+            self.encoder: dict[str, int] = read_json(vocab_file, "--vocab-file")
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise DataError(f"{vocab_file}: not a GPT-2 vocab.json (a JSON object of symbol: id): {err}") from None
         if not isinstance(self.encoder, dict) or not all(

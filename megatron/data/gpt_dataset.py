@@ -144,7 +144,11 @@ class GPTDataset(Dataset):
         stem = f"{name}-{indexed.prefix.rstrip('/').split('/')[-1]}"
         ids = np.arange(first, last, dtype=np.int32)
         arrays, self.built_index = load_or_build(
-            cache_dir, stem, description, lambda: build_indices(ids, lengths, num_samples, seq_length, seed)
+            cache_dir,
+            stem,
+            description,
+            lambda: build_indices(ids, lengths, num_samples, seq_length, seed),
+            ("document_index", "token_start", "shuffle_index"),
         )
         self.document_index, self.token_start = arrays["document_index"], arrays["token_start"]
         self.shuffle_index = arrays["shuffle_index"]

@@ -52,6 +52,18 @@ def optimal_dtype(vocab_size: int | None) -> type[np.number]:
     return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
 
 
+def map_readonly(path: str, dtype: np.dtype | type = np.uint8, count: int = -1, offset: int = 0) -> np.ndarray:
+    """`count` items of `dtype` from byte `offset` of the file (all of it by default), memory-mapped read-only,
+    holding no open file: np.memmap keeps a descriptor per map, and a blend of hundreds of datasets (an index, a
+    .bin and cached arrays each) would run out of them. A ValueError when the file is too short."""
+    import torch  # torch's file mapping closes its descriptor once mapped
+
+    size = os.path.getsize(path)
+    raw = torch.from_file(path, shared=False, size=size, dtype=torch.uint8).numpy() if size else np.zeros(0, np.uint8)
+    raw.flags.writeable = False
+    return np.frombuffer(raw, dtype=dtype, count=count, offset=offset)
+
+
 def data_file_path(prefix: str) -> str:
     return prefix + ".bin"
 
@@ -140,18 +152,19 @@ class IndexedDataset:
         for path in (self.idx_path, self.bin_path):
             if not os.path.isfile(path):
                 raise IndexedDatasetError(
-                    f"{path}: no such file; --data-path takes the prefix without .bin/.idx "
+                    f"{path}: {'a directory, not a file' if os.path.isdir(path) else 'no such file'};"
+                    " --data-path takes the prefix without .bin/.idx "
                     "(make the pair with tools/preprocess_data.py)"
                 )
         self._read_index()
-        self._bin: np.memmap | None = None
+        self._bin: np.ndarray | None = None
 
     def _read_index(self) -> None:
         path = self.idx_path
         size = os.path.getsize(path)
         if size < HEADER.size:
             raise IndexedDatasetError(f"{path}: truncated ({size} bytes, shorter than the {HEADER.size}-byte header)")
-        index = np.memmap(path, dtype=np.uint8, mode="r")
+        index = map_readonly(path)
         magic, version, code, count, doc_count = HEADER.unpack(index[: HEADER.size].tobytes())
         if magic != MAGIC:
             raise IndexedDatasetError(f"{path}: not a Megatron indexed-dataset index (magic {magic!r}, want {MAGIC!r})")
@@ -206,8 +219,7 @@ class IndexedDataset:
         """The whole .bin as a flat token array, memory-mapped on first use (so forked workers map their own)
         whatever `mmap` says."""
         if self._bin is None:
-            size = os.path.getsize(self.bin_path)
-            self._bin = np.memmap(self.bin_path, dtype=self.dtype, mode="r") if size else np.zeros(0, dtype=self.dtype)
+            self._bin = map_readonly(self.bin_path, self.dtype)
         return self._bin
 
     def __getstate__(self) -> dict:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron.config import DataConfig
+from megatron.untrusted import MAX_JSON_BYTES, LimitExceeded, parse_json
 
 from .errors import DataError
 from .indexed_dataset import IndexedDatasetWriter, optimal_dtype
@@ -58,15 +59,19 @@ class _Encoder:
         self.json_keys, self.append_eod = json_keys, append_eod
         self.dtype = optimal_dtype(self.tokenizer.vocab_size)
 
-    def encode(self, item: tuple[int, bytes]) -> tuple[int, int, dict[str, np.ndarray] | str | None]:
+    def encode(self, item: tuple[int, bytes | int]) -> tuple[int, int, dict[str, np.ndarray] | str | None]:
         """(line number, bytes, {key: ids}), or an error message in place of the ids, or None for a blank line."""
         number, raw = item
+        if isinstance(raw, int):  # the length of a line over the limit (_numbered_lines)
+            return number, raw, f"{raw:,} bytes long, over the limit of {MAX_JSON_BYTES:,} for one JSON line"
         if not raw.strip():
             return number, len(raw), None
         try:
-            record = json.loads(raw)
+            record = parse_json(raw, "the line")
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             return number, len(raw), f"not valid JSON ({err})"
+        except LimitExceeded as err:
+            return number, len(raw), str(err)
         if not isinstance(record, dict):
             return number, len(raw), f"not a JSON object ({type(record).__name__})"
         out = {}
@@ -75,7 +80,10 @@ class _Encoder:
             if not isinstance(text, str):
                 what = "is missing" if key not in record else f"holds {type(text).__name__}, not a string"
                 return number, len(raw), f"key {key!r} {what}"
-            ids = self.tokenizer.tokenize(text)
+            try:
+                ids = self.tokenizer.tokenize(text)
+            except DataError as err:  # text the tokenizer cannot read (NullTokenizer's ids)
+                return number, len(raw), str(err)
             if self.append_eod:
                 ids.append(self.tokenizer.eod)
             out[key] = np.asarray(ids, dtype=self.dtype)
@@ -95,9 +103,16 @@ def _encode_in_worker(item: tuple[int, bytes]):
     return _worker_encoder.encode(item)
 
 
-def _numbered_lines(path: str) -> Iterator[tuple[int, bytes]]:
+def _numbered_lines(path: str) -> Iterator[tuple[int, bytes | int]]:
+    """(line number, its bytes), or (number, its length) for a line longer than MAX_JSON_BYTES, which is skipped
+    over in pieces rather than read into memory whole."""
     with open(path, "rb") as f:
-        yield from enumerate(f, 1)
+        for number, line in enumerate(iter(lambda: f.readline(MAX_JSON_BYTES + 1), b""), 1):
+            size = len(line)
+            while len(line) > MAX_JSON_BYTES and not line.endswith(b"\n"):
+                line = f.readline(MAX_JSON_BYTES + 1)
+                size += len(line)
+            yield (number, size) if size > MAX_JSON_BYTES else (number, line)
 
 
 def preprocess_jsonl(

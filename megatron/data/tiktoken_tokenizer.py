@@ -14,12 +14,12 @@ to their own ids (Megatron-LM encodes with every special token allowed).
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 import os
 
 from megatron.config import DataConfig
 from megatron.config.data import TIKTOKEN_SPECIAL_TOKENS
+from megatron.untrusted import read_json
 
 from .errors import DataError
 
@@ -39,8 +39,7 @@ MAX_VOCAB = 2**17  # Megatron-LM's default vocabulary size for TikTokenizer
 def load_ranks(path: str, max_entries: int | None) -> dict[bytes, int]:
     """The file's tokens (its first `max_entries`, all when None) as {bytes: rank}; DataError on a malformed file."""
     try:
-        with open(path, encoding="utf-8") as f:
-            entries = json.load(f)
+        entries = read_json(path, "--tokenizer-model")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise DataError(
             f"{path}: not a TikTokenizer vocabulary (JSON list of rank/token_bytes entries): {err}"
@@ -53,7 +52,7 @@ def load_ranks(path: str, max_entries: int | None) -> dict[bytes, int]:
             raise DataError(f"{path}: entry {i} should be {{'rank': {i}, 'token_bytes': ..., 'token_str': ...}}")
         try:
             token = base64.b64decode(entry["token_bytes"], validate=True)
-        except (binascii.Error, TypeError):
+        except (ValueError, TypeError):  # binascii.Error, or a str of other than ASCII
             raise DataError(f"{path}: entry {i}: token_bytes is not base64") from None
         if i < 256 and token != bytes([i]):
             raise DataError(f"{path}: entry {i} must be the single byte {i} (entries 0..255 are the 256 bytes)")

@@ -6,10 +6,10 @@ Each exposes `vocab_size`, `eod` (the end-of-document id), `tokenize(text) -> li
 
 from __future__ import annotations
 
-import json
 import os
 
 from megatron.config import DataConfig
+from megatron.untrusted import check_json_file, read_json, require_file
 
 from .errors import DataError
 from .gpt2_bpe import END_OF_TEXT, ByteLevelBPE
@@ -25,7 +25,12 @@ class NullTokenizer:
         self.eod = vocab_size
 
     def tokenize(self, text: str) -> list[int]:
-        return [int(t) for t in text.split()]
+        words = text.split()
+        ids = [int(w) if w.isascii() and w.isdigit() else -1 for w in words]
+        bad = next((w for w, i in zip(words, ids) if not 0 <= i < self.vocab_size), None)
+        if bad is not None:  # else a traceback (int("x")) or an id the dataset's dtype cannot hold
+            raise DataError(f"NullTokenizer reads ids 0..{self.vocab_size - 1} separated by spaces, got {bad!r:.40}")
+        return ids
 
     def detokenize(self, ids: list[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
@@ -137,7 +142,10 @@ class HuggingFaceTokenizer:
         folder = path if os.path.isdir(path) else os.path.dirname(path)
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         try:
+            check_json_file(file, "--tokenizer-model")  # sized and nested within the limits
             self.tokenizer = Tokenizer.from_file(file)
+        except OSError as err:
+            raise DataError(f"{file}: cannot be read ({err.strerror})") from None
         except Exception as err:  # tokenizers raises a bare Exception on malformed files
             raise DataError(f"{file}: not a HF tokenizer.json ({err})") from None
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -169,9 +177,15 @@ def _load_sentencepiece(model_file: str):
 def _configured_eos(config_file: str) -> str | None:
     if not os.path.isfile(config_file):
         return None
-    with open(config_file, encoding="utf-8") as f:
-        eos = json.load(f).get("eos_token")
-    return eos.get("content") if isinstance(eos, dict) else eos
+    try:
+        config = read_json(config_file)
+    except ValueError as err:  # not JSON, not UTF-8
+        raise DataError(f"{config_file}: not JSON ({err})") from None
+    eos = config.get("eos_token") if isinstance(config, dict) else None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if eos is not None and not isinstance(eos, str):
+        raise DataError(f"{config_file}: its eos_token is a {type(eos).__name__}, not the token's text")
+    return eos
 
 
 def _need_file(path: str | None, flag: str, tokenizer_type: str) -> str:
@@ -179,6 +193,8 @@ def _need_file(path: str | None, flag: str, tokenizer_type: str) -> str:
         raise DataError(f"--tokenizer-type {tokenizer_type} needs {flag}")
     if not os.path.exists(path):
         raise DataError(f"{flag} {path}: no such file")
+    if tokenizer_type != "HuggingFaceTokenizer":  # whose --tokenizer-model may be the folder holding tokenizer.json
+        require_file(path, flag)
     return path
 
 
