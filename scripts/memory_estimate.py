@@ -6,6 +6,9 @@ line `megatron/training/memory.py` prints at startup (rank 0's).
     python scripts/memory_estimate.py llama3-8b te-delayed-recompute-block12 fsdp2_o2states
     python scripts/memory_estimate.py llama3-8b te-delayed-fp8params fsdp2_o2states \
         --extra "--recompute-granularity full --recompute-method block --recompute-num-layers 12"
+    python scripts/memory_estimate.py llama3-70b te-delayed-fp8params-recompute-full dp8_fsdp2_o2states tp8
+
+Any config and layout the axes of megatron/perf/rows.py compose is accepted, not only the catalogue's.
 
 Transformer Engine's configs are parsed with the local layers (parsing TE's needs TE and a GPU) and then marked as
 TE's: the estimate reads --transformer-impl, the shapes and the precision and parallel flags only.
@@ -17,7 +20,7 @@ import argparse
 
 from megatron.config import Config, parse_args
 from megatron.data.tokenizers import build_tokenizer, padded_vocab_size
-from megatron.perf.rows import CONFIGS, LAYOUTS, PRESETS, train_flags
+from megatron.perf.rows import PRESETS, config_flags, layout_of, train_flags
 from megatron.perf.work import param_count
 
 TE_FLAG = "--transformer-impl transformer_engine"
@@ -29,10 +32,10 @@ def estimate(preset: str, config: str, layout: str, extra: str = "") -> tuple[Co
     `extra` appended; under pipeline parallelism those of the pipeline rank with the largest total."""
     from megatron.training.memory import estimate_bytes, memory_estimate_lines
 
-    te = TE_FLAG in CONFIGS[config.removesuffix("+graphs")]
+    te = TE_FLAG in config_flags(config.removesuffix("+graphs"))
     flags = " ".join(train_flags(preset, config, 10, 1, layout)) + f" {extra}"
     local = flags.replace(TE_FLAG, "--transformer-impl local").replace(TE_ONLY, "")
-    cfg = parse_args(local.split(), world_size=LAYOUTS[layout][0])
+    cfg = parse_args(local.split(), world_size=layout_of(layout)[0])
     if te:
         cfg.model.transformer_impl = "transformer_engine"
         cfg.precision.fp8_dot_product_attention = TE_ONLY in flags
@@ -64,21 +67,47 @@ def estimate(preset: str, config: str, layout: str, extra: str = "") -> tuple[Co
     return cfg, *worst
 
 
+def _named(parse):  # an argparse type: the name if `parse` takes it, its one-line error if not
+    def check(name: str) -> str:
+        try:
+            parse(name)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return name
+
+    return check
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("preset", choices=sorted(PRESETS))
-    parser.add_argument("config", choices=sorted(CONFIGS))
-    parser.add_argument("layouts", nargs="+", choices=sorted(LAYOUTS))
+    parser.add_argument("config", type=_named(lambda name: config_flags(name.removesuffix("+graphs"))))
+    parser.add_argument("layouts", nargs="+", type=_named(layout_of))
     parser.add_argument("--extra", default="", help="flags appended to the row's (a recomputation, ...)")
+    parser.add_argument(
+        "--capacity-gib", type=float, help="a GPU's memory (H200: 139.8): each row says whether it leaves enough"
+    )
     args = parser.parse_args()
     for layout in args.layouts:
         _, est, lines = estimate(args.preset, args.config, layout, args.extra)
-        print(
-            f"{args.preset} {args.config}{' ' + args.extra if args.extra else ''} {layout}:"
-            f" {est['total'] / 2**30:.2f} GiB"
-        )
+        total = est["total"] / 2**30
+        print(f"{args.preset} {args.config}{' ' + args.extra if args.extra else ''} {layout}: {total:.2f} GiB")
+        if args.capacity_gib:
+            print(f"  {capacity_verdict(total, args.capacity_gib)}")
         for line in lines:
             print(f"  {line}")
+
+
+def capacity_verdict(total_gib: float, capacity_gib: float) -> str:
+    """Whether an estimate fits a GPU of `capacity_gib` with room for what it does not count (`UNCOUNTED_GIB`)."""
+    from megatron.training.memory import UNCOUNTED_GIB, headroom_note
+
+    if total_gib > capacity_gib:
+        return f"does not fit: {total_gib - capacity_gib:.1f} GiB over {capacity_gib:g} GiB"
+    return headroom_note(total_gib, capacity_gib) or (
+        f"fits: leaves {capacity_gib - total_gib:.1f} GiB of {capacity_gib:g} GiB (about {UNCOUNTED_GIB:g} needed"
+        " beyond the estimate)"
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ A layout is [tpN_][ppN_][cpN_]engine[_option...] ("1gpu" alone: one GPU, no engi
 
     dp2_distopt_tpamax     two data-parallel ranks, the distributed optimizer, amax reduced over TP only
     tp2_fsdp2              tensor parallelism over two GPUs, each piece sharded by FSDP2 over two data-parallel ranks
+    tp2_dp4_fsdp2          ... over four data-parallel ranks (an FSDP engine's dpN: N other than two)
 
 Any composition parses (`config`, `layout`); CONFIGS and LAYOUTS hold the catalogue that runs by default or is
 named in the docs. A few older layout names that put the axes in another order stay valid (LAYOUT_ALIASES).
@@ -47,6 +48,12 @@ PRESETS["llama3-8b"] = (
     " --vocab-size 128255"
 )
 PRESETS["llama3-8b-32k"] = PRESETS["llama3-8b"].replace("8192", "32768")
+# The Llama-3-70B shape, one 8-GPU host's worth (docs/benchmarks.md, "Llama-3-70B on one 8-GPU host").
+PRESETS["llama3-70b"] = (
+    "--num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 --num-query-groups 8"
+    " --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1 --global-batch-size 8"
+    " --vocab-size 128255"
+)
 
 # ---- configs: engine x recipe x FP8 options x loss x recomputation ----
 
@@ -217,7 +224,7 @@ MODEL_PARALLEL = {  # axis: flags at size N
 }
 # Data-parallel engines. `dpN` is DDP over N ranks and `distopt` the distributed optimizer over the data x context
 # group (their gradient reduction overlapped with the backward wherever there is one); the FSDP engines run on two
-# data-parallel ranks.
+# data-parallel ranks, or N after a `dpN`.
 FSDP_ENGINES = {
     # PyTorch's FSDP2: weights, gradients and states sharded, each layer gathered before use with the next prefetched
     "fsdp2": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer",
@@ -272,7 +279,7 @@ class Layout:
 
     model_parallel: tuple[tuple[str, int], ...] = ()  # ("tp", 2), ("pp", 2), ("cp", 2): in MODEL_PARALLEL's order
     data_parallel: int = 1
-    engine: str = "ddp"  # ddp, distopt or one of FSDP_ENGINES (two data-parallel ranks)
+    engine: str = "ddp"  # ddp, distopt or one of FSDP_ENGINES (two data-parallel ranks unless named)
     options: tuple[str, ...] = ()
 
     @property
@@ -283,6 +290,7 @@ class Layout:
     def name(self) -> str:
         parts = [f"{axis}{size}" for axis, size in self.model_parallel]
         if self.engine in FSDP_ENGINES:
+            parts += [f"dp{self.data_parallel}"] if self.data_parallel != 2 else []
             parts.append(self.engine)
         else:
             parts += [f"dp{self.data_parallel}"] if self.data_parallel > 1 else []
@@ -320,10 +328,12 @@ def layout(name: str) -> Layout:
     while words and (match := _MODEL_PARALLEL_WORD.fullmatch(words[0])):
         model_parallel.append((match.group(1), int(match.group(2))))
         words = words[1:]
-    joined = "_".join(words)
+    named_dp = re.fullmatch(r"dp(\d+)", words[0]) if words else None
+    joined = "_".join(words[1:] if named_dp else words)
     fsdp = max((e for e in FSDP_ENGINES if joined == e or joined.startswith(e + "_")), key=len, default=None)
     if fsdp:
-        engine, data_parallel, words = fsdp, 2, words[len(fsdp.split("_")) :]
+        data_parallel = int(named_dp.group(1)) if named_dp else 2
+        engine, words = fsdp, words[len(fsdp.split("_")) + bool(named_dp) :]
     else:
         if words[:1] == ["1gpu"]:
             words = words[1:]
@@ -336,7 +346,7 @@ def layout(name: str) -> Layout:
         if option is None:
             known = ", ".join([*FSDP_ENGINES, *LAYOUT_OPTIONS, "unitsNm", "bNm"])
             raise ValueError(
-                f"layout {name!r}: unknown part {words[0]!r}; [tpN_][ppN_][cpN_](1gpu|dpN)[_distopt] or an"
+                f"layout {name!r}: unknown part {words[0]!r}; [tpN_][ppN_][cpN_](1gpu|dpN)[_distopt] or [dpN_]an"
                 f" FSDP engine, then options: {known}"
             )
         options.append(option)

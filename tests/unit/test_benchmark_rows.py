@@ -66,3 +66,12 @@ def test_a_config_name_of_no_axes_is_a_one_line_error(name, message):
 def test_a_layout_name_of_no_axes_is_a_one_line_error(name, message):
     with pytest.raises(ValueError, match=message):
         rows.layout(name)
+
+
+def test_an_fsdp_engine_over_other_than_two_data_parallel_ranks_names_them():
+    row = rows.layout("tp2_dp4_fsdp2_o2states")
+    assert (row.gpus, row.data_parallel, row.engine, row.name) == (8, 4, "fsdp2", "tp2_dp4_fsdp2_o2states")
+    assert rows.layout_of("dp8_fsdp2") == (8, rows.FSDP_ENGINES["fsdp2"])
+    assert rows.layout("fsdp2").data_parallel == 2
+    with pytest.raises(ValueError, match="write it as tp2_fsdp2"):
+        rows.layout("tp2_dp2_fsdp2")
