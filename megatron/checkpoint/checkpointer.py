@@ -21,13 +21,14 @@ the state is in place on the device.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from megatron.untrusted import LimitExceeded, parse_json
 
 from .checkpointing import CheckpointError, _log, check_train_state, checkpoint_dir, select_checkpoint
 from .dist import DistCheckpointer
@@ -41,8 +42,8 @@ def folder_format(path: Path) -> str | None:
     info = path / "metadata.json"
     if info.is_file():
         try:
-            fmt = json.loads(info.read_bytes()).get("format", "torch")
-        except (ValueError, AttributeError, OSError):
+            fmt = parse_json(info.read_bytes(), str(info)).get("format", "torch")
+        except (ValueError, AttributeError, OSError, LimitExceeded):
             fmt = None  # damaged: the files below still tell
         if fmt in FORMATS:
             return fmt

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from megatron.errors import UserError
 from megatron.parallel.fsdp.fp8_gather import shards_written
+from megatron.untrusted import LimitExceeded, parse_json
 
 from . import faults
 from .integrity import (
@@ -273,8 +274,8 @@ def read_metadata(folder: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        metadata = json.loads(path.read_bytes())
-    except (OSError, ValueError) as exc:
+        metadata = parse_json(path.read_bytes(), str(path))
+    except (OSError, ValueError, LimitExceeded) as exc:
         raise CheckpointError(f"{path} is damaged (not JSON: {first_line(exc)}): restore the file") from None
     layout = metadata.get("layout") if isinstance(metadata, dict) else None
     if not isinstance(layout, dict) or not all(

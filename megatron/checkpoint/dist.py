@@ -46,6 +46,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from megatron.untrusted import LimitExceeded, parse_json
+
 from .checkpointing import (
     CHECKPOINT_VERSION,
     CheckpointError,
@@ -455,8 +457,8 @@ def _plain(value: Any, key: str, path: Path) -> dict[str, Any]:
     """The `train_state` or `layout` entry: JSON text (or, written before, the dict itself)."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except ValueError:
+            value = parse_json(value, f"{path}: {key}")
+        except (ValueError, LimitExceeded):
             value = None
     if not isinstance(value, dict):
         raise CheckpointError(f"torch_dist checkpoint {path}: its {key} entry is missing or malformed; restore it")

@@ -68,7 +68,8 @@ def test_tiny_parity_pairs_seeds_merges_invocations_and_reports(corpus, tmp_path
         assert all(math.isfinite(loss) for _, loss in run["train"] + run["valid"])
         assert "--full-validation" in run["command"]
     assert runs["local-bf16@seed2"]["seed"] == runs["local-bf16"]["seed"] + 1
-    assert runs["local-bf16+noise"]["command"][-2:] == ["--micro-batch-size", "4"]  # half of the preset's 8
+    noise = runs["local-bf16+noise"]["command"]
+    assert noise[noise.index("--seed") + 2 : noise.index("--seed") + 4] == ["--micro-batch-size", "4"]  # half of 8
     assert runs[bad]["returncode"] == 2 and "--fp8-margin must be >= 0" in runs[bad]["error"]
     for name in good[:3]:  # two parts: iterations 1-3, then 4-6 from the checkpoint
         assert [part["iterations"] for part in runs[name]["parts"]] == [[1, 3], [4, 6]] and not runs[name]["partial"]

@@ -168,3 +168,17 @@ def test_preprocess_reports_json_lines_past_the_limits(tmp_path, monkeypatch):
     text = "\n".join(logged)
     assert f"{source}:2: the line nests JSON 1500 deep" in text
     assert f"{source}:3: {len(lines[2]) + 1:,} bytes long, over the limit of 4,096 for one JSON line" in text
+
+
+def test_a_checkpoints_metadata_json_nested_too_deep_is_no_traceback(tmp_path):
+    from megatron.checkpoint.checkpointer import folder_format
+    from megatron.checkpoint.checkpointing import CheckpointError, read_metadata
+
+    folder = tmp_path / "iter_0000001"
+    folder.mkdir()
+    (folder / "metadata.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert folder_format(folder) is None  # neither format's files: nothing to tell
+    (folder / ".metadata").write_bytes(b"")
+    assert folder_format(folder) == "torch_dist"  # the files still tell
+    with pytest.raises(CheckpointError, match="metadata.json is damaged"):
+        read_metadata(folder)
