@@ -64,6 +64,7 @@ from megatron.perf.step_profile import host_profile, profile, profiled_name, sho
 # what other scripts use of this one (`import benchmark` from a script in scripts/)
 __all__ = [
     "COMMON",
+    "axes_type",
     "CONFIGS",
     "LAYOUTS",
     "PRESETS",
@@ -287,7 +288,7 @@ def environment() -> str:
     return f"{device}, torch {torch.__version__}, Transformer Engine {te}, {time.strftime('%Y-%m-%d')}"
 
 
-def _axes(parse: Callable[[str], object]) -> Callable[[str], str]:
+def axes_type(parse: Callable[[str], object]) -> Callable[[str], str]:
     """An argparse type: a catalogue name, or any other name the axes compose (megatron/perf/rows.py)."""
 
     def check(name: str) -> str:
@@ -311,10 +312,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", nargs="+", default=["llama-1b", "llama-8b-4l"], choices=list(PRESETS))
     default_configs = [c for c in CONFIGS if c not in FSDP_ONLY_CONFIGS]
-    parser.add_argument(
-        "--configs", nargs="+", default=default_configs, type=_axes(parse_config), metavar="CONFIG", help="default: all"
-    )
-    parser.add_argument("--layouts", nargs="+", default=["1gpu"], type=_axes(parse_layout), metavar="LAYOUT")
+    configs = axes_type(parse_config)
+    parser.add_argument("--configs", nargs="+", default=default_configs, type=configs, metavar="CONFIG", help="all")
+    parser.add_argument("--layouts", nargs="+", default=["1gpu"], type=axes_type(parse_layout), metavar="LAYOUT")
     parser.add_argument("--list", action="store_true", help="print the catalogue's configs and layouts, then exit")
     parser.add_argument("--weak-scaling", action="store_true", help="global batch x data-parallel size")
     parser.add_argument("--cuda-graphs", action="store_true", help="TE configs with their layers as CUDA graphs")

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 
+from benchmark import axes_type
+
 from megatron.config import Config, parse_args
 from megatron.data.tokenizers import build_tokenizer, padded_vocab_size
 from megatron.perf.rows import PRESETS, config_flags, layout_of, train_flags
@@ -67,22 +69,11 @@ def estimate(preset: str, config: str, layout: str, extra: str = "") -> tuple[Co
     return cfg, *worst
 
 
-def _named(parse):  # an argparse type: the name if `parse` takes it, its one-line error if not
-    def check(name: str) -> str:
-        try:
-            parse(name)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-        return name
-
-    return check
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("preset", choices=sorted(PRESETS))
-    parser.add_argument("config", type=_named(lambda name: config_flags(name.removesuffix("+graphs"))))
-    parser.add_argument("layouts", nargs="+", type=_named(layout_of))
+    parser.add_argument("config", type=axes_type(lambda name: config_flags(name.removesuffix("+graphs"))))
+    parser.add_argument("layouts", nargs="+", type=axes_type(layout_of))
     parser.add_argument("--extra", default="", help="flags appended to the row's (a recomputation, ...)")
     parser.add_argument(
         "--capacity-gib", type=float, help="a GPU's memory (H200: 139.8): each row says whether it leaves enough"
