@@ -33,6 +33,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _no_trusted_checkpoints(monkeypatch):
+    """--trust-checkpoint sets MEGATRON_TRUST_CHECKPOINT=1 in the process for good (every rank parses its own flags);
+    a test that runs pretrain_gpt.main with it in-process would leave every later test, and the workers they start,
+    loading hostile files the old way. Unset for each test and unset again after it."""
+    monkeypatch.delenv("MEGATRON_TRUST_CHECKPOINT", raising=False)
+
+
 TE_ATTENTION_SWITCHES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
 

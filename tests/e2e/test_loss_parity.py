@@ -75,7 +75,9 @@ def test_tiny_parity_pairs_seeds_merges_invocations_and_reports(corpus, tmp_path
         assert [part["iterations"] for part in runs[name]["parts"]] == [[1, 3], [4, 6]] and not runs[name]["partial"]
 
     table = out.read_text()
-    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| local-")}
+    # the paired table's rows (nine columns; the per-run table below it has six)
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| local-")
+            and line.count("|") == 10}  # fmt: skip
     for name in ["local-bf16+noise", "local-delayed"]:
         cells = [c.strip() for c in rows[name].split("|")[1:-1]]
         assert cells[1:3] == ["local-bf16", "2"] and cells[3].endswith("%") and " .. " in cells[4], cells
