@@ -34,7 +34,8 @@ def test_other_shapes_are_refused_naming_the_flag(tmp_path, fmt, saved, resumed,
 
 
 def test_vocabulary_rows_fit_only_as_two_paddings_of_one_vocabulary():
-    cfg = parse_args(f"{TINY} --hidden-size 8 --tokenizer-type GPT2BPETokenizer --vocab-file v --merge-file m".split())
+    flags = f"{TINY} --hidden-size 8 --tokenizer-type GPT2BPETokenizer --vocab-file v --merge-file m"
+    cfg = parse_args(flags.split(), check_files=False)  # the flags alone: no tokenizer is read
     saved = {"data": {"vocab_size": None, "make_vocab_size_divisible_by": 128}}
     assert vocab_rows_fit(51200, 50304, saved, 8, cfg)  # 50257 tokens under tp 8 and tp 1
     assert vocab_rows_fit(50304, 50304, saved, 1, cfg)

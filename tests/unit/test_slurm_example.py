@@ -61,7 +61,7 @@ def test_each_node_launches_torchrun_with_the_two_node_variables_and_valid_flags
     # Transformer Engine's layers parse only where TE imports (a GPU): checked with the local ones
     local = ["local" if flag == "transformer_engine" else flag for flag in flags]
     cfg = parse_args(local, world_size=16)
-    assert cfg.data_parallel_size == 16 and cfg.parallel.fsdp and cfg.training.global_batch_size == 128
+    assert cfg.data_parallel_size == 16 and cfg.sharding.fsdp2 and cfg.training.global_batch_size == 128
     assert cfg.logging.log_interval == 1 and cfg.precision.fp8_param_gather
     preset = parse_args(f"{COMMON} {PRESETS['llama3-8b']}".split())
     assert cfg.model == preset.model.__class__(**{**vars(preset.model), "transformer_impl": "local"})
