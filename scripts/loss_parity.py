@@ -36,6 +36,11 @@ a limit ends with everything finished saved. With --checkpoints DIR a run saves 
 (--exit-duration-in-mins), and the next invocation resumes it: one run spans several commands, its record lists
 each part.
 
+--branch-at K: the runs of a seed start from one trunk of that seed, the reference trained to step K once (saved
+under --trunks DIR/RUN, kept for the next invocation), and each trains on from it to --train-iters. The partners
+then share their first K steps bit for bit, and the paired gap is what each precision adds after step K: the
+chaotic drift of the early steps, the largest part of the noise floor, is shared instead of sampled.
+
 Exit status: 0 when every run finished and every configuration passes; 1 when a run failed or a configuration
 fails; 2 when one is unresolved (its interval straddles the tolerance, or it has fewer than two seeds).
 """
@@ -43,20 +48,18 @@ fails; 2 when one is unresolved (its interval straddles the tolerance, or it has
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
-import re
 import shlex
 import sys
-import threading
-import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import benchmark
 import parity_report as report
 from parity_report import parse_run_name, run_name
+from parity_runs import command, finished_with, flag_values, load_results, merge_parts, safe_name, train_all
+
+__all__ = ["command", "finished_with", "flag_values", "merge_parts", "run_name"]  # the tests' names, re-exported
 
 ROOT = benchmark.ROOT
 CONFIGS = benchmark.CONFIGS
@@ -76,6 +79,12 @@ PRESETS = {
     "llama-150m": f"{LLAMA} --num-layers 12 --hidden-size 1024 --ffn-hidden-size 2816 --num-attention-heads 8"
     f" --num-query-groups 2{_GPU} --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 100 --train-iters 600"
     " --eval-interval 100 --eval-iters 1 --log-interval 10",
+    # ~430M parameters for 2000 steps: the larger and longer check of the recommended recipe. Eight sequences a
+    # step keep its 16.4M tokens inside one epoch of the parity corpus; the learning rate is lower for that batch.
+    "llama-400m": f"{LLAMA} --num-layers 24 --hidden-size 1280 --ffn-hidden-size 3456 --num-attention-heads 10"
+    " --num-query-groups 2 --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8"
+    " --global-batch-size 8 --bf16 --lr 1.5e-4 --min-lr 1.5e-5 --lr-warmup-iters 200 --train-iters 2000"
+    " --eval-interval 250 --eval-iters 1 --log-interval 10",
     # CPU smoke test, in fp32 (no --bf16: CPUs emulate bf16 slowly); widths are multiples of 16 for the FP8 GEMMs.
     "tiny": f"{LLAMA} --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4"
     " --num-query-groups 2 --seq-length 64 --max-position-embeddings 64 --micro-batch-size 8 --global-batch-size 16"
@@ -83,10 +92,11 @@ PRESETS = {
     " --log-interval 1",
 }
 PARITY_CORPUS = "parity/parity_text_document"  # under --data-dir: tools/build_parity_corpus.py's output
-PRESET_DATA = {"llama-150m": PARITY_CORPUS, "tiny": None}  # None: the default corpus
+PRESET_DATA = {"llama-150m": PARITY_CORPUS, "llama-400m": PARITY_CORPUS, "tiny": None}  # None: the default corpus
 PARITY_SPLIT = "94,5,1"  # 1.06M validation tokens of the parity corpus
 DEFAULT_CONFIGS = {
     "llama-150m": ["te-delayed", "te-tensorwise", "te-blockwise"],
+    "llama-400m": ["te-delayed"],
     "tiny": ["local-delayed", "local-tensorwise", "local-rowwise", "local-blockwise", "local-mxfp8"],
 }
 OVERRIDES = ["train_iters", "eval_interval", "log_interval"]
@@ -101,9 +111,10 @@ DATA_FLAGS = {
     "--vocab-size": None,
     "--data-cache-path": None,
 }
-MIN_START_S = 60  # --deadline: a run needs at least this long (start-up, a few steps, an evaluation)
 DEFAULT_RESULTS = ROOT / "runs" / "loss_parity" / "results.json"
 DEFAULT_OUT = ROOT / "runs" / "loss_parity" / "report.md"
+DEFAULT_TRUNKS = ROOT / "runs" / "loss_parity" / "trunks"
+TRACKER = "latest_checkpointed_iteration.txt"  # the checkpoint's pointer to its newest complete iteration
 
 
 # ---------------------------------------------------------------------------------------------------------- plan
@@ -111,19 +122,6 @@ DEFAULT_OUT = ROOT / "runs" / "loss_parity" / "report.md"
 
 def is_fp8(config: str) -> bool:
     return "--fp8-format" in CONFIGS[config]
-
-
-def flag_values(flags: list[str]) -> dict[str, str]:
-    """`--a 1 --b --c x y` -> {"--a": "1", "--b": "", "--c": "x y"}; the last occurrence of a flag wins."""
-    values: dict[str, str] = {}
-    key = None
-    for token in flags:
-        if token.startswith("--"):
-            key = token
-            values[key] = ""
-        elif key is not None:
-            values[key] = f"{values[key]} {token}".strip()
-    return values
 
 
 def set_flag(flags: list[str], flag: str, value: str) -> list[str]:
@@ -179,146 +177,50 @@ def run_flags(
     return flags + config_flags.get(name, config_flags.get(run.base, []))
 
 
-def command(flags: list[str], nproc: int = 1) -> list[str]:
-    """One run's launch: this Python, through torchrun on one host for `nproc` processes (GPUs)."""
-    return [*benchmark.launcher(nproc), str(ROOT / "pretrain_gpt.py"), *flags]
+# -------------------------------------------------------------------------------------------------------- branch
 
 
-# ---------------------------------------------------------------------------------------------------------- runs
+def branch_plan(
+    plan: list[tuple[str, list[str]]],
+    args: argparse.Namespace,
+    common: list[str],
+    fp8_extra: list[str],
+    config_flags: dict[str, list[str]],
+) -> tuple[list[tuple[str, list[str]]], dict[str, str]]:
+    """--branch-at K: `plan` with one trunk per seed first (the seed's reference, stopped and saved at step K) and
+    every run loading its seed's trunk; returns it and {run: its trunk}."""
+    trunks: dict[str, list[str]] = {}
+    needs: dict[str, str] = {}
+    branches = []
+    for name, flags in plan:
+        run = parse_run_name(name)
+        reference = run_name(run.reference_base(args.reference), run.seed_index)
+        trunk = run_name(f"{parse_run_name(reference).config}+{report.TRUNK_TAG}", run.seed_index)
+        where = str(args.trunks / safe_name(trunk))
+        if trunk not in trunks:
+            step = str(args.branch_at)
+            trunks[trunk] = run_flags(reference, common, args.seed, fp8_extra, config_flags)
+            trunks[trunk] += ["--exit-interval", step, "--save", where, "--save-interval", step]
+        needs[name] = trunk
+        branches.append((name, [*flags, "--load", where]))
+    return [*trunks.items(), *branches], needs
 
 
-def run_one(
-    name: str, flags: list[str], setup: dict, timeout: float, log_dir: Path, env_line: str, launch: list[str]
-) -> dict:
-    """Train one run (`flags`, then this invocation's `launch` flags) and return its record for the results JSON."""
-    cmd = command(flags, setup.get("nproc_per_node", 1))
-    run = parse_run_name(name)
-
-    def echo(line: str) -> None:  # validations only: a long run stays readable
-        if "validation loss at iteration" in line and "|" in line:
-            print(f"  [{name}] {line.strip().split('|')[0].strip()}: {line.split('|')[1].strip()}", flush=True)
-
-    print(f"{name}: {shlex.join(cmd)}", flush=True)
-    start = time.time()
-    text, code = benchmark.execute([*cmd, *launch], timeout, benchmark.run_env("1gpu"), echo)
-    wall = time.time() - start
-    log_dir.mkdir(parents=True, exist_ok=True)
-    (log_dir / f"{safe_name(name)}.log").write_text(shlex.join([*cmd, *launch]) + "\n" + text)
-    losses = report.parse_losses(text)
-    error = None
-    if code != 0:
-        error = benchmark.failure_reason(text, code)
-    elif not losses["train"]:
-        error = "no iteration lines in the log"
-    last = losses["train"][-1][0] if losses["train"] else 0
-    return {
-        "name": name,
-        "config": run.config,
-        "seed": int(flag_values(flags)["--seed"]),
-        "tag": run.tag,
-        "setup": setup,
-        "command": cmd,
-        "returncode": code,
-        "error": error,
-        **losses,
-        "wall_s": round(wall, 1),
-        "environment": env_line,
-        "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "partial": error is None and last < int(flag_values(flags).get("--train-iters", last)),
-        "parts": [{"iterations": [losses["train"][0][0], last] if losses["train"] else [], "wall_s": round(wall, 1)}],
-    }
+def trunk_saved(flags: list[str], step: int) -> bool:
+    """The trunk these flags save has its checkpoint of `step` on disk."""
+    tracker = Path(flag_values(flags)["--save"]) / TRACKER
+    return tracker.is_file() and tracker.read_text().strip() == str(step)
 
 
-def safe_name(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
-
-
-def merge_parts(earlier: dict[str, Any] | None, record: dict[str, Any]) -> dict[str, Any]:
-    """A resumed run's record: the losses of its earlier parts, then this part's (which win where both logged an
-    iteration), and every part's iterations and wall time."""
-    if not earlier or not earlier.get("partial") or record.get("error"):
-        return record
-    merged = dict(record)
-    for key in ("train", "valid"):
-        points = {int(it): loss for it, loss in earlier.get(key, [])} | {int(it): loss for it, loss in record[key]}
-        merged[key] = [[it, points[it]] for it in sorted(points)]
-    merged["parts"] = earlier.get("parts", []) + record["parts"]
-    merged["wall_s"] = round(sum(part["wall_s"] for part in merged["parts"]), 1)
-    return merged
-
-
-def finished_with(record: dict[str, Any] | None, flags: list[str]) -> bool:
-    """`record` is a finished run of exactly these pretrain_gpt.py flags (wherever the checkout was)."""
-    if not record or record.get("error") or record.get("returncode") != 0 or record.get("partial"):
-        return False
-    cmd = record.get("command", [])
-    script = next((i for i, part in enumerate(cmd) if part.endswith("pretrain_gpt.py")), None)
-    return script is not None and cmd[script + 1 :] == flags
-
-
-def load_results(path: Path) -> dict[str, Any]:
-    if path.exists():
-        results = json.loads(path.read_text())
-        results.setdefault("runs", {})
-        return results
-    return {"runs": {}}
-
-
-def save_results(results: dict[str, Any], path: Path) -> None:
-    """Written to a temporary file and renamed into place: a run killed mid-write leaves the previous file whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(results, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-def train_all(
-    plan: list[tuple[str, list[str]]], setup: dict, args: argparse.Namespace, results: dict, env_line: str
-) -> tuple[list[str], list[str]]:
-    """Train `plan` ([(name, flags)]) --parallel at a time; returns (failed, not started)."""
-    log_dir = args.log_dir or args.results.parent / "logs"
-    deadline = time.monotonic() + args.deadline if args.deadline else math.inf
-    lock, queue = threading.Lock(), list(plan)
-    failed: list[str] = []
-    not_started: list[str] = []
-    unfinished: list[str] = []
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if not queue:
-                    return
-                left = deadline - time.monotonic()
-                if left < MIN_START_S:  # it could not finish: starting it would replace a result by a failure
-                    not_started.extend(name for name, _ in queue)
-                    queue.clear()
-                    return
-                name, flags = queue.pop(0)
-            launch = []
-            if args.checkpoints and math.isfinite(left):  # stop and save in time, to resume in the next command
-                launch = ["--exit-duration-in-mins", str(max(1, int((left - MIN_START_S) // 60)))]
-            record = run_one(name, flags, setup, min(args.timeout, left), log_dir, env_line, launch)
-            with lock:
-                record = merge_parts(results["runs"].get(name), record)
-                results["runs"][name] = record
-                save_results(results, args.results)  # after every run: a killed invocation keeps the finished
-                if record["error"]:
-                    failed.append(name)
-                    print(f"{name}: failed ({record['wall_s']} s): {record['error']}", flush=True)
-                elif record["partial"]:
-                    unfinished.append(name)
-                    print(f"{name}: stopped at {record['train'][-1][0]} to resume from --checkpoints", flush=True)
-                else:
-                    print(f"{name}: done in {record['wall_s']} s, final validation {record['valid'][-1:]}", flush=True)
-
-    threads = [threading.Thread(target=worker) for _ in range(max(1, args.parallel))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if not_started:
-        print(f"--deadline: not started: {' '.join(not_started)}", flush=True)
-    return failed, not_started + unfinished
+def needed_trunks(plan: list[tuple[str, list[str]]], needs: dict[str, str], args: argparse.Namespace) -> list:
+    """`plan` without the trunks that are saved already or that no planned run still needs."""
+    wanted = {needs[name] for name, _ in plan if name in needs}
+    trunks = set(needs.values())
+    return [
+        (name, flags)
+        for name, flags in plan
+        if name not in trunks or (name in wanted and not trunk_saved(flags, args.branch_at))
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------- main
@@ -404,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="save each run under DIR/RUN and resume it from there: with --deadline a run stops and saves in time,"
         " and the next invocation trains it on (one run over several commands)",
     )
+    parser.add_argument("--branch-at", type=int, metavar="K", help="start every run of a seed from its trunk at step K")
+    parser.add_argument("--trunks", type=Path, default=DEFAULT_TRUNKS, help="where --branch-at's trunks are saved")
     parser.add_argument("--rerun", action="store_true", help="train runs that --results holds finished already")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     return parser
@@ -435,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if value < 1:
             parser.error(f"{what} {value}: give 1 or more")
+    if args.branch_at is not None and (args.branch_at < 1 or args.checkpoints):
+        parser.error(f"--branch-at {args.branch_at}: give a step >= 1, and no --checkpoints (a branch loads a trunk)")
     if args.mock_data and args.data_path:
         parser.error("--mock-data and --data-path exclude each other")
     common = shlex.split(args.model) if args.model else PRESETS[preset].split()
@@ -455,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     bases = {parse_run_name(n).base for n in names} | set(names)
     if unknown := set(config_flags) - bases:
         parser.error(f"--config-flags names runs not planned: {', '.join(sorted(unknown))}")
+    iters = int(flag_values(common).get("--train-iters", "0"))
+    if args.branch_at is not None and args.branch_at >= iters:
+        parser.error(f"--branch-at {args.branch_at}: branch before the last step (--train-iters {iters})")
     setup = {"preset": preset or "custom", "flags": shlex.join(common)}
     if args.nproc_per_node > 1:
         setup["nproc_per_node"] = args.nproc_per_node
@@ -463,18 +372,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoints:
         at = {n: str(args.checkpoints / safe_name(n)) for n in names}
         plan = [(n, [*flags, "--save", at[n], "--load", at[n]]) for n, flags in plan]
+    needs: dict[str, str] = {}
+    complete: dict[str, Callable[[], bool]] = {}
+    if args.branch_at:
+        plan, needs = branch_plan(plan, args, common, fp8_extra, config_flags)
+        complete = {n: partial(trunk_saved, flags, args.branch_at) for n, flags in plan if n in needs.values()}
+        setup["branch_at"] = args.branch_at
     if args.dry_run:
         for name, flags in plan:
             print(f"{name}: {shlex.join(command(flags, args.nproc_per_node))}")
         return 0
     results = load_results(args.results)
     if not args.rerun:
-        done = [name for name, flags in plan if finished_with(results["runs"].get(name), flags)]
+        runs = results["runs"]
+        done = [name for name, flags in plan if name not in complete and finished_with(runs.get(name), flags)]
         if done:
             print(f"already in {args.results} with the same flags (--rerun trains them again): {' '.join(done)}")
         plan = [(name, flags) for name, flags in plan if name not in done]
+    plan = needed_trunks(plan, needs, args)
     env_line = benchmark.environment()
-    failed, not_started = train_all(plan, setup, args, results, env_line)
+    failed, not_started = train_all(plan, setup, args, results, env_line, needs, complete)
     table, comparisons = report.write_report(results, args.out, png, args.tolerance, args.reference)
     print(f"\n{env_line}\n\n{table}\n\nresults: {args.results}; report: {args.out}")
     planned = {parse_run_name(n).base for n in names}

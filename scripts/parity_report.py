@@ -31,6 +31,8 @@ import benchmark
 CONFIGS = benchmark.CONFIGS
 NOISE_TAG = "noise"
 """The tag of the reference's noise-floor variant (loss_parity.py gives it its flags)."""
+TRUNK_TAG = "trunk"
+"""The tag of a seed's trunk under --branch-at: the reference's first steps, shared by every run of the seed."""
 
 # Two-sided 95% quantiles of Student's t by degrees of freedom; above 30, the Cornish-Fisher expansion.
 _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131]
@@ -207,7 +209,7 @@ def compare(runs: dict[str, dict[str, Any]], reference: str | None = None) -> li
     for name in sorted(parsed, key=_order):
         run = parsed[name]
         ref_base = run.reference_base(reference)
-        if run.base == ref_base:
+        if run.base == ref_base or run.tag == TRUNK_TAG:
             continue
         comparison = comparisons.setdefault(run.base, Comparison(run.base, ref_base))
         ref_name = run_name(ref_base, run.seed_index)
@@ -368,6 +370,9 @@ def write_report(
     if len(setups) == 1:
         setup = next(runs[n]["setup"] for n in runs if runs[n].get("setup"))
         lines.append(f"Preset `{setup.get('preset')}`; shared flags: `{setup.get('flags', '')}`.")
+        if setup.get("branch_at"):
+            lines.append(f"Every run starts from its seed's trunk (`{TRUNK_TAG}`: the reference) at step"
+                         f" {setup['branch_at']}: the gaps are what each precision adds after it.")  # fmt: skip
     elif setups:
         lines.append(f"Note: the runs have {len(setups)} different shared setups; each row pairs runs of its own.")
     environments = sorted({runs[n].get("environment") for n in runs if runs[n].get("environment")})
