@@ -158,10 +158,10 @@ def train_all(
                     not_started.extend(name for name, _ in queue)
                     queue.clear()
                     break
-                for item in [item for item in queue if needs.get(item[0]) in failed]:
+                for item in [item for item in queue if needs.get(item[0]) in {*failed, *unfinished}]:
                     queue.remove(item)
                     failed.append(item[0])
-                    print(f"{item[0]}: not trained: its trunk {needs[item[0]]} failed", flush=True)
+                    print(f"{item[0]}: not trained: its trunk {needs[item[0]]} did not finish", flush=True)
                 if item := next((item for item in queue if startable(item[0])), None):
                     queue.remove(item)
                     return (*item, left)

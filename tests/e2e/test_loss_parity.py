@@ -90,3 +90,31 @@ def test_tiny_parity_pairs_seeds_merges_invocations_and_reports(corpus, tmp_path
     assert [line for line in again.read_text().splitlines() if line.startswith("|")] == [
         line for line in table.splitlines() if line.startswith("|")
     ]
+
+
+@pytest.mark.slow
+def test_branches_share_their_trunk_bit_for_bit_and_a_second_invocation_trains_nothing(corpus, tmp_path, capsys):
+    """--branch-at on CPU: one trunk, then bf16 and FP8 from it; the bf16 branch logs the losses of the same run
+    trained without a trunk (a resume is exact), and a second invocation finds everything done."""
+    results, trunks = tmp_path / "results.json", tmp_path / "trunks"
+    common = ["--preset", "tiny", "--train-iters", "4", "--eval-interval", "2", *corpus, "--parallel", "2"]
+    common += ["--out", str(tmp_path / "parity.md")]
+    branch = [*common, "--results", str(results), "--branch-at", "2", "--trunks", str(trunks)]
+    assert parity.main([*branch, "--configs", "local-delayed"]) == 2  # one seed: unresolved
+    runs = json.loads(results.read_text())["runs"]
+    assert sorted(runs) == ["local-bf16", "local-bf16+trunk", "local-delayed"]
+    assert [it for it, _ in runs["local-bf16+trunk"]["train"]] == [1, 2]
+    for name in ("local-bf16", "local-delayed"):
+        assert [it for it, _ in runs[name]["train"]] == [3, 4] and [it for it, _ in runs[name]["valid"]] == [4]
+    assert (trunks / "local-bf16_trunk" / parity.TRACKER).read_text().strip() == "2"
+
+    capsys.readouterr()
+    assert parity.main([*branch, "--configs", "local-delayed"]) == 2
+    assert "already in" in capsys.readouterr().out
+    assert json.loads(results.read_text())["runs"] == runs  # nothing trained again, the trunk included
+
+    scratch = tmp_path / "scratch.json"
+    assert parity.main([*common, "--results", str(scratch), "--configs", "local-bf16"]) == 0
+    whole = json.loads(scratch.read_text())["runs"]["local-bf16"]
+    assert whole["train"][:2] == runs["local-bf16+trunk"]["train"] and whole["train"][2:] == runs["local-bf16"]["train"]
+    assert whole["valid"][-1] == runs["local-bf16"]["valid"][-1]
