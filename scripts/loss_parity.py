@@ -37,7 +37,8 @@ a limit ends with everything finished saved. With --checkpoints DIR a run saves 
 each part.
 
 --branch-at K: the runs of a seed start from one trunk of that seed, the reference trained to step K once (saved
-under --trunks DIR/RUN, kept for the next invocation), and each trains on from it to --train-iters. The partners
+under --trunks DIR/RUN, kept for the next invocation), and each trains on from it to --train-iters (with
+--checkpoints, from its own folder there, which starts as links to the trunk's files). The partners
 then share their first K steps bit for bit, and the paired gap is what each precision adds after step K: the
 chaotic drift of the early steps, the largest part of the noise floor, is shared instead of sampled.
 
@@ -57,9 +58,20 @@ from pathlib import Path
 import benchmark
 import parity_report as report
 from parity_report import parse_run_name, run_name
-from parity_runs import command, finished_with, flag_values, load_results, merge_parts, safe_name, train_all
+from parity_runs import (
+    TRACKER,
+    command,
+    finished_with,
+    flag_values,
+    link_trunk,
+    load_results,
+    merge_parts,
+    safe_name,
+    train_all,
+)
 
-__all__ = ["command", "finished_with", "flag_values", "merge_parts", "run_name"]  # the tests' names, re-exported
+# the tests' names, re-exported
+__all__ = ["TRACKER", "command", "finished_with", "flag_values", "merge_parts", "run_name"]
 
 ROOT = benchmark.ROOT
 CONFIGS = benchmark.CONFIGS
@@ -114,7 +126,6 @@ DATA_FLAGS = {
 DEFAULT_RESULTS = ROOT / "runs" / "loss_parity" / "results.json"
 DEFAULT_OUT = ROOT / "runs" / "loss_parity" / "report.md"
 DEFAULT_TRUNKS = ROOT / "runs" / "loss_parity" / "trunks"
-TRACKER = "latest_checkpointed_iteration.txt"  # the checkpoint's pointer to its newest complete iteration
 
 
 # ---------------------------------------------------------------------------------------------------------- plan
@@ -187,8 +198,9 @@ def branch_plan(
     fp8_extra: list[str],
     config_flags: dict[str, list[str]],
 ) -> tuple[list[tuple[str, list[str]]], dict[str, str]]:
-    """--branch-at K: `plan` with one trunk per seed first (the seed's reference, stopped and saved at step K) and
-    every run loading its seed's trunk; returns it and {run: its trunk}."""
+    """--branch-at K: `plan` with one trunk per seed first (the seed's reference, stopped and saved at step K, and
+    resumed from its folder when cut off) and every run loading its seed's trunk, or with --checkpoints its own
+    folder (loss_parity's runs link the trunk into it first); returns it and {run: its trunk}."""
     trunks: dict[str, list[str]] = {}
     needs: dict[str, str] = {}
     branches = []
@@ -200,9 +212,9 @@ def branch_plan(
         if trunk not in trunks:
             step = str(args.branch_at)
             trunks[trunk] = run_flags(reference, common, args.seed, fp8_extra, config_flags)
-            trunks[trunk] += ["--exit-interval", step, "--save", where, "--save-interval", step]
+            trunks[trunk] += ["--exit-interval", step, "--save", where, "--load", where, "--save-interval", step]
         needs[name] = trunk
-        branches.append((name, [*flags, "--load", where]))
+        branches.append((name, flags if args.checkpoints else [*flags, "--load", where]))
     return [*trunks.items(), *branches], needs
 
 
@@ -339,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if value < 1:
             parser.error(f"{what} {value}: give 1 or more")
-    if args.branch_at is not None and (args.branch_at < 1 or args.checkpoints):
-        parser.error(f"--branch-at {args.branch_at}: give a step >= 1, and no --checkpoints (a branch loads a trunk)")
+    if args.branch_at is not None and args.branch_at < 1:
+        parser.error(f"--branch-at {args.branch_at}: give a step >= 1")
     if args.mock_data and args.data_path:
         parser.error("--mock-data and --data-path exclude each other")
     common = shlex.split(args.model) if args.model else PRESETS[preset].split()
@@ -374,9 +386,14 @@ def main(argv: list[str] | None = None) -> int:
         plan = [(n, [*flags, "--save", at[n], "--load", at[n]]) for n, flags in plan]
     needs: dict[str, str] = {}
     complete: dict[str, Callable[[], bool]] = {}
+    setup_first: dict[str, Callable[[], None]] = {}
     if args.branch_at:
         plan, needs = branch_plan(plan, args, common, fp8_extra, config_flags)
         complete = {n: partial(trunk_saved, flags, args.branch_at) for n, flags in plan if n in needs.values()}
+        if args.checkpoints:  # a branch's first part starts from its trunk's files, linked into its own folder
+            trunk_dirs = {n: Path(flag_values(flags)["--save"]) for n, flags in plan if n in complete}
+            setup_first = {n: partial(link_trunk, trunk_dirs[needs[n]], Path(flag_values(f)["--save"]))
+                           for n, f in plan if n in needs}  # fmt: skip
         setup["branch_at"] = args.branch_at
     if args.dry_run:
         for name, flags in plan:
@@ -391,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = [(name, flags) for name, flags in plan if name not in done]
     plan = needed_trunks(plan, needs, args)
     env_line = benchmark.environment()
-    failed, not_started = train_all(plan, setup, args, results, env_line, needs, complete)
+    failed, not_started = train_all(plan, setup, args, results, env_line, needs, complete, setup_first)
     table, comparisons = report.write_report(results, args.out, png, args.tolerance, args.reference)
     print(f"\n{env_line}\n\n{table}\n\nresults: {args.results}; report: {args.out}")
     planned = {parse_run_name(n).base for n in names}

@@ -9,6 +9,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import parity_report as report
 from parity_report import parse_run_name
 
 ROOT = benchmark.ROOT
+TRACKER = "latest_checkpointed_iteration.txt"  # a checkpoint folder's pointer to its newest complete iteration
 MIN_START_S = 60  # --deadline: a run needs at least this long (start-up, a few steps, an evaluation)
 
 
@@ -83,6 +85,28 @@ def run_one(
     }
 
 
+def link_trunk(trunk: Path, folder: Path) -> None:
+    """A branch's checkpoint folder, before its first part: hard links to its trunk's files (copies where the two
+    are on different file systems). The branch's own saves then go beside them and never write into the trunk's
+    files: a save writes new files and renames them into place. A folder with a checkpoint already is left alone."""
+    if (folder / TRACKER).is_file():
+        return
+    for path in sorted(trunk.rglob("*")):
+        if path == trunk / TRACKER:
+            continue
+        target = folder / path.relative_to(trunk)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, target)
+        except OSError:  # another file system
+            shutil.copy2(path, target)
+    if (trunk / TRACKER).is_file():  # last: a folder holding its pointer holds everything it points to
+        shutil.copy2(trunk / TRACKER, folder / TRACKER)
+
+
 def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
@@ -134,11 +158,13 @@ def train_all(
     env_line: str,
     needs: dict[str, str] | None = None,
     complete: dict[str, Callable[[], bool]] | None = None,
+    setup_first: dict[str, Callable[[], None]] | None = None,
 ) -> tuple[list[str], list[str]]:
     """Train `plan` ([(name, flags)]) --parallel at a time, each run after the run `needs` names for it (a trunk it
     starts from, when that is planned); `complete` tells, for a run that does not train to --train-iters, whether
-    it ended where it should. Returns (failed, not started or unfinished)."""
-    needs, complete = needs or {}, complete or {}
+    it ended where it should; `setup_first` prepares a run's folder before it starts. Returns (failed, not started
+    or unfinished)."""
+    needs, complete, setup_first = needs or {}, complete or {}, setup_first or {}
     log_dir = args.log_dir or args.results.parent / "logs"
     deadline = time.monotonic() + args.deadline if args.deadline else math.inf
     ready = threading.Condition()
@@ -175,6 +201,8 @@ def train_all(
             launch = []
             if args.checkpoints and math.isfinite(left):  # stop and save in time, to resume in the next command
                 launch = ["--exit-duration-in-mins", str(max(1, int((left - MIN_START_S) // 60)))]
+            if name in setup_first:
+                setup_first[name]()
             record = run_one(name, flags, setup, min(args.timeout, left), log_dir, env_line, launch)
             if name in complete and record["error"] is None:
                 record["partial"] = not complete[name]()

@@ -93,23 +93,35 @@ def test_tiny_parity_pairs_seeds_merges_invocations_and_reports(corpus, tmp_path
 
 
 @pytest.mark.slow
-def test_branches_share_their_trunk_bit_for_bit_and_a_second_invocation_trains_nothing(corpus, tmp_path, capsys):
-    """--branch-at on CPU: one trunk, then bf16 and FP8 from it; the bf16 branch logs the losses of the same run
-    trained without a trunk (a resume is exact), and a second invocation finds everything done."""
-    results, trunks = tmp_path / "results.json", tmp_path / "trunks"
+def test_branches_share_their_trunk_bit_for_bit_and_resume_over_two_commands(corpus, tmp_path, capsys):
+    """--branch-at on CPU with --checkpoints: one trunk, then bf16 and FP8 from it, each cut off after a step and
+    resumed by the next invocation from its own folder (links to the trunk's files, which stay as they were); the
+    bf16 branch logs the losses of the same run trained whole without a trunk, and a third invocation trains
+    nothing."""
+    results, trunks, ckpt = tmp_path / "results.json", tmp_path / "trunks", tmp_path / "ckpt"
     common = ["--preset", "tiny", "--train-iters", "4", "--eval-interval", "2", *corpus, "--parallel", "2"]
     common += ["--out", str(tmp_path / "parity.md")]
-    branch = [*common, "--results", str(results), "--branch-at", "2", "--trunks", str(trunks)]
-    assert parity.main([*branch, "--configs", "local-delayed"]) == 2  # one seed: unresolved
+    branch = [*common, "--results", str(results), "--branch-at", "2", "--trunks", str(trunks), "--checkpoints"]
+    branch += [str(ckpt), "--configs", "local-delayed"]
+    assert parity.main([*branch, "--extra=--exit-interval 3"]) == 1  # the branches stopped at step 3
+    trunk = trunks / "local-bf16_trunk"
+    assert (trunk / parity.TRACKER).read_text().strip() == "2"
+    trunk_files = {p: p.read_bytes() for p in trunk.rglob("*") if p.is_file()}
     runs = json.loads(results.read_text())["runs"]
-    assert sorted(runs) == ["local-bf16", "local-bf16+trunk", "local-delayed"]
     assert [it for it, _ in runs["local-bf16+trunk"]["train"]] == [1, 2]
+    assert all(
+        runs[n]["partial"] and [it for it, _ in runs[n]["train"]] == [3] for n in ("local-bf16", "local-delayed")
+    )
+
+    assert parity.main(branch) == 2  # one seed: unresolved
+    runs = json.loads(results.read_text())["runs"]
     for name in ("local-bf16", "local-delayed"):
-        assert [it for it, _ in runs[name]["train"]] == [3, 4] and [it for it, _ in runs[name]["valid"]] == [4]
-    assert (trunks / "local-bf16_trunk" / parity.TRACKER).read_text().strip() == "2"
+        assert [part["iterations"] for part in runs[name]["parts"]] == [[3, 3], [4, 4]], runs[name]["parts"]
+        assert not runs[name]["partial"] and [it for it, _ in runs[name]["valid"]] == [3, 4]  # 3: at the cut
+    assert {p: p.read_bytes() for p in trunk.rglob("*") if p.is_file()} == trunk_files
 
     capsys.readouterr()
-    assert parity.main([*branch, "--configs", "local-delayed"]) == 2
+    assert parity.main(branch) == 2
     assert "already in" in capsys.readouterr().out
     assert json.loads(results.read_text())["runs"] == runs  # nothing trained again, the trunk included
 

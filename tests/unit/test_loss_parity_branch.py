@@ -45,6 +45,7 @@ def test_trunks_come_first_and_every_run_of_a_seed_loads_its_own(capsys, tmp_pat
     ]
     trunk = plan["local-bf16+trunk"]
     assert [flag(trunk, f) for f in ("--exit-interval", "--save-interval", "--seed")] == ["3", "3", "1234"]
+    assert flag(trunk, "--save") == flag(trunk, "--load") == str(tmp_path / "local-bf16_trunk")  # a cut trunk resumes
     assert "--fp8-format" not in trunk and flag(plan["local-bf16@seed2+trunk"], "--seed") == "1235"
     for name, flags in plan.items():
         if not name.endswith("+trunk"):
@@ -57,7 +58,6 @@ def test_trunks_come_first_and_every_run_of_a_seed_loads_its_own(capsys, tmp_pat
 def test_branch_errors(capsys):
     for argv, message in [
         (["--branch-at", "0"], "--branch-at 0: give a step >= 1"),
-        (["--branch-at", "2", "--checkpoints", "/tmp/x"], "and no --checkpoints"),
         (["--branch-at", "6"], "branch before the last step (--train-iters 6)"),
     ]:
         with pytest.raises(SystemExit):
