@@ -18,12 +18,12 @@ from megatron.config import Config, parse_args
 from megatron.parallel import ParallelDims
 from megatron.training.memory import (
     estimate_bytes,
+    headroom_line,
     headroom_note,
     in_flight_layers,
     memory_estimate_lines,
     output_wgrad_in_buffer,
 )
-from megatron.training.startup import headroom_line
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 SHAPE = "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2"
