@@ -27,10 +27,10 @@ of the backward, one is (the output layer's, or the last layers'; counted as a b
 FSDP keeps 1/dp of the weights, gradients and moments: fp32 weight shards that are the
 main weights, or with --use-precision-aware-optimizer shards in the training dtype beside 1/dp of its main weights;
 with --fp8-param-gather also the FP8 layers' shards cast to E4M3 for the step's all-gathers (1 byte per element /
-dp, cast once per step and kept: megatron/parallel/fsdp/fp8_gather.py). Those casts are all a step needs of the FP8
-layers' training-dtype shards (--use-precision-aware-optimizer): these are freed from the forward to the optimizer step,
-so they count in the step (`freed_shards`), not before the activations (unless --fp8-stats-interval: a watched step
-keeps them).
+dp, cast once per step and kept: megatron/parallel/fsdp/fp8_gather_scales.py). Those casts are all a step needs of
+the FP8 layers' training-dtype shards (--use-precision-aware-optimizer): these are freed from the forward to the
+optimizer step, so they count in the step (`freed_shards`), not before the activations (unless --fp8-stats-interval:
+a watched step keeps them).
 
 The peak comes at the start of the backward pass, or in the optimizer step, whichever holds more:
 
@@ -135,7 +135,7 @@ def _fp8_gathered_casts(cfg: Config) -> int:
 
 def _fsdp_freed_shards(cfg: Config, fp8_gathered: float, itemsize: int) -> float:
     """Bytes of the `fp8_gathered` parameters' shards FSDP frees from the training forward's cast to the optimizer
-    step (megatron/parallel/fsdp/fp8_gather.py): shards in the training dtype beside the optimizer's main weights
+    step (megatron/parallel/fsdp/fp8_gather_scales.py): shards in the training dtype beside the optimizer's main weights
     (--use-precision-aware-optimizer), unless the FP8 monitor watches steps (a watched step keeps them: the local
     linears count their cast from them)."""
     if cfg.sharding.shards_hold_main_weights or cfg.precision.fp8_stats_interval:
