@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.errors import UserError
-from megatron.parallel.fsdp.fp8_gather import shards_written
+from megatron.parallel.fsdp.fp8_gather_scales import shards_written
 from megatron.untrusted import LimitExceeded, parse_json
 
 from . import faults
@@ -81,7 +81,7 @@ def load_model_state(model: torch.nn.Module, state: dict[str, Any], root: str | 
             f"checkpoint {root} holds Transformer Engine FP8 state in a form TE loads only with"
             f" {TE_UNSAFE_PICKLE_ENV}=1 in the environment: set it if you trust the checkpoint"
         ) from exc
-    shards_written(model)  # FSDP's FP8 all-gathers: scales agreed and shards cast again (parallel/fsdp/fp8_gather.py)
+    shards_written(model)  # FSDP's FP8 all-gathers: scales agreed and shards cast again (fsdp/fp8_gather_scales.py)
 
 
 def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:

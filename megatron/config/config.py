@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import te_rules
 from .base import ConfigError, require
 from .batch_schedule import BatchSchedule, parse_step_schedule
 from .data import DataConfig
@@ -16,9 +14,10 @@ from .model import ModelConfig
 from .optimizer import OptimizerConfig
 from .parallel import ParallelConfig
 from .pipeline_split import accounted_layout, chunk_layer_numbers, layout_stage_counts, stage_layer_numbers
-from .precision import LOCAL_FP8_PARAM_RECIPES, TE_FP8_PARAM_RECIPES, PrecisionConfig
+from .precision import PrecisionConfig
 from .sharding import Sharding, check_meta_device_layers, resolve_sharding, resolved_sharding
 from .training import CheckpointConfig, LoggingConfig, TrainingConfig
+from .transformer_impl import resolve_transformer_impl
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
@@ -110,7 +109,8 @@ class Config:
             " --use-distributed-optimizer or drop the flag",
         )
         self._check_parallel_layout()
-        self._resolve_transformer_impl()  # after the layout: TE's shape rules apply to the tensor-parallel shards
+        resolve_transformer_impl(self)  # after the layout: TE's shape rules apply to the tensor-parallel shards
+        self._check_attention_and_determinism()
         check_meta_device_layers(self)
         if prec.fp8 and self.device_type == "cuda" and not (prec.bf16 or prec.fp16):
             # FP8 GEMMs with fp32 weights would keep fp32 master copies *and* fp32 activations around the FP8 ops:
@@ -307,65 +307,6 @@ class Config:
                 f" {what}",
             )
 
-    def _resolve_transformer_impl(self) -> None:
-        """Default --transformer-impl (TE where it can run, else local, with a note saying why); an explicit
-        transformer_engine that cannot run, or FP8 settings TE cannot express, is a ConfigError."""
-        model, prec = self.model, self.precision
-        if model.transformer_impl is None:
-            if self.device_type != "cuda":
-                reason = "no CUDA device"
-            elif (error := te_rules.te_import_error()) is not None:
-                reason = f"Transformer Engine does not import: {error}"
-            elif prec.fp8 and prec.fp8_recipe not in te_rules.TE_RECIPES:
-                reason = f"--fp8-recipe {prec.fp8_recipe} has no Transformer Engine recipe"
-            else:
-                reason = None
-            model.transformer_impl = "local" if reason else "transformer_engine"
-            self.notes.append(
-                f"--transformer-impl local ({reason})"
-                if reason
-                else "--transformer-impl transformer_engine (CUDA with Transformer Engine; --transformer-impl local"
-                " for the pure-PyTorch layers)"
-            )
-        elif model.transformer_impl == "transformer_engine":
-            require(
-                self.device_type == "cuda",
-                "--transformer-impl transformer_engine needs a CUDA GPU; use --transformer-impl local",
-            )
-            te_rules.require_te()
-        if prec.fp8_param_gather:
-            self._check_fp8_params()
-        require(
-            model.transformer_impl == "transformer_engine" or not prec.fp8_dot_product_attention,
-            "--fp8-dot-product-attention needs --transformer-impl transformer_engine (the local attention runs in"
-            " bf16)",
-        )
-        require(
-            model.transformer_impl == "transformer_engine" or not prec.tp_only_amax_red,
-            "--tp-only-amax-red applies to Transformer Engine's amax reductions; the local FP8 engine reduces its"
-            " amaxes over all tensor x data parallel ranks once per step, which also keeps the replicas' inf/NaN"
-            " step skipping in agreement; drop the flag or add --transformer-impl transformer_engine",
-        )
-        require(
-            model.transformer_impl == "transformer_engine" or not self.parallel.tp_comm_overlap,
-            "--tp-comm-overlap uses Transformer Engine's userbuffers; add --transformer-impl transformer_engine or"
-            " drop the flag",
-        )
-        require(
-            not (self.parallel.tp_comm_overlap and prec.fp8 and prec.fp8_recipe == "blockwise"),
-            "--tp-comm-overlap with --fp8-recipe blockwise: Transformer Engine's userbuffers gather per-tensor or"
-            " MXFP8 FP8 data only; use --fp8-recipe delayed or tensorwise, or drop --tp-comm-overlap",
-        )
-        if self.parallel.tp_comm_overlap and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
-            self.notes.append(
-                "--tp-comm-overlap without CUDA_DEVICE_MAX_CONNECTIONS=1: the GPU may start a GEMM before the"
-                " communication it should overlap (Megatron-LM sets it to 1)"
-            )
-        if model.transformer_impl == "transformer_engine":
-            te_rules.check_te_config(model, self.training.micro_batch_size, prec, self.parallel)
-        self._check_cuda_graphs()
-        self._check_attention_and_determinism()
-
     def _check_attention_and_determinism(self) -> None:
         backend = self.model.attention_backend
         require(
@@ -384,27 +325,6 @@ class Config:
                 not fused_ce,
                 "--deterministic-mode with --cross-entropy-loss-fusion is not bitwise reproducible (Megatron-LM's"
                 " rule); drop one of the two",
-            )
-
-    def _check_fp8_params(self) -> None:
-        """Recipes whose weights can live in FP8 (and be all-gathered as FP8 bytes): see megatron/fp8/params.py."""
-        recipe, te = self.precision.fp8_recipe, self.model.transformer_impl == "transformer_engine"
-        fsdp2 = self.parallel.gradient_engine == "fsdp2"
-        if not te and not fsdp2:  # FSDP keeps no FP8 weights; its rules: sharding.py
-            require(
-                recipe in LOCAL_FP8_PARAM_RECIPES,
-                f"--fp8-param-gather with --fp8-recipe {recipe}: the local engine keeps FP8 weights with one scale"
-                f" per tensor ({', '.join(LOCAL_FP8_PARAM_RECIPES)}); use one of those, --transformer-impl"
-                " transformer_engine for blockwise, FSDP (--use-megatron-fsdp) for every recipe, or drop"
-                " --fp8-param-gather",
-            )
-        elif te and (self.optimizer.use_distributed_optimizer or fsdp2):
-            sharding = "FSDP" if fsdp2 else "--use-distributed-optimizer"
-            require(
-                recipe in TE_FP8_PARAM_RECIPES,
-                f"--fp8-param-gather with {sharding} and --fp8-recipe {recipe}: Transformer Engine's {recipe}"
-                f" weights cannot be all-gathered as FP8 bytes; use --fp8-recipe {'|'.join(TE_FP8_PARAM_RECIPES)}"
-                " (or, under FSDP, --transformer-impl local, which gathers every recipe), or drop --fp8-param-gather",
             )
 
     def _check_context_parallel(self) -> None:
@@ -450,42 +370,6 @@ class Config:
             "--reset-attention-mask with --context-parallel-size > 1: Transformer Engine's context-parallel attention"
             " is causal only; drop --reset-attention-mask or use --attention-backend local",
         )
-
-    def _check_cuda_graphs(self) -> None:
-        if self.training.cuda_graph_impl == "none":
-            return
-        flag = "--cuda-graph-impl transformer_engine"
-        require(
-            self.model.transformer_impl == "transformer_engine",
-            f"{flag} graphs Transformer Engine layers; add --transformer-impl transformer_engine or drop the flag",
-        )
-        require(
-            self.parallel.pipeline_model_parallel_size == 1,
-            f"{flag} needs --pipeline-model-parallel-size 1: the 1F1B schedule keeps several micro-batches in flight"
-            " per layer, and a layer's graph holds one micro-batch's activations",
-        )
-        require(
-            self.model.recompute_granularity is None,
-            f"{flag} with --recompute-granularity: a graphed layer replays its captured backward, which needs the"
-            " activations the recomputation drops; drop one of the two",
-        )
-        require(
-            not self.precision.fp8_stats_interval,
-            f"--fp8-stats-interval observes the layers through hooks, which {flag} does not run; drop one of the two",
-        )
-        require(
-            not (self.precision.fp8_param_gather and self.optimizer.use_distributed_optimizer)
-            or self.data_parallel_size == 1,
-            f"{flag} with --fp8-param-gather and --use-distributed-optimizer: after the FP8 all-gather Transformer"
-            " Engine rebuilds the weights' transposes outside the captured graphs (not yet supported); drop"
-            f" {flag} or --use-distributed-optimizer",
-        )
-        for name in ("reset_position_ids", "reset_attention_mask"):
-            require(
-                not getattr(self.data, name),
-                f"{flag} captures fixed shapes without an attention mask or per-sample positions; drop"
-                f" --{name.replace('_', '-')} or the CUDA graphs",
-            )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form of the sections (what checkpoints and config.json hold)."""

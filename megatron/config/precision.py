@@ -113,6 +113,12 @@ class PrecisionConfig:
         """Whether FP8 is on."""
         return self.fp8_format is not None
 
+    @property
+    def calibration_pass(self) -> bool:
+        """Whether a fresh run starts with delayed scaling's calibration pass (--fp8-calibration; a resumed run
+        reads the scales from its checkpoint)."""
+        return self.fp8 and self.fp8_recipe == "delayed" and self.fp8_calibration
+
     def fp8_layer_numbers(self, num_layers: int) -> list[int]:
         """1-based numbers of the transformer layers whose linears run in FP8 (by global layer number); empty with
         FP8 off. One rule for both engines."""

@@ -246,6 +246,9 @@ class Sharding:
     optimizer's do: under optim_grads, whose gathered weights stay unchanged from the first forward to the last
     micro-batch's backward, without --fp8-param-gather (whose gathered weights are FP8 already). Under
     optim_grads_params each weight is freed after use, and kept casts would be an unsharded FP8 copy of the model."""
+    optimizer_shards: int
+    """How many ranks share the main parameters and Adam states: the data x context parallel ranks under the
+    distributed optimizer and FSDP2, else 1."""
 
     @property
     def fsdp2(self) -> bool:
@@ -277,6 +280,11 @@ def resolved_sharding(cfg: Config) -> Sharding:
             engine == "fsdp2"
             and par.data_parallel_sharding_strategy == "optim_grads"
             and not cfg.precision.fp8_param_gather
+        ),
+        optimizer_shards=(
+            cfg.data_parallel_size * par.context_parallel_size
+            if opt.use_distributed_optimizer or engine == "fsdp2"
+            else 1
         ),
     )
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from megatron.parallel.fsdp.fp8_gather import shards_written
+from megatron.parallel.fsdp.fp8_gather_scales import shards_written
 from megatron.parallel.fsdp.fsdp2 import flat_offset, local_shard, to_empty_keeping_attributes
 
 from .gpt import Stage
@@ -89,5 +89,5 @@ class DeferredInit:
             for name, value in twin.named_buffers():
                 if (target := buffers.get(_model_name(name, layers))) is not None:
                     target.copy_(value)
-        shards_written(model)  # FP8 all-gathers: scales agreed, shards cast from these values (fsdp/fp8_gather.py)
+        shards_written(model)  # FP8 all-gathers: scales agreed, shards cast from these values (fp8_gather_scales.py)
         torch.set_rng_state(self._rng_after)

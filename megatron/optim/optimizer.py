@@ -18,7 +18,7 @@ FP8 bytes (`megatron.fp8.params.quantize_masters`), so with the distributed opti
 Under FSDP (megatron/parallel/fsdp/fsdp2.py) the pieces are each rank's whole local shards: fp32 ones are the main
 weights themselves; bf16 ones (--use-precision-aware-optimizer) get main copies like the distributed optimizer's, and
 those of FP8-gathered weights are freed during the forward and backward and given back here, before the step writes
-them (megatron/parallel/fsdp/fp8_gather.py).
+them (megatron/parallel/fsdp/fp8_gather_scales.py).
 
 With --use-precision-aware-optimizer the main copies and Adam's moments are held in lower precisions by
 `megatron.optim.precision_aware.PrecisionAwareAdamW` (fp16 masters, fp8/fp16/bf16 moments), which updates one
@@ -242,15 +242,15 @@ class MixedPrecisionAdamW:
 
     def restore_freed_shards(self) -> None:
         """After a training pass no step follows (delayed scaling's calibration): FSDP weight shards freed once cast
-        for the FP8 all-gathers (parallel/fsdp/fp8_gather.py) are written again from the main weights they were made
-        from."""
+        for the FP8 all-gathers (parallel/fsdp/fp8_gather_scales.py) are written again from the main weights they were
+        made from."""
         if self.buffers is not None and self.buffers.shards_released():
             self._copy_main_to_model()
 
     def _reclaim_shards(self) -> None:
         """Under FSDP the weight shards its FP8 all-gathers were cast from may be freed since the training forward
-        (parallel/fsdp/fp8_gather.py: not being the main weights, they are written from them, in every element, skipped
-        step or not: `PrecisionAwareAdamW.step`); their storage comes back before any write."""
+        (parallel/fsdp/fp8_gather_scales.py: not being the main weights, they are written from them, in every
+        element, skipped step or not: `PrecisionAwareAdamW.step`); their storage comes back before any write."""
         if self.buffers is not None:
             self.buffers.reclaim_shards()
 

@@ -3,6 +3,8 @@ samples), moved to the device and split for context parallelism; and the end of 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -30,6 +32,20 @@ def build_loader(
         # between a resumed run and an uninterrupted one).
         generator=torch.Generator(),
     )
+
+
+@dataclass(frozen=True)
+class Loaders:
+    """This rank's loaders of any split, the run's loader settings bound once: `loaders(dataset, consumed_samples)`
+    is `build_loader` of `dataset` from sample `consumed_samples` on."""
+
+    micro_batch_size: int
+    num_workers: int
+    dims: ParallelDims
+    device: torch.device
+
+    def __call__(self, dataset: Dataset, consumed_samples: int) -> DataLoader:
+        return build_loader(dataset, consumed_samples, self.micro_batch_size, self.num_workers, self.dims, self.device)
 
 
 def to_device(

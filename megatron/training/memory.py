@@ -27,10 +27,10 @@ of the backward, one is (the output layer's, or the last layers'; counted as a b
 FSDP keeps 1/dp of the weights, gradients and moments: fp32 weight shards that are the
 main weights, or with --use-precision-aware-optimizer shards in the training dtype beside 1/dp of its main weights;
 with --fp8-param-gather also the FP8 layers' shards cast to E4M3 for the step's all-gathers (1 byte per element /
-dp, cast once per step and kept: megatron/parallel/fsdp/fp8_gather.py). Those casts are all a step needs of the FP8
-layers' training-dtype shards (--use-precision-aware-optimizer): these are freed from the forward to the optimizer step,
-so they count in the step (`freed_shards`), not before the activations (unless --fp8-stats-interval: a watched step
-keeps them).
+dp, cast once per step and kept: megatron/parallel/fsdp/fp8_gather_scales.py). Those casts are all a step needs of
+the FP8 layers' training-dtype shards (--use-precision-aware-optimizer): these are freed from the forward to the
+optimizer step, so they count in the step (`freed_shards`), not before the activations (unless --fp8-stats-interval:
+a watched step keeps them).
 
 The peak comes at the start of the backward pass, or in the optimizer step, whichever holds more:
 
@@ -55,8 +55,9 @@ The peak comes at the start of the backward pass, or in the optimizer step, whic
   what one layer keeps in 16 bits beyond its FP8 copies, ~4.5 bytes per s*b*h on Llama shapes with TE), or a tiny
   model.
 
-`estimate_bytes` gives the numbers; `memory_estimate_lines` writes them as the start-of-run log line, and
-`print_peak_memory` the total again beside the measured peak at the end of the run.
+`estimate_bytes` gives the numbers; `memory_estimate_lines` writes them as the start-of-run log line
+(`print_memory_estimate` prints it, with `headroom_note` where the GPU is tight), and `print_peak_memory` the total
+again beside the measured peak at the end of the run.
 """
 
 from __future__ import annotations
@@ -68,11 +69,11 @@ from megatron.config import Config
 from megatron.config.sharding import fsdp_layer_units
 from megatron.model.output_layer import SLICE_BYTES_PER_ELEMENT, chunk_rows
 from megatron.optim.states import state_bytes
+from megatron.parallel import ParallelDims
 from megatron.parallel.fsdp.fp8_gather_axes import AXES_RECIPES
 
 from .activation_memory import calibration_activation_units, recomputed_activation_units
 from .logger import print_rank_0
-from .warmup import needs_calibration
 
 
 def _size(num_bytes: float) -> str:
@@ -91,13 +92,6 @@ def _count(n: int) -> str:
 def _per(num_bytes: float) -> str:
     """Bytes per parameter, three significant digits at most (4, 1.19, 13.2)."""
     return f"{num_bytes:.3g}"
-
-
-def _optimizer_shards(cfg: Config) -> int:
-    """How many ranks share the main parameters and Adam states (the distributed optimizer's data x context parallel
-    size)."""
-    shards = cfg.data_parallel_size * cfg.parallel.context_parallel_size
-    return shards if cfg.optimizer.use_distributed_optimizer or cfg.sharding.fsdp2 else 1
 
 
 def _te(cfg: Config) -> bool:
@@ -126,7 +120,7 @@ def _fsdp_weights_and_grads(cfg: Config, num_params: int, itemsize: int, fp8_gat
     shards that their all-gathers send (1 byte each, 2 under rowwise and mxfp8: `_fp8_gathered_casts`; kept from one
     step's cast to the next). Under tensor parallelism `num_params` is this rank's tensor-parallel piece, which FSDP
     shards over the data (x context) parallel ranks."""
-    dp = _optimizer_shards(cfg)
+    dp = cfg.sharding.optimizer_shards
     shard_bytes = 4 if cfg.sharding.shards_hold_main_weights else itemsize
     casts = fp8_gathered * _fp8_gathered_casts(cfg)
     return (num_params * shard_bytes + casts) / dp, num_params * (2 if cfg.sharding.main_grads_bf16 else 4) / dp
@@ -141,12 +135,12 @@ def _fp8_gathered_casts(cfg: Config) -> int:
 
 def _fsdp_freed_shards(cfg: Config, fp8_gathered: float, itemsize: int) -> float:
     """Bytes of the `fp8_gathered` parameters' shards FSDP frees from the training forward's cast to the optimizer
-    step (megatron/parallel/fsdp/fp8_gather.py): shards in the training dtype beside the optimizer's main weights
+    step (megatron/parallel/fsdp/fp8_gather_scales.py): shards in the training dtype beside the optimizer's main weights
     (--use-precision-aware-optimizer), unless the FP8 monitor watches steps (a watched step keeps them: the local
     linears count their cast from them)."""
     if cfg.sharding.shards_hold_main_weights or cfg.precision.fp8_stats_interval:
         return 0.0
-    return fp8_gathered * itemsize / _optimizer_shards(cfg)
+    return fp8_gathered * itemsize / cfg.sharding.optimizer_shards
 
 
 def _fsdp_buffers(
@@ -189,7 +183,7 @@ def _fsdp_buffers(
         gathered = vocab * itemsize + per_unit * layer * (fp8_bytes if last_fp8 else itemsize)
     unit = max(vocab, per_unit * layer)
     rs = 2 if cfg.sharding.grad_comm_bf16 else 4
-    staging = unit * (itemsize + rs + rs / _optimizer_shards(cfg))
+    staging = unit * (itemsize + rs + rs / cfg.sharding.optimizer_shards)
     return gathered, max(staging - loss_side, 0.0)
 
 
@@ -207,7 +201,7 @@ def _step_bytes(cfg: Config, num_params: int, fp8_params: int) -> float:
     copies of this rank's whole shard at once; the precision-aware optimizer's fused kernel reads them as they are,
     but writes the new main values of FP8 weights into fp32 tensors of this rank's pieces, all allocated before the
     step and cast into the weights after it (`_model_copies`)."""
-    shards = _optimizer_shards(cfg)
+    shards = cfg.sharding.optimizer_shards
     if cfg.optimizer.use_precision_aware_optimizer:
         return 4 * fp8_params / shards
     bf16 = cfg.sharding.main_grads_bf16
@@ -278,7 +272,7 @@ def estimate_bytes(
     itemsize = dtype.itemsize
     weights = fp8_params * 1 + (num_params - fp8_params) * itemsize
     opt, par, m = cfg.optimizer, cfg.parallel, cfg.model
-    shards = _optimizer_shards(cfg)
+    shards = cfg.sharding.optimizer_shards
     # The optimizer keeps a main copy of every parameter as soon as one of them is not fp32 (FP8 ones included).
     has_main_copy = dtype != torch.float32 or fp8_params > 0
     main_params = num_params * state_bytes(opt.main_params_dtype, master=True) / shards if has_main_copy else 0
@@ -327,7 +321,7 @@ def estimate_bytes(
     step = _step_bytes(cfg, num_params, fp8_params) + freed
     calibration = 0.0
     # delayed scaling's calibration pass: a fresh run assumed (a resumed one runs none), none with TE's userbuffers
-    if needs_calibration(cfg, 0) and not (_te(cfg) and par.tp_comm_overlap):
+    if cfg.precision.calibration_pass and not (_te(cfg) and par.tp_comm_overlap):
         # recomputed an FSDP unit at a time where units hold several layers (model/recompute.py)
         together = _layers_per_unit(cfg, layer) if cfg.sharding.fsdp2 else 1
         calibration = calibration_activation_units(cfg, layers, together) * s * b * h * act_scale
@@ -358,7 +352,7 @@ def memory_estimate_lines(
     n = max(num_params, 1)  # bytes per parameter of an empty stage: 0, not a ZeroDivisionError
     high = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     par, opt = cfg.parallel, cfg.optimizer
-    shards = _optimizer_shards(cfg)
+    shards = cfg.sharding.optimizer_shards
     over = f" over {shards} data-parallel ranks" if shards > 1 else ""
     if cfg.sharding.fsdp2:  # the shards; what is gathered counts as a buffer
         weights = (
@@ -429,6 +423,31 @@ def headroom_note(estimate_gib: float, capacity_gib: float) -> str | None:
         f" NCCL's buffers and fragmentation (about {UNCOUNTED_GIB:g} GiB): runs this close have stalled or run out of"
         " memory; recompute more layers (--recompute-num-layers) or shard more"
     )
+
+
+def headroom_line(dims: ParallelDims, estimate_gib: float, capacity_gib: float) -> str | None:
+    """This rank's line of `headroom_note`, if any: each pipeline stage's own estimate (the last stage, with the
+    output layer, is often the tightest), printed once per stage, by its first rank."""
+    if dims.dp_rank or dims.cp_rank or dims.tp_rank or not (note := headroom_note(estimate_gib, capacity_gib)):
+        return None
+    return f"> {note}" if dims.pp == 1 else f"> pipeline stage {dims.pp_rank}: {note}"
+
+
+def print_memory_estimate(
+    cfg: Config, dims: ParallelDims, num_params: int, vocab_size: int, fp8_params: int, device: torch.device
+) -> float:
+    """The start-of-run estimate line of this rank's `num_params` (`fp8_params` of them in FP8), and on a GPU the
+    headroom note; returns the total in GiB (printed again beside the measured peak at the end)."""
+    dtype = cfg.precision.params_dtype
+    estimate = estimate_bytes(cfg, num_params, vocab_size, dtype, pp_rank=dims.pp_rank, fp8_params=fp8_params)
+    for line in memory_estimate_lines(cfg, estimate, num_params, dtype, fp8_params=fp8_params):
+        print_rank_0(f"> {line}")
+    total_gib = estimate["total"] / 2**30
+    if device.type == "cuda":
+        capacity_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        if line := headroom_line(dims, total_gib, capacity_gib):
+            print(line, flush=True)
+    return total_gib
 
 
 def print_peak_memory(device: torch.device, estimate_gib: float) -> None:

@@ -19,7 +19,7 @@ from megatron.parallel import ParallelDims
 from megatron.parallel.pipeline import schedule_line
 
 from .logger import TensorBoardWriter, print_rank_0
-from .memory import estimate_bytes, headroom_note, memory_estimate_lines
+from .memory import print_memory_estimate
 
 
 def print_arguments(cfg: Config) -> None:
@@ -68,30 +68,13 @@ def print_model(
     else:
         print_rank_0(f"> number of parameters: {params:,}")
     fp8_params = sum(p.numel() for p in model.parameters() if is_fp8_param(p))
-    dtype = cfg.precision.params_dtype
-    estimate = estimate_bytes(cfg, params, vocab_size, dtype, pp_rank=dims.pp_rank, fp8_params=fp8_params)
-    for line in memory_estimate_lines(cfg, estimate, params, dtype, fp8_params=fp8_params):
-        print_rank_0(f"> {line}")
     device = next(model.parameters()).device
-    if device.type == "cuda" and (line := headroom_line(dims, estimate["total"] / 2**30, _capacity_gib(device))):
-        print(line, flush=True)
+    estimate_gib = print_memory_estimate(cfg, dims, params, vocab_size, fp8_params, device)
     for line in fp8_lines:
         print_rank_0(f"> fp8: {line}")
     for line in model.describe():
         print_rank_0(f"> {line}")
-    return estimate["total"] / 2**30
-
-
-def headroom_line(dims: ParallelDims, estimate_gib: float, capacity_gib: float) -> str | None:
-    """This rank's line of `memory.headroom_note`, if any: each pipeline stage's own estimate (the last stage, with
-    the output layer, is often the tightest), printed once per stage, by its first rank."""
-    if dims.dp_rank or dims.cp_rank or dims.tp_rank or not (note := headroom_note(estimate_gib, capacity_gib)):
-        return None
-    return f"> {note}" if dims.pp == 1 else f"> pipeline stage {dims.pp_rank}: {note}"
-
-
-def _capacity_gib(device: torch.device) -> float:
-    return torch.cuda.get_device_properties(device).total_memory / 2**30
+    return estimate_gib
 
 
 def config_dir(cfg: Config) -> str | None:

@@ -119,13 +119,6 @@ class Steps:
         dist.all_reduce(total, group=self.dims.pp_group)  # the loss lives on the last stage
         return total
 
-    def _average_over_dp(self, value: torch.Tensor) -> float:
-        if self.dims.dp_cp_group is not None:
-            value = value.clone()
-            dist.all_reduce(value, group=self.dims.dp_cp_group)
-            value /= self.dims.dp_cp
-        return float(value)
-
     def train_step(self, batches: Batches, lr: float | LearningRates, num_micro: int) -> tuple[float, float, bool]:
         """One optimizer step at `lr` over `num_micro` micro-batches; returns (loss, grad norm, whether it was
         applied)."""
@@ -176,8 +169,13 @@ class Steps:
         """Mean loss of `num_micro` micro-batches, averaged over the data-parallel ranks (model in eval mode)."""
         self.model.eval()
         if self.dims.pp > 1:
-            return self._average_over_dp(self.pipeline(batches, num_micro, train=False))
-        total = torch.zeros((), device=self.device)
-        for _ in range(num_micro):
-            total += self.batch_loss(batches).float()
-        return self._average_over_dp(total / num_micro)
+            mean = self.pipeline(batches, num_micro, train=False)  # each micro-batch's loss / num_micro, summed
+        else:
+            mean = torch.zeros((), device=self.device)
+            for _ in range(num_micro):
+                mean += self.batch_loss(batches).float()
+            mean = mean / num_micro
+        if self.dims.dp_cp_group is not None:  # the mean over the data-parallel (x context-parallel) ranks
+            dist.all_reduce(mean, group=self.dims.dp_cp_group)
+            mean /= self.dims.dp_cp
+        return float(mean)

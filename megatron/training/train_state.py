@@ -123,22 +123,36 @@ def restore_schedule(cfg: Config, loaded: dict) -> None:
         )
 
 
-def save_train_state(
-    state: TrainState,
-    checkpointer: Checkpointer,
-    cfg: Config,
-    model: nn.Module,
-    optimizer: MixedPrecisionAdamW,
-    grad_buffers: GradientEngine,
-) -> None:
-    """Save iteration `state.iteration` into --save (the checkpointer logs Megatron-LM's line), unless the weights or
-    optimizer state are not finite."""
-    grad_buffers.wait_for_params()  # overlapped all-gathers of the last update
-    if not checkpoint_is_finite(model, optimizer):  # never write (nor point `latest` at) a NaN state
-        print_rank_0(
-            f"> WARNING: not saving the checkpoint of iteration {state.iteration}: weights or"
-            " optimizer state are not finite; `latest` still names the previous one"
-        )
-        return
-    train_state = {k: getattr(state, k) for k in SAVED} | {"config": cfg.to_dict()}
-    checkpointer.save(cfg.checkpoint.save, state.iteration, train_state)
+class Checkpoints:
+    """--load and --save of the run: `checkpointer` reads and writes the parts (model, optimizer, loss scaler, FP8
+    state) in --ckpt-format, and `state`'s counters go beside them; bound once, so that the loop only says when."""
+
+    def __init__(
+        self,
+        state: TrainState,
+        checkpointer: Checkpointer | None,
+        cfg: Config,
+        model: nn.Module,
+        optimizer: MixedPrecisionAdamW,
+        grad_buffers: GradientEngine,
+    ):
+        self.state, self.checkpointer, self.cfg = state, checkpointer, cfg
+        self.model, self.optimizer, self.grad_buffers = model, optimizer, grad_buffers
+
+    def restore(self) -> bool:
+        """`restore_train_state` from --load: whether a checkpoint was loaded."""
+        return restore_train_state(self.state, self.checkpointer, self.cfg, self.optimizer)
+
+    def save(self) -> None:
+        """Save iteration `state.iteration` into --save (the checkpointer logs Megatron-LM's line), unless the weights
+        or optimizer state are not finite."""
+        state = self.state
+        self.grad_buffers.wait_for_params()  # overlapped all-gathers of the last update
+        if not checkpoint_is_finite(self.model, self.optimizer):  # never write (nor point `latest` at) a NaN state
+            print_rank_0(
+                f"> WARNING: not saving the checkpoint of iteration {state.iteration}: weights or"
+                " optimizer state are not finite; `latest` still names the previous one"
+            )
+            return
+        train_state = {k: getattr(state, k) for k in SAVED} | {"config": self.cfg.to_dict()}
+        self.checkpointer.save(self.cfg.checkpoint.save, state.iteration, train_state)

@@ -4,7 +4,8 @@ Order of construction (each step needs the previous): process groups -> seeds ->
 model -> FP8 state attached to its linears -> optimizer -> checkpoint loaded -> datasets positioned at the
 checkpoint's consumed samples. The trainer calls the parts in that order and runs the loop; each part lives in a
 module named for it: build.py (model, FP8, gradient buffers, optimizer), train_state.py (the counters, loaded and
-saved with checkpoints), data_loading.py (batches), steps.py (a step's and evaluation's passes), warmup.py
+saved with checkpoints), data_loading.py (batches), steps.py (a step's and evaluation's passes), evaluation.py
+(which samples an evaluation reads, its loss and line), warmup.py
 (calibration and CUDA graphs before the first step), startup.py (the start-of-run lines), startup_times.py (where
 the start-up's seconds go), progress.py (the progress and validation lines), runtime.py (gc, exit conditions,
 timers, profiler), guards.py (divergence, spikes, lost ranks), shutdown.py (what was started, stopped in order on
@@ -19,7 +20,6 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
 
 from megatron.checkpoint import Checkpointer
 from megatron.checkpoint.save_folder import check_save_folder
@@ -39,8 +39,9 @@ from .build import (
     point_fp8_weights_at_their_casts,
     set_seed,
 )
-from .data_loading import build_loader, close_loader
+from .data_loading import Loaders, close_loader
 from .determinism import apply_deterministic_mode
+from .evaluation import Evaluation
 from .guards import RunGuards, guard_collectives
 from .logger import TensorBoardWriter, print_rank_0
 from .memory import print_peak_memory
@@ -51,8 +52,8 @@ from .startup import outputs_line, print_arguments, print_layout, print_model, w
 from .startup_times import CHECKPOINT_LOADED, DATA_ITERATORS, MODEL_AND_OPTIMIZER, StartupTimes
 from .stats import Stats
 from .steps import Batches, Steps
-from .train_state import TrainState, restore_train_state, save_train_state
-from .warmup import calibrate_fp8, capture_cuda_graphs, needs_calibration
+from .train_state import Checkpoints, TrainState
+from .warmup import calibrate_fp8, capture_cuda_graphs
 
 
 class Trainer:
@@ -90,6 +91,8 @@ class Trainer:
         with self.startup.setup(DATA_ITERATORS, "after dataloaders are built"):
             with self.startup.phase("datasets"):
                 self.datasets = build_datasets(cfg, self.tokenizer, self.vocab_size)
+        # this rank's micro-batches of a split from a sample on (the loop's, evaluation's, and tests')
+        self.loader = Loaders(cfg.training.micro_batch_size, cfg.data.num_workers, dims, self.device)
         self.tensorboard = TensorBoardWriter(cfg.logging.tensorboard_dir)
         self.shutdown.add("the TensorBoard writer", self.tensorboard.close)
         self.runtime = Runtime(cfg, dims.rank, self.device)  # gc, empty cache, exit budget, timers, profiler
@@ -123,6 +126,8 @@ class Trainer:
             runtime=self.runtime,
             tensorboard=self.tensorboard,
         )
+        parts = self.state, self.loader, self.steps, self.runtime, self.progress
+        self.evaluation = Evaluation(cfg.training, cfg.num_micro_batches, *parts)
         print_arguments(cfg)
         print_layout(cfg, dims, self.device, self.stage, self.batch_schedule, self.train_iters)
         fp8_lines = self.fp8.describe() if self.fp8 is not None else []
@@ -130,7 +135,7 @@ class Trainer:
             cfg, dims, self.tokenizer.vocab_size, self.vocab_size, self.model, fp8_lines
         )
         write_config(cfg, dims, self.tensorboard)
-        if needs_calibration(cfg, self.state.iteration):
+        if cfg.precision.calibration_pass and self.state.iteration == 0:  # a checkpoint holds the scales
             with self.startup.phase("delayed scaling's calibration pass"):
                 batches = iter(self.loader(self.datasets.train, self.state.consumed_samples))
                 calibrate_fp8(self.steps, batches, self.fp8_monitor)
@@ -163,9 +168,11 @@ class Trainer:
         if cfg.checkpoint.save or cfg.checkpoint.load:
             parts = self.model, self.optimizer, self.loss_scaler, self.fp8, self.fp8_monitor
             self.checkpointer = Checkpointer(cfg, dims, *parts)
+        parts = self.state, self.checkpointer, cfg, self.model, self.optimizer, self.grad_buffers
+        self.checkpoints = Checkpoints(*parts)
         if cfg.checkpoint.load:
             with phase(CHECKPOINT_LOADED):
-                if not restore_train_state(self.state, self.checkpointer, cfg, self.optimizer):
+                if not self.checkpoints.restore():
                     self.startup.relabel(CHECKPOINT_LOADED, "checkpoint looked for (none in --load)")
         # Each step's batch size and learning rate follow the consumed samples (a resumed run: the checkpoint's)
         self.batch_schedule, self.train_iters = BatchSchedule.from_config(cfg), train_iterations(cfg)
@@ -174,44 +181,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ the parts, for the loop and for tests
 
-    def loader(self, dataset: Dataset, consumed_samples: int) -> DataLoader:
-        """This data-parallel rank's micro-batches of `dataset` from sample `consumed_samples` on."""
-        micro_batch_size, workers = self.cfg.training.micro_batch_size, self.cfg.data.num_workers
-        return build_loader(dataset, consumed_samples, micro_batch_size, workers, self.dims, self.device)
-
     def train_step(
         self, batches: Batches, lr: float | LearningRates, num_micro: int | None = None
     ) -> tuple[float, float, bool]:
         """One optimizer step at `lr` over `num_micro` micro-batches (default: those of --global-batch-size);
         returns (loss, grad norm, whether it was applied)."""
         return self.steps.train_step(batches, lr, num_micro or self.cfg.num_micro_batches)
-
-    def evaluate(self, dataset: Dataset | None, split: str = "validation", final: bool = False) -> float | None:
-        """The loss over eval_iters global batches of `dataset`. As in Megatron-LM, validation reads on from
-        `state.consumed_valid_samples` (each evaluation the next samples, a resumed run where the checkpoint
-        stopped), or with --full-validation the whole split from its start, and the test split from its start.
-        `final`: the evaluation after training (its own log line)."""
-        if dataset is None or self.cfg.training.eval_iters == 0:
-            return None
-        train = self.cfg.training
-        full = split == "validation" and train.full_validation
-        iters = len(dataset) // train.global_batch_size if full else train.eval_iters
-        samples = iters * train.global_batch_size
-        start = self.state.consumed_valid_samples if split == "validation" and not full else 0
-        if start + samples > len(dataset):  # more evaluations than the split was sized for (flags changed)
-            print_rank_0(f"> the {split} samples from {start} on are fewer than {samples}: reading from sample 0")
-            start = 0
-        self.runtime.before_evaluation()
-        batches = iter(self.loader(dataset, start))
-        loss = self.steps.evaluation_loss(batches, iters * self.cfg.num_micro_batches)
-        if split == "validation" and not full:
-            self.state.consumed_valid_samples += samples
-        self.runtime.after_evaluation()
-        self.progress.log_validation(self.state.iteration, loss, split, final)
-        return loss
-
-    def save(self) -> None:
-        save_train_state(self.state, self.checkpointer, self.cfg, self.model, self.optimizer, self.grad_buffers)
 
     # ------------------------------------------------------------------ the loop
 
@@ -229,11 +204,11 @@ class Trainer:
             # iteration is evaluated once: where the loop's last iteration is a multiple of --eval-interval, its
             # evaluation was the final one (Megatron-LM evaluates it twice, on other batches, with two values).
             if cfg.checkpoint.save and saved_at != state.iteration:
-                self.save()
+                self.checkpoints.save()
             if cfg.training.eval_iters > 0 and not stopped_early:
                 if state.iteration not in state.valid_losses:
-                    state.valid_losses[state.iteration] = self.evaluate(self.datasets.valid, final=True)
-                self.evaluate(self.datasets.test, "test", final=True)
+                    state.valid_losses[state.iteration] = self.evaluation.run(self.datasets.valid, final=True)
+                self.evaluation.run(self.datasets.test, "test", final=True)
         return state
 
     def _steps(self, batches: Batches) -> tuple[bool, int | None]:
@@ -267,10 +242,10 @@ class Trainer:
             exiting = bool(train_cfg.exit_interval) and state.iteration % train_cfg.exit_interval == 0
             if state.iteration % train_cfg.eval_interval == 0:  # at the loop's last iteration: the final evaluation
                 last = exiting or state.iteration == self.train_iters
-                state.valid_losses[state.iteration] = self.evaluate(self.datasets.valid, final=last)
+                state.valid_losses[state.iteration] = self.evaluation.run(self.datasets.valid, final=last)
             save_interval = cfg.checkpoint.save_interval
             if cfg.checkpoint.save and save_interval and state.iteration % save_interval == 0:
-                self.save()
+                self.checkpoints.save()
                 saved_at = state.iteration
             if exiting:
                 print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval {train_cfg.exit_interval})")

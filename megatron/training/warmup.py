@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from megatron.config import Config
 from megatron.fp8.calibration import calibrate_delayed_scaling
 from megatron.fp8.monitor import Fp8Monitor
 from megatron.model.recompute import every_layer_recomputed
@@ -19,12 +18,6 @@ CALIBRATION_OOM = (
     " recomputed) ran out of GPU memory before the first step: start without it (--no-fp8-calibration), lower"
     " --micro-batch-size or use --fp8-recipe tensorwise"
 )
-
-
-def needs_calibration(cfg: Config, iteration: int) -> bool:
-    """Delayed scaling with --fp8-calibration on a fresh run (a checkpoint holds the scales)."""
-    prec = cfg.precision
-    return prec.fp8 and prec.fp8_recipe == "delayed" and prec.fp8_calibration and iteration == 0
 
 
 def calibrate_fp8(steps: Steps, batches: Batches, monitor: Fp8Monitor | None) -> None:

@@ -115,7 +115,7 @@ def test_async_save_moves_the_pointer_only_when_written(tmp_path, monkeypatch):
     trainer.state.iteration, trainer.state.consumed_samples = 2, 8
     weight = trainer.model.decoder.final_layernorm.weight
     saved_value = weight.detach().clone()
-    trainer.save()
+    trainer.checkpoints.save()
     with torch.no_grad():
         weight.add_(1.0)  # training goes on: the checkpoint holds the state of the save
     assert entered.wait(60)
@@ -140,7 +140,7 @@ def test_async_saves_reuse_their_host_buffers(tmp_path):
     for iteration in (1, 2):
         trainer.train_step(data, 1e-2)
         trainer.state.iteration, trainer.state.consumed_samples = iteration, 4 * iteration
-        trainer.save()
+        trainer.checkpoints.save()
         buffers.append({key: t.data_ptr() for key, t in trainer.checkpointer.saver._stager.buffers.items()})
     trainer.checkpointer.finalize()
     assert latest_iteration(str(ckpt)) == 2 and (ckpt / "iter_0000001").is_dir()

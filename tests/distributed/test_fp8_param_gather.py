@@ -133,7 +133,7 @@ def _run_iters(flags: str, world_size: int) -> list[float]:
         trainer.state.iteration += 1
         trainer.state.consumed_samples += trainer.cfg.training.global_batch_size
         if trainer.cfg.checkpoint.save and trainer.state.iteration % trainer.cfg.checkpoint.save_interval == 0:
-            trainer.save()
+            trainer.checkpoints.save()
     return losses
 
 

@@ -62,7 +62,7 @@ def _fp8_gathered(trainer) -> list[torch.Tensor]:
 def _held_bytes(trainer) -> int:
     """Weights, gradients, main copies and Adam moments this rank holds between steps (the precision-aware
     optimizer's: its encoded tensors, their remainders and block scales); with --fp8-param-gather also the FP8
-    weights' shards cast to E4M3, kept from one step's cast to the next (parallel/fsdp/fp8_gather.py)."""
+    weights' shards cast to E4M3, kept from one step's cast to the next (parallel/fsdp/fp8_gather_scales.py)."""
     opt = trainer.optimizer
     weights = _storage_bytes(shard_data(local_shard(p)) for p in trainer.model.parameters())
     weights += _storage_bytes(p.to_local()._scale.data for p in _fp8_gathered(trainer))

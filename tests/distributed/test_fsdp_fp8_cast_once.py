@@ -1,10 +1,10 @@
 """FSDP with --fp8-param-gather (optim_grads_params, 2 gloo ranks, two micro-batches per rank and step) casts each
-FP8 weight's shard once per optimizer step, when the ranks agree its scale (megatron/parallel/fsdp/fp8_gather.py), and
-never at an all-gather, although each unit is gathered 4 times per step: tensorwise and blockwise (whose shards start
-inside a 128-row block). Every all-gather sends the bytes a cast of the shard made there and then would (the
-uncached path's: same scale, same rounding), pad rows zero, handed to FSDP2 as bf16 (the units' gather dtype), and
-the bytes change from step to step. A checkpoint
-loaded into a model that has already cast its shards for a step makes them cast again from the loaded shards."""
+FP8 weight's shard once per optimizer step, when the ranks agree its scale
+(megatron/parallel/fsdp/fp8_gather_scales.py), and never at an all-gather, although each unit is gathered 4 times
+per step: tensorwise and blockwise (whose shards start inside a 128-row block). Every all-gather sends the bytes a
+cast of the shard made there and then would (the uncached path's: same scale, same rounding), pad rows zero, handed
+to FSDP2 as bf16 (the units' gather dtype), and the bytes change from step to step. A checkpoint loaded into a model
+that has already cast its shards for a step makes them cast again from the loaded shards."""
 
 import torch
 

@@ -1,6 +1,7 @@
 """FSDP with --fp8-param-gather and --use-precision-aware-optimizer (2 gloo ranks, local layers, FP8 emulated): the
 bf16 shards of the FP8-gathered weights are freed once a training forward has cast them for the step's all-gathers,
-and given back when the optimizer step writes the new weights (megatron/parallel/fsdp/fp8_gather.py, `Fp8GatherScales`).
+and given back when the optimizer step writes the new weights (megatron/parallel/fsdp/fp8_gather_scales.py,
+`Fp8GatherScales`).
 
 Storage given back holds whatever the allocator had there: here every reclaimed byte is set to 0xFF (bf16 NaN), so
 that an element the optimizer step did not write shows in the losses. Then:
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from megatron.parallel.fsdp.fp8_gather import Fp8GatherScales, shard_data
+from megatron.parallel.fsdp.fp8_gather import shard_data
+from megatron.parallel.fsdp.fp8_gather_scales import Fp8GatherScales
 from megatron.parallel.fsdp.fsdp2 import local_shard
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 import megatron.parallel.fsdp.te_blockwise_gather as te_blockwise_gather
 from megatron.fp8.formats import E4M3
 from megatron.fp8.quantize import BLOCK_128x128, quantize
-from megatron.parallel.fsdp.fp8_gather import Fp8GatherScales
+from megatron.parallel.fsdp.fp8_gather_scales import Fp8GatherScales
 from megatron.parallel.fsdp.te_blockwise_gather import TeBlockShardWeight, block_grid, te_scale_shape, wrap_te_weight
 from tests.dist_utils import run_distributed
 from tests.unit.test_te_blockwise_gather import Recipe, _weight

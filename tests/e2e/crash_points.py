@@ -129,7 +129,7 @@ def save(trainer: Trainer, root: Path, iteration: int, samples: int, async_save:
     trainer.cfg.checkpoint.save = str(root)
     trainer.cfg.checkpoint.async_save = async_save
     trainer.state.iteration, trainer.state.consumed_samples = iteration, samples
-    trainer.save()
+    trainer.checkpoints.save()
     trainer.checkpointer.finalize()
 
 

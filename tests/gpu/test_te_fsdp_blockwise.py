@@ -24,7 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from megatron.fp8.te_recipe import te_recipe
 from megatron.parallel.fsdp import fsdp2_internals as internals
-from megatron.parallel.fsdp.fp8_gather import Fp8GatherScales
+from megatron.parallel.fsdp.fp8_gather_scales import Fp8GatherScales
 from megatron.parallel.fsdp.te_blockwise_gather import TeBlockShardWeight, block_grid, te_scale_shape, wrap_te_weight
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import DISTOPT, GRADS, PARAMS, _close, _counted, _gather_rows, _gathered_bytes, _run

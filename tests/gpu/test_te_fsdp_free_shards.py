@@ -13,7 +13,7 @@ tests/distributed/test_fsdp_free_shards.py with --transformer-impl transformer_e
 
 import torch
 
-from megatron.parallel.fsdp.fp8_gather import Fp8GatherScales
+from megatron.parallel.fsdp.fp8_gather_scales import Fp8GatherScales
 from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp_free_shards import FLAGS, GRADS, PARAMS, STEPS, _poison_reclaimed_storage, _run
 from tests.distributed.test_parallel_layouts import FP8

@@ -73,6 +73,6 @@ def test_non_finite_state_is_never_saved(tmp_path, capsys):
     trainer.state.iteration = 3
     with torch.no_grad():
         next(trainer.model.parameters())[0] = float("nan")
-    trainer.save()
+    trainer.checkpoints.save()
     assert latest_iteration(str(tmp_path)) == 2 and not (tmp_path / "iter_0000003").exists()
     assert "not saving the checkpoint of iteration 3" in capsys.readouterr().out

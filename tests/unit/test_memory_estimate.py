@@ -18,12 +18,12 @@ from megatron.config import Config, parse_args
 from megatron.parallel import ParallelDims
 from megatron.training.memory import (
     estimate_bytes,
+    headroom_line,
     headroom_note,
     in_flight_layers,
     memory_estimate_lines,
     output_wgrad_in_buffer,
 )
-from megatron.training.startup import headroom_line
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 SHAPE = "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2"
@@ -411,8 +411,8 @@ def test_fsdp_fp8_param_gather(impl, fp8_bytes, recipe):
 @pytest.mark.parametrize("impl", ["transformer_engine", "local"])
 def test_fsdp_fp8_param_gather_frees_the_bf16_shards_until_the_step(impl):
     """--fp8-param-gather with the precision-aware optimizer under FSDP: the 15 FP8 layers' bf16 shards (2 bytes per
-    element, halved) are freed from the forward's cast to the optimizer step (parallel/fsdp/fp8_gather.py): out of the
-    weights held before the activations, into the step, where they come back. Not with fp32 shards (the main
+    element, halved) are freed from the forward's cast to the optimizer step (parallel/fsdp/fp8_gather_scales.py):
+    out of the weights held before the activations, into the step, where they come back. Not with fp32 shards (the main
     weights), nor when the FP8 monitor watches steps (a watched step keeps them)."""
     o2 = "--use-precision-aware-optimizer --main-params-dtype fp16 --exp-avg-dtype fp8 --exp-avg-sq-dtype fp16"
     fsdp = f"--use-megatron-fsdp --fsdp-double-buffer --fp8-param-gather {o2}"

@@ -104,7 +104,7 @@ def test_a_save_failing_on_its_first_file_leaves_no_tmp_folder(tmp_path, monkeyp
     monkeypatch.setattr("megatron.checkpoint.checkpointing.write_new", full)
     trainer.state.iteration = 2
     with pytest.raises(CheckpointError, match=r"\(No space left on device\); no checkpoint was kept") as err:
-        trainer.save()
+        trainer.checkpoints.save()
     assert "\n" not in str(err.value)
     assert sorted(p.name for p in save.iterdir()) == ["config.json"]
 

@@ -17,7 +17,6 @@ from megatron.training.data_loading import build_loader, close_loader
 from megatron.training.logger import TensorBoardWriter
 from megatron.training.progress import Progress
 from megatron.training.train_state import TrainState
-from megatron.training.warmup import needs_calibration
 
 TINY = "--mock-data --vocab-size 128 --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32"
 
@@ -83,13 +82,14 @@ def test_the_progress_line_comes_at_each_log_interval_and_at_the_last_step(capsy
     assert runtime.reports == [(2, 2), (4, 2), (5, 1)]
 
 
-def test_delayed_scaling_is_calibrated_on_a_fresh_run_only():
+def test_only_delayed_scaling_has_a_calibration_pass():
     delayed = parse_args(f"{TINY} --fp8-format hybrid --fp8-recipe delayed".split())
-    assert delayed.precision.fp8_calibration
-    assert needs_calibration(delayed, 0) and not needs_calibration(delayed, 10)
+    assert delayed.precision.fp8_calibration and delayed.precision.calibration_pass
+    off = parse_args(f"{TINY} --fp8-format hybrid --fp8-recipe delayed --no-fp8-calibration".split())
+    assert not off.precision.calibration_pass
     tensorwise = parse_args(f"{TINY} --fp8-format hybrid --fp8-recipe tensorwise".split())
-    assert not needs_calibration(tensorwise, 0)
-    assert not needs_calibration(parse_args(TINY.split()), 0)
+    assert not tensorwise.precision.calibration_pass
+    assert not parse_args(TINY.split()).precision.calibration_pass
 
 
 def test_close_loader_ends_the_worker_processes():

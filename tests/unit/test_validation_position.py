@@ -34,7 +34,7 @@ def _trainer(flags: str, reads: list) -> Trainer:
             reads.append((names[id(dataset)], consumed))
         return loader(dataset, consumed)
 
-    trainer.loader = spy
+    trainer.loader = trainer.evaluation.loader = spy  # the loop's and the evaluations' reads
     return trainer
 
 
@@ -128,4 +128,4 @@ def test_full_validation_reads_the_whole_split_from_its_start_every_time():
     assert reads == [("valid", 0), ("valid", 0), ("test", 0)]  # at 2, and at 4 (the last iteration: the final one)
     assert state.consumed_valid_samples == 0 and valid_len == 4  # mock data: one evaluation's worth
     # The same weights and the same samples: evaluated again, the last iteration gives the same loss.
-    assert trainer.evaluate(trainer.datasets.valid) == state.valid_losses[4]
+    assert trainer.evaluation.run(trainer.datasets.valid) == state.valid_losses[4]

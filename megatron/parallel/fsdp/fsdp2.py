@@ -57,8 +57,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from megatron.config import Config
 from megatron.fp8.linear import Fp8LinearState
-from megatron.parallel.fsdp.fp8_gather import Fp8GatherScales, Fp8ShardWeight, shard_data, wrap_fp8_weight
+from megatron.parallel.fsdp.fp8_gather import Fp8ShardWeight, shard_data, wrap_fp8_weight
 from megatron.parallel.fsdp.fp8_gather_axes import bind_gather_phases, gathers_axes, rerun_in_backward
+from megatron.parallel.fsdp.fp8_gather_scales import Fp8GatherScales
 from megatron.parallel.fsdp.te_blockwise_gather import wrap_te_weight
 
 from ..fp8_reduce import Fp8ReduceStats
