@@ -46,6 +46,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from megatron.model.smooth_swiglu import mark_tensor_parallel_scales
 from megatron.untrusted import LimitExceeded, parse_json
 
 from .checkpointing import (
@@ -104,7 +105,8 @@ class DistCheckpointer:
     # ------------------------------------------------------------------ entries
 
     def _params(self) -> dict[str, nn.Parameter]:
-        return dict(self.model.named_parameters())
+        # Smooth-SwiGLU's scales are buffers split over the tensor-parallel ranks: placed as a parameter would be
+        return {**dict(self.model.named_parameters()), **mark_tensor_parallel_scales(self.model)}  # type: ignore[dict-item]
 
     def _placement(self, name: str, tensor: torch.Tensor, param: nn.Parameter | None) -> Placement:
         return placement(name, tensor, param, self.dims.tp, self.dims.tp_rank)

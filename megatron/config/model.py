@@ -61,6 +61,12 @@ class ModelConfig:
     parameters self_attention.q_layernorm / k_layernorm, as in Megatron-Core."""
     swiglu: bool = False
     """Use a SwiGLU MLP (gate and up projections fused in linear_fc1) instead of GELU."""
+    smooth_swiglu: bool = False
+    """Smooth-SwiGLU (Fishman et al. 2024, docs/fp8.md): scale each channel of the SwiGLU output by a power of two
+    s (from the channel's amax over the previous optimizer step) before linear_fc2 quantizes it, and fold 1/s into
+    linear_fc2's weight columns, so that outlier channels do not set the FP8 scale of that input. The same function
+    (bit for bit in full precision); the scales are kept in checkpoints as linear_fc2.smooth_scale. Needs --swiglu
+    and the local layers (--transformer-impl local)."""
     squared_relu: bool = False
     """Use the squared ReLU activation, relu(x)^2, in the MLP instead of GELU (not with --swiglu)."""
     disable_bias_linear: bool = False
@@ -180,6 +186,7 @@ class ModelConfig:
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
         require(not (self.swiglu and self.squared_relu), "--squared-relu and --swiglu are exclusive: drop one")
+        require(self.swiglu or not self.smooth_swiglu, "--smooth-swiglu scales the SwiGLU output: add --swiglu")
         if self.use_rotary_position_embeddings:
             self.position_embedding_type = "rope"
         if self.apply_query_key_layer_scaling:

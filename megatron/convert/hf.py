@@ -31,7 +31,7 @@ import torch
 from megatron.checkpoint.safe_load import first_line, load_foreign
 from megatron.untrusted import read_json
 
-from .state import ConvertError, FullModel, check_complete, model_config, own_storage
+from .state import ConvertError, FullModel, check_complete, fold_smoothing, model_config, own_storage
 
 INSTALL = "pip install -e .[hf] (transformers, safetensors)"
 
@@ -180,6 +180,7 @@ def _hf_gpt2(full: FullModel) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 def write_hf(full: FullModel, out: Path) -> str:
     """`full` as a Hugging Face model folder in the (empty, temporary) folder `out`; returns the class name."""
     safetensors = _safetensors()
+    full = fold_smoothing(full)
     arch = architecture(full)
     config, tensors = _hf_llama(full) if arch == "llama" else _hf_gpt2(full)
     dtypes = {t.dtype for t in tensors.values()}

@@ -39,7 +39,7 @@ from megatron.config.pipeline_split import stage_layer_numbers
 from megatron.data.tokenizers import padded_vocab_size
 
 from .ours import shard_state
-from .state import FullModel, own_storage, pad_vocab
+from .state import FullModel, fold_smoothing, own_storage, pad_vocab
 
 MLM_CHECKPOINT_VERSION = 3.0
 """Megatron-LM's `checkpoint_version` (3.0 since its query/key/value row order became today's)."""
@@ -247,4 +247,4 @@ def write_mcore(full: FullModel, out: Path, tp: int, pp: int, ckpt_format: str, 
     """`full` as a Megatron-LM checkpoint of `ckpt_format` (torch or torch_dist) for a run at tp x pp."""
     for p in range(pp):  # Megatron-LM splits the layers evenly (ConfigError naming the sizes otherwise)
         stage_layer_numbers(full.model.num_layers, pp, p)
-    WRITERS[ckpt_format](full, out, tp, pp, divisible_by)
+    WRITERS[ckpt_format](fold_smoothing(full), out, tp, pp, divisible_by)

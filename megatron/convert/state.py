@@ -14,6 +14,7 @@ Tensor-parallel layout of this project's (and Megatron-Core's) parameters, by na
     linear_fc1.weight / .bias                       rows split: dim 0; with SwiGLU gate and up each split, so a
                                                     shard is [gate_r; up_r]
     linear_proj.weight, linear_fc2.weight           columns split: dim 1
+    linear_fc2.smooth_scale (--smooth-swiglu)       split: dim 0, as linear_fc2's columns
     everything else (norms, row-parallel biases,    the same on every rank
     position embeddings)
 """
@@ -73,6 +74,8 @@ def partition(name: str, cfg: ModelConfig) -> tuple[int, int] | None:
         return 0, 2 if cfg.swiglu else 1
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return 1, 1
+    if name.endswith("linear_fc2.smooth_scale"):
+        return 0, 1
     return None
 
 
@@ -155,6 +158,8 @@ def expected_names(cfg: ModelConfig) -> list[str]:
             names += [f"{p}{module}.layer_norm_{n}" for n in norm] + [f"{p}{module}.{n}" for n in linear]
         names += [f"{p}self_attention.linear_proj.{n}" for n in linear]
         names += [f"{p}mlp.linear_fc2.{n}" for n in linear]
+        if cfg.smooth_swiglu:
+            names.append(f"{p}mlp.linear_fc2.smooth_scale")
         if cfg.qk_layernorm:
             names += [f"{p}self_attention.{q}_layernorm.{n}" for q in "qk" for n in norm]
     names += [f"decoder.final_layernorm.{n}" for n in norm]
@@ -186,6 +191,7 @@ def check_complete(full: FullModel) -> None:
         "self_attention.linear_proj.weight": (h, heads * d),
         "mlp.linear_fc1.weight": (fc1, h),
         "mlp.linear_fc2.weight": (h, cfg.ffn_hidden_size),
+        "mlp.linear_fc2.smooth_scale": (cfg.ffn_hidden_size,),
     }
     for name in want:
         key = name if name in shapes else name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
@@ -194,3 +200,15 @@ def check_complete(full: FullModel) -> None:
             raise ConvertError(
                 f"{what} in {full.source}: {name} is {list(state[name].shape)}, the model needs {list(shapes[key])}"
             )
+
+
+def fold_smoothing(full: FullModel) -> FullModel:
+    """`full` without its Smooth-SwiGLU scales, for a format whose model has no such op (Hugging Face, Megatron-LM).
+    The fold into the weights is already done: the model divides linear_fc2's stored weight by the scales on the
+    fly and multiplies its input by them (megatron/model/smooth_swiglu.py), so the stored weight is the plain one,
+    and the plain model of the same weights computes the same function."""
+    if not full.model.smooth_swiglu:
+        return full
+    state = {name: t for name, t in full.state.items() if not name.endswith(".smooth_scale")}
+    model = dataclasses.replace(full.model, smooth_swiglu=False)
+    return dataclasses.replace(full, model=model, state=state)

@@ -39,6 +39,7 @@ from megatron.parallel.tensor_parallel import (
 from .grad_accumulation import fuses_wgrad, linear_accumulating_wgrad
 from .init_draws import init_normal
 from .recompute import NormRecompute
+from .smooth_swiglu import smooth
 
 
 def mark_replicated(param: nn.Parameter, tp: TensorParallel) -> None:
@@ -125,7 +126,8 @@ class Linear(nn.Module):
     "row"; `parts`: number of stacked matrices in W sliced separately, 2 for SwiGLU's [gate; up]).
     `fp8` is the FP8 engine's per-layer state (None: high precision; `attach_fp8` takes over the layers that have
     what `megatron.fp8.manager.Fp8Capable` names). `gradient_accumulation_fusion`: the weight gradient goes straight
-    into `weight.main_grad` when it has one (megatron/model/grad_accumulation.py)."""
+    into `weight.main_grad` when it has one (megatron/model/grad_accumulation.py). `smooth_input` (--smooth-swiglu,
+    linear_fc2): y = (x * s) (W / s)^T, s a power of two per input channel (megatron/model/smooth_swiglu.py)."""
 
     gradient_accumulation_fusion = True
 
@@ -140,6 +142,7 @@ class Linear(nn.Module):
         parallel_mode: str | None = None,
         tp: TensorParallel = NO_TP,
         parts: int = 1,
+        smooth_input: bool = False,
     ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -157,6 +160,10 @@ class Linear(nn.Module):
             mark_replicated(self.bias, tp)  # added after the reduction: whole on every rank
         self.init_std = init_std
         self.fp8: Any = None
+        self.smooth_input = smooth_input
+        if smooth_input:  # one per input channel of this rank (row-parallel: its slice of the ffn channels)
+            self.register_buffer("smooth_scale", torch.ones(in_local, dtype=torch.float32))
+            self.register_buffer("smooth_amax", torch.zeros(in_local, dtype=torch.float32), persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -174,12 +181,15 @@ class Linear(nn.Module):
         if column:
             x = gather_from_sp(x, tp.group) if tp.sequence_parallel else copy_to_tp(x, tp.group)
         bias = None if row else self.bias
+        weight = self.weight
+        if self.smooth_input:
+            x, weight = smooth(x, weight, self.smooth_scale, self.smooth_amax, self.training)
         if self.fp8 is not None:
-            y = self.fp8.linear(x, self.weight, bias)
-        elif fuses_wgrad(self.weight, self.gradient_accumulation_fusion) and not is_fp8_param(self.weight):
-            y = linear_accumulating_wgrad(x, self.weight, bias)
+            y = self.fp8.linear(x, weight, bias)
+        elif fuses_wgrad(weight, self.gradient_accumulation_fusion) and not is_fp8_param(weight):
+            y = linear_accumulating_wgrad(x, weight, bias)
         else:
-            y = F.linear(x, self.weight, bias)
+            y = F.linear(x, weight, bias)
         if row:
             y = reduce_scatter_to_sp(y, tp.group) if tp.sequence_parallel else reduce_from_tp(y, tp.group)
             if self.bias is not None:

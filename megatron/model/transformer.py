@@ -43,10 +43,14 @@ def norm_column_linear(
     )
 
 
-def row_linear(cfg: ModelConfig, in_features: int, dtype: torch.dtype | None, tp: TensorParallel) -> Linear:
-    """A row-parallel linear back into the residual stream (linear_proj, linear_fc2), with Megatron's scaled init."""
+def row_linear(
+    cfg: ModelConfig, in_features: int, dtype: torch.dtype | None, tp: TensorParallel, smooth_input: bool = False
+) -> Linear:
+    """A row-parallel linear back into the residual stream (linear_proj, linear_fc2), with Megatron's scaled init;
+    `smooth_input`: --smooth-swiglu's scales on its input (linear_fc2)."""
+    std = init_std_of_output(cfg)
     return Linear(
-        in_features, cfg.hidden_size, cfg.add_bias, init_std_of_output(cfg), dtype, parallel_mode="row", tp=tp
+        in_features, cfg.hidden_size, cfg.add_bias, std, dtype, parallel_mode="row", tp=tp, smooth_input=smooth_input
     )
 
 
@@ -107,7 +111,7 @@ class MLP(nn.Module):
         self.swiglu, self.activation = cfg.swiglu, mlp_activation(cfg)
         fc1_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
         self.linear_fc1 = norm_column_linear(cfg, fc1_out, dtype, tp, parts=2 if cfg.swiglu else 1)
-        self.linear_fc2 = row_linear(cfg, cfg.ffn_hidden_size, dtype, tp)
+        self.linear_fc2 = row_linear(cfg, cfg.ffn_hidden_size, dtype, tp, smooth_input=cfg.smooth_swiglu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)

@@ -1,0 +1,87 @@
+"""Smooth-SwiGLU (Fishman et al. 2024, "Scaling FP8 training to trillion-token LLMs"), --smooth-swiglu.
+
+Over long runs SwiGLU's gate and up weights align and its output grows outlier channels (quadratic in the input);
+under per-tensor FP8 scaling those channels set linear_fc2's input scale and the other channels lose their bits.
+Smooth-SwiGLU scales each channel i of the SwiGLU output h by s_i before the cast and folds 1/s_i into
+linear_fc2's weight columns:
+
+    y = q(h * s) . q(W / s)^T          = h . W^T in exact arithmetic
+    s_i = 2^-ceil(log2 amax_i)         amax_i: max |h_i| over the tokens of the previous optimizer step,
+                                       max-reduced over the data (x context) parallel ranks; clamped to 2^+-14;
+                                       the previous s_i kept where amax_i is 0, inf or NaN; 1 before the first step
+
+Each smoothed channel's values then lie within (-1, 1] (for the statistics the scale came from), so no channel
+dominates the tensor's amax. Because s is a power of two, x * s and W / s are exact in fp32, bf16 and fp16 (the
+clamp keeps fp16 in range): the smoothed model computes the same outputs and gradients as the plain one, bit for
+bit, when FP8 is off, and the weight the optimizer holds is the plain W. So checkpoints hold the plain weight and
+the scales (`linear_fc2.smooth_scale`, a buffer sharded like the weight's columns), and an export needs no fold
+beyond dropping them (megatron/convert/state.py).
+
+Tensor parallelism: linear_fc2 is row-parallel, so each rank holds the scales of its own slice of the channels
+(whole channels: every rank sees all tokens of its channels, with or without sequence parallelism); only the
+data (x context) parallel ranks, which see other tokens of the same channels, reduce their amaxes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+MAX_EXPONENT = 14
+"""|log2 s| at most: fp16's range (2^-14 .. 2^15 normal) keeps x * s and W / s exact there too."""
+
+
+def smooth(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, observe: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x * s, W / s) for a linear's input x [..., K] and weight [N, K]; with `observe` (training) the running
+    per-channel amax of x is raised first. Autograd carries W's gradient back through the division."""
+    if observe:
+        with torch.no_grad():
+            seen = x.detach().abs().amax(dim=tuple(range(x.dim() - 1))).to(amax.dtype)
+            torch.maximum(amax, seen, out=amax)  # NaN propagates: the update below then keeps the old scale
+    return x * scale.to(x.dtype), weight / scale.to(weight.dtype)
+
+
+def scale_from_amax(amax: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """s = 2^-ceil(log2 amax) per channel, clamped to 2^+-MAX_EXPONENT; `previous` where amax is 0 or not finite."""
+    amax = amax.float()
+    exponent = torch.ceil(torch.log2(amax)).clamp(-MAX_EXPONENT, MAX_EXPONENT)
+    valid = torch.isfinite(amax) & (amax > 0)
+    return torch.where(valid, torch.exp2(-exponent), previous.float())
+
+
+def smoothed_linears(model: nn.Module) -> list[nn.Module]:
+    """The linears of `model` with a smoothed input (linear_fc2 of every MLP under --smooth-swiglu), in order."""
+    return [m for m in model.modules() if getattr(m, "smooth_input", False)]
+
+
+@torch.no_grad()
+def update_smoothing(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Once per optimizer step, after its last backward: new scales from the step's amaxes (max-reduced over
+    `group`, the data x context parallel ranks, in one collective), and the amaxes reset."""
+    linears = smoothed_linears(model)
+    if not linears:
+        return
+    amax = torch.cat([linear.smooth_amax.float() for linear in linears])
+    if group is not None and dist.get_world_size(group) > 1:
+        amax = torch.where(torch.isnan(amax), torch.inf, amax)  # a MAX reduction may drop NaN: send it as inf
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    for linear, seen in zip(linears, amax.split([linear.smooth_amax.numel() for linear in linears])):
+        linear.smooth_scale.copy_(scale_from_amax(seen, linear.smooth_scale))
+        linear.smooth_amax.zero_()
+
+
+def mark_tensor_parallel_scales(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{state-dict name: buffer} of the smoothing scales, each marked split over the tensor-parallel ranks along
+    dim 0 as its linear's weight columns are (the attributes a parameter carries; marked at each call, since
+    moving a module to another device or dtype replaces its buffers)."""
+    scales = {}
+    for name, module in model.named_modules():
+        if getattr(module, "smooth_input", False):
+            buffer = module.smooth_scale
+            buffer.tensor_model_parallel, buffer.partition_dim, buffer.partition_stride = True, 0, 1
+            buffer.partition_parts = 1
+            scales[f"{name}.smooth_scale" if name else "smooth_scale"] = buffer
+    return scales
