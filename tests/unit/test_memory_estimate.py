@@ -8,9 +8,6 @@ The output layer's backward adds its weight gradient (128 x 128 x 2 bytes) and i
 2): 65,536 bytes of buffers in bf16, twice that in fp32.
 """
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -24,8 +21,8 @@ from megatron.training.memory import (
     memory_estimate_lines,
     output_wgrad_in_buffer,
 )
+from tests.assets.scripts import load_script
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 SHAPE = "--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2"
 VOCAB = 128
 N = 1_000_000  # parameters on this rank
@@ -455,9 +452,7 @@ def test_memory_estimate_script_builds_the_benchmark_rows():
     """scripts/memory_estimate.py parses a benchmark row as pretrain_gpt.py would and counts its parameters from the
     shapes: llama-1b te-delayed fsdp2 is the configuration and parameter count above; under a pipeline the busiest
     rank's estimate (the first: it holds pp micro-batches in flight)."""
-    spec = importlib.util.spec_from_file_location("memory_estimate", SCRIPTS / "memory_estimate.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("memory_estimate")  # with scripts/ on sys.path, as `python scripts/...` runs it
     cfg, est, (line,) = script.estimate("llama-1b", "te-delayed", "fsdp2")
     expected = llama("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --fsdp-double-buffer")
     assert est == estimate_bytes(expected, L1B_N, L1B_V, torch.bfloat16)
@@ -481,9 +476,7 @@ def test_calibration_pass_recomputes_every_layer_and_fits_under_the_step():
     assert est["calibration"] < est["activations"] + est["buffers"]
     for off in ("--bf16", f"{delayed} --no-fp8-calibration", "--bf16 --fp8-format hybrid --fp8-recipe tensorwise"):
         assert estimate_bytes(parse(off), N, VOCAB, torch.bfloat16)["calibration"] == 0, off
-    spec = importlib.util.spec_from_file_location("memory_estimate", SCRIPTS / "memory_estimate.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("memory_estimate")  # with scripts/ on sys.path, as `python scripts/...` runs it
     _, est, (line,) = script.estimate("llama3-8b", "te-delayed-fp8params", "fsdp2_o2states")
     sbh = 8192 * 4096
     assert est["calibration"] - est["buffers"] < est["activations"] / 4 and est["calibration"] > 32 * 2 * sbh
