@@ -17,8 +17,8 @@ O2_STATES = {
 }
 """What --fp8-optimizer-level O2 sets: MS-AMP's O2 states, and bf16 gradient buffers (MS-AMP keeps weight gradients
 in FP8 from O1 on). The bf16 buffers take 2 bytes per parameter off (6.2 instead of 8.2 at DP=2 on llama-1b) at the
-speed of fp32 ones; over five seeds on llama-150m at DP=2 they ended -0.20% (standard error 0.54%) from fp32 states,
-O2 with fp32 buffers +0.19% (0.56%) (docs/benchmarks.md). fp32 buffers: spell the states out with
+speed of fp32 ones. With FP8 weights on llama-150m, O2 ends +0.005% (95% interval -0.006 .. +0.016%, three seeds)
+from fp32 states and gradient buffers (docs/loss_parity.md). fp32 buffers: spell the states out with
 --use-precision-aware-optimizer and --fp8-grad-reduce instead of the level."""
 
 

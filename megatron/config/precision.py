@@ -87,8 +87,9 @@ class PrecisionConfig:
     fp8_dot_product_attention: bool = False
     """Run attention's batched GEMMs (QK^T and softmax x V, forward and backward) in FP8 as well: Transformer
     Engine's `fp8_dpa` (cuDNN's FP8 fused attention; a beta feature of TE). Attention is about a quarter of an FP8
-    llama-1b step when it stays in bf16. Needs --transformer-impl transformer_engine and --fp8-recipe delayed (the
-    FP8 attention TE runs on Hopper)."""
+    llama-1b step when it stays in bf16. Off by default: on llama-150m it adds +0.25% (95% interval +0.07 .. +0.42%)
+    to FP8 delayed's loss gap, growing over the run (docs/loss_parity.md). Needs --transformer-impl
+    transformer_engine and --fp8-recipe delayed (the FP8 attention TE runs on Hopper)."""
     tp_only_amax_red: bool = False
     """Max-reduce the FP8 amaxes over the tensor-parallel ranks only, not over the data-parallel replicas as well
     (Megatron-LM's flag). Replicas then keep their own activation and gradient scales (their weights', like the
@@ -98,7 +99,9 @@ class PrecisionConfig:
     fp8_first_layer_bf16: bool = option(True, flag="--no-fp8-first-layer-bf16", action="store_false")
     """Keep the first transformer layer out of FP8 (models of two or more layers; the default here, not in
     Megatron-LM). It reads the embeddings, and its FP8 casts carried most of FP8's early loss gap to bf16 (llama-1b,
-    iteration 30: +1.07% with it in FP8, +0.55% without; docs/fp8.md) for under 1% of the step time.
+    iteration 30: +1.07% with it in FP8, +0.55% without; docs/fp8.md). After a shared bf16 trunk of 300 steps on
+    llama-150m, every layer in FP8 costs +0.014% (95% interval +0.009 .. +0.018%), and saves 12% of the step on
+    llama-8b-4l, within noise on llama-1b (docs/loss_parity.md).
     `--no-fp8-first-layer-bf16` runs it in FP8 as Megatron-LM does. --first-last-layers-bf16 overrides this with
     its own counts."""
     first_last_layers_bf16: bool = False
