@@ -36,7 +36,7 @@ a limit ends with everything finished saved. With --checkpoints DIR a run saves 
 (--exit-duration-in-mins), and the next invocation resumes it: one run spans several commands, its record lists
 each part.
 
---branch-at K: the runs of a seed start from one trunk of that seed, the reference trained to step K once (saved
+--branch-at K (default: the preset's, half way; 0: none): the runs of a seed start from one trunk of that seed, the reference trained to step K once (saved
 under --trunks DIR/RUN, kept for the next invocation), and each trains on from it to --train-iters (with
 --checkpoints, from its own folder there, which starts as links to the trunk's files). The partners
 then share their first K steps bit for bit, and the paired gap is what each precision adds after step K: the
@@ -104,6 +104,8 @@ PRESETS = {
     " --log-interval 1",
 }
 PARITY_CORPUS = "parity/parity_text_document"  # under --data-dir: tools/build_parity_corpus.py's output
+# Where each preset's runs branch from their seed's bf16 trunk (docs/loss_parity.md, "Why a trunk"): half way.
+PRESET_BRANCH = {"llama-150m": 300, "llama-400m": 1000}
 PRESET_DATA = {"llama-150m": PARITY_CORPUS, "llama-400m": PARITY_CORPUS, "tiny": None}  # None: the default corpus
 PARITY_SPLIT = "94,5,1"  # 1.06M validation tokens of the parity corpus
 DEFAULT_CONFIGS = {
@@ -318,7 +320,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="save each run under DIR/RUN and resume it from there: with --deadline a run stops and saves in time,"
         " and the next invocation trains it on (one run over several commands)",
     )
-    parser.add_argument("--branch-at", type=int, metavar="K", help="start every run of a seed from its trunk at step K")
+    parser.add_argument(
+        "--branch-at",
+        type=int,
+        metavar="K",
+        help="start every run of a seed from its bf16 trunk at step K (default: the preset's; 0: from step 0)",
+    )
     parser.add_argument("--trunks", type=Path, default=DEFAULT_TRUNKS, help="where --branch-at's trunks are saved")
     parser.add_argument("--rerun", action="store_true", help="train runs that --results holds finished already")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
@@ -351,8 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if value < 1:
             parser.error(f"{what} {value}: give 1 or more")
-    if args.branch_at is not None and args.branch_at < 1:
-        parser.error(f"--branch-at {args.branch_at}: give a step >= 1")
+    if args.branch_at is None:
+        args.branch_at = PRESET_BRANCH.get(preset, 0)
+    if args.branch_at < 0:
+        parser.error(f"--branch-at {args.branch_at}: give a step >= 1, or 0 to train every run from step 0")
     if args.mock_data and args.data_path:
         parser.error("--mock-data and --data-path exclude each other")
     common = shlex.split(args.model) if args.model else PRESETS[preset].split()
@@ -374,8 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(config_flags) - bases:
         parser.error(f"--config-flags names runs not planned: {', '.join(sorted(unknown))}")
     iters = int(flag_values(common).get("--train-iters", "0"))
-    if args.branch_at is not None and args.branch_at >= iters:
-        parser.error(f"--branch-at {args.branch_at}: branch before the last step (--train-iters {iters})")
+    if args.branch_at and args.branch_at >= iters:
+        parser.error(f"--branch-at {args.branch_at}: branch before the last step (--train-iters {iters}), or give 0")
     setup = {"preset": preset or "custom", "flags": shlex.join(common)}
     if args.nproc_per_node > 1:
         setup["nproc_per_node"] = args.nproc_per_node

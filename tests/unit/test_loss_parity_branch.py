@@ -57,12 +57,24 @@ def test_trunks_come_first_and_every_run_of_a_seed_loads_its_own(capsys, tmp_pat
 
 def test_branch_errors(capsys):
     for argv, message in [
-        (["--branch-at", "0"], "--branch-at 0: give a step >= 1"),
+        (["--branch-at", "-1"], "--branch-at -1: give a step >= 1, or 0"),
         (["--branch-at", "6"], "branch before the last step (--train-iters 6)"),
     ]:
         with pytest.raises(SystemExit):
             parity.main([*ARGS, "--configs", "local-delayed", *argv, "--dry-run"])
         assert message in capsys.readouterr().err
+
+
+def test_the_presets_branch_half_way_unless_told(capsys, tmp_path):
+    corpus = tmp_path / "parity"
+    corpus.mkdir()
+    (corpus / "parity_text_document.bin").write_bytes(b"")  # the plan only checks that the corpus is there
+    flags = ["--preset", "llama-150m", "--data-dir", str(tmp_path), "--configs", "te-delayed", "--dry-run"]
+    assert parity.main(flags) == 0
+    plan = capsys.readouterr().out.splitlines()
+    assert plan[0].startswith("te-bf16+trunk: ") and "--exit-interval 300" in plan[0]
+    assert parity.main([*flags, "--branch-at", "0"]) == 0
+    assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines()] == ["te-bf16", "te-delayed"]
 
 
 def test_a_saved_trunk_or_one_no_run_needs_is_not_trained(tmp_path):
