@@ -36,11 +36,12 @@ a limit ends with everything finished saved. With --checkpoints DIR a run saves 
 (--exit-duration-in-mins), and the next invocation resumes it: one run spans several commands, its record lists
 each part.
 
---branch-at K (default: the preset's, half way; 0: none): the runs of a seed start from one trunk of that seed, the reference trained to step K once (saved
-under --trunks DIR/RUN, kept for the next invocation), and each trains on from it to --train-iters (with
---checkpoints, from its own folder there, which starts as links to the trunk's files). The partners
-then share their first K steps bit for bit, and the paired gap is what each precision adds after step K: the
-chaotic drift of the early steps, the largest part of the noise floor, is shared instead of sampled.
+--branch-at K (default: the preset's, half way; 0: none): the runs of a seed start from one trunk of that seed,
+the reference trained to step K once (saved under --trunks DIR/RUN, kept for the next invocation), and each trains
+on from it to --train-iters (with --checkpoints, from its own folder there, which starts as links to the trunk's
+files). The partners then share their first K steps bit for bit, and the paired gap is what each precision adds
+after step K: the chaotic drift of the early steps, the largest part of the noise floor, is shared instead of
+sampled.
 
 Exit status: 0 when every run finished and every configuration passes; 1 when a run failed or a configuration
 fails; 2 when one is unresolved (its interval straddles the tolerance, or it has fewer than two seeds).
