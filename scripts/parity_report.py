@@ -322,6 +322,12 @@ def plot(runs: dict[str, dict[str, Any]], comparisons: list[Comparison], path: P
     for base in sorted({c.reference for c in shown}):
         if valid := _valid(runs.get(base)):
             top.plot(list(valid), list(valid.values()), "k-", lw=1.5, label=base)
+        trunk = runs.get(f"{base.partition('+')[0]}+{TRUNK_TAG}") or {}
+        if trunk.get("valid") and not trunk.get("error"):  # the shared first steps, and where the runs branch
+            its, losses = zip(*trunk["valid"])
+            top.plot(its, losses, "k:", lw=1.5, label=f"{base} trunk (shared)")
+            for axis in (top, bottom):
+                axis.axvline(its[-1], color="gray", ls=":", lw=1)
     magnitudes = [tolerance]
     for i, c in enumerate(shown):
         color, style = colors[i % len(colors)], "--" if c.noise_floor else "-"
