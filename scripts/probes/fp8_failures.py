@@ -325,11 +325,14 @@ def plot(kind: str, injection: Injection, results: dict[str, Result], rows: list
         bottom.semilogy(sorted(spread), [spread[i] for i in sorted(spread)], "o", ms=3, label="scale spread - 1")
     row = next(x for x in rows if x["run"] == "fp8")
     marks = (("flagged", "C1", "flagged"), ("guard", "C2", "guard"), ("departs vs ref fp8", "C3", "departs 1%"))
+    labels: dict[int, list[str]] = {}  # marks on one step share one label
     for key, color, label in marks:
         if row[key]:
             for ax in (top, bottom):
                 ax.axvline(row[key], color=color, ls="--", lw=0.8)
-            top.annotate(label, (row[key], 1.0), xycoords=("data", "axes fraction"), color=color, fontsize=7)
+            labels.setdefault(row[key], []).append(label)
+    for step, names in labels.items():
+        top.annotate(", ".join(names), (step, 1.01), xycoords=("data", "axes fraction"), fontsize=7)
     bottom.set_xlabel("iteration")
     bottom.set_ylabel("injected FP8 run: fc2 input")
     bottom.legend(fontsize=7)
