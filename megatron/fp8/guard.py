@@ -4,6 +4,7 @@ transformer layers to bf16 for the rest of the run (`--fp8-auto-bf16`).
 It reads the monitor's statistics (`--fp8-stats-interval N`): a tensor is *over* on a watched step when
 
     saturated > --fp8-guard-saturation    or    underflow > --fp8-guard-underflow
+    or (delayed scaling over several ranks) its scale differs between the ranks that share it
 
 and the guard acts when a tensor has been over on --fp8-guard-intervals watched steps in a row: it logs the layer,
 the linear, the tensor and the numbers, and, with --fp8-auto-bf16, takes the whole transformer layer out of FP8
@@ -32,15 +33,22 @@ class Fp8Guard:
         self.bf16_layers: list[int] = []
         """Transformer layers moved out of FP8 (in the order they were moved)."""
 
+    def conditions(self, row: Any) -> list[str]:
+        """What makes a row (`Fp8TensorStats`) over on its watched step, e.g. `saturated 0.5% > 0.1%`; empty: none."""
+        over = []
+        if row.saturated > self.saturation:
+            over.append(f"saturated {_pct(row.saturated)} > {_pct(self.saturation)}")
+        if row.underflow > self.underflow:
+            over.append(f"underflow {_pct(row.underflow)} > {_pct(self.underflow)}")
+        if row.scale_spread > 1:  # measured only where the ranks must agree: any disagreement is a broken reduction
+            over.append(f"scales disagree across ranks (x{row.scale_spread:.4g})")
+        return over
+
     def check(self, rows: list[Any]) -> list[str]:
         """Update the streaks with one watched step's rows (`Fp8TensorStats`); the messages of what it did."""
         messages = []
         for row in rows:
-            over = []
-            if row.saturated > self.saturation:
-                over.append(f"saturated {_pct(row.saturated)} > {_pct(self.saturation)}")
-            if row.underflow > self.underflow:
-                over.append(f"underflow {_pct(row.underflow)} > {_pct(self.underflow)}")
+            over = self.conditions(row)
             key = (row.linear, row.tensor)
             streak = self.streaks[key] = self.streaks.get(key, 0) + 1 if over else 0
             if streak < self.intervals or streak % self.intervals:

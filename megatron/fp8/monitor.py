@@ -74,9 +74,12 @@ class Fp8Monitor:
         device: torch.device,
         groups: tuple[dist.ProcessGroup | None, ...] = (),
         pp_group: dist.ProcessGroup | None = None,
+        agreeing: bool = False,
     ):
+        """`agreeing`: every rank of `groups[0]` (the amax group) casts with the same scales (delayed scaling), so
+        their spread over it is measured and any disagreement reported."""
         self.taps, self.interval, self.guard, self.device = taps, interval, guard, device
-        self.groups, self.pp_group = groups, pp_group
+        self.groups, self.pp_group, self.agreeing = groups, pp_group, agreeing
 
     @contextlib.contextmanager
     def watch(self, iteration: int) -> Iterator[Fp8StatsCollector | None]:
@@ -97,8 +100,8 @@ class Fp8Monitor:
     ) -> list[Fp8TensorStats]:
         """Reduce a watched step's statistics, run the guard on this stage's rows, and log everything (the summary
         line and guard messages through `log`, every number through `scalars`). Returns this stage's rows."""
-        for group in self.groups:
-            collector.reduce(group)
+        for i, group in enumerate(self.groups):
+            collector.reduce(group, agreeing=self.agreeing and i == 0)
         rows = collector.rows()
         messages = self.guard.check(rows)
         all_rows, all_messages = rows, messages
@@ -143,4 +146,4 @@ def build_fp8_monitor(cfg: Any, model: nn.Module, manager: Any, dims: Any, devic
     # --tp-only-amax-red narrows the amax group to the tensor-parallel ranks; the statistics still cover the
     # data-parallel replicas, so that they all take the guard's decisions alike
     groups = (dims.amax_group, dims.dp_cp_group) if precision.tp_only_amax_red else (dims.amax_group,)
-    return Fp8Monitor(taps, precision.fp8_stats_interval, guard, device, groups, dims.pp_group)
+    return Fp8Monitor(taps, precision.fp8_stats_interval, guard, device, groups, dims.pp_group, recipe.delayed)

@@ -75,6 +75,9 @@ def test_collector_counts_each_tensor_once_per_step_and_reports_fractions():
     # 2^-20 * 448/3 ~ 1.4e-4 <= 2^-10 flushes: 1 of 4 elements
     assert (row.saturated, row.underflow) == (0.0, 0.25)
     assert collector.counted == {(0, Role.INPUT)}
+    # peak/RMS of the counted tensor: 3 / sqrt((1 + 2^-40 + 9 + 0) / 4)
+    assert row.peak_ratio == pytest.approx(3.0 / (10.0 / 4) ** 0.5)
+    assert row.scale_spread == 1.0  # one process: nothing to disagree with
 
 
 @pytest.mark.parametrize("recipe_name", ["tensorwise", "blockwise"])
@@ -109,10 +112,22 @@ def test_tensorboard_tags_and_summary_line():
     scalars = tensorboard_scalars(rows)
     assert scalars["fp8/layers.1.mlp.linear_fc2/input/saturated"] == 0.02
     assert scalars["fp8/layers.0.self_attention.linear_qkv/grad/underflow"] == 0.3
-    assert len(scalars) == 8
+    assert len(scalars) == 12  # 2 rows x (amax, scale, saturated, underflow, peak_ratio, scale_spread)
     line = summary_line(100, rows)
     assert "saturated: layers.1.mlp.linear_fc2 input 2%" in line
     assert "underflow: layers.0.self_attention.linear_qkv grad 30%" in line
+
+
+def test_scale_disagreement_is_a_guard_condition_and_in_the_summary_line():
+    agreeing = _row()
+    split = Fp8TensorStats("decoder.layers.1.mlp.linear_fc1", 2, Role.INPUT, 10.0, 44.8, 0.0, 0.0, 5.0, 1.25)
+    guard = Fp8Guard(saturation=0.01, underflow=0.5, intervals=1, auto_bf16=False, move_to_bf16=lambda n: None)
+    assert guard.conditions(agreeing) == []
+    assert guard.conditions(split) == ["scales disagree across ranks (x1.25)"]
+    assert "scales disagree" not in summary_line(7, [agreeing])
+    line = summary_line(7, [agreeing, split])
+    assert "scales disagree across ranks: layers.1.mlp.linear_fc1 input x1.25 |" in line
+    assert "peak/rms: layers.1.mlp.linear_fc1 input 5," in line
 
 
 def test_guard_acts_after_the_streak_and_only_then():

@@ -1,0 +1,437 @@
+"""Induced FP8 failures on a tiny Llama (local layers, FP8 delayed scaling emulated on CPU), and when the FP8 monitor,
+the guard and the training loss notice them. Each failure starts at --start (default step 10) of a 30-step run:
+
+    outliers     a few channels of one layer's linear_fc1 gate and up rows scaled by --factor per step for --steps
+                 steps (Fishman et al. 2024): the SwiGLU output of those channels grows by factor^2 a step, so that
+                 linear_fc2's input amax grows by orders of magnitude
+    lr-spike     the learning rate times --factor for --steps steps
+    amax-group   DP=2 on 2 gloo processes: rank 1 reduces one layer's FP8 amaxes over itself alone (the wrong
+                 process group) from --start on, so the replicas' delayed scales disagree
+
+Every run has the seed and data of the uninjected one. Per failure it trains: the uninjected FP8 run (ref), the
+injected FP8 run (monitor on every step, guard naming only), the same with --fp8-auto-bf16 (recovery), the
+uninjected and injected high-precision runs (FP8 off; fp32 on CPU), for outliers the injected run with
+--smooth-swiglu, for lr-spike one with --fp8-guard-intervals 2. It prints, per failure, one table row per FP8 run:
+the first step the monitor flags a tensor (a guard condition over its threshold: the summary line's conditions), the
+first step the guard acts (and with --fp8-auto-bf16 the layers it moved), and the first step whose training loss is
+1% away from the uninjected FP8 run's and from the same run's in high precision.
+--json writes every run's losses and flags, --plot DIR one figure per failure (matplotlib; --replot JSON draws
+them from a --json file), --cost times the monitor's statistics instead. Results: docs/fp8.md, "Induced failures".
+
+The injections are hooks this script installs on a built Trainer (`install`), not flags: tests use them too.
+
+    PYTHONPATH=. python scripts/probes/fp8_failures.py --failures outliers lr-spike amax-group --plot docs/fp8
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron.config import parse_args
+from megatron.data import default_corpus
+from megatron.training import Trainer
+
+# scripts/loss_parity.py's `tiny` preset, without its evaluations: a 2-layer Llama whose second layer runs in FP8
+TINY = (
+    "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear"
+    " --untie-embeddings-and-output-weights --group-query-attention --hidden-dropout 0 --attention-dropout 0"
+    " --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --num-layers 2 --hidden-size 64"
+    " --ffn-hidden-size 128 --num-attention-heads 4 --num-query-groups 2 --seq-length 64"
+    " --max-position-embeddings 64 --micro-batch-size 8 --global-batch-size 16 --lr 3e-3 --min-lr 3e-4"
+    " --lr-warmup-iters 3 --train-iters 30 --eval-iters 0 --log-interval 1000"
+)
+# A margin of 1 (a factor 2 of headroom): at margin 0 the uninjected run's own linear_fc2 input saturates 0.2-0.8%
+# on steps 6-10 (the delayed scale lags the early growth of its amax) and the guard acts at step 8 with no failure
+FP8 = "--fp8-format hybrid --fp8-recipe delayed --fp8-margin 1 --fp8-stats-interval 1"
+DEPARTURE = 0.01
+QUIET = True  # the trainers' own logs off (--verbose: on)
+DEFAULTS = {  # (start, steps, factor) of each failure
+    "outliers": (10, 6, 2.0),
+    "lr-spike": (10, 3, 30.0),
+    "amax-group": (10, 21, 0.0),
+}
+
+
+def data_flags(data_dir: str = "data") -> str:
+    """The default corpus (built on first use) and its tokenizer, as loss_parity's tiny preset trains on."""
+    prefix = default_corpus.prepare(data_dir)
+    return (
+        f"--data-path {prefix} --tokenizer-type GPT2BPETokenizer --vocab-file {default_corpus.VOCAB_FILE}"
+        f" --merge-file {default_corpus.MERGE_FILE}"
+    )
+
+
+@dataclass(frozen=True)
+class Injection:
+    """Failure `kind` over steps [start, start + steps) (1-based iterations), of strength `factor`, in `layer`."""
+
+    kind: str
+    start: int = 10
+    steps: int = 6
+    factor: float = 2.0
+    layer: int = 2
+    channels: tuple[int, ...] = (3, 17, 64, 101)
+
+    def active(self, iteration: int) -> bool:
+        return self.start <= iteration < self.start + self.steps
+
+
+def install(trainer: Trainer, injection: Injection) -> None:
+    """Hook `injection` into `trainer` (before its train()): the trainer's own step and FP8 update, wrapped."""
+    step = trainer.train_step
+    mlp = trainer.model.decoder.layers[injection.layer - 1].mlp
+
+    def injected_step(batches: Any, lrs: Any, num_micro: int | None = None) -> tuple[float, float, bool]:
+        iteration = trainer.state.iteration + 1  # the step about to run
+        if injection.active(iteration):
+            if injection.kind == "outliers":
+                # gate row c and up row c (fc1 is [gate; up]) grow together, as aligned gate/up weights do
+                ffn = mlp.linear_fc2.weight.shape[1]
+                rows = [*injection.channels, *(ffn + c for c in injection.channels)]
+                with torch.no_grad():
+                    mlp.linear_fc1.weight[rows] *= injection.factor
+            elif injection.kind == "lr-spike":
+                lrs = dataclasses.replace(lrs, default=lrs.default * injection.factor)
+                lrs = dataclasses.replace(lrs, decoupled=lrs.decoupled * injection.factor)
+        return step(batches, lrs, num_micro)
+
+    trainer.train_step = injected_step  # type: ignore[method-assign]
+    if injection.kind == "amax-group" and dist.is_initialized() and dist.get_rank() == 1:
+        _reduce_one_layer_alone(trainer, injection)
+
+
+def _reduce_one_layer_alone(trainer: Trainer, injection: Injection) -> None:
+    """From `injection.start` on, this rank's delayed scaling takes the layer's amaxes from its own tensors only: as
+    if their MAX reduction ran over a group of this rank alone. The other layers' stay reduced."""
+    assert trainer.fp8 is not None
+    amax = trainer.fp8.amax
+    rows = [s.index for s in trainer.fp8.states.values() if s.layer_number == injection.layer]
+    local: list[torch.Tensor] = []
+    step, update = amax.step, amax._update_delayed
+
+    def step_alone(group: Any = None) -> bool:
+        local[:] = [amax.seen[rows].clone()] if injection.active(trainer.state.iteration + 1) else []
+        return step(group)
+
+    def update_alone(reduced: torch.Tensor) -> None:
+        if local:
+            reduced = reduced.clone()
+            reduced[rows] = local[0]
+        update(reduced)
+
+    amax.step, amax._update_delayed = step_alone, update_alone  # type: ignore[method-assign]
+
+
+@dataclass
+class Result:
+    """One run: its losses and what the monitor and the guard said, by iteration."""
+
+    name: str
+    losses: dict[int, float] = field(default_factory=dict)
+    flags: dict[int, list[str]] = field(default_factory=dict)
+    """The tensors over a guard condition on each watched step (e.g. `layers.1.mlp.linear_fc2 input saturated`)."""
+    guard: dict[int, list[str]] = field(default_factory=dict)
+    series: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Per-step monitor values of the injected layer's linear_fc2 input (for the plots)."""
+    bf16_layers: list[int] = field(default_factory=list)
+
+
+def train(flags: str, injection: Injection | None, name: str = "", world_size: int = 1, extra: str = "") -> Result:
+    """Train one run in this process (a rank of `world_size`) and record what the monitor reported; `extra` flags
+    come last (and win)."""
+    with contextlib.redirect_stdout(io.StringIO()) if QUIET else contextlib.nullcontext():
+        trainer = Trainer(parse_args(f"{TINY} {flags} {extra}".split(), world_size=world_size))
+    result = Result(name)
+    if injection is not None:
+        install(trainer, injection)
+    monitor = trainer.fp8_monitor
+    if monitor is not None:
+        report = monitor.report
+        guard = monitor.guard
+
+        def recording(collector: Any, iteration: int, log: Callable, scalars: Callable) -> Any:
+            lines: list[str] = []
+            rows = report(collector, iteration, lambda line: (lines.append(line), log(line)), scalars)
+            result.flags[iteration] = [f"{r.describe()} {c}" for r in rows for c in guard.conditions(r)]
+            result.guard[iteration] = [line for line in lines if line.startswith("FP8 guard")]
+            for r in rows:
+                if r.layer_number == (injection.layer if injection else 2) and r.describe().endswith("fc2 input"):
+                    for key in ("saturated", "underflow", "amax", "peak_ratio", "scale_spread"):
+                        result.series.setdefault(key, {})[iteration] = float(getattr(r, key))
+            return rows
+
+        monitor.report = recording  # type: ignore[method-assign]
+    with contextlib.redirect_stdout(io.StringIO()) if QUIET else contextlib.nullcontext():
+        state = trainer.train()
+    result.losses = dict(state.losses)
+    result.bf16_layers = list(monitor.guard.bf16_layers) if monitor is not None else []
+    return result
+
+
+def first(steps: dict[int, list[str]]) -> int | None:
+    return min((i for i, v in steps.items() if v), default=None)
+
+
+def departure(losses: dict[int, float], reference: dict[int, float]) -> int | None:
+    """The first step whose loss is DEPARTURE (relative) away from the reference's."""
+    return next((i for i in sorted(losses) if abs(losses[i] / reference[i] - 1) > DEPARTURE), None)
+
+
+def runs_of(kind: str) -> dict[str, tuple[str, bool]]:
+    """{run: (precision flags, injected)} for a failure."""
+    runs = {
+        "ref fp8": (FP8, False),
+        "ref hp": ("", False),
+        "fp8": (FP8, True),
+        "fp8 auto-bf16": (f"{FP8} --fp8-auto-bf16", True),
+        "hp": ("", True),
+    }
+    if kind == "outliers":
+        runs["fp8 smooth-swiglu"] = (f"{FP8} --smooth-swiglu", True)
+    if kind == "lr-spike":  # the spike's flags last two watched steps: a guard acting on two
+        runs["fp8 auto-bf16, intervals 2"] = (f"{FP8} --fp8-auto-bf16 --fp8-guard-intervals 2", True)
+    if kind == "amax-group":  # FP8 off, the injection does nothing: the injected high-precision run is the reference
+        del runs["hp"]
+    return runs
+
+
+def study(injection: Injection, data: str, world_size: int = 1) -> dict[str, Result]:
+    results = {}
+    for name, (flags, injected) in runs_of(injection.kind).items():
+        results[name] = train(f"{flags} {data}", injection if injected else None, name, world_size)
+    results.setdefault("hp", results["ref hp"])
+    return results
+
+
+def _rank(rank: int, world_size: int, store: str, injection: Injection, data: str, out: str) -> None:
+    os.environ.update(OMP_NUM_THREADS="1", LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
+    results = study(injection, data, world_size)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({k: dataclasses.asdict(v) for k, v in results.items()}, f)
+    dist.destroy_process_group()
+
+
+def study_dp2(injection: Injection, data: str) -> dict[str, Result]:
+    """`study` on 2 gloo processes (data parallel)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.json")
+        args = (2, os.path.join(tmp, "store"), injection, data, out)
+        mp.start_processes(_rank, args=args, nprocs=2, start_method="spawn")
+        with open(out) as f:
+            loaded = json.load(f)
+    return {k: Result(**_int_keys(v)) for k, v in loaded.items()}
+
+
+def _int_keys(value: dict[str, Any]) -> dict[str, Any]:
+    """A Result's fields read back from JSON, whose keys are strings, with integer iterations again."""
+    value = dict(value)
+    for key in ("losses", "flags", "guard"):
+        value[key] = {int(i): v for i, v in value[key].items()}
+    value["series"] = {k: {int(i): x for i, x in s.items()} for k, s in value["series"].items()}
+    return value
+
+
+def timeline(results: dict[str, Result]) -> list[dict[str, Any]]:
+    """Per FP8 run: first flagged step (and what), first guard step (and moved layers), departure from the
+    reference FP8 run and from the same run in high precision, final loss and its gap to both high-precision runs."""
+    ref, ref_hp, hp = results["ref fp8"], results["ref hp"], results["hp"]
+    last = max(ref.losses)
+    rows = []
+    for name, r in results.items():
+        if name in ("ref hp", "hp"):
+            continue
+        flagged, acted = first(r.flags), first(r.guard)
+        rows.append(
+            {
+                "run": name,
+                "flagged": flagged,
+                "what": r.flags[flagged][:2] if flagged else [],
+                "guard": acted,
+                "moved": r.bf16_layers,
+                "departs vs ref fp8": departure(r.losses, ref.losses),
+                "departs vs same in hp": departure(r.losses, hp.losses if name != "ref fp8" else ref_hp.losses),
+                "final": r.losses[last],
+                "final vs ref hp %": 100 * (r.losses[last] / ref_hp.losses[last] - 1),
+                "final vs same in hp %": 100
+                * (r.losses[last] / (hp if name != "ref fp8" else ref_hp).losses[last] - 1),
+            }
+        )
+    rows.append({"run": "hp (injected, FP8 off)", "departs vs ref fp8": departure(hp.losses, ref.losses)})
+    return rows
+
+
+def markdown(kind: str, rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| run | monitor flags | guard acts (moved) | loss departs 1% (vs ref FP8 / vs same in fp32) |"
+        " final vs fp32 ref / same in fp32 |"
+    )
+    lines = [head, "|---|---|---|---|---|"]
+    for r in rows:
+        if "flagged" not in r:
+            lines.append(f"| {r['run']} | | | {r['departs vs ref fp8'] or '-'} | |")
+            continue
+        what = "; ".join(r["what"])
+        moved = f" ({', '.join(map(str, r['moved']))})" if r["moved"] else ""
+        lines.append(
+            f"| {r['run']} | {r['flagged'] or '-'}{f' ({what})' if what else ''} | {r['guard'] or '-'}{moved} |"
+            f" {r['departs vs ref fp8'] or '-'} / {r['departs vs same in hp'] or '-'} |"
+            f" {r['final vs ref hp %']:+.2f}% / {r['final vs same in hp %']:+.2f}% |"
+        )
+    return f"{kind}:\n" + "\n".join(lines)
+
+
+def plot(kind: str, injection: Injection, results: dict[str, Result], rows: list[dict[str, Any]], path: str) -> None:
+    """Top: each run's training loss against the uninjected FP8 run's (%, the 1% band shaded); bottom: the injected
+    FP8 run's monitor values for layer 2's linear_fc2 input (log scale); dashed: flagged, guard, departure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+    ref = results["ref fp8"].losses
+    for name, r in results.items():
+        if name != "ref fp8" and not (name == "hp" and r.losses == results["ref hp"].losses):
+            steps = sorted(r.losses)
+            top.plot(steps, [100 * (r.losses[i] / ref[i] - 1) for i in steps], label=name, lw=1.2)
+    top.axhspan(-100 * DEPARTURE, 100 * DEPARTURE, color="0.92")
+    top.axvspan(
+        injection.start - 0.5, min(injection.start + injection.steps, max(ref) + 1) - 0.5, color="C0", alpha=0.06
+    )
+    top.set_ylabel("loss vs uninjected FP8 (%)")
+    top.legend(fontsize=7)
+    series = results["fp8"].series
+    for key, label in (("saturated", "saturated"), ("underflow", "underflow"), ("amax", "amax")):
+        s = {i: v for i, v in series.get(key, {}).items() if v > 0}
+        bottom.semilogy(sorted(s), [s[i] for i in sorted(s)], label=label, lw=1.2)
+    spread = {i: v - 1 for i, v in series.get("scale_spread", {}).items() if v > 1}
+    if spread:
+        bottom.semilogy(sorted(spread), [spread[i] for i in sorted(spread)], "o", ms=3, label="scale spread - 1")
+    row = next(x for x in rows if x["run"] == "fp8")
+    marks = (("flagged", "C1", "flagged"), ("guard", "C2", "guard"), ("departs vs ref fp8", "C3", "departs 1%"))
+    labels: dict[int, list[str]] = {}  # marks on one step share one label
+    for key, color, label in marks:
+        if row[key]:
+            for ax in (top, bottom):
+                ax.axvline(row[key], color=color, ls="--", lw=0.8)
+            labels.setdefault(row[key], []).append(label)
+    for step, names in labels.items():
+        top.annotate(", ".join(names), (step, 1.01), xycoords=("data", "axes fraction"), fontsize=7)
+    bottom.set_xlabel("iteration")
+    bottom.set_ylabel("injected FP8 run: fc2 input")
+    bottom.legend(fontsize=7)
+    fig.suptitle(f"{kind}: FP8 delayed, tiny Llama (CPU, 2 cores)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def cost(data: str, steps: int = 12, blocks: int = 3) -> dict[str, float]:
+    """Median ms per training step with the monitor off, on, and on without the peak/RMS sums, and the ms per
+    monitored step spent in the statistics' recording (with and without those sums); the three trainers' steps are
+    alternated block by block so that the machine's drift falls on all alike."""
+    import time
+
+    from megatron.fp8 import stats
+
+    squares = stats._squares
+    variants = {"monitor off": (FP8.replace("--fp8-stats-interval 1", ""), True), "monitor on": (FP8, True)}
+    variants["monitor on, no peak/RMS"] = (FP8, False)
+    trainers, batches, times, recording = {}, {}, {k: [] for k in variants}, {k: [] for k in variants}
+    for name, (flags, _) in variants.items():
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainers[name] = Trainer(parse_args(f"{TINY} {flags} {data}".split()))
+        batches[name] = iter(trainers[name].loader(trainers[name].datasets.train, 0))
+    record = stats.Fp8StatsCollector.record
+
+    def timed(self: Any, *args: Any, spent: list[float], **kwargs: Any) -> None:
+        start = time.perf_counter()
+        record(self, *args, **kwargs)
+        spent[-1] += time.perf_counter() - start
+
+    for _ in range(blocks):
+        for name, (_, peak) in variants.items():
+            t = trainers[name]
+            stats._squares = squares if peak else lambda x: None  # type: ignore[assignment]
+            lrs = t.lr_schedule.at(0)
+            for _ in range(steps):
+                recording[name].append(0.0)
+                stats.Fp8StatsCollector.record = lambda self, *a, _n=name, **k: timed(
+                    self, *a, spent=recording[_n], **k
+                )
+                start = time.perf_counter()
+                with t.fp8_monitor.watch(1) as watched:
+                    t.train_step(batches[name], lrs)
+                if watched is not None:
+                    t.fp8_monitor.report(watched, 1, lambda line: None, lambda values, step: None)
+                times[name].append(time.perf_counter() - start)
+    stats._squares, stats.Fp8StatsCollector.record = squares, record
+
+    def median(values: list[float]) -> float:
+        return 1000 * sorted(values)[len(values) // 2]
+
+    out = {f"{name} ms/step": median(times[name]) for name in variants}
+    out.update({f"{name} recording ms/step": median(recording[name]) for name in variants if name != "monitor off"})
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--failures", nargs="+", choices=list(DEFAULTS), default=list(DEFAULTS))
+    parser.add_argument("--json", help="write every run's losses, flags and guard messages here")
+    parser.add_argument("--plot", help="a folder for one figure per failure (fp8_failure_<kind>.png)")
+    parser.add_argument("--verbose", action="store_true", help="the trainers' logs too")
+    parser.add_argument("--cost", action="store_true", help="only the monitor's cost per step (ms), instead")
+    parser.add_argument("--replot", help="draw --plot's figures from a --json file instead of training")
+    args = parser.parse_args(argv)
+    global QUIET
+    QUIET = not args.verbose
+    data = data_flags()
+    torch.set_num_threads(1)
+    if args.cost:
+        for key, value in cost(data).items():
+            print(f"{key}: {value:.2f}")
+        return
+    if args.replot:
+        with open(args.replot) as f:
+            saved = json.load(f)
+        for kind, entry in saved.items():
+            runs = {k: Result(**_int_keys(v)) for k, v in entry["runs"].items()}
+            runs.setdefault("hp", runs["ref hp"])
+            path = os.path.join(args.plot or ".", f"fp8_failure_{kind}.png")
+            plot(kind, Injection(kind, *DEFAULTS[kind]), runs, entry["rows"], path)
+        return
+    everything = {}
+    for kind in args.failures:
+        start, steps, factor = DEFAULTS[kind]
+        injection = Injection(kind, start, steps, factor)
+        results = study_dp2(injection, data) if kind == "amax-group" else study(injection, data)
+        rows = timeline(results)
+        print(markdown(kind, rows), flush=True)
+        everything[kind] = {"rows": rows, "runs": {k: dataclasses.asdict(v) for k, v in results.items()}}
+        if args.plot:
+            os.makedirs(args.plot, exist_ok=True)
+            plot(kind, injection, results, rows, os.path.join(args.plot, f"fp8_failure_{kind}.png"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(everything, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

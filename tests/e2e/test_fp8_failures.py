@@ -1,0 +1,91 @@
+"""Induced FP8 failures on a tiny Llama (local layers, delayed scaling, CPU) through the hooks of
+scripts/probes/fp8_failures.py: each injection produces its failure, the monitor flags it, and the guard acts where
+the study (docs/fp8.md, "Induced failures") measured it does, with the layer it moves kept in bf16 on resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.config import parse_args
+from megatron.training import Trainer
+from tests.assets.scripts import load_probe
+from tests.dist_utils import run_distributed
+
+probe = load_probe("fp8_failures")
+# 20 steps instead of the study's 30 (a shorter cosine schedule): the timelines asserted hold at both lengths
+SHORT = "--train-iters 20"
+
+
+@pytest.fixture(scope="module")
+def data() -> str:
+    return probe.data_flags()
+
+
+@pytest.fixture(scope="module")
+def reference(data: str):
+    return probe.train(f"{probe.FP8} {data}", None, "ref fp8", extra=SHORT)
+
+
+def _departure(run, reference) -> int | None:
+    return probe.departure(run.losses, reference.losses)
+
+
+@pytest.mark.slow
+def test_the_uninjected_run_is_never_flagged(reference):
+    assert probe.first(reference.flags) is None and probe.first(reference.guard) is None
+
+
+@pytest.mark.slow
+def test_outlier_channels_are_flagged_at_once_and_the_guard_moves_the_layer_before_the_loss_departs(
+    data, reference, tmp_path
+):
+    injection = probe.Injection("outliers", 10, 6, 2.0)
+    kept = probe.train(f"{probe.FP8} {data}", injection, "fp8", extra=SHORT)
+    fc2 = kept.series["amax"]
+    assert fc2[15] > 300 * fc2[9]  # linear_fc2's input amax grew by orders of magnitude
+    # the first injected step saturates linear_fc2's input (its delayed scale is the step before's)
+    assert probe.first(kept.flags) == 10
+    assert any("linear_fc2 input saturated" in flag for flag in kept.flags[10])
+
+    run = probe.train(f"{probe.FP8} --fp8-auto-bf16 {data}", injection, "fp8", extra=f"{SHORT} --save {tmp_path}")
+    assert probe.first(run.guard) == 12 and run.bf16_layers == [2]  # --fp8-guard-intervals 3: steps 10, 11, 12
+    departed = _departure(run, reference)
+    assert departed is None or departed > 12
+
+    # the moved layer stays in bf16 across the checkpoint
+    resumed = Trainer(parse_args(f"{probe.TINY} {probe.FP8} {data} --train-iters 21 --load {tmp_path}".split()))
+    assert resumed.fp8_monitor.guard.bf16_layers == [2]
+    assert [s.enabled for s in resumed.fp8.states.values()] == [False] * 4
+
+
+@pytest.mark.slow
+def test_a_learning_rate_spike_is_flagged_on_the_step_its_update_reaches(data, reference):
+    injection = probe.Injection("lr-spike", 10, 3, 30.0)
+    run = probe.train(f"{probe.FP8} --fp8-auto-bf16 {data}", injection, "fp8", extra=SHORT)
+    # step 10's forward precedes its update: step 11 is the first to see it, in the monitor and in the loss alike
+    assert probe.first(run.flags) == 11 == _departure(run, reference)
+    assert sorted(i for i, flags in run.flags.items() if flags) == [11, 12]  # two watched steps over, then none
+    assert probe.first(run.guard) is None and run.bf16_layers == []  # --fp8-guard-intervals 3 lets it pass
+
+    two = probe.train(f"{probe.FP8} --fp8-auto-bf16 --fp8-guard-intervals 2 {data}", injection, "fp8", extra=SHORT)
+    assert probe.first(two.guard) == 12 and two.bf16_layers == [2]
+
+
+def _wrong_amax_group(rank: int, world_size: int, data: str) -> None:
+    torch.set_num_threads(1)
+    extra = "--train-iters 14"
+    reference = probe.train(f"{probe.FP8} {data}", None, "ref fp8", world_size, extra)
+    assert probe.first(reference.flags) is None  # replicas of a sound reduction agree exactly
+    injection = probe.Injection("amax-group", 10, 21, 0.0)
+    run = probe.train(f"{probe.FP8} --fp8-auto-bf16 {data}", injection, "fp8", world_size, extra)
+    flagged = probe.first(run.flags)
+    assert flagged == 11 and all("scales disagree across ranks" in f for f in run.flags[flagged]), run.flags
+    assert all(" layers.1." in f or f.startswith("layers.1.") for f in run.flags[flagged])
+    assert probe.first(run.guard) == 13 and run.bf16_layers == [2]
+    assert _departure(run, reference) is None  # at this size the disagreement costs no loss
+
+
+@pytest.mark.slow
+def test_an_amax_reduced_over_the_wrong_group_is_flagged_as_disagreeing_scales(data):
+    run_distributed(_wrong_amax_group, world_size=2, args=(data,))
