@@ -146,4 +146,7 @@ def build_fp8_monitor(cfg: Any, model: nn.Module, manager: Any, dims: Any, devic
     # --tp-only-amax-red narrows the amax group to the tensor-parallel ranks; the statistics still cover the
     # data-parallel replicas, so that they all take the guard's decisions alike
     groups = (dims.amax_group, dims.dp_cp_group) if precision.tp_only_amax_red else (dims.amax_group,)
-    return Fp8Monitor(taps, precision.fp8_stats_interval, guard, device, groups, dims.pp_group, recipe.delayed)
+    # The scales' agreement is checked where the local FP8 engine casts: it reduces its amaxes once per step over
+    # exactly this group. Transformer Engine reduces its own; its ranks' scales are not yet shown to agree bit for bit.
+    agreeing = recipe.delayed and cfg.model.transformer_impl == "local"
+    return Fp8Monitor(taps, precision.fp8_stats_interval, guard, device, groups, dims.pp_group, agreeing)
