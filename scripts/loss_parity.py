@@ -401,9 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         plan, needs = branch_plan(plan, args, common, fp8_extra, config_flags)
         complete = {n: partial(trunk_saved, flags, args.branch_at) for n, flags in plan if n in needs.values()}
         if args.checkpoints:  # a branch's first part starts from its trunk's files, linked into its own folder
-            trunk_dirs = {n: Path(flag_values(flags)["--save"]) for n, flags in plan if n in complete}
-            setup_first = {n: partial(link_trunk, trunk_dirs[needs[n]], Path(flag_values(f)["--save"]))
-                           for n, f in plan if n in needs}  # fmt: skip
+            setup_first = {
+                n: partial(link_trunk, args.trunks / safe_name(trunk), args.checkpoints / safe_name(n))
+                for n, trunk in needs.items()
+            }
         setup["branch_at"] = args.branch_at
     if args.dry_run:
         for name, flags in plan:

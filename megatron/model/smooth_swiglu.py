@@ -58,10 +58,10 @@ def smoothed_linears(model: nn.Module) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def update_smoothing(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Once per optimizer step, after its last backward: new scales from the step's amaxes (max-reduced over
-    `group`, the data x context parallel ranks, in one collective), and the amaxes reset."""
-    linears = smoothed_linears(model)
+def update_smoothing(linears: list[nn.Module], group: dist.ProcessGroup | None = None) -> None:
+    """Once per optimizer step, after its last backward: new scales of `linears` (`smoothed_linears`, found once
+    per run) from the step's amaxes (max-reduced over `group`, the data x context parallel ranks, in one
+    collective), and the amaxes reset."""
     if not linears:
         return
     amax = torch.cat([linear.smooth_amax.float() for linear in linears])

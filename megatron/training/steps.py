@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megatron.config import Config
 from megatron.model import GPTModel, Stage
-from megatron.model.smooth_swiglu import update_smoothing
+from megatron.model.smooth_swiglu import smoothed_linears, update_smoothing
 from megatron.optim import MixedPrecisionAdamW
 from megatron.optim.loss_scaler import LossScaler
 from megatron.optim.schedule import LearningRates
@@ -61,6 +61,7 @@ class Steps:
         self.optimizer, self.grad_buffers, self.loss_scaler = optimizer, grad_buffers, loss_scaler
         self.fp8, self.stats, self.runtime = fp8, stats, runtime
         self.dtype = cfg.precision.params_dtype
+        self.smoothed = smoothed_linears(model)  # --smooth-swiglu's linears, found once: not walked every step
 
     def loss(
         self,
@@ -157,8 +158,8 @@ class Steps:
             lambda: grad_norm(self.optimizer.norm_grads(), self.dims, sharded, self.device, skip=not fp8_finite),
         )
         timers("optimizer", 1).stop()
-        if self.cfg.model.smooth_swiglu:  # the next step's Smooth-SwiGLU scales, from this step's amaxes
-            update_smoothing(self.model, self.dims.dp_cp_group)
+        if self.smoothed:  # the next step's Smooth-SwiGLU scales, from this step's amaxes
+            update_smoothing(self.smoothed, self.dims.dp_cp_group)
         self.runtime.empty_cache(2)
         self.grad_buffers.zero()
         # The host waits for the GPU only here, with the whole step queued (the loss first; norm and the skip
