@@ -59,3 +59,22 @@ def _te_attention_switches(monkeypatch):
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_mode_undone():
+    """--deterministic-mode sets its environment (megatron/training/determinism.py) and PyTorch's deterministic
+    algorithms for the rest of the process, as it must for a run; a test that trains with it in-process would pass
+    both on to every later test (Transformer Engine then drops its non-deterministic attention kernels, FP8
+    attention among them on cuDNN before 9.19). Each test ends with the process as it started."""
+    from megatron.training.determinism import DETERMINISTIC_ENV
+
+    saved = {name: os.environ.get(name) for name in DETERMINISTIC_ENV}
+    algorithms = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    torch.use_deterministic_algorithms(algorithms[0], warn_only=algorithms[1])

@@ -133,7 +133,13 @@ class TESelfAttention(nn.Module):
             if "No dot product attention backend is available" not in str(exc):
                 raise
             raise UserError(
-                attention_kernel_missing(self.attention_backend, self.head_dim, args[0].dtype, _fp8_attention())
+                attention_kernel_missing(
+                    self.attention_backend,
+                    self.head_dim,
+                    args[0].dtype,
+                    _fp8_attention(),
+                    deterministic=getattr(self.core_attention, "deterministic", False),
+                )
             ) from None
 
 
@@ -144,13 +150,21 @@ def _fp8_attention() -> bool:
     return FP8GlobalStateManager.is_fp8_enabled() and getattr(FP8GlobalStateManager.get_fp8_recipe(), "fp8_dpa", False)
 
 
-def attention_kernel_missing(backend: str, head_dim: int, dtype: torch.dtype, fp8_attention: bool) -> str:
+def attention_kernel_missing(
+    backend: str, head_dim: int, dtype: torch.dtype, fp8_attention: bool, deterministic: bool = False
+) -> str:
     """The one line for an attention call Transformer Engine has no kernel for: what was asked, and the change that
-    gives it one (a forced backend, FP8 attention outside what Hopper trains, or neither: then TE's debug log names
-    each backend's reason)."""
+    gives it one (a forced backend, FP8 attention in deterministic mode or outside what Hopper trains, or none of
+    these: then TE's debug log names each backend's reason). `deterministic`: the module was built with TE's
+    deterministic switch (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 or PyTorch's deterministic algorithms)."""
     asked = f"head dim {head_dim}, {str(dtype).removeprefix('torch.')}, {'FP8' if fp8_attention else 'no FP8'}"
     if backend != "auto":
         fix = f"--attention-backend {backend} allows only that kernel (flash needs the flash-attn package): use auto"
+    elif fp8_attention and deterministic:
+        fix = (
+            "cuDNN's FP8 attention trains deterministically only from cuDNN 9.19 (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0"
+            " or --deterministic-mode is set): drop --fp8-dot-product-attention or --deterministic-mode"
+        )
     elif fp8_attention:
         fix = (
             "--fp8-dot-product-attention runs only on cuDNN's FP8 kernels (on Hopper: head dim 128, delayed scaling):"
