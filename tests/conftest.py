@@ -66,7 +66,7 @@ def _deterministic_mode_undone():
     """--deterministic-mode sets its environment (megatron/training/determinism.py) and PyTorch's deterministic
     algorithms for the rest of the process, as it must for a run; a test that trains with it in-process would pass
     both on to every later test (Transformer Engine then drops its non-deterministic attention kernels, FP8
-    attention among them on cuDNN before 9.19). Each test ends with the process as it started."""
+    attention among them on Hopper). Each test ends with the process as it started."""
     from megatron.training.determinism import DETERMINISTIC_ENV
 
     saved = {name: os.environ.get(name) for name in DETERMINISTIC_ENV}

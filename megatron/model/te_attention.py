@@ -162,8 +162,8 @@ def attention_kernel_missing(
         fix = f"--attention-backend {backend} allows only that kernel (flash needs the flash-attn package): use auto"
     elif fp8_attention and deterministic:
         fix = (
-            "cuDNN's FP8 attention trains deterministically only from cuDNN 9.19 (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0"
-            " or --deterministic-mode is set): drop --fp8-dot-product-attention or --deterministic-mode"
+            "cuDNN has no deterministic FP8 attention kernel for them (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 or"
+            " --deterministic-mode is set): drop --fp8-dot-product-attention or --deterministic-mode"
         )
     elif fp8_attention:
         fix = (
