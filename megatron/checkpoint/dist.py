@@ -46,7 +46,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from megatron.model.smooth_swiglu import mark_tensor_parallel_scales
+from megatron.model.smooth_swiglu import SCALES_KEY, STARTED_LINE, mark_tensor_parallel_scales
 from megatron.untrusted import LimitExceeded, parse_json
 
 from .checkpointing import (
@@ -345,11 +345,15 @@ class DistCheckpointer:
         vocabulary chunks to the checkpoint's padding (model_shape.py: another vocabulary is refused)."""
         strictness = self.cfg.checkpoint.dist_ckpt_strictness
         fitted, missing, mismatched, padding = [], set(), set(), set()
+        smoothing_started = False
         for chunk in chunks:
             entry = saved.get(chunk.fqn)
             if not isinstance(entry, TensorStorageMetadata):
                 if chunk.fqn.startswith("optimizer.main."):
                     continue  # saved from fp32 parameters: rebuilt from the weights
+                if chunk.fqn.endswith(SCALES_KEY):  # saved without --smooth-swiglu: the scales keep their 1
+                    smoothing_started = True
+                    continue
                 missing.add(chunk.fqn)
                 continue
             shape = tuple(entry.size)
@@ -378,6 +382,8 @@ class DistCheckpointer:
             problems.append(f"{len(mismatched)} of another shape: {_few(mismatched)}")
         if problems:
             raise CheckpointError(mismatch_line(root, differing_flags(saved_config, self.cfg), problems))
+        if smoothing_started:
+            _log(f"> checkpoint {root} {STARTED_LINE}")
         for ours, theirs in sorted(padding):
             _log(f"> vocabulary padded to {theirs} rows in the checkpoint, {ours} here: the rows both have are loaded")
         if tensors == "model":

@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from megatron.config.pipeline_split import layer_ranges
+from megatron.model.smooth_swiglu import SCALES_KEY, STARTED_LINE
 
 from .checkpointing import (
     CheckpointError,
@@ -89,7 +90,12 @@ class TorchCheckpointer:
                 " with the layout flags that saved it, or use --ckpt-format torch_dist, whose checkpoints load under"
                 " any layout"
             )
-        check_model_state(state["model"], self.model.state_dict(), root, differing_flags(state.get("config"), self.cfg))
+        ours_state = self.model.state_dict()
+        started = [k for k in ours_state if k.endswith(SCALES_KEY) and k not in state["model"]]
+        if started:  # saved without --smooth-swiglu: the scales keep their 1
+            state["model"].update({k: ours_state[k] for k in started})
+            _log(f"> checkpoint {root} {STARTED_LINE}")
+        check_model_state(state["model"], ours_state, root, differing_flags(state.get("config"), self.cfg))
         load_model_state(self.model, state["model"], root)
         if ckpt.finetune:
             return state

@@ -65,8 +65,8 @@ class ModelConfig:
     """Smooth-SwiGLU (Fishman et al. 2024, docs/fp8.md): scale each channel of the SwiGLU output by a power of two
     s (from the channel's amax over the previous optimizer step) before linear_fc2 quantizes it, and fold 1/s into
     linear_fc2's weight columns, so that outlier channels do not set the FP8 scale of that input. The same function
-    (bit for bit in full precision); the scales are kept in checkpoints as linear_fc2.smooth_scale. Needs --swiglu
-    and the local layers (--transformer-impl local)."""
+    (bit for bit in full precision); the scales are kept in checkpoints as linear_fc2.smooth_scale. Needs --swiglu;
+    both engines (not with --fp8-param-gather)."""
     squared_relu: bool = False
     """Use the squared ReLU activation, relu(x)^2, in the MLP instead of GELU (not with --swiglu)."""
     disable_bias_linear: bool = False

@@ -47,8 +47,6 @@ def resolve_transformer_impl(cfg: Config) -> None:
             reason = f"Transformer Engine does not import: {error}"
         elif prec.fp8 and prec.fp8_recipe not in te_rules.TE_RECIPES:
             reason = f"--fp8-recipe {prec.fp8_recipe} has no Transformer Engine recipe"
-        elif model.smooth_swiglu:
-            reason = "--smooth-swiglu runs on the local layers"
         else:
             reason = None
         model.transformer_impl = "local" if reason else "transformer_engine"
@@ -66,11 +64,6 @@ def resolve_transformer_impl(cfg: Config) -> None:
         te_rules.require_te()
     if prec.fp8_param_gather:
         _check_fp8_params(cfg)
-    # TE's linears own their weights and quantize inside their forward: no place to fold 1/s into the weight
-    require(
-        not (model.smooth_swiglu and model.transformer_impl == "transformer_engine"),
-        "--smooth-swiglu is built for the local layers only: use --transformer-impl local",
-    )
     # an FP8 weight is cast once per step with one scale; the folded W/s would need a second cast per step
     require(
         not (model.smooth_swiglu and prec.fp8_param_gather),

@@ -133,7 +133,9 @@ class TETaps:
                 return  # a later micro-batch: spare the norm's recomputation
             x = self.gemm_inputs[index](module, _high_precision(args[0]))
             self._record(collector, index, Role.INPUT, x, amax_only)
-            self._record_weight(collector, index, module.weight, amax_only)
+            # a smoothed linear_fc2 (--smooth-swiglu) casts W / s
+            weight = module.smoothed_weight() if getattr(module, "smooth_input", False) else module.weight
+            self._record_weight(collector, index, weight, amax_only)
 
         return hook
 

@@ -39,7 +39,7 @@ from megatron.parallel.tensor_parallel import (
 from .grad_accumulation import fuses_wgrad, linear_accumulating_wgrad
 from .init_draws import init_normal
 from .recompute import NormRecompute
-from .smooth_swiglu import smooth
+from .smooth_swiglu import add_smoothing, smooth
 
 
 def mark_replicated(param: nn.Parameter, tp: TensorParallel) -> None:
@@ -161,9 +161,8 @@ class Linear(nn.Module):
         self.init_std = init_std
         self.fp8: Any = None
         self.smooth_input = smooth_input
-        if smooth_input:  # one per input channel of this rank (row-parallel: its slice of the ffn channels)
-            self.register_buffer("smooth_scale", torch.ones(in_local, dtype=torch.float32))
-            self.register_buffer("smooth_amax", torch.zeros(in_local, dtype=torch.float32), persistent=False)
+        if smooth_input:
+            add_smoothing(self, in_local)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -17,6 +17,10 @@ bit, when FP8 is off, and the weight the optimizer holds is the plain W. So chec
 the scales (`linear_fc2.smooth_scale`, a buffer sharded like the weight's columns), and an export needs no fold
 beyond dropping them (megatron/convert/state.py).
 
+Both engines smooth alike: the local `Linear` (megatron/model/layers.py) and Transformer Engine's linear_fc2 (the
+MLP scales TE's input, megatron/model/te_mlp.py; the module's weight is W / s where TE reads it for its cast and
+GEMMs, megatron/model/te_linear.py).
+
 Tensor parallelism: linear_fc2 is row-parallel, so each rank holds the scales of its own slice of the channels
 (whole channels: every rank sees all tokens of its channels, with or without sequence parallelism); only the
 data (x context) parallel ranks, which see other tokens of the same channels, reduce their amaxes.
@@ -28,20 +32,45 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+SCALES_KEY = "linear_fc2.smooth_scale"
+"""How a smoothing scale's state-dict name ends."""
+STARTED_LINE = "holds no Smooth-SwiGLU scales (saved without --smooth-swiglu): they start at 1, as at a first step"
+"""What a load logs of a checkpoint without the scales: a run may turn --smooth-swiglu on when it resumes."""
 MAX_EXPONENT = 14
 """|log2 s| at most: fp16's range (2^-14 .. 2^15 normal) keeps x * s and W / s exact there too."""
+
+
+def add_smoothing(linear: nn.Module, in_local: int, device: torch.device | str | None = None) -> None:
+    """Make `linear` smooth its input: `smooth_input`, its scales (`smooth_scale`, 1 to start, kept in checkpoints)
+    and the running amax of its input channels (`smooth_amax`, not saved), one each per input channel of this rank
+    (row-parallel: its slice of the ffn channels)."""
+    linear.smooth_input = True
+    linear.register_buffer("smooth_scale", torch.ones(in_local, dtype=torch.float32, device=device))
+    linear.register_buffer("smooth_amax", torch.zeros(in_local, dtype=torch.float32, device=device), persistent=False)
+
+
+def smooth_input(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, observe: bool) -> torch.Tensor:
+    """x * s for a linear's input x [..., K]; with `observe` (training) the running per-channel amax of x is raised
+    first."""
+    if observe:
+        with torch.no_grad():
+            # one read of x (no |x| written out first)
+            seen = torch.linalg.vector_norm(x.detach(), ord=float("inf"), dim=tuple(range(x.dim() - 1)))
+            seen = seen.to(amax.dtype)
+            torch.maximum(amax, seen, out=amax)  # NaN propagates: the update below then keeps the old scale
+    return x * scale.to(x.dtype)
+
+
+def smooth_weight(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W / s for a linear's weight [N, K]; autograd carries W's gradient back through the division."""
+    return weight / scale.to(weight.dtype)
 
 
 def smooth(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, observe: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x * s, W / s) for a linear's input x [..., K] and weight [N, K]; with `observe` (training) the running
-    per-channel amax of x is raised first. Autograd carries W's gradient back through the division."""
-    if observe:
-        with torch.no_grad():
-            seen = x.detach().abs().amax(dim=tuple(range(x.dim() - 1))).to(amax.dtype)
-            torch.maximum(amax, seen, out=amax)  # NaN propagates: the update below then keeps the old scale
-    return x * scale.to(x.dtype), weight / scale.to(weight.dtype)
+    """(x * s, W / s): `smooth_input` and `smooth_weight` together."""
+    return smooth_input(x, scale, amax, observe), smooth_weight(weight, scale)
 
 
 def scale_from_amax(amax: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:

@@ -147,7 +147,9 @@ class TETransformerLayer(nn.Module):
         """Fuse wgrad accumulation into main_grad exactly for the weights that have one (see the module docstring):
         a model used without gradient buffers (tests, inference) keeps ordinary `.grad`s."""
         for module in self.te_modules():
-            fuse = hasattr(module.weight, "main_grad") and self.gradient_accumulation_fusion
+            # a smoothed linear_fc2 multiplies W / s, not W: its wgrad reaches W.grad through autograd
+            smoothed = getattr(module, "smooth_input", False)
+            fuse = hasattr(module.weight, "main_grad") and self.gradient_accumulation_fusion and not smoothed
             if module.fuse_wgrad_accumulation != fuse:
                 module.fuse_wgrad_accumulation = fuse
                 module.weight.fused_wgrad_accumulation = fuse  # for the gradient buffers' hook (data_parallel.py)

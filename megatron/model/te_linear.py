@@ -8,6 +8,7 @@ transformer_engine is imported inside functions only: importing this module on a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -20,6 +21,7 @@ from megatron.parallel.tensor_parallel import TensorParallel
 
 from .init_draws import init_normal
 from .layers import mark_replicated, mark_tensor_parallel, normalize
+from .smooth_swiglu import add_smoothing, smooth_weight
 
 
 def sharded_normal_init(std: float, tp: TensorParallel, dim: int, parts: int = 1) -> Callable[[torch.Tensor], None]:
@@ -53,6 +55,7 @@ def te_linear(
     norm: bool = False,
     parts: int = 1,
     ub_name: str,
+    smooth_input: bool = False,
 ) -> nn.Module:
     """A TE linear of the layer: `te.LayerNormLinear` (norm=True: the layer's input norm fused in; linear_qkv,
     linear_fc1) or `te.Linear`, column- or row-parallel over `tp` through TE's own arguments (TE all-gathers and
@@ -62,7 +65,8 @@ def te_linear(
     GEMM's name among TE's userbuffers ("qkv", "proj", "fc1", "fc2"); with --tp-comm-overlap the column-parallel
     linears gather their input inside the forward GEMM and overlap their backward's all-gather and reduce-scatter
     with the dgrad and wgrad GEMMs (bulk), and the row-parallel ones reduce-scatter inside the forward GEMM and
-    gather the output gradient inside the dgrad GEMM (Megatron-LM's defaults)."""
+    gather the output gradient inside the dgrad GEMM (Megatron-LM's defaults). `smooth_input` (--smooth-swiglu,
+    linear_fc2): a `te.Linear` that casts and multiplies W / s, its caller scaling the input by s."""
     import transformer_engine.pytorch as te
 
     column = parallel_mode == "column"
@@ -93,10 +97,34 @@ def te_linear(
             zero_centered_gamma=cfg.apply_layernorm_1p,
             **common,
         )
+    elif smooth_input:
+        module = smoothed_te_linear()(in_features, out_features, **common)
+        in_local = in_features // tp.size if parallel_mode == "row" else in_features
+        add_smoothing(module, in_local, module.weight.device)
     else:
         module = te.Linear(in_features, out_features, **common)
     mark_te_params(module, tp, parts)
     return module
+
+
+@functools.cache
+def smoothed_te_linear() -> type[nn.Module]:
+    """`te.Linear` whose GEMM weight is W / s, s its `smooth_scale` per input channel (megatron/model/smooth_swiglu.py):
+    TE reads its weight through `_get_weight_tensors` for the cast and both GEMMs, so the quotient is what it casts
+    (once per step, reused for the later micro-batches as TE reuses any weight cast) and autograd carries W's
+    gradient back through the division. The parameter stays the plain W. The wgrad cannot accumulate into
+    W.main_grad inside TE's GEMM (the GEMM's weight is the quotient): TETransformerLayer leaves that fusion off here."""
+    import transformer_engine.pytorch as te
+
+    class SmoothedLinear(te.Linear):
+        def _get_weight_tensors(self) -> list[torch.Tensor]:
+            return [smooth_weight(w, self.smooth_scale) for w in super()._get_weight_tensors()]
+
+        def smoothed_weight(self) -> torch.Tensor:
+            """W / s, the weight TE casts and multiplies (for the FP8 monitor)."""
+            return smooth_weight(self.weight, self.smooth_scale)
+
+    return SmoothedLinear
 
 
 def mark_te_params(module: nn.Module, tp: TensorParallel, parts: int = 1) -> None:

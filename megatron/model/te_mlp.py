@@ -15,6 +15,7 @@ from megatron.config import ModelConfig
 from megatron.parallel.tensor_parallel import NO_TP, TensorParallel
 
 from .layers import init_std_of_output, mlp_activation
+from .smooth_swiglu import smooth_input
 from .te_linear import te_linear
 
 
@@ -62,7 +63,7 @@ class TEMLP(nn.Module):
         )  # fmt: skip
         self.linear_fc2 = te_linear(
             cfg, cfg.ffn_hidden_size, cfg.hidden_size, "row", init_std_of_output(cfg), tp, params_dtype, device,
-            ub_name="fc2",
+            ub_name="fc2", smooth_input=cfg.smooth_swiglu,
         )  # fmt: skip
 
     def _fp8_quantizers(self) -> tuple[Any, Any]:
@@ -106,8 +107,18 @@ class TEMLP(nn.Module):
         # linear_fc1's backward reshapes its output gradient (FP8 from `_SwiGLU`) so.
         shape = x.shape
         h = self.linear_fc1(x.reshape(-1, shape[-1]), is_first_microbatch=first_microbatch)
-        h = _SwiGLU.apply(h, *self._fp8_quantizers()) if self.swiglu else self.activation(h)
-        out = self.linear_fc2(h, is_first_microbatch=first_microbatch)
+        fc2 = self.linear_fc2
+        if not self.swiglu:
+            h = self.activation(h)
+        elif getattr(fc2, "smooth_input", False):
+            # --smooth-swiglu: the SwiGLU output leaves the kernel in bf16 to be scaled by s before TE casts it (the
+            # kernel still writes linear_fc1's FP8 output gradient)
+            _, grad_quantizer = self._fp8_quantizers()
+            h = _SwiGLU.apply(h, None, grad_quantizer)
+            h = smooth_input(h, fc2.smooth_scale, fc2.smooth_amax, self.training)
+        else:
+            h = _SwiGLU.apply(h, *self._fp8_quantizers())
+        out = fc2(h, is_first_microbatch=first_microbatch)
         return out.view(*shape[:-1], out.shape[-1])
 
 

@@ -86,6 +86,8 @@ CONFIG_OPTIONS = {  # in the order a name lists them
     "nocalib": "--no-fp8-calibration",
     # FP8 attention: the Llama-3-8B's heads of 128 let cuDNN run it on Hopper
     "fp8attn": "--fp8-dot-product-attention",
+    # Smooth-SwiGLU: per-channel power-of-two scales on linear_fc2's input, folded into its weight
+    "smooth": "--smooth-swiglu",
 }
 # the output layer's GEMM and the loss fused a slice of the vocabulary at a time (no logits kept)
 LOSSES = {"chunkce": "--cross-entropy-loss-fusion --cross-entropy-fusion-impl chunked"}
@@ -186,6 +188,7 @@ CATALOGUE = (
     # the fewest bytes a Llama-3-8B replica needs per GPU: FP8 weights, every layer recomputed (32k tokens at CP=2)
     Config("te", "delayed", ("fp8params",), recompute="full"),
     Config("te", "delayed", ("fp8attn",)),
+    Config("te", "delayed", ("smooth",)),
     Config("te", "delayed", ("fp8params", "nocalib")),
     Config("te", "delayed", _NOCALIB_FP8ATTN),
     # llama3-8b under mfsdp2_o2states on two 80 GB GPUs: out of memory with no layer recomputed, 2 train

@@ -47,7 +47,8 @@ def test_te_backends_match_auto_and_set_the_environment(backend):
     reference = logits("transformer_engine", "auto")
     if backend == "flash" and importlib.util.find_spec("flash_attn") is None:
         # TE's flash backend is the flash-attn package's kernel: without it, the one-line error
-        with pytest.raises(UserError, match=r"no attention kernel .* --attention-backend flash allows only that kernel"):
+        forced = r"no attention kernel .* --attention-backend flash allows only that kernel"
+        with pytest.raises(UserError, match=forced):
             logits("transformer_engine", backend)
         return
     out = logits("transformer_engine", backend, "--apply-layernorm-1p --qk-layernorm --no-rope-fusion")

@@ -50,9 +50,9 @@ def test_flag_rules():
         parse_args("--mock-data --vocab-size 128 --smooth-swiglu".split())
     with pytest.raises(ConfigError, match="--smooth-swiglu with --fp8-param-gather"):
         parse_args(f"{BASE} --smooth-swiglu --fp8-format hybrid --fp8-param-gather".split())
-    # without --transformer-impl the default is the local engine, and the note says why
+    # the flag does not choose the engine: on a CPU the default is the local one, for the usual reason
     cfg = parse_args(BASE.replace("--transformer-impl local", "--smooth-swiglu").split())
-    assert cfg.model.transformer_impl == "local"
+    assert cfg.model.transformer_impl == "local" and "no CUDA device" in " ".join(cfg.notes)
     assert parse_args(f"{BASE} --smooth-swiglu".split()).model.smooth_swiglu
 
 
@@ -193,3 +193,22 @@ def test_checkpoint_round_trip_and_resume(tmp_path):
         assert not torch.all(scale == 1)  # the scales moved and were saved
         for name in a:
             torch.testing.assert_close(b[name], a[name], atol=0, rtol=0, msg=f"{fmt}: {name}")
+
+
+def test_a_run_turns_smoothing_on_when_it_resumes(tmp_path, capsys):
+    """A checkpoint saved without --smooth-swiglu loads into a run with it (a resume or a parity branch): its scales
+    start at 1, as at a first step, and the log says so; the run trains on and saves them."""
+    import pretrain_gpt
+
+    flags = f"{BASE} --micro-batch-size 2 --global-batch-size 4 --eval-iters 0 --lr 1e-3"
+    for fmt in ("torch", "torch_dist"):
+        plain, smoothed = tmp_path / f"{fmt}_plain", tmp_path / f"{fmt}_smoothed"
+        assert pretrain_gpt.main(f"{flags} --train-iters 2 --ckpt-format {fmt} --save {plain}".split()) == 0
+        capsys.readouterr()
+        resumed = f"{flags} --train-iters 4 --smooth-swiglu --ckpt-format {fmt} --load {plain} --save {smoothed}"
+        assert pretrain_gpt.main(resumed.split()) == 0
+        assert (
+            "holds no Smooth-SwiGLU scales (saved without --smooth-swiglu): they start at 1" in capsys.readouterr().out
+        )
+        state = read_ours(smoothed).state
+        assert not torch.all(state["decoder.layers.1.mlp.linear_fc2.smooth_scale"] == 1), fmt  # updated since

@@ -1,0 +1,124 @@
+"""--smooth-swiglu on Transformer Engine's layers (megatron/model/te_mlp.py, te_linear.smoothed_te_linear): the same
+function and gradients as the plain layers in bf16, bit for bit; the scales move between the engines in a state
+dict; FP8 training with it learns like bf16, its linear_fc2 leaving the wgrad fusion to autograd; and with outlier
+channels in the SwiGLU output it keeps linear_fc2's other channels, which plain delayed scaling flushes. The local
+engine's twin: tests/unit/test_smooth_swiglu.py."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from megatron.config.te_rules import te_import_error
+from megatron.model.smooth_swiglu import smoothed_linears, update_smoothing
+from megatron.optim import MixedPrecisionAdamW
+from megatron.parallel import GradientBuffers
+from tests.gpu.test_te_model import LLAMA, batches, build, config, grad_norm, progress, rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(te_import_error() is not None, reason=f"needs Transformer Engine ({te_import_error()})"),
+]
+
+TE = "transformer_engine"
+DELAYED = "--fp8-format hybrid --fp8-recipe delayed --bf16"
+
+
+def random_scales(model, seed: int = 5) -> None:
+    """Powers of two from 2^-6 to 2^6, as training would leave them."""
+    gen = torch.Generator().manual_seed(seed)
+    for linear in smoothed_linears(model):
+        exponents = torch.randint(-6, 7, linear.smooth_scale.shape, generator=gen)
+        linear.smooth_scale.copy_(torch.exp2(exponents.float()))
+
+
+def test_same_function_and_gradients_in_bf16_bit_for_bit():
+    plain, smoothed = build(LLAMA, TE), build(LLAMA, TE, "--smooth-swiglu")
+    assert len(smoothed_linears(smoothed)) == 3 and not smoothed_linears(plain)
+    random_scales(smoothed)
+    batch = batches()[0]
+    losses = [model(batch["tokens"], labels=batch["labels"]).float().mean() for model in (plain, smoothed)]
+    assert torch.equal(losses[0], losses[1])
+    for loss in losses:
+        loss.backward()
+    grads = dict(smoothed.named_parameters())
+    for name, param in plain.named_parameters():
+        assert torch.equal(grads[name].grad, param.grad), name
+    assert all(linear.smooth_amax.gt(0).all() for linear in smoothed_linears(smoothed))  # observed in training
+
+
+def test_scales_move_between_the_engines():
+    te = build(LLAMA, TE, "--smooth-swiglu")
+    random_scales(te)
+    local = build(LLAMA, "local", "--smooth-swiglu", seed=2)
+    local.load_state_dict(te.state_dict())  # TE's _extra_state entries are dropped
+    for a, b in zip(smoothed_linears(te), smoothed_linears(local)):
+        assert torch.equal(a.smooth_scale.cpu(), b.smooth_scale.cpu())
+    tokens = batches()[0]["tokens"]
+    with torch.no_grad():
+        assert rel_err(local.eval()(tokens), te.eval()(tokens)) < 2e-2
+
+
+def train(flags: str, steps: int = 60) -> tuple[list[float], object]:
+    """test_te_model.train with the optimizer step's smoothing update, as training/steps.py runs it."""
+    model = build(LLAMA, TE, flags)
+    cfg = config(LLAMA, TE, flags)
+    buffers = GradientBuffers(model, None)
+    optimizer = MixedPrecisionAdamW(model, cfg.optimizer)
+    linears, losses = smoothed_linears(model), []
+    for batch in itertools.islice(itertools.cycle(batches()), steps):
+        loss = model(batch["tokens"], labels=batch["labels"]).mean()
+        loss.backward()
+        optimizer.step(3e-3, lambda: grad_norm(optimizer))
+        update_smoothing(linears)
+        buffers.zero()
+        losses.append(float(loss))
+    return losses, model
+
+
+def test_fp8_training_learns_like_bf16_with_the_fc2_wgrad_through_autograd():
+    bf16 = progress(train("--bf16")[0])
+    losses, model = train(f"{DELAYED} --smooth-swiglu")
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert progress(losses) > 0.7 * bf16 > 0, (progress(losses), bf16)
+    for layer in model.decoder.layers:
+        fc2 = layer.mlp.linear_fc2
+        assert not fc2.fuse_wgrad_accumulation and layer.mlp.linear_fc1.fuse_wgrad_accumulation
+        scale = fc2.smooth_scale
+        assert torch.equal(scale, torch.exp2(torch.log2(scale).round())) and not torch.all(scale == 1)
+
+
+def fc2_output_error(smooth: bool) -> float:
+    """Relative error of the second layer's (FP8) linear_fc2 output under delayed scaling, against the same model
+    in bf16, when three SwiGLU output channels are 2^18 times the others (linear_fc1's output scaled there, after
+    its FP8 GEMM) and linear_fc2 ignores them (zero weight columns): so the output is the other channels' alone,
+    which one per-tensor scale set by the outliers flushes. The first layer is in bf16 in both models, so the
+    second layer's input is the same."""
+    extra = " --smooth-swiglu" if smooth else ""
+    models = [build(LLAMA, TE, f"{DELAYED}{extra}"), build(LLAMA, TE, f"--bf16{extra}")]
+    outliers, ffn = [3, 17, 40], 256
+    grow = torch.ones(2 * ffn, device="cuda", dtype=torch.bfloat16)
+    grow[[ffn + i for i in outliers]] = 2.0**18  # the up projection's half of linear_fc1's output
+    outputs = []
+    for model in models:
+        mlp = model.decoder.layers[1].mlp
+        mlp.linear_fc1.register_forward_hook(lambda module, args, out: out * grow)
+        with torch.no_grad():
+            mlp.linear_fc2.weight[:, outliers] = 0
+        batch = batches()[0]
+        for _ in range(3):  # delayed scaling's history (one step deep) and the smoothing scales settle
+            model(batch["tokens"], labels=batch["labels"]).mean().backward()
+            update_smoothing(smoothed_linears(model))
+        handle = mlp.linear_fc2.register_forward_hook(lambda module, args, out: outputs.append(out.detach().float()))
+        with torch.no_grad():
+            model(batch["tokens"], labels=batch["labels"])
+        handle.remove()
+    return rel_err(outputs[0], outputs[1])
+
+
+def test_outlier_channels_flush_the_others_only_without_smoothing():
+    plain, smoothed = fc2_output_error(False), fc2_output_error(True)
+    assert smoothed < 0.1, smoothed
+    assert plain > 5 * smoothed, (plain, smoothed)
