@@ -8,9 +8,8 @@ transformer_engine is imported inside functions only: importing this module on a
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -107,7 +106,7 @@ def te_linear(
     return module
 
 
-@functools.cache
+@cache
 def smoothed_te_linear() -> type[nn.Module]:
     """`te.Linear` whose GEMM weight is W / s, s its `smooth_scale` per input channel (megatron/model/smooth_swiglu.py):
     TE reads its weight through `_get_weight_tensors` for the cast and both GEMMs, so the quotient is what it casts
