@@ -54,11 +54,7 @@ def _te_attention_switches(monkeypatch):
     saved = {name: os.environ.pop(name, None) for name in TE_ATTENTION_SWITCHES}
     monkeypatch.setattr(attention, "_SET_BY_US", {})
     yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    _restore(saved)
 
 
 @pytest.fixture(autouse=True)
@@ -72,9 +68,14 @@ def _deterministic_mode_undone():
     saved = {name: os.environ.get(name) for name in DETERMINISTIC_ENV}
     algorithms = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     yield
+    _restore(saved)
+    torch.use_deterministic_algorithms(algorithms[0], warn_only=algorithms[1])
+
+
+def _restore(saved: dict[str, str | None]) -> None:
+    """Put the environment variables of `saved` back as they were (None: unset)."""
     for name, value in saved.items():
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
-    torch.use_deterministic_algorithms(algorithms[0], warn_only=algorithms[1])

@@ -61,3 +61,19 @@ def test_environment_values_are_checked_then_defaulted(monkeypatch):
             determinism.apply_deterministic_mode({name: value})
     assert calls == [True]
     determinism.check_deterministic_env({"NCCL_ALGO": "Ring,CollnetDirect"})
+
+
+def test_a_test_that_turns_deterministic_mode_on_in_process():
+    """With its twin below: tests/conftest.py undoes the mode after each test (an in-process run with
+    --deterministic-mode would otherwise reach every later test, e.g. cost TE its FP8 attention kernels)."""
+    determinism.apply_deterministic_mode()
+    assert torch.are_deterministic_algorithms_enabled()
+    assert os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0"
+
+
+SESSION_ENV = {name: os.environ.get(name) for name in determinism.DETERMINISTIC_ENV}
+
+
+def test_the_next_test_starts_without_it():
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert {name: os.environ.get(name) for name in determinism.DETERMINISTIC_ENV} == SESSION_ENV
