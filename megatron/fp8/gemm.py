@@ -16,11 +16,13 @@ Paths, chosen per (device, scaling of A and B, dtypes) and probed once against t
   scales each dequantized element is rounded to bf16 (relative error <= 2^-9).
 
 A path is used only after a probe: a small GEMM of random operands through it must match the emulation (relative
-error < 2^-6, above bf16 output rounding and accumulation order). Whatever fails or mismatches is emulated, and
-`describe_path` says so at startup.
+error < 2^-6, above bf16 output rounding and accumulation order) and, on a CPU, not be many times slower than it
+(`CPU_SLOWER_LIMIT`). Whatever fails, mismatches or crawls is emulated, and `describe_path` says so at startup.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -31,6 +33,11 @@ from .quantize import Fp8Tensor, quantize
 _PROBED: dict[tuple, str] = {}
 
 EMULATED_CPU = "emulated (dequantize to fp32, fp32 GEMM)"
+CPU_SLOWER_LIMIT = 20.0
+"""On a CPU, `torch._scaled_mm` is skipped when the probe's GEMM took this many times the emulation's. oneDNN runs
+FP8 matmuls on its reference kernel where the CPU has no FP8 instructions (Sapphire Rapids: 1.5 s against 3 ms
+for the probe's 256 x 384 x 512); the probe's one call, its setup included, is timed against one emulated GEMM,
+so only a path that much slower is refused. (CUDA is not timed: its native paths are the fast ones.)"""
 EMULATED_CUDA = "emulated (dequantize to bf16, GEMM with fp32 accumulation)"
 
 
@@ -140,13 +147,19 @@ def _probe(key: tuple, recipe_quantize) -> str:
     b_hp = torch.randn(384, 512, generator=gen, device=device)
     a, b = recipe_quantize(a_hp, kind_a, dtype_a), recipe_quantize(b_hp, kind_b, dtype_b)
     try:
+        started = time.perf_counter()
         got = _scaled_mm(a, b, out_dtype, fast_accum, None).float()
+        native_s = time.perf_counter() - started
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
         return f"{_emulated_name(device)}; torch._scaled_mm refused: {str(exc).splitlines()[0][:120]}"
+    started = time.perf_counter()
     want = torch.mm(a.dequantize(), b.dequantize().t())
+    emulated_s = time.perf_counter() - started
     error = float((got - want).norm() / want.norm())
     if not error < 2**-6:
         return f"{_emulated_name(device)}; torch._scaled_mm mismatched (relative error {error:.2e})"
+    if device.type == "cpu" and native_s > CPU_SLOWER_LIMIT * emulated_s:
+        return f"{EMULATED_CPU}; torch._scaled_mm {native_s / emulated_s:.0f}x slower here (oneDNN's reference kernel)"
     return f"torch._scaled_mm ({kind_a} x {kind_b})"
 
 
