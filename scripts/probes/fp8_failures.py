@@ -559,6 +559,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.replot:
         with open(args.replot) as f:
             saved = json.load(f)
+        os.makedirs(args.plot or ".", exist_ok=True)
         for kind, entry in saved.items():
             entry = next(iter(entry["seeds"].values()))
             runs = {k: Result(**_int_keys(v)) for k, v in entry["runs"].items()}
