@@ -14,13 +14,18 @@ uninjected and injected high-precision runs (FP8 off; fp32 on CPU), for outliers
 --smooth-swiglu, for lr-spike one with --fp8-guard-intervals 2. It prints, per failure, one table row per FP8 run:
 the first step the monitor flags a tensor (a guard condition over its threshold: the summary line's conditions), the
 first step the guard acts (and with --fp8-auto-bf16 the layers it moved), and the first step whose training loss is
-1% away from the uninjected FP8 run's and from the same run's in high precision.
---json writes every run's losses and flags, --plot DIR one figure per failure (matplotlib; --replot JSON draws
-them from a --json file), --cost times the monitor's statistics instead. Results: docs/fp8.md, "Induced failures".
+1% away from the uninjected FP8 run's and from the same run's in high precision; under the table, per FP8 run, the
+largest saturated fraction and the first step one is over 10x the guard's threshold, and the largest update/weight
+ratio of the layer's linears (an optimizer-step signal, for the lr-spike). --seeds N repeats everything at seeds
+1234 .. 1233 + N and ends each failure with one table of every column as min..max over the seeds.
+--json writes every run's losses and flags, --plot DIR one figure per failure (the first seed; matplotlib;
+--replot JSON draws them from a --json file), --cost prints the cost table of the monitor's statistics instead.
+On the CPU the FP8 GEMMs are emulated (`emulated_cpu_gemms`; --native-gemm: torch._scaled_mm). Results:
+docs/fp8.md, "Induced failures".
 
 The injections are hooks this script installs on a built Trainer (`install`), not flags: tests use them too.
 
-    PYTHONPATH=. python scripts/probes/fp8_failures.py --failures outliers lr-spike amax-group --plot docs/fp8
+    PYTHONPATH=. python scripts/probes/fp8_failures.py --seeds 3 --json runs/fp8_failures.json --plot docs/fp8
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import io
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +45,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron.config import parse_args
+from megatron.config import PrecisionConfig, parse_args
 from megatron.data import default_corpus
+from megatron.fp8 import gemm
 from megatron.training import Trainer
 
 # scripts/loss_parity.py's `tiny` preset, without its evaluations: a 2-layer Llama whose second layer runs in FP8
@@ -57,7 +63,13 @@ TINY = (
 # on steps 6-10 (the delayed scale lags the early growth of its amax) and the guard acts at step 8 with no failure
 FP8 = "--fp8-format hybrid --fp8-recipe delayed --fp8-margin 1 --fp8-stats-interval 1"
 DEPARTURE = 0.01
+# A saturated fraction this many times the guard's default threshold on one watched step: where a guard acting on a
+# single such step (no streak) would act; measured, not a guard rule (docs/fp8.md, "lr-spike")
+FAR_OVER = 10
+LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # a transformer layer's FP8 linears
 QUIET = True  # the trainers' own logs off (--verbose: on)
+EMULATE = True  # FP8 GEMMs through the emulation on the CPU (--native-gemm: torch._scaled_mm); see emulated_cpu_gemms
+SEED = 1234  # the trainers' default --seed; --seeds N trains SEED, SEED + 1, ...
 DEFAULTS = {  # (start, steps, factor) of each failure
     "outliers": (10, 6, 2.0),
     "lr-spike": (10, 3, 30.0),
@@ -72,6 +84,26 @@ def data_flags(data_dir: str = "data") -> str:
         f"--data-path {prefix} --tokenizer-type GPT2BPETokenizer --vocab-file {default_corpus.VOCAB_FILE}"
         f" --merge-file {default_corpus.MERGE_FILE}"
     )
+
+
+@contextlib.contextmanager
+def emulated_cpu_gemms(on: bool = True) -> Iterator[None]:
+    """FP8 GEMMs on the CPU through the emulation (dequantize, fp32 GEMM) instead of torch._scaled_mm. Where the
+    CPU has no FP8 instructions, oneDNN runs torch._scaled_mm with its reference kernel (`ref:any`), 0.28 s for one
+    512x64x128 GEMM against 0.7 ms emulated: a 30-step run takes 4 minutes instead of 4 s. Both accumulate the
+    same exact products in fp32 (the study's losses agree to 7 digits). The GEMM paths probed before are restored."""
+    if not on:
+        yield
+        return
+    native, probed = gemm._native_candidate, dict(gemm._PROBED)
+    gemm._native_candidate = lambda device, a, b: device.type != "cpu" and native(device, a, b)  # type: ignore
+    gemm._PROBED.clear()
+    try:
+        yield
+    finally:
+        gemm._native_candidate = native  # type: ignore[assignment]
+        gemm._PROBED.clear()
+        gemm._PROBED.update(probed)
 
 
 @dataclass(frozen=True)
@@ -145,18 +177,40 @@ class Result:
     """The tensors over a guard condition on each watched step (e.g. `layers.1.mlp.linear_fc2 input saturated`)."""
     guard: dict[int, list[str]] = field(default_factory=dict)
     series: dict[str, dict[int, float]] = field(default_factory=dict)
-    """Per-step monitor values of the injected layer's linear_fc2 input (for the plots)."""
+    """Per-step monitor values of the injected layer's linear_fc2 input (for the plots); `weight saturated`: the
+    largest saturated fraction of that layer's FP8 weights; `max saturated`: the largest of any FP8 tensor."""
     bf16_layers: list[int] = field(default_factory=list)
+    updates: dict[int, float] = field(default_factory=dict)
+    """Per step, the largest |W_after - W_before| / |W_before| (Frobenius) of the injected layer's linears: the
+    optimizer step's size relative to the weight."""
 
 
 def train(flags: str, injection: Injection | None, name: str = "", world_size: int = 1, extra: str = "") -> Result:
     """Train one run in this process (a rank of `world_size`) and record what the monitor reported; `extra` flags
     come last (and win)."""
+    with emulated_cpu_gemms(EMULATE):
+        return _train(flags, injection, name, world_size, extra)
+
+
+def _train(flags: str, injection: Injection | None, name: str, world_size: int, extra: str) -> Result:
     with contextlib.redirect_stdout(io.StringIO()) if QUIET else contextlib.nullcontext():
         trainer = Trainer(parse_args(f"{TINY} {flags} {extra}".split(), world_size=world_size))
     result = Result(name)
     if injection is not None:
         install(trainer, injection)
+    layer = injection.layer if injection else 2
+    block = trainer.model.decoder.layers[layer - 1]
+    weights = [m.weight for n, m in block.named_modules() if n.endswith(LINEARS)]
+    step = trainer.train_step
+
+    def measured_step(batches: Any, lrs: Any, num_micro: int | None = None) -> tuple[float, float, bool]:
+        before = [w.detach().clone() for w in weights]
+        out = step(batches, lrs, num_micro)
+        ratios = [float((w.detach() - b).norm() / b.norm()) for w, b in zip(weights, before)]
+        result.updates[trainer.state.iteration + 1] = max(ratios, default=0.0)
+        return out
+
+    trainer.train_step = measured_step  # type: ignore[method-assign]
     monitor = trainer.fp8_monitor
     if monitor is not None:
         report = monitor.report
@@ -168,9 +222,12 @@ def train(flags: str, injection: Injection | None, name: str = "", world_size: i
             result.flags[iteration] = [f"{r.describe()} {c}" for r in rows for c in guard.conditions(r)]
             result.guard[iteration] = [line for line in lines if line.startswith("FP8 guard")]
             for r in rows:
-                if r.layer_number == (injection.layer if injection else 2) and r.describe().endswith("fc2 input"):
+                if r.layer_number == layer and r.describe().endswith("fc2 input"):
                     for key in ("saturated", "underflow", "amax", "peak_ratio", "scale_spread"):
                         result.series.setdefault(key, {})[iteration] = float(getattr(r, key))
+            saturated = [r.saturated for r in rows if r.layer_number == layer and r.tensor == "weight"]
+            result.series.setdefault("weight saturated", {})[iteration] = max(saturated, default=0.0)
+            result.series.setdefault("max saturated", {})[iteration] = max((r.saturated for r in rows), default=0.0)
             return rows
 
         monitor.report = recording  # type: ignore[method-assign]
@@ -216,7 +273,9 @@ def study(injection: Injection, data: str, world_size: int = 1) -> dict[str, Res
     return results
 
 
-def _rank(rank: int, world_size: int, store: str, injection: Injection, data: str, out: str) -> None:
+def _rank(rank: int, world_size: int, store: str, injection: Injection, data: str, out: str, emulate: bool) -> None:
+    global EMULATE
+    EMULATE = emulate  # a spawned process imports this module afresh
     os.environ.update(OMP_NUM_THREADS="1", LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
@@ -231,7 +290,7 @@ def study_dp2(injection: Injection, data: str) -> dict[str, Result]:
     """`study` on 2 gloo processes (data parallel)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
-        args = (2, os.path.join(tmp, "store"), injection, data, out)
+        args = (2, os.path.join(tmp, "store"), injection, data, out, EMULATE)
         mp.start_processes(_rank, args=args, nprocs=2, start_method="spawn")
         with open(out) as f:
             loaded = json.load(f)
@@ -241,7 +300,7 @@ def study_dp2(injection: Injection, data: str) -> dict[str, Result]:
 def _int_keys(value: dict[str, Any]) -> dict[str, Any]:
     """A Result's fields read back from JSON, whose keys are strings, with integer iterations again."""
     value = dict(value)
-    for key in ("losses", "flags", "guard"):
+    for key in ("losses", "flags", "guard", "updates"):
         value[key] = {int(i): v for i, v in value[key].items()}
     value["series"] = {k: {int(i): x for i, x in s.items()} for k, s in value["series"].items()}
     return value
@@ -270,10 +329,23 @@ def timeline(results: dict[str, Result]) -> list[dict[str, Any]]:
                 "final vs ref hp %": 100 * (r.losses[last] / ref_hp.losses[last] - 1),
                 "final vs same in hp %": 100
                 * (r.losses[last] / (hp if name != "ref fp8" else ref_hp).losses[last] - 1),
+                "far over": first({i: [x] for i, x in r.series["max saturated"].items() if x > FAR_OVER * SATURATION}),
+                "max saturated": _largest(r.series["max saturated"]),
+                "max weight saturated": _largest(r.series["weight saturated"]),
+                "max update": _largest(r.updates),
             }
         )
     rows.append({"run": "hp (injected, FP8 off)", "departs vs ref fp8": departure(hp.losses, ref.losses)})
     return rows
+
+
+SATURATION = PrecisionConfig.fp8_guard_saturation  # the guard's default threshold, which the study runs at
+
+
+def _largest(values: dict[int, float]) -> tuple[float, int]:
+    """(the largest value, its first step)."""
+    step = max(sorted(values), key=lambda i: values[i])
+    return values[step], step
 
 
 def markdown(kind: str, rows: list[dict[str, Any]]) -> str:
@@ -293,7 +365,55 @@ def markdown(kind: str, rows: list[dict[str, Any]]) -> str:
             f" {r['departs vs ref fp8'] or '-'} / {r['departs vs same in hp'] or '-'} |"
             f" {r['final vs ref hp %']:+.2f}% / {r['final vs same in hp %']:+.2f}% |"
         )
+    for r in rows:
+        if "flagged" in r:
+            (sat, i), (wsat, j), (update, k) = r["max saturated"], r["max weight saturated"], r["max update"]
+            lines.append(
+                f"  {r['run']}: largest saturated {100 * sat:.3g}% (step {i}), over {FAR_OVER}x the threshold first"
+                f" at {r['far over'] or '-'}; layer's weights {100 * wsat:.3g}% (step {j});"
+                f" largest update/weight {update:.3g} (step {k})"
+            )
     return f"{kind}:\n" + "\n".join(lines)
+
+
+def span(values: list[Any], fmt: str = "{}") -> str:
+    """Values over seeds as `min..max` (one value: itself); None (never) counted apart: `12..14, - in 1 of 3`."""
+    known = sorted(v for v in values if v is not None)
+    text = "-" if not known else fmt.format(known[0])
+    if known and known[-1] != known[0]:
+        text += ".." + fmt.format(known[-1])
+    if known and len(known) < len(values):
+        text += f", - in {len(values) - len(known)} of {len(values)}"
+    return text
+
+
+def summary(kind: str, per_seed: dict[int, list[dict[str, Any]]]) -> str:
+    """One table row per run: each timeline column over the seeds (`span`), the layers moved and in how many."""
+    seeds = list(per_seed)
+    lines = [
+        f"{kind}, seeds {', '.join(map(str, seeds))}:",
+        "| run | monitor flags | guard acts (moved) | loss departs 1% (vs ref FP8 / vs same in fp32) |"
+        f" final vs fp32 ref / same in fp32 | over {FAR_OVER}x saturation |",
+        "|---|---|---|---|---|---|",
+    ]
+    for index, first_row in enumerate(per_seed[seeds[0]]):
+        rows = [per_seed[seed][index] for seed in seeds]
+
+        def col(key: str, rows: list[dict[str, Any]] = rows) -> list[Any]:
+            return [r.get(key) for r in rows]
+
+        if "flagged" not in first_row:
+            lines.append(f"| {first_row['run']} | | | {span(col('departs vs ref fp8'))} | | |")
+            continue
+        moved = [tuple(r["moved"]) for r in rows if r["moved"]]
+        layers = f" (layer {', '.join(map(str, moved[0]))} in {len(moved)} of {len(rows)})" if moved else ""
+        lines.append(
+            f"| {first_row['run']} | {span(col('flagged'))} | {span(col('guard'))}{layers} |"
+            f" {span(col('departs vs ref fp8'))} / {span(col('departs vs same in hp'))} |"
+            f" {span(col('final vs ref hp %'), '{:+.2f}%')} / {span(col('final vs same in hp %'), '{:+.2f}%')} |"
+            f" {span(col('far over'))} |"
+        )
+    return "\n".join(lines)
 
 
 def plot(kind: str, injection: Injection, results: dict[str, Result], rows: list[dict[str, Any]], path: str) -> None:
@@ -342,92 +462,128 @@ def plot(kind: str, injection: Injection, results: dict[str, Result], rows: list
     plt.close(fig)
 
 
-def cost(data: str, steps: int = 12, blocks: int = 3) -> dict[str, float]:
-    """Median ms per training step with the monitor off, on, and on without the peak/RMS sums, and the ms per
-    monitored step spent in the statistics' recording (with and without those sums); the three trainers' steps are
-    alternated block by block so that the machine's drift falls on all alike."""
+COST_ROWS = {  # cost's variants: (precision flags, peak/RMS sums on), and their rows in docs/fp8.md's table
+    "monitor off": (FP8.replace("--fp8-stats-interval 1", ""), True, "monitor off (`--fp8-stats-interval 0`)"),
+    "monitor on": (FP8, True, "monitor on, every step"),
+    "monitor on, no peak/RMS": (FP8, False, "monitor on, without the peak/RMS sums"),
+}
+
+
+def cost(data: str, steps: int = 12, blocks: int = 3) -> dict[str, tuple[float, float | None]]:
+    """{variant: (median ms per training step, median ms of it spent recording the statistics; None with the
+    monitor off)} for the monitor off, on, and on without the peak/RMS sums. The variants' trainers step in turn,
+    block by block, so that the machine's drift falls on all alike; every step runs at the peak learning rate."""
     import time
 
     from megatron.fp8 import stats
 
-    squares = stats._squares
-    variants = {"monitor off": (FP8.replace("--fp8-stats-interval 1", ""), True), "monitor on": (FP8, True)}
-    variants["monitor on, no peak/RMS"] = (FP8, False)
-    trainers, batches, times, recording = {}, {}, {k: [] for k in variants}, {k: [] for k in variants}
-    for name, (flags, _) in variants.items():
-        with contextlib.redirect_stdout(io.StringIO()):
-            trainers[name] = Trainer(parse_args(f"{TINY} {flags} {data}".split()))
-        batches[name] = iter(trainers[name].loader(trainers[name].datasets.train, 0))
-    record = stats.Fp8StatsCollector.record
+    squares, record = stats._squares, stats.Fp8StatsCollector.record
+    trainers, batches = {}, {}
+    times: dict[str, list[float]] = {k: [] for k in COST_ROWS}
+    recording: dict[str, list[float]] = {k: [] for k in COST_ROWS}
+    with emulated_cpu_gemms(EMULATE):
+        for name, (flags, _, _) in COST_ROWS.items():
+            with contextlib.redirect_stdout(io.StringIO()):
+                trainers[name] = Trainer(parse_args(f"{TINY} {flags} {data}".split()))
+            batches[name] = iter(trainers[name].loader(trainers[name].datasets.train, 0))
+        try:
+            for _ in range(blocks):
+                for name, (_, peak, _) in COST_ROWS.items():
+                    t, spent = trainers[name], recording[name]
+                    stats._squares = squares if peak else lambda x: None  # type: ignore[assignment]
 
-    def timed(self: Any, *args: Any, spent: list[float], **kwargs: Any) -> None:
-        start = time.perf_counter()
-        record(self, *args, **kwargs)
-        spent[-1] += time.perf_counter() - start
+                    def timed(self: Any, *args: Any, _spent: list[float] = spent, **kwargs: Any) -> None:
+                        start = time.perf_counter()
+                        record(self, *args, **kwargs)
+                        _spent[-1] += time.perf_counter() - start
 
-    for _ in range(blocks):
-        for name, (_, peak) in variants.items():
-            t = trainers[name]
-            stats._squares = squares if peak else lambda x: None  # type: ignore[assignment]
-            lrs = t.lr_schedule.at(0)
-            for _ in range(steps):
-                recording[name].append(0.0)
-                stats.Fp8StatsCollector.record = lambda self, *a, _n=name, **k: timed(
-                    self, *a, spent=recording[_n], **k
-                )
-                start = time.perf_counter()
-                with t.fp8_monitor.watch(1) as watched:
-                    t.train_step(batches[name], lrs)
-                if watched is not None:
-                    t.fp8_monitor.report(watched, 1, lambda line: None, lambda values, step: None)
-                times[name].append(time.perf_counter() - start)
-    stats._squares, stats.Fp8StatsCollector.record = squares, record
+                    stats.Fp8StatsCollector.record = timed  # type: ignore[method-assign]
+                    # the schedule starts at 0: a step at lr 0 would leave the weights (and their casts) as they are
+                    lrs = t.lr_schedule.at(t.lr_schedule.warmup)
+                    for _ in range(steps):
+                        spent.append(0.0)
+                        start = time.perf_counter()
+                        with t.fp8_monitor.watch(1) as watched:
+                            t.train_step(batches[name], lrs)
+                        if watched is not None:
+                            t.fp8_monitor.report(watched, 1, lambda line: None, lambda values, step: None)
+                        times[name].append(time.perf_counter() - start)
+        finally:
+            stats._squares, stats.Fp8StatsCollector.record = squares, record  # type: ignore[method-assign]
 
     def median(values: list[float]) -> float:
         return 1000 * sorted(values)[len(values) // 2]
 
-    out = {f"{name} ms/step": median(times[name]) for name in variants}
-    out.update({f"{name} recording ms/step": median(recording[name]) for name in variants if name != "monitor off"})
-    return out
+    off = COST_ROWS["monitor off"][0]
+    return {k: (median(times[k]), median(recording[k]) if COST_ROWS[k][0] != off else None) for k in COST_ROWS}
+
+
+def cost_table(measured: dict[str, tuple[float, float | None]]) -> str:
+    """docs/fp8.md's cost table of `cost`'s result."""
+    lines = ["| | ms per step | of which recording the statistics |", "|---|---:|---:|"]
+    for name, (step, spent) in measured.items():
+        lines.append(f"| {COST_ROWS[name][2]} | {step:.1f} |{'' if spent is None else f' {spent:.2f}'} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--failures", nargs="+", choices=list(DEFAULTS), default=list(DEFAULTS))
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help=f"train every run at N seeds ({SEED}, {SEED + 1}, ...): each timeline per"
+        " seed, then each column as min..max over them",
+    )
     parser.add_argument("--json", help="write every run's losses, flags and guard messages here")
-    parser.add_argument("--plot", help="a folder for one figure per failure (fp8_failure_<kind>.png)")
+    parser.add_argument("--plot", help="a folder for one figure per failure (fp8_failure_<kind>.png; the first seed)")
     parser.add_argument("--verbose", action="store_true", help="the trainers' logs too")
     parser.add_argument("--cost", action="store_true", help="only the monitor's cost per step (ms), instead")
     parser.add_argument("--replot", help="draw --plot's figures from a --json file instead of training")
+    parser.add_argument(
+        "--native-gemm",
+        action="store_true",
+        help="FP8 GEMMs through torch._scaled_mm on the CPU too (default: emulated there, see emulated_cpu_gemms)",
+    )
     args = parser.parse_args(argv)
-    global QUIET
-    QUIET = not args.verbose
+    if args.seeds < 1:
+        parser.error(f"--seeds must be >= 1, got {args.seeds}")
+    global QUIET, EMULATE
+    QUIET, EMULATE = not args.verbose, not args.native_gemm
     data = data_flags()
     torch.set_num_threads(1)
     if args.cost:
-        for key, value in cost(data).items():
-            print(f"{key}: {value:.2f}")
+        print(cost_table(cost(data)))
         return
     if args.replot:
         with open(args.replot) as f:
             saved = json.load(f)
+        os.makedirs(args.plot or ".", exist_ok=True)
         for kind, entry in saved.items():
+            entry = next(iter(entry["seeds"].values()))
             runs = {k: Result(**_int_keys(v)) for k, v in entry["runs"].items()}
             runs.setdefault("hp", runs["ref hp"])
             path = os.path.join(args.plot or ".", f"fp8_failure_{kind}.png")
             plot(kind, Injection(kind, *DEFAULTS[kind]), runs, entry["rows"], path)
         return
-    everything = {}
+    everything: dict[str, Any] = {}
     for kind in args.failures:
         start, steps, factor = DEFAULTS[kind]
         injection = Injection(kind, start, steps, factor)
-        results = study_dp2(injection, data) if kind == "amax-group" else study(injection, data)
-        rows = timeline(results)
-        print(markdown(kind, rows), flush=True)
-        everything[kind] = {"rows": rows, "runs": {k: dataclasses.asdict(v) for k, v in results.items()}}
-        if args.plot:
-            os.makedirs(args.plot, exist_ok=True)
-            plot(kind, injection, results, rows, os.path.join(args.plot, f"fp8_failure_{kind}.png"))
+        per_seed, entry = {}, everything.setdefault(kind, {"seeds": {}})
+        for seed in range(SEED, SEED + args.seeds):
+            flags = f"{data} --seed {seed}"
+            results = study_dp2(injection, flags) if kind == "amax-group" else study(injection, flags)
+            rows = per_seed[seed] = timeline(results)
+            print(markdown(f"{kind}, seed {seed}", rows), flush=True)
+            entry["seeds"][seed] = {"rows": rows, "runs": {k: dataclasses.asdict(v) for k, v in results.items()}}
+            if args.plot and seed == SEED:
+                os.makedirs(args.plot, exist_ok=True)
+                plot(kind, injection, results, rows, os.path.join(args.plot, f"fp8_failure_{kind}.png"))
+        if args.seeds > 1:
+            entry["summary"] = summary(kind, per_seed)
+            print(entry["summary"], flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(everything, f, indent=1)
