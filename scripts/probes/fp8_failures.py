@@ -20,8 +20,7 @@ ratio of the layer's linears (an optimizer-step signal, for the lr-spike). --see
 1234 .. 1233 + N and ends each failure with one table of every column as min..max over the seeds.
 --json writes every run's losses and flags, --plot DIR one figure per failure (the first seed; matplotlib;
 --replot JSON draws them from a --json file), --cost prints the cost table of the monitor's statistics instead.
-On the CPU the FP8 GEMMs are emulated (`emulated_cpu_gemms`; --native-gemm: torch._scaled_mm). Results:
-docs/fp8.md, "Induced failures".
+Results: docs/fp8.md, "Induced failures".
 
 The injections are hooks this script installs on a built Trainer (`install`), not flags: tests use them too.
 
@@ -37,7 +36,7 @@ import io
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +46,6 @@ import torch.multiprocessing as mp
 
 from megatron.config import PrecisionConfig, parse_args
 from megatron.data import default_corpus
-from megatron.fp8 import gemm
 from megatron.training import Trainer
 
 # scripts/loss_parity.py's `tiny` preset, without its evaluations: a 2-layer Llama whose second layer runs in FP8
@@ -68,7 +66,6 @@ DEPARTURE = 0.01
 FAR_OVER = 10
 LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # a transformer layer's FP8 linears
 QUIET = True  # the trainers' own logs off (--verbose: on)
-EMULATE = True  # FP8 GEMMs through the emulation on the CPU (--native-gemm: torch._scaled_mm); see emulated_cpu_gemms
 SEED = 1234  # the trainers' default --seed; --seeds N trains SEED, SEED + 1, ...
 DEFAULTS = {  # (start, steps, factor) of each failure
     "outliers": (10, 6, 2.0),
@@ -84,26 +81,6 @@ def data_flags(data_dir: str = "data") -> str:
         f"--data-path {prefix} --tokenizer-type GPT2BPETokenizer --vocab-file {default_corpus.VOCAB_FILE}"
         f" --merge-file {default_corpus.MERGE_FILE}"
     )
-
-
-@contextlib.contextmanager
-def emulated_cpu_gemms(on: bool = True) -> Iterator[None]:
-    """FP8 GEMMs on the CPU through the emulation (dequantize, fp32 GEMM) instead of torch._scaled_mm. Where the
-    CPU has no FP8 instructions, oneDNN runs torch._scaled_mm with its reference kernel (`ref:any`), 0.28 s for one
-    512x64x128 GEMM against 0.7 ms emulated: a 30-step run takes 4 minutes instead of 4 s. Both accumulate the
-    same exact products in fp32 (the study's losses agree to 7 digits). The GEMM paths probed before are restored."""
-    if not on:
-        yield
-        return
-    native, probed = gemm._native_candidate, dict(gemm._PROBED)
-    gemm._native_candidate = lambda device, a, b: device.type != "cpu" and native(device, a, b)  # type: ignore
-    gemm._PROBED.clear()
-    try:
-        yield
-    finally:
-        gemm._native_candidate = native  # type: ignore[assignment]
-        gemm._PROBED.clear()
-        gemm._PROBED.update(probed)
 
 
 @dataclass(frozen=True)
@@ -188,8 +165,7 @@ class Result:
 def train(flags: str, injection: Injection | None, name: str = "", world_size: int = 1, extra: str = "") -> Result:
     """Train one run in this process (a rank of `world_size`) and record what the monitor reported; `extra` flags
     come last (and win)."""
-    with emulated_cpu_gemms(EMULATE):
-        return _train(flags, injection, name, world_size, extra)
+    return _train(flags, injection, name, world_size, extra)
 
 
 def _train(flags: str, injection: Injection | None, name: str, world_size: int, extra: str) -> Result:
@@ -273,9 +249,7 @@ def study(injection: Injection, data: str, world_size: int = 1) -> dict[str, Res
     return results
 
 
-def _rank(rank: int, world_size: int, store: str, injection: Injection, data: str, out: str, emulate: bool) -> None:
-    global EMULATE
-    EMULATE = emulate  # a spawned process imports this module afresh
+def _rank(rank: int, world_size: int, store: str, injection: Injection, data: str, out: str) -> None:
     os.environ.update(OMP_NUM_THREADS="1", LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
@@ -290,7 +264,7 @@ def study_dp2(injection: Injection, data: str) -> dict[str, Result]:
     """`study` on 2 gloo processes (data parallel)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
-        args = (2, os.path.join(tmp, "store"), injection, data, out, EMULATE)
+        args = (2, os.path.join(tmp, "store"), injection, data, out)
         mp.start_processes(_rank, args=args, nprocs=2, start_method="spawn")
         with open(out) as f:
             loaded = json.load(f)
@@ -481,35 +455,34 @@ def cost(data: str, steps: int = 12, blocks: int = 3) -> dict[str, tuple[float, 
     trainers, batches = {}, {}
     times: dict[str, list[float]] = {k: [] for k in COST_ROWS}
     recording: dict[str, list[float]] = {k: [] for k in COST_ROWS}
-    with emulated_cpu_gemms(EMULATE):
-        for name, (flags, _, _) in COST_ROWS.items():
-            with contextlib.redirect_stdout(io.StringIO()):
-                trainers[name] = Trainer(parse_args(f"{TINY} {flags} {data}".split()))
-            batches[name] = iter(trainers[name].loader(trainers[name].datasets.train, 0))
-        try:
-            for _ in range(blocks):
-                for name, (_, peak, _) in COST_ROWS.items():
-                    t, spent = trainers[name], recording[name]
-                    stats._squares = squares if peak else lambda x: None  # type: ignore[assignment]
+    for name, (flags, _, _) in COST_ROWS.items():
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainers[name] = Trainer(parse_args(f"{TINY} {flags} {data}".split()))
+        batches[name] = iter(trainers[name].loader(trainers[name].datasets.train, 0))
+    try:
+        for _ in range(blocks):
+            for name, (_, peak, _) in COST_ROWS.items():
+                t, spent = trainers[name], recording[name]
+                stats._squares = squares if peak else lambda x: None  # type: ignore[assignment]
 
-                    def timed(self: Any, *args: Any, _spent: list[float] = spent, **kwargs: Any) -> None:
-                        start = time.perf_counter()
-                        record(self, *args, **kwargs)
-                        _spent[-1] += time.perf_counter() - start
+                def timed(self: Any, *args: Any, _spent: list[float] = spent, **kwargs: Any) -> None:
+                    start = time.perf_counter()
+                    record(self, *args, **kwargs)
+                    _spent[-1] += time.perf_counter() - start
 
-                    stats.Fp8StatsCollector.record = timed  # type: ignore[method-assign]
-                    # the schedule starts at 0: a step at lr 0 would leave the weights (and their casts) as they are
-                    lrs = t.lr_schedule.at(t.lr_schedule.warmup)
-                    for _ in range(steps):
-                        spent.append(0.0)
-                        start = time.perf_counter()
-                        with t.fp8_monitor.watch(1) as watched:
-                            t.train_step(batches[name], lrs)
-                        if watched is not None:
-                            t.fp8_monitor.report(watched, 1, lambda line: None, lambda values, step: None)
-                        times[name].append(time.perf_counter() - start)
-        finally:
-            stats._squares, stats.Fp8StatsCollector.record = squares, record  # type: ignore[method-assign]
+                stats.Fp8StatsCollector.record = timed  # type: ignore[method-assign]
+                # the schedule starts at 0: a step at lr 0 would leave the weights (and their casts) as they are
+                lrs = t.lr_schedule.at(t.lr_schedule.warmup)
+                for _ in range(steps):
+                    spent.append(0.0)
+                    start = time.perf_counter()
+                    with t.fp8_monitor.watch(1) as watched:
+                        t.train_step(batches[name], lrs)
+                    if watched is not None:
+                        t.fp8_monitor.report(watched, 1, lambda line: None, lambda values, step: None)
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        stats._squares, stats.Fp8StatsCollector.record = squares, record  # type: ignore[method-assign]
 
     def median(values: list[float]) -> float:
         return 1000 * sorted(values)[len(values) // 2]
@@ -541,16 +514,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--verbose", action="store_true", help="the trainers' logs too")
     parser.add_argument("--cost", action="store_true", help="only the monitor's cost per step (ms), instead")
     parser.add_argument("--replot", help="draw --plot's figures from a --json file instead of training")
-    parser.add_argument(
-        "--native-gemm",
-        action="store_true",
-        help="FP8 GEMMs through torch._scaled_mm on the CPU too (default: emulated there, see emulated_cpu_gemms)",
-    )
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error(f"--seeds must be >= 1, got {args.seeds}")
-    global QUIET, EMULATE
-    QUIET, EMULATE = not args.verbose, not args.native_gemm
+    global QUIET
+    QUIET = not args.verbose
     data = data_flags()
     torch.set_num_threads(1)
     if args.cost:

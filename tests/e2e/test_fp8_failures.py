@@ -8,14 +8,13 @@ import pytest
 import torch
 
 from megatron.config import parse_args
-from megatron.fp8 import gemm
 from megatron.training import Trainer
 from tests.assets.scripts import load_probe
 from tests.dist_utils import run_distributed
 
 probe = load_probe("fp8_failures")
 # 20 steps instead of the study's 30 (a shorter cosine schedule): the timelines asserted hold at both lengths, at
-# the study's first seed. probe.train emulates the CPU's FP8 GEMMs, as the study does (probe.emulated_cpu_gemms)
+# the study's first seed
 SHORT = "--train-iters 20"
 
 
@@ -92,15 +91,6 @@ def test_timelines_over_seeds_read_as_ranges():
     assert probe.span([11, 11, 11]) == "11" and probe.span([None, None]) == "-"
     assert probe.span([12, None, 10]) == "10..12, - in 1 of 3"
     assert probe.span([0.5, -1.25], "{:+.2f}%") == "-1.25%..+0.50%"
-
-
-def test_the_emulated_cpu_gemms_are_undone_on_leaving():
-    cpu = torch.device("cpu")
-    path = gemm.describe_path(cpu, "tensor", "tensor", torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32)
-    with probe.emulated_cpu_gemms():
-        inside = gemm.describe_path(cpu, "tensor", "tensor", torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32)
-        assert inside == gemm.EMULATED_CPU
-    assert gemm.describe_path(cpu, "tensor", "tensor", torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32) == path
 
 
 def _wrong_amax_group(rank: int, world_size: int, data: str) -> None:
