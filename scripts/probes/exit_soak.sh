@@ -8,12 +8,15 @@
 # fails when torchrun exits non-zero, a `terminate called` line appears (a C++ std::thread destroyed while joinable),
 # or the final loss line is missing. Prints one line per launch and a summary; exits 1 when any launch failed.
 # Run it from the repository root; set SOAK_PYTHON to choose the interpreter (default: python) and SOAK_JOBS to run
-# that many launches at a time (default 1; the CI test runs 2, which also loads the machine as the aborts were seen).
+# that many launches at a time (default 1; the CI test runs 2, which also loads the machine as the aborts were seen),
+# SOAK_SCRIPT to launch another entry point taking pretrain_gpt.py's flags (the CI test's also lists the threads left
+# after main; its logs stay in OUT_DIR).
 set -u
 n=${1:?usage: scripts/probes/exit_soak.sh N [OUT_DIR]}
 out=${2:-$(mktemp -d /tmp/exit_soak.XXXXXX)}
 mkdir -p "$out"
 py=${SOAK_PYTHON:-python}
+script=${SOAK_SCRIPT:-pretrain_gpt.py}
 TINY="--mock-data --vocab-size 128 --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
  --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 2 --log-interval 1 --eval-iters 1
  --eval-interval 1000 --train-iters 8 --seed 1234"
@@ -31,7 +34,7 @@ launch() {  # launch I: one run, its status line in $out/status$i
     log="$out/run$i.log"
     # shellcheck disable=SC2086  # the flag strings are meant to split
     OMP_NUM_THREADS=1 "$py" -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 --master-port "$port" \
-        pretrain_gpt.py $TINY $LLAMA --transformer-impl local --use-distributed-optimizer --fp8-format hybrid \
+        "$script" $TINY $LLAMA --transformer-impl local --use-distributed-optimizer --fp8-format hybrid \
         --fp8-recipe "$recipe" $gather $save >"$log" 2>&1
     local rc=$? terminate final status=ok
     terminate=$(grep -c "terminate called" "$log")

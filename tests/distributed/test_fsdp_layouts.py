@@ -1,7 +1,7 @@
 """FSDP (PyTorch's FSDP2) composed with tensor parallelism (+ sequence parallelism) and with context parallelism, on
-four gloo processes, against the distributed optimizer on the same layout (two micro-batches a step): over 20 steps
-under TP, over 10 under CP (what CP adds, FSDP's sharding over data x context parallel ranks and
-their gradient reduction, shows in the second step; 4 processes on 2 cores make each step costly).
+four gloo processes, against the distributed optimizer on the same layout (two micro-batches a step) over 10 steps
+(what TP and CP add, FSDP's sharding of tensor-parallel pieces or over data x context parallel ranks and their
+gradient reduction, shows from the second step; 4 processes on 2 cores make each step costly).
 
 TP=2 x FSDP=2: each rank's tensor-parallel piece of every weight is sharded over its two data-parallel ranks. fp32
 within 1e-5 relative with gradient clipping active (the norm over the two-dimensional shards counts every element once),
@@ -26,7 +26,6 @@ from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import (
     CKPT,
     DISTOPT,
-    FLAGS,
     GRADS,
     PARAMS,
     UNITS,
@@ -41,8 +40,9 @@ from tests.distributed.test_parallel_layouts import BASE, FP8, TENSORWISE, _pars
 TP = "--tensor-model-parallel-size 2"
 SP = f"{TP} --sequence-parallel"
 CP = "--context-parallel-size 2"
-CP_STEPS = 10
-CP_FLAGS = f"{BASE} --train-iters {CP_STEPS} --eval-iters 0 {CP}"
+STEPS = 10
+FLAGS = f"{BASE} --train-iters {STEPS} --eval-iters 0"
+CP_FLAGS = f"{FLAGS} {CP}"
 RECOMPUTE = " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 # (layout and precision, the FSDP strategy and its extra flags), within 1e-3 of the distributed optimizer's
 TP_CASES = [
@@ -79,7 +79,7 @@ def _tp_body(rank, world_size, out_dir):
     flags = f"{FLAGS} {SP} --clip-grad 0.1"  # grad norm about 0.7: every step clipped
     want, distopt = _run(f"{flags} {DISTOPT}", world_size)
     got, trainer = _run(f"{flags} {PARAMS}", world_size)
-    _close(got, want, 1e-5, "TP=2 x FSDP=2, fp32")
+    _close(got, want, 1e-5, "TP=2 x FSDP=2, fp32", steps=STEPS)
     # fp32 weights, gradients and two moments per element of this rank's tensor-parallel piece, halved, plus a layer's
     numel = sum(p.numel() for p in distopt.model.parameters())
     layer = sum(p.numel() for p in trainer.model.decoder.layers[0].parameters())
@@ -89,7 +89,7 @@ def _tp_body(rank, world_size, out_dir):
     for flags, strategy in TP_CASES:
         want, _ = _run(f"{FLAGS} {flags} {DISTOPT}", world_size)
         got, trainer = _run(f"{FLAGS} {flags} {strategy}", world_size)
-        _close(got, want, 1e-3, f"{flags} {strategy}")
+        _close(got, want, 1e-3, f"{flags} {strategy}", steps=STEPS)
         if "fp8-param-gather" in flags:
             _assert_whole_tensor_scales(trainer)
     # Built on the meta device: the checkpoint places its TP pieces by the attributes kept through to_empty
@@ -108,12 +108,12 @@ def test_fsdp_with_tensor_parallelism_matches_distributed_optimizer(tmp_path):
 def _cp_body(rank, world_size, out_dir):
     want, _ = _run(f"{CP_FLAGS} {DISTOPT}", world_size)
     got, trainer = _run(f"{CP_FLAGS} {PARAMS}", world_size)
-    _close(got, want, 1e-5, "CP=2 x FSDP=2", steps=CP_STEPS)
+    _close(got, want, 1e-5, "CP=2 x FSDP=2", steps=STEPS)
     assert dist.get_world_size(trainer.dims.dp_cp_group) == 4
     flags = f"{CP_FLAGS} --bf16 {TENSORWISE} --fp8-param-gather"
     want, _ = _run(f"{flags} {DISTOPT}", world_size)
     got, _ = _run(f"{flags} {GRADS}", world_size)
-    _close(got, want, 1e-3, "CP=2 x FSDP=2, FP8 all-gather", steps=CP_STEPS)
+    _close(got, want, 1e-3, "CP=2 x FSDP=2, FP8 all-gather", steps=STEPS)
     resume_across(CP, f"{out_dir}/cp", world_size)
 
 
