@@ -19,7 +19,7 @@ largest saturated fraction and the first step one is over 10x the guard's thresh
 ratio of the layer's linears (an optimizer-step signal, for the lr-spike). --seeds N repeats everything at seeds
 1234 .. 1233 + N and ends each failure with one table of every column as min..max over the seeds.
 --json writes every run's losses and flags, --plot DIR one figure per failure (the first seed; matplotlib;
---replot JSON draws them from a --json file), --cost prints the cost table of the monitor's statistics instead.
+--replot JSON draws them from a --json file). The monitor's cost per step: fp8_monitor_cost.py.
 Results: docs/fp8.md, "Induced failures".
 
 The injections are hooks this script installs on a built Trainer (`install`), not flags: tests use them too.
@@ -436,69 +436,6 @@ def plot(kind: str, injection: Injection, results: dict[str, Result], rows: list
     plt.close(fig)
 
 
-COST_ROWS = {  # cost's variants: (precision flags, peak/RMS sums on), and their rows in docs/fp8.md's table
-    "monitor off": (FP8.replace("--fp8-stats-interval 1", ""), True, "monitor off (`--fp8-stats-interval 0`)"),
-    "monitor on": (FP8, True, "monitor on, every step"),
-    "monitor on, no peak/RMS": (FP8, False, "monitor on, without the peak/RMS sums"),
-}
-
-
-def cost(data: str, steps: int = 12, blocks: int = 3) -> dict[str, tuple[float, float | None]]:
-    """{variant: (median ms per training step, median ms of it spent recording the statistics; None with the
-    monitor off)} for the monitor off, on, and on without the peak/RMS sums. The variants' trainers step in turn,
-    block by block, so that the machine's drift falls on all alike; every step runs at the peak learning rate."""
-    import time
-
-    from megatron.fp8 import stats
-
-    squares, record = stats._squares, stats.Fp8StatsCollector.record
-    trainers, batches = {}, {}
-    times: dict[str, list[float]] = {k: [] for k in COST_ROWS}
-    recording: dict[str, list[float]] = {k: [] for k in COST_ROWS}
-    for name, (flags, _, _) in COST_ROWS.items():
-        with contextlib.redirect_stdout(io.StringIO()):
-            trainers[name] = Trainer(parse_args(f"{TINY} {flags} {data}".split()))
-        batches[name] = iter(trainers[name].loader(trainers[name].datasets.train, 0))
-    try:
-        for _ in range(blocks):
-            for name, (_, peak, _) in COST_ROWS.items():
-                t, spent = trainers[name], recording[name]
-                stats._squares = squares if peak else lambda x: None  # type: ignore[assignment]
-
-                def timed(self: Any, *args: Any, _spent: list[float] = spent, **kwargs: Any) -> None:
-                    start = time.perf_counter()
-                    record(self, *args, **kwargs)
-                    _spent[-1] += time.perf_counter() - start
-
-                stats.Fp8StatsCollector.record = timed  # type: ignore[method-assign]
-                # the schedule starts at 0: a step at lr 0 would leave the weights (and their casts) as they are
-                lrs = t.lr_schedule.at(t.lr_schedule.warmup)
-                for _ in range(steps):
-                    spent.append(0.0)
-                    start = time.perf_counter()
-                    with t.fp8_monitor.watch(1) as watched:
-                        t.train_step(batches[name], lrs)
-                    if watched is not None:
-                        t.fp8_monitor.report(watched, 1, lambda line: None, lambda values, step: None)
-                    times[name].append(time.perf_counter() - start)
-    finally:
-        stats._squares, stats.Fp8StatsCollector.record = squares, record  # type: ignore[method-assign]
-
-    def median(values: list[float]) -> float:
-        return 1000 * sorted(values)[len(values) // 2]
-
-    off = COST_ROWS["monitor off"][0]
-    return {k: (median(times[k]), median(recording[k]) if COST_ROWS[k][0] != off else None) for k in COST_ROWS}
-
-
-def cost_table(measured: dict[str, tuple[float, float | None]]) -> str:
-    """docs/fp8.md's cost table of `cost`'s result."""
-    lines = ["| | ms per step | of which recording the statistics |", "|---|---:|---:|"]
-    for name, (step, spent) in measured.items():
-        lines.append(f"| {COST_ROWS[name][2]} | {step:.1f} |{'' if spent is None else f' {spent:.2f}'} |")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--failures", nargs="+", choices=list(DEFAULTS), default=list(DEFAULTS))
@@ -512,7 +449,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="write every run's losses, flags and guard messages here")
     parser.add_argument("--plot", help="a folder for one figure per failure (fp8_failure_<kind>.png; the first seed)")
     parser.add_argument("--verbose", action="store_true", help="the trainers' logs too")
-    parser.add_argument("--cost", action="store_true", help="only the monitor's cost per step (ms), instead")
     parser.add_argument("--replot", help="draw --plot's figures from a --json file instead of training")
     args = parser.parse_args(argv)
     if args.seeds < 1:
@@ -521,9 +457,6 @@ def main(argv: list[str] | None = None) -> None:
     QUIET = not args.verbose
     data = data_flags()
     torch.set_num_threads(1)
-    if args.cost:
-        print(cost_table(cost(data)))
-        return
     if args.replot:
         with open(args.replot) as f:
             saved = json.load(f)
