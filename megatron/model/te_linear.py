@@ -98,8 +98,7 @@ def te_linear(
         )
     elif smooth_input:
         module = smoothed_te_linear()(in_features, out_features, **common)
-        in_local = in_features // tp.size if parallel_mode == "row" else in_features
-        add_smoothing(module, in_local, module.weight.device)
+        add_smoothing(module, module.weight.shape[1], module.weight.device)  # this rank's input channels
     else:
         module = te.Linear(in_features, out_features, **common)
     mark_te_params(module, tp, parts)

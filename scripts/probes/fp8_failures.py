@@ -1,9 +1,9 @@
 """Induced FP8 failures on a tiny Llama (local layers, FP8 delayed scaling emulated on CPU), and when the FP8 monitor,
 the guard and the training loss notice them. Each failure starts at --start (default step 10) of a 30-step run:
 
-    outliers     a few channels of one layer's linear_fc1 gate and up rows scaled by --factor per step for --steps
-                 steps (Fishman et al. 2024): the SwiGLU output of those channels grows by factor^2 a step, so that
-                 linear_fc2's input amax grows by orders of magnitude
+    outliers     a few channels of one layer's linear_fc1 gate and up rows (and their fp32 main copies) scaled by
+                 --factor per step for --steps steps (Fishman et al. 2024): the SwiGLU output of those channels grows
+                 by factor^2 a step, so that linear_fc2's input amax grows by orders of magnitude
     lr-spike     the learning rate times --factor for --steps steps
     amax-group   DP=2 on 2 gloo processes: rank 1 reduces one layer's FP8 amaxes over itself alone (the wrong
                  process group) from --start on, so the replicas' delayed scales disagree
@@ -19,10 +19,9 @@ largest saturated fraction and the first step one is over 10x the guard's thresh
 ratio of the layer's linears (an optimizer-step signal, for the lr-spike). --seeds N repeats everything at seeds
 1234 .. 1233 + N and ends each failure with one table of every column as min..max over the seeds.
 --json writes every run's losses and flags, --plot DIR one figure per failure (the first seed; matplotlib;
---replot JSON draws them from a --json file). The monitor's cost per step: fp8_monitor_cost.py.
+--replot JSON draws them from a --json file). The monitor's cost per step: fp8_monitor_cost.py. The injections are
+hooks this script installs on a built Trainer (`install`), not flags: tests and fp8_outliers_gpu.py use them too.
 Results: docs/fp8.md, "Induced failures".
-
-The injections are hooks this script installs on a built Trainer (`install`), not flags: tests use them too.
 
     PYTHONPATH=. python scripts/probes/fp8_failures.py --seeds 3 --json runs/fp8_failures.json --plot docs/fp8
 """
@@ -111,7 +110,8 @@ def install(trainer: Trainer, injection: Injection) -> None:
                 ffn = mlp.linear_fc2.weight.shape[1]
                 rows = [*injection.channels, *(ffn + c for c in injection.channels)]
                 with torch.no_grad():
-                    mlp.linear_fc1.weight[rows] *= injection.factor
+                    for weight in copies(trainer, mlp.linear_fc1.weight):
+                        weight[rows] *= injection.factor
             elif injection.kind == "lr-spike":
                 lrs = dataclasses.replace(lrs, default=lrs.default * injection.factor)
                 lrs = dataclasses.replace(lrs, decoupled=lrs.decoupled * injection.factor)
@@ -120,6 +120,13 @@ def install(trainer: Trainer, injection: Injection) -> None:
     trainer.train_step = injected_step  # type: ignore[method-assign]
     if injection.kind == "amax-group" and dist.is_initialized() and dist.get_rank() == 1:
         _reduce_one_layer_alone(trainer, injection)
+
+
+def copies(trainer: Trainer, weight: torch.Tensor) -> list[torch.Tensor]:
+    """`weight` and, in mixed precision, the optimizer's fp32 main copy of it (which each step copies back)."""
+    opt = trainer.optimizer
+    assert not opt.mixed or (opt.buffers is None and not opt.precision_aware), "whole fp32 main copies only"
+    return [weight, opt.main_params[[id(p) for p in opt.params].index(id(weight))]] if opt.mixed else [weight]
 
 
 def _reduce_one_layer_alone(trainer: Trainer, injection: Injection) -> None:
@@ -157,20 +164,20 @@ class Result:
     """Per-step monitor values of the injected layer's linear_fc2 input (for the plots); `weight saturated`: the
     largest saturated fraction of that layer's FP8 weights; `max saturated`: the largest of any FP8 tensor."""
     bf16_layers: list[int] = field(default_factory=list)
+    valid: dict[int, float] = field(default_factory=dict)  # validation losses by iteration
     updates: dict[int, float] = field(default_factory=dict)
     """Per step, the largest |W_after - W_before| / |W_before| (Frobenius) of the injected layer's linears: the
     optimizer step's size relative to the weight."""
 
 
-def train(flags: str, injection: Injection | None, name: str = "", world_size: int = 1, extra: str = "") -> Result:
-    """Train one run in this process (a rank of `world_size`) and record what the monitor reported; `extra` flags
-    come last (and win)."""
-    return _train(flags, injection, name, world_size, extra)
-
-
-def _train(flags: str, injection: Injection | None, name: str, world_size: int, extra: str) -> Result:
+def train(
+    flags: str, injection: Injection | None, name: str = "", world_size: int = 1, extra: str = "", model: str = TINY
+) -> Result:
+    """Train one run of `model` in this process (a rank of `world_size`; on the GPU where there is one) and record
+    what the monitor reported; `extra` flags come last (and win)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     with contextlib.redirect_stdout(io.StringIO()) if QUIET else contextlib.nullcontext():
-        trainer = Trainer(parse_args(f"{TINY} {flags} {extra}".split(), world_size=world_size))
+        trainer = Trainer(parse_args(f"{model} {flags} {extra}".split(), world_size=world_size, device_type=device))
     result = Result(name)
     if injection is not None:
         install(trainer, injection)
@@ -209,7 +216,7 @@ def _train(flags: str, injection: Injection | None, name: str, world_size: int, 
         monitor.report = recording  # type: ignore[method-assign]
     with contextlib.redirect_stdout(io.StringIO()) if QUIET else contextlib.nullcontext():
         state = trainer.train()
-    result.losses = dict(state.losses)
+    result.losses, result.valid = dict(state.losses), dict(state.valid_losses)
     result.bf16_layers = list(monitor.guard.bf16_layers) if monitor is not None else []
     return result
 
@@ -274,7 +281,7 @@ def study_dp2(injection: Injection, data: str) -> dict[str, Result]:
 def _int_keys(value: dict[str, Any]) -> dict[str, Any]:
     """A Result's fields read back from JSON, whose keys are strings, with integer iterations again."""
     value = dict(value)
-    for key in ("losses", "flags", "guard", "updates"):
+    for key in ("losses", "flags", "guard", "updates", "valid"):
         value[key] = {int(i): v for i, v in value[key].items()}
     value["series"] = {k: {int(i): x for i, x in s.items()} for k, s in value["series"].items()}
     return value
@@ -298,11 +305,10 @@ def timeline(results: dict[str, Result]) -> list[dict[str, Any]]:
                 "guard": acted,
                 "moved": r.bf16_layers,
                 "departs vs ref fp8": departure(r.losses, ref.losses),
-                "departs vs same in hp": departure(r.losses, hp.losses if name != "ref fp8" else ref_hp.losses),
+                "departs vs same in hp": departure(r.losses, (same := hp if name != "ref fp8" else ref_hp).losses),
                 "final": r.losses[last],
                 "final vs ref hp %": 100 * (r.losses[last] / ref_hp.losses[last] - 1),
-                "final vs same in hp %": 100
-                * (r.losses[last] / (hp if name != "ref fp8" else ref_hp).losses[last] - 1),
+                "final vs same in hp %": 100 * (r.losses[last] / same.losses[last] - 1),
                 "far over": first({i: [x] for i, x in r.series["max saturated"].items() if x > FAR_OVER * SATURATION}),
                 "max saturated": _largest(r.series["max saturated"]),
                 "max weight saturated": _largest(r.series["weight saturated"]),

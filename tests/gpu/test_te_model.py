@@ -9,6 +9,7 @@ import itertools
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -156,17 +157,22 @@ def fp8_weights(layer) -> list[bool]:
     return [is_fp8_param(m.weight) for m in layer.te_modules()]
 
 
-def train(flags: str, steps: int = 60) -> tuple[list[float], GPTModel]:
-    """Losses of `steps` optimizer steps of the small Llama on four repeating mock batches, and the model."""
+def train(
+    flags: str, steps: int = 60, after_step: Callable[[GPTModel], Callable[[], None]] | None = None
+) -> tuple[list[float], GPTModel]:
+    """Losses of `steps` optimizer steps of the small Llama on four repeating mock batches, and the model.
+    `after_step(model)`: a function to call after each optimizer step, before the gradients are zeroed."""
     model = build(LLAMA, "transformer_engine", flags)
     cfg = config(LLAMA, "transformer_engine", flags)
     buffers = GradientBuffers(model, None)
     optimizer = MixedPrecisionAdamW(model, cfg.optimizer)
-    losses = []
+    losses, hook = [], after_step(model) if after_step else None
     for batch in itertools.islice(itertools.cycle(batches()), steps):
         loss = model(batch["tokens"], labels=batch["labels"]).mean()
         loss.backward()
         optimizer.step(3e-3, lambda: grad_norm(optimizer))
+        if hook:
+            hook()
         buffers.zero()
         losses.append(float(loss))
     return losses, model

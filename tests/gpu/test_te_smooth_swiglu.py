@@ -6,16 +6,15 @@ engine's twin: tests/unit/test_smooth_swiglu.py."""
 
 from __future__ import annotations
 
-import itertools
+from functools import partial
 
 import pytest
 import torch
 
 from megatron.config.te_rules import te_import_error
 from megatron.model.smooth_swiglu import smoothed_linears, update_smoothing
-from megatron.optim import MixedPrecisionAdamW
-from megatron.parallel import GradientBuffers
-from tests.gpu.test_te_model import LLAMA, batches, build, config, grad_norm, progress, rel_err
+from tests.gpu.test_te_model import LLAMA, batches, build, progress, rel_err
+from tests.gpu.test_te_model import train as train_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -63,19 +62,7 @@ def test_scales_move_between_the_engines():
 
 def train(flags: str, steps: int = 60) -> tuple[list[float], object]:
     """test_te_model.train with the optimizer step's smoothing update, as training/steps.py runs it."""
-    model = build(LLAMA, TE, flags)
-    cfg = config(LLAMA, TE, flags)
-    buffers = GradientBuffers(model, None)
-    optimizer = MixedPrecisionAdamW(model, cfg.optimizer)
-    linears, losses = smoothed_linears(model), []
-    for batch in itertools.islice(itertools.cycle(batches()), steps):
-        loss = model(batch["tokens"], labels=batch["labels"]).mean()
-        loss.backward()
-        optimizer.step(3e-3, lambda: grad_norm(optimizer))
-        update_smoothing(linears)
-        buffers.zero()
-        losses.append(float(loss))
-    return losses, model
+    return train_model(flags, steps, after_step=lambda model: partial(update_smoothing, smoothed_linears(model)))
 
 
 def test_fp8_training_learns_like_bf16_with_the_fc2_wgrad_through_autograd():

@@ -1,0 +1,188 @@
+"""Induced SwiGLU outliers on llama-150m with Transformer Engine on one GPU: whether --smooth-swiglu keeps
+delayed-scaling FP8 at bf16's loss where plain delayed scaling does not, and when the FP8 monitor and guard notice.
+
+fp8_failures.py's `outliers` injection (four channels of one layer's linear_fc1 gate and up rows, fp32 main copies
+included, times --factor per step for N steps from --start: those channels' SwiGLU output grows by factor^(2N)) on
+loss_parity.py's llama-150m preset, corpus and tokenizer, with --train-iters --iters. A bf16 trunk trains to step
+--start - 1 and saves; every run then branches from it, one process each, --parallel at a time:
+
+    bf16, delayed                    uninjected: TE in bf16, and FP8 with delayed scaling (hybrid)
+    bf16 xN, delayed xN, smooth xN   injected for N steps, for each N of --growths; smooth: delayed + --smooth-swiglu
+    auto-bf16 xN                     delayed + --fp8-auto-bf16, injected for the largest N
+
+FP8 runs watch every --stats-interval'th step (the guard only names layers, except with --fp8-auto-bf16). Per N one
+table: each run's final validation loss (the whole validation split) and mean training loss over the last --tail
+steps (every run trains on the same batches), both as gaps to the injected bf16 run; the first step the monitor
+flags, the first the guard acts (and the layers it moved), and the first training loss 1% away from the uninjected
+bf16 run's. Results: docs/fp8.md, "Induced outliers at llama-150m".
+
+    PYTHONPATH=.:scripts python scripts/probes/fp8_outliers_gpu.py --out runs/fp8_outliers   # about 5 min on one H200
+    PYTHONPATH=.:scripts python scripts/probes/fp8_outliers_gpu.py --preset tiny --engine local --layer 2 --iters 30 \
+        --start 10 --growths 3 --tail 5 --parallel 2   # a CPU check of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import fp8_failures as failures  # its sibling probe: a script's own folder is on sys.path
+
+from megatron.perf.rows import config_flags
+
+try:
+    import loss_parity  # scripts/: on the path through PYTHONPATH (see above)
+except ModuleNotFoundError as err:
+    raise SystemExit("fp8_outliers_gpu.py needs scripts/ on the path: PYTHONPATH=.:scripts python ...") from err
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_flags(args: argparse.Namespace) -> dict[str, tuple[str, int]]:
+    """{run: (precision flags, injected steps; 0: uninjected)}."""
+    bf16 = config_flags(f"{args.engine}-bf16")
+    delayed = f"{config_flags(f'{args.engine}-delayed')} --fp8-stats-interval {args.stats_interval}"
+    runs = {"bf16": (bf16, 0), "delayed": (delayed, 0)}
+    for n in args.growths:
+        runs |= {f"bf16 x{n}": (bf16, n), f"delayed x{n}": (delayed, n)}
+        runs[f"smooth x{n}"] = (f"{delayed} --smooth-swiglu", n)
+    runs[f"auto-bf16 x{max(args.growths)}"] = (f"{delayed} --fp8-auto-bf16", max(args.growths))
+    return runs
+
+
+def model_flags(args: argparse.Namespace) -> list[str]:
+    """The preset's flags with --iters steps, its corpus and tokenizer, and a whole-split final validation."""
+    parity = loss_parity.build_parser().parse_args(["--preset", args.preset, "--data-dir", str(args.data_dir)])
+    flags = loss_parity.set_flag(loss_parity.PRESETS[args.preset].split(), "--train-iters", str(args.iters))
+    return [*flags, *loss_parity.data_flags(parity, args.preset), "--full-validation", "--seed", str(args.seed)]
+
+
+def injection(args: argparse.Namespace, steps: int) -> failures.Injection:
+    return failures.Injection("outliers", start=args.start, steps=steps, factor=args.factor, layer=args.layer)
+
+
+def branch(args: argparse.Namespace) -> None:
+    """One run (--branch), from the trunk, in this process: its fp8_failures Result as JSON (--json)."""
+    flags, steps = run_flags(args)[args.branch]
+    result = failures.train(
+        f"{flags} --load {args.out / 'trunk'}",
+        injection(args, steps) if steps else None,
+        args.branch,
+        model=" ".join(model_flags(args)),
+    )
+    Path(args.json).write_text(json.dumps(dataclasses.asdict(result)))
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> dict[str, failures.Result]:
+    """The trunk, then every run --parallel at a time; each one's log in --out."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    trunk = args.out / "trunk"
+    if not (trunk / "latest_checkpointed_iteration.txt").is_file():  # a checkpoint folder's pointer
+        step = str(args.start - 1)
+        cmd = [sys.executable, "pretrain_gpt.py", *model_flags(args), *config_flags(f"{args.engine}-bf16").split()]
+        cmd += ["--exit-interval", step, "--save", str(trunk), "--save-interval", step]
+        with open(args.out / "trunk.log", "w") as log:
+            subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
+    names, running, failed = list(run_flags(args)), {}, []
+    started = time.time()
+    while names or running:
+        while names and len(running) < args.parallel:
+            name = names.pop(0)
+            out = args.out / f"{name.replace(' ', '_')}.json"
+            cmd = [sys.executable, __file__, *argv, "--branch", name, "--json", str(out)]
+            log = open(args.out / f"{name.replace(' ', '_')}.log", "w")
+            running[name] = (subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log)
+        for name, (proc, log) in list(running.items()):
+            if proc.poll() is not None:
+                log.close()
+                del running[name]
+                print(f"{name}: exit {proc.returncode} at {time.time() - started:.0f} s", flush=True)
+                if proc.returncode:
+                    failed.append(name)
+        time.sleep(2)
+    if failed:
+        raise SystemExit(f"runs failed (their logs in {args.out}): {', '.join(failed)}")
+    results = {}
+    for name in run_flags(args):
+        saved = json.loads((args.out / f"{name.replace(' ', '_')}.json").read_text())
+        results[name] = failures.Result(**failures._int_keys(saved))
+    return results
+
+
+def gap(a: float, b: float) -> float:
+    return 100 * (a / b - 1)
+
+
+def table(args: argparse.Namespace, results: dict[str, failures.Result], n: int) -> str:
+    """The runs of growth N (and the uninjected ones) against the injected bf16 run."""
+    ref, clean = results[f"bf16 x{n}"], results["bf16"]
+    last = max(ref.losses)
+    tail = [i for i in sorted(ref.losses) if i > last - args.tail]
+
+    def mean(r: failures.Result) -> float:
+        return sum(r.losses[i] for i in tail) / len(tail)
+
+    lines = [
+        f"outliers grown for {n} steps from step {args.start} (SwiGLU output x{args.factor ** (2 * n):.3g}),"
+        f" layer {args.layer}; gaps against `bf16 x{n}`:",
+        "| run | final validation loss | gap | training loss, last "
+        f"{args.tail} steps | gap | monitor flags | guard acts (moved) | 1% from uninjected bf16 |",
+        "|---|---:|---:|---:|---:|---|---|---|",
+    ]
+    names = [k for k in results if k in ("bf16", "delayed") or k.endswith(f" x{n}")]
+    for name in names:
+        r = results[name]
+        valid, ref_valid = r.valid[max(r.valid)], ref.valid[max(ref.valid)]
+        moved = f" ({', '.join(map(str, r.bf16_layers))})" if r.bf16_layers else ""
+        guard = failures.first(r.guard)
+        lines.append(
+            f"| {name} | {valid:.4f} | {gap(valid, ref_valid):+.3f}% | {mean(r):.4f} | {gap(mean(r), mean(ref)):+.3f}%"
+            f" | {failures.first(r.flags) or '-'} | {guard or '-'}{moved}"
+            f" | {failures.departure(r.losses, clean.losses) or '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=["llama-150m", "tiny"], default="llama-150m", help="loss_parity's")
+    parser.add_argument("--engine", choices=["te", "local"], default="te", help="te: Transformer Engine (a GPU)")
+    parser.add_argument("--layer", type=int, default=6, help="the injected layer (1-based; the first is bf16)")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "fp8_outliers", help="trunk, logs, results")
+    parser.add_argument("--data-dir", type=Path, default=ROOT / "data", help="holds parity/ (loss_parity.py's)")
+    parser.add_argument("--iters", type=int, default=400, help="training steps of every run")
+    parser.add_argument("--start", type=int, default=150, help="first injected step (the trunk ends before it)")
+    parser.add_argument("--growths", type=int, nargs="+", default=[6, 9], help="injected steps, one study each")
+    parser.add_argument("--factor", type=float, default=2.0, help="the rows' growth per injected step")
+    parser.add_argument("--stats-interval", type=int, default=10, help="the FP8 runs' --fp8-stats-interval")
+    parser.add_argument("--tail", type=int, default=50, help="training steps averaged at the end")
+    parser.add_argument("--parallel", type=int, default=9, help="runs training at once")
+    parser.add_argument("--seed", type=int, default=failures.SEED)
+    parser.add_argument("--verbose", action="store_true", help="the trainers' logs in each run's log")
+    parser.add_argument("--branch", help=argparse.SUPPRESS)  # one run, launched by this script
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if not 1 < args.start < args.iters - args.tail:
+        raise SystemExit(f"--start {args.start}: give a step in 2 .. {args.iters - args.tail - 1} (before --tail)")
+    if args.branch:
+        failures.QUIET = not args.verbose
+        return branch(args)
+    results = launch(args, argv)
+    report = "\n\n".join(table(args, results, n) for n in args.growths)
+    (args.out / "report.md").write_text(report + "\n")
+    (args.out / "results.json").write_text(json.dumps({k: dataclasses.asdict(v) for k, v in results.items()}))
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
