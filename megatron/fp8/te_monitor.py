@@ -116,15 +116,16 @@ class TETaps:
             amax = t.abs().amax().float()
             collector.record_counts(index, role, torch.zeros(3, dtype=torch.float64), amax, torch.ones(()))
         else:
-            scale = self._delayed_scale(index, role) if self.recipe.delayed else None
+            scale = self._delayed_scale(index, role, t.device) if self.recipe.delayed else None
             collector.record(index, role, t, self.recipe, scale)
 
-    def _delayed_scale(self, index: int, role: Role) -> torch.Tensor:
-        """The scale TE casts this tensor with now (1 before TE has set up the module's FP8 state, as TE starts)."""
+    def _delayed_scale(self, index: int, role: Role, device: torch.device) -> torch.Tensor:
+        """The scale TE casts this tensor with now: 1 before TE has set up the module's FP8 state, as TE starts (the
+        first watched step of a run, or of one resumed from a checkpoint without FP8 state, such as a bf16 run's)."""
         key, position = TE_META_KEY[role]
         meta = self.modules[index].fp8_meta.get(key)
         if meta is None:
-            return torch.ones(())
+            return torch.ones((), device=device)
         return meta.scale[position]
 
     def _pre_hook(self, index: int, collector: Fp8StatsCollector, amax_only: bool) -> Any:

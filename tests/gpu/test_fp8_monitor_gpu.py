@@ -104,6 +104,16 @@ def test_te_monitor_reports_what_the_local_engine_reports(recipe, capsys):
     assert "fp8 stats iteration        1" in capsys.readouterr().out
 
 
+def test_te_monitor_watches_the_first_step_of_a_run_resumed_from_bf16(tmp_path, capsys):
+    """A bf16 checkpoint holds no FP8 state: TE sets it up in each module's first forward, after the monitor's hook
+    has read the scale of that cast (1, on the GPU)."""
+    trainer("transformer_engine", f"--train-iters 2 --save {tmp_path} --save-interval 2").train()
+    flags = f"--fp8-format hybrid --fp8-recipe delayed --train-iters 4 --fp8-stats-interval 3 --load {tmp_path}"
+    state = trainer("transformer_engine", flags).train()
+    assert math.isfinite(state.losses[3]) and math.isfinite(state.losses[4])
+    assert "fp8 stats iteration        3" in capsys.readouterr().out
+
+
 def test_te_guard_moves_a_saturating_layer_to_bf16():
     t = trainer(
         "transformer_engine",
