@@ -67,6 +67,11 @@ class ModelConfig:
     linear_fc2's weight columns, so that outlier channels do not set the FP8 scale of that input. The same function
     (bit for bit in full precision); the scales are kept in checkpoints as linear_fc2.smooth_scale. Needs --swiglu;
     both engines (not with --fp8-param-gather)."""
+    smooth_swiglu_migration: float = 1.0
+    """With --smooth-swiglu, the share a in [0, 1] of a channel's range its scale moves into linear_fc2's weight:
+    s_i = 2^-ceil(a log2 amax_i - (1 - a) log2 wmax_i), wmax_i the weight column's max |W|. 1: Fishman et al.'s
+    scale, every channel of the input within (-1, 1]; 0.5: SmoothQuant's, the range shared between the input and
+    the weight (megatron/model/smooth_swiglu.py). Not with FSDP at a < 1 (its weights are sharded)."""
     squared_relu: bool = False
     """Use the squared ReLU activation, relu(x)^2, in the MLP instead of GELU (not with --swiglu)."""
     disable_bias_linear: bool = False
@@ -187,6 +192,12 @@ class ModelConfig:
                 self.ffn_hidden_size = 4 * self.hidden_size
         require(not (self.swiglu and self.squared_relu), "--squared-relu and --swiglu are exclusive: drop one")
         require(self.swiglu or not self.smooth_swiglu, "--smooth-swiglu scales the SwiGLU output: add --swiglu")
+        a = self.smooth_swiglu_migration
+        require(0 <= a <= 1, f"--smooth-swiglu-migration must be in [0, 1], got {a}")
+        require(
+            self.smooth_swiglu or a == ModelConfig.smooth_swiglu_migration,
+            "--smooth-swiglu-migration sets --smooth-swiglu's scales: add --smooth-swiglu",
+        )
         if self.use_rotary_position_embeddings:
             self.position_embedding_type = "rope"
         if self.apply_query_key_layer_scaling:

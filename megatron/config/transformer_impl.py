@@ -71,6 +71,11 @@ def resolve_transformer_impl(cfg: Config) -> None:
         " so it cannot be kept in FP8; drop one of the two",
     )
     require(
+        not (model.smooth_swiglu_migration < 1 and (cfg.parallel.use_megatron_fsdp or cfg.parallel.use_torch_fsdp2)),
+        "--smooth-swiglu-migration below 1 reads linear_fc2's whole weight columns, which FSDP shards: use 1 or drop"
+        " FSDP",
+    )
+    require(
         model.transformer_impl == "transformer_engine" or not prec.fp8_dot_product_attention,
         "--fp8-dot-product-attention needs --transformer-impl transformer_engine (the local attention runs in bf16)",
     )

@@ -5,17 +5,23 @@ under per-tensor FP8 scaling those channels set linear_fc2's input scale and the
 Smooth-SwiGLU scales each channel i of the SwiGLU output h by s_i before the cast and folds 1/s_i into
 linear_fc2's weight columns:
 
-    y = q(h * s) . q(W / s)^T          = h . W^T in exact arithmetic
-    s_i = 2^-ceil(log2 amax_i)         amax_i: max |h_i| over the tokens of the previous optimizer step,
-                                       max-reduced over the data (x context) parallel ranks; clamped to 2^+-14;
-                                       the previous s_i kept where amax_i is 0, inf or NaN; 1 before the first step
+    y = q(h * s) . q(W / s)^T              = h . W^T in exact arithmetic
+    s_i = 2^-ceil(a log2 amax_i            amax_i: max |h_i| over the tokens of the previous optimizer step,
+                  - (1 - a) log2 wmax_i)   max-reduced over the data (x context) parallel ranks; wmax_i: max |W|
+                                           of column i after that step; a: --smooth-swiglu-migration; clamped to
+                                           2^+-14; the previous s_i kept where amax_i (or wmax_i) is 0, inf or NaN;
+                                           1 before the first step
 
-Each smoothed channel's values then lie within (-1, 1] (for the statistics the scale came from), so no channel
-dominates the tensor's amax. Because s is a power of two, x * s and W / s are exact in fp32, bf16 and fp16 (the
-clamp keeps fp16 in range): the smoothed model computes the same outputs and gradients as the plain one, bit for
-bit, when FP8 is off, and the weight the optimizer holds is the plain W. So checkpoints hold the plain weight and
-the scales (`linear_fc2.smooth_scale`, a buffer sharded like the weight's columns), and an export needs no fold
-beyond dropping them (megatron/convert/state.py).
+At a = 1 (Fishman et al.'s scale) each smoothed channel's values lie within (-1, 1] (for the statistics the scale
+came from), so no channel dominates the input's amax, but an outlier channel's range moves whole into linear_fc2's
+weight, whose FP8 cast has one scale per tensor: a column divided by s_i = 2^-12 is 4096 times its neighbours, which
+then lose their bits in the weight instead. At a = 0.5 (SmoothQuant's migration strength) the range is shared: the
+input's channel i and the weight's column i both peak near sqrt(amax_i * wmax_i), each channel's spread its square
+root (docs/fp8.md, "Induced outliers at llama-150m"). Because s is a power of two, x * s and W / s are exact in
+fp32, bf16 and fp16 (the clamp keeps fp16 in range): the smoothed model computes the same outputs and gradients as
+the plain one, bit for bit, when FP8 is off, and the weight the optimizer holds is the plain W. So checkpoints hold
+the plain weight and the scales (`linear_fc2.smooth_scale`, a buffer sharded like the weight's columns), and an
+export needs no fold beyond dropping them (megatron/convert/state.py).
 
 Both engines smooth alike: the local `Linear` (megatron/model/layers.py) and Transformer Engine's linear_fc2 (the
 MLP scales TE's input, megatron/model/te_mlp.py; the module's weight is W / s where TE reads it for its cast and
@@ -73,11 +79,20 @@ def smooth(
     return smooth_input(x, scale, amax, observe), smooth_weight(weight, scale)
 
 
-def scale_from_amax(amax: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-    """s = 2^-ceil(log2 amax) per channel, clamped to 2^+-MAX_EXPONENT; `previous` where amax is 0 or not finite."""
+def scale_from_amax(
+    amax: torch.Tensor, previous: torch.Tensor, weight_amax: torch.Tensor | None = None, migration: float = 1.0
+) -> torch.Tensor:
+    """s = 2^-ceil(a log2 amax - (1 - a) log2 wmax) per channel (a: `migration`; wmax: `weight_amax`, the weight
+    column's max |W|, needed when a < 1), clamped to 2^+-MAX_EXPONENT; `previous` where amax (or wmax) is 0 or not
+    finite."""
     amax = amax.float()
-    exponent = torch.ceil(torch.log2(amax)).clamp(-MAX_EXPONENT, MAX_EXPONENT)
-    valid = torch.isfinite(amax) & (amax > 0)
+    exponent, valid = torch.log2(amax), torch.isfinite(amax) & (amax > 0)
+    if migration != 1:
+        assert weight_amax is not None, "a migration below 1 needs the weight columns' amaxes"
+        wmax = weight_amax.float()
+        exponent = migration * exponent - (1 - migration) * torch.log2(wmax)
+        valid &= torch.isfinite(wmax) & (wmax > 0)
+    exponent = torch.ceil(exponent).clamp(-MAX_EXPONENT, MAX_EXPONENT)
     return torch.where(valid, torch.exp2(-exponent), previous.float())
 
 
@@ -87,10 +102,13 @@ def smoothed_linears(model: nn.Module) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def update_smoothing(linears: list[nn.Module], group: dist.ProcessGroup | None = None) -> None:
-    """Once per optimizer step, after its last backward: new scales of `linears` (`smoothed_linears`, found once
-    per run) from the step's amaxes (max-reduced over `group`, the data x context parallel ranks, in one
-    collective), and the amaxes reset."""
+def update_smoothing(
+    linears: list[nn.Module], group: dist.ProcessGroup | None = None, migration: float = 1.0
+) -> None:
+    """Once per optimizer step, after it: new scales of `linears` (`smoothed_linears`, found once per run) from the
+    step's amaxes (max-reduced over `group`, the data x context parallel ranks, in one collective) and, when
+    `migration` is below 1, the stepped weights' column amaxes (whole columns on every rank: linear_fc2 is
+    row-parallel); the amaxes reset."""
     if not linears:
         return
     amax = torch.cat([linear.smooth_amax.float() for linear in linears])
@@ -98,7 +116,9 @@ def update_smoothing(linears: list[nn.Module], group: dist.ProcessGroup | None =
         amax = torch.where(torch.isnan(amax), torch.inf, amax)  # a MAX reduction may drop NaN: send it as inf
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     for linear, seen in zip(linears, amax.split([linear.smooth_amax.numel() for linear in linears])):
-        linear.smooth_scale.copy_(scale_from_amax(seen, linear.smooth_scale))
+        # one read of W (no |W| written out first)
+        weight = torch.linalg.vector_norm(linear.weight.detach(), ord=float("inf"), dim=0) if migration != 1 else None
+        linear.smooth_scale.copy_(scale_from_amax(seen, linear.smooth_scale, weight, migration))
         linear.smooth_amax.zero_()
 
 

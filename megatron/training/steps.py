@@ -159,7 +159,7 @@ class Steps:
         )
         timers("optimizer", 1).stop()
         if self.smoothed:  # the next step's Smooth-SwiGLU scales, from this step's amaxes
-            update_smoothing(self.smoothed, self.dims.dp_cp_group)
+            update_smoothing(self.smoothed, self.dims.dp_cp_group, self.cfg.model.smooth_swiglu_migration)
         self.runtime.empty_cache(2)
         self.grad_buffers.zero()
         # The host waits for the GPU only here, with the whole step queued (the loss first; norm and the skip

@@ -6,8 +6,10 @@ included, times --factor per step for N steps from --start: those channels' SwiG
 loss_parity.py's llama-150m preset, corpus and tokenizer, with --train-iters --iters. A bf16 trunk trains to step
 --start - 1 and saves; every run then branches from it, one process each, --parallel at a time:
 
-    bf16, delayed                    uninjected: TE in bf16, and FP8 with delayed scaling (hybrid)
-    bf16 xN, delayed xN, smooth xN   injected for N steps, for each N of --growths; smooth: delayed + --smooth-swiglu
+    bf16, delayed, smooth, balanced  uninjected: TE in bf16, FP8 with delayed scaling (hybrid), that with
+                                     --smooth-swiglu, and with --smooth-swiglu-migration 0.5 too
+    bf16 xN, delayed xN, smooth xN,  injected for N steps, for each N of --growths
+    balanced xN
     auto-bf16 xN                     delayed + --fp8-auto-bf16, injected for the largest N
 
 FP8 runs watch every --stats-interval'th step (the guard only names layers, except with --fp8-auto-bf16). Per N one
@@ -47,10 +49,12 @@ def run_flags(args: argparse.Namespace) -> dict[str, tuple[str, int]]:
     """{run: (precision flags, injected steps; 0: uninjected)}."""
     bf16 = config_flags(f"{args.engine}-bf16")
     delayed = f"{config_flags(f'{args.engine}-delayed')} --fp8-stats-interval {args.stats_interval}"
-    runs = {"bf16": (bf16, 0), "delayed": (delayed, 0)}
+    smooth = f"{delayed} --smooth-swiglu"
+    balanced = f"{smooth} --smooth-swiglu-migration 0.5"
+    runs = {"bf16": (bf16, 0), "delayed": (delayed, 0), "smooth": (smooth, 0), "balanced": (balanced, 0)}
     for n in args.growths:
         runs |= {f"bf16 x{n}": (bf16, n), f"delayed x{n}": (delayed, n)}
-        runs[f"smooth x{n}"] = (f"{delayed} --smooth-swiglu", n)
+        runs |= {f"smooth x{n}": (smooth, n), f"balanced x{n}": (balanced, n)}
     runs[f"auto-bf16 x{max(args.growths)}"] = (f"{delayed} --fp8-auto-bf16", max(args.growths))
     return runs
 
@@ -134,7 +138,7 @@ def table(args: argparse.Namespace, results: dict[str, failures.Result], n: int)
         f"{args.tail} steps | gap | monitor flags | guard acts (moved) | 1% from uninjected bf16 |",
         "|---|---:|---:|---:|---:|---|---|---|",
     ]
-    names = [k for k in results if k in ("bf16", "delayed") or k.endswith(f" x{n}")]
+    names = [k for k in results if " x" not in k or k.endswith(f" x{n}")]
     for name in names:
         r = results[name]
         valid, ref_valid = r.valid[max(r.valid)], ref.valid[max(ref.valid)]

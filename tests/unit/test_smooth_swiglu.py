@@ -48,6 +48,12 @@ def tokens(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
 def test_flag_rules():
     with pytest.raises(ConfigError, match="--smooth-swiglu scales the SwiGLU output: add --swiglu"):
         parse_args("--mock-data --vocab-size 128 --smooth-swiglu".split())
+    with pytest.raises(ConfigError, match=r"--smooth-swiglu-migration must be in \[0, 1\], got 1.5"):
+        parse_args(f"{BASE} --smooth-swiglu --smooth-swiglu-migration 1.5".split())
+    with pytest.raises(ConfigError, match="--smooth-swiglu-migration sets --smooth-swiglu's scales: add"):
+        parse_args(f"{BASE} --smooth-swiglu-migration 0.5".split())
+    with pytest.raises(ConfigError, match="--smooth-swiglu-migration below 1 reads linear_fc2's whole weight"):
+        parse_args(f"{BASE} --smooth-swiglu --smooth-swiglu-migration 0.5 --use-torch-fsdp2".split(), world_size=2)
     with pytest.raises(ConfigError, match="--smooth-swiglu with --fp8-param-gather"):
         parse_args(f"{BASE} --smooth-swiglu --fp8-format hybrid --fp8-param-gather".split())
     # the flag does not choose the engine: on a CPU the default is the local one, for the usual reason
@@ -98,6 +104,25 @@ def test_scales_follow_the_amaxes():
     model.eval()  # evaluation does not move the statistics
     model(*tokens()[:1])
     assert not any(linear.smooth_amax.any() for linear in fc2)
+
+
+def test_a_migration_below_1_shares_the_range_with_the_weight():
+    amax, wmax = torch.tensor([4096.0, 1.0, 3.0, 5.0, 0.0]), torch.tensor([1.0, 1.0, 0.5, 0.0, 1.0])
+    previous = torch.full((5,), 0.25)
+    assert scale_from_amax(amax, previous, wmax, 1.0).tolist() == [2.0**-12, 1.0, 0.25, 0.125, 0.25]
+    # 4096 and 1: both at 64 (the outlier's range split in half); a zero weight column keeps the old scale
+    assert scale_from_amax(amax, previous, wmax, 0.5).tolist() == [2.0**-6, 1.0, 0.25, 0.25, 0.25]
+    assert scale_from_amax(amax, previous, wmax, 0.0).tolist() == [1.0, 1.0, 0.5, 0.25, 0.25]  # all in the input
+    _, model = build("--smooth-swiglu --smooth-swiglu-migration 0.5")
+    model(*tokens()[:1]).float().square().mean().backward()
+    fc2 = smoothed_linears(model)
+    seen = [linear.smooth_amax.clone() for linear in fc2]
+    update_smoothing(fc2, migration=0.5)
+    for linear, amax in zip(fc2, seen):
+        s, wmax = linear.smooth_scale, linear.weight.detach().abs().amax(dim=0)
+        balanced = (amax * wmax).sqrt()  # the input's channel i in (b/2, b], the weight's column i in [b, 2b)
+        assert bool(((amax * s > balanced / 2) & (amax * s <= balanced * (1 + 1e-6))).all())
+        assert bool(((wmax / s >= balanced * (1 - 1e-6)) & (wmax / s < 2 * balanced)).all())
 
 
 def fc2_input_error(recipe: str, smooth: bool) -> float:
