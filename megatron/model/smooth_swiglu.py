@@ -102,9 +102,7 @@ def smoothed_linears(model: nn.Module) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def update_smoothing(
-    linears: list[nn.Module], group: dist.ProcessGroup | None = None, migration: float = 1.0
-) -> None:
+def update_smoothing(linears: list[nn.Module], group: dist.ProcessGroup | None = None, migration: float = 1.0) -> None:
     """Once per optimizer step, after it: new scales of `linears` (`smoothed_linears`, found once per run) from the
     step's amaxes (max-reduced over `group`, the data x context parallel ranks, in one collective) and, when
     `migration` is below 1, the stepped weights' column amaxes (whole columns on every rank: linear_fc2 is
