@@ -34,10 +34,11 @@ _PROBED: dict[tuple, str] = {}
 
 EMULATED_CPU = "emulated (dequantize to fp32, fp32 GEMM)"
 CPU_SLOWER_LIMIT = 20.0
-"""On a CPU, `torch._scaled_mm` is skipped when the probe's GEMM took this many times the emulation's. oneDNN runs
-FP8 matmuls on its reference kernel where the CPU has no FP8 instructions (Sapphire Rapids: 1.5 s against 3 ms
-for the probe's 256 x 384 x 512); the probe's one call, its setup included, is timed against one emulated GEMM,
-so only a path that much slower is refused. (CUDA is not timed: its native paths are the fast ones.)"""
+"""On a CPU, `torch._scaled_mm` is skipped when the probe's GEMMs took this many times the emulation's. oneDNN runs
+some FP8 matmuls on its reference kernel where the CPU has no FP8 instructions (Sapphire Rapids, tensorwise e4m3 x
+e4m3: 1.5-2.3 s against 3 ms for the probe's 256 x 384 x 512, 74 ms against 0.7 ms for its 64 x 64 x 256); a small
+GEMM's second call, then the large one's first, its setup included, are each timed against one emulated GEMM, so
+only a path that much slower is refused. (CUDA is not timed: its native paths are the fast ones.)"""
 EMULATED_CUDA = "emulated (dequantize to bf16, GEMM with fp32 accumulation)"
 
 
@@ -135,32 +136,54 @@ def _emulated_name(device: torch.device) -> str:
     return EMULATED_CPU if device.type == "cpu" else EMULATED_CUDA
 
 
+def _operands(m: int, n: int, k: int, key: tuple, device: torch.device, recipe_quantize) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """Random A [m, k] and B [n, k] quantized as `key` says, from a private generator (the run's RNG is untouched)."""
+    _, _, kind_a, kind_b, dtype_a, dtype_b, _, _ = key
+    gen = torch.Generator(device=device).manual_seed(1234)
+    a_hp = torch.randn(m, k, generator=gen, device=device)
+    b_hp = torch.randn(n, k, generator=gen, device=device)
+    return recipe_quantize(a_hp, kind_a, dtype_a), recipe_quantize(b_hp, kind_b, dtype_b)
+
+
+def _timed(fn) -> tuple[torch.Tensor, float]:
+    started = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - started
+
+
 def _probe(key: tuple, recipe_quantize) -> str:
     """Run the candidate path on random operands (M, N, K = 256, 384, 512) and compare with the emulation; the path's
-    name, or why it is emulated."""
-    device_type, index, kind_a, kind_b, dtype_a, dtype_b, out_dtype, fast_accum = key
+    name, or why it is emulated. On a CPU a small GEMM (64 x 64 x 256, its second call: the first builds oneDNN's
+    kernel) is timed first, so that the reference kernel is refused in a tenth of a second rather than after the
+    large GEMM's seconds (at 32 x 32 x 128 the emulation's fixed cost hides it: 26x); the large one's time is checked
+    again."""
+    device_type, index, kind_a, kind_b, _, _, out_dtype, fast_accum = key
     device = torch.device(device_type, index) if index is not None else torch.device(device_type)
     if not _native_candidate(device, kind_a, kind_b):
         return _emulated_name(device)
-    gen = torch.Generator(device=device).manual_seed(1234)  # a private generator: the run's RNG stream is untouched
-    a_hp = torch.randn(256, 512, generator=gen, device=device)
-    b_hp = torch.randn(384, 512, generator=gen, device=device)
-    a, b = recipe_quantize(a_hp, kind_a, dtype_a), recipe_quantize(b_hp, kind_b, dtype_b)
     try:
-        started = time.perf_counter()
-        got = _scaled_mm(a, b, out_dtype, fast_accum, None).float()
-        native_s = time.perf_counter() - started
+        if device.type == "cpu":
+            a, b = _operands(64, 64, 256, key, device, recipe_quantize)
+            _scaled_mm(a, b, out_dtype, fast_accum, None)
+            _, native_s = _timed(lambda: _scaled_mm(a, b, out_dtype, fast_accum, None))
+            _, emulated_s = _timed(lambda: torch.mm(a.dequantize(), b.dequantize().t()))
+            if native_s > CPU_SLOWER_LIMIT * emulated_s:
+                return _slower(native_s / emulated_s)
+        a, b = _operands(256, 384, 512, key, device, recipe_quantize)
+        got, native_s = _timed(lambda: _scaled_mm(a, b, out_dtype, fast_accum, None).float())
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
         return f"{_emulated_name(device)}; torch._scaled_mm refused: {str(exc).splitlines()[0][:120]}"
-    started = time.perf_counter()
-    want = torch.mm(a.dequantize(), b.dequantize().t())
-    emulated_s = time.perf_counter() - started
+    want, emulated_s = _timed(lambda: torch.mm(a.dequantize(), b.dequantize().t()))
     error = float((got - want).norm() / want.norm())
     if not error < 2**-6:
         return f"{_emulated_name(device)}; torch._scaled_mm mismatched (relative error {error:.2e})"
     if device.type == "cpu" and native_s > CPU_SLOWER_LIMIT * emulated_s:
-        return f"{EMULATED_CPU}; torch._scaled_mm {native_s / emulated_s:.0f}x slower here (oneDNN's reference kernel)"
+        return _slower(native_s / emulated_s)
     return f"torch._scaled_mm ({kind_a} x {kind_b})"
+
+
+def _slower(ratio: float) -> str:
+    return f"{EMULATED_CPU}; torch._scaled_mm {ratio:.0f}x slower here (oneDNN's reference kernel)"
 
 
 def _probe_quantize(x: torch.Tensor, kind: str, dtype: torch.dtype) -> Fp8Tensor:
