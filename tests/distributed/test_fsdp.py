@@ -1,4 +1,4 @@
-"""FSDP (--use-megatron-fsdp, PyTorch's FSDP2) at DP=2 against the distributed optimizer at DP=2 over 20 steps (two
+"""FSDP (--use-megatron-fsdp, PyTorch's FSDP2) at DP=2 against the distributed optimizer at DP=2 over 10 steps (two
 micro-batches per step: gradients accumulate into the shards): fp32 losses within 1e-5 relative, bf16 and FP8
 (delayed, tensorwise; bf16 all-gather; delayed with every layer recomputed) within 1e-3;
 both strategies (optim_grads_params, optim_grads), and untied embeddings with units of two layers and explicit
@@ -30,7 +30,7 @@ from megatron.training.data_loading import to_device
 from tests.dist_utils import run_distributed
 from tests.distributed.test_parallel_layouts import BASE, FP8, TENSORWISE, _parse
 
-STEPS = 20
+STEPS = 10
 FLAGS = f"{BASE} --train-iters {STEPS} --eval-iters 0"
 DISTOPT = "--use-distributed-optimizer"
 PARAMS = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"

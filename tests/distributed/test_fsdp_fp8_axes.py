@@ -21,9 +21,7 @@ from megatron.parallel.fsdp.fp8_gather_axes import BOTH_CASTS, COLUMN_CAST, ROW_
 from megatron.parallel.fsdp.fsdp2 import local_shard
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
-from tests.distributed.test_fsdp import DISTOPT, GRADS, PA, PARAMS, _counted, _run
-from tests.distributed.test_fsdp import FLAGS as FSDP_FLAGS
-from tests.distributed.test_fsdp import STEPS as FSDP_STEPS
+from tests.distributed.test_fsdp import DISTOPT, FLAGS, GRADS, PA, PARAMS, STEPS, _counted, _run
 from tests.distributed.test_fsdp import _close as _close_steps
 from tests.distributed.test_fsdp_no_reshard import NO_RESHARD, RECOMPUTE
 
@@ -31,8 +29,6 @@ from tests.distributed.test_fsdp_no_reshard import NO_RESHARD, RECOMPUTE
 # of 48 rows and proj's and fc2's of 16 cut a block of 32 rows in two, over 4 ranks 24 and 8 rows (a block over 4)
 SHAPES = " --ffn-hidden-size 48 --no-fp8-first-layer-bf16 --lr 1e-3"
 RECIPES = {name: f" --fp8-format hybrid --fp8-recipe {name}{SHAPES}" for name in ("rowwise", "mxfp8")}
-STEPS = 10  # half test_fsdp.py's 20: the suite's time on two CPU cores (each recipe, strategy and layout is run)
-FLAGS = FSDP_FLAGS.replace(f"--train-iters {FSDP_STEPS}", f"--train-iters {STEPS}")
 
 
 def _close(got: list[float], want: list[float], rel: float, label: str, steps: int = STEPS) -> None:

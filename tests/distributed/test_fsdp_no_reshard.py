@@ -15,15 +15,15 @@ from tests.dist_utils import run_distributed
 from tests.distributed.test_fsdp import (
     CKPT,
     DISTOPT,
+    FLAGS,
     PA,
+    STEPS,
     UNITS,
     _counted,
     _gathered_bytes,
     _held_bytes,
     _run,
 )
-from tests.distributed.test_fsdp import FLAGS as FSDP_FLAGS
-from tests.distributed.test_fsdp import STEPS as FSDP_STEPS
 from tests.distributed.test_fsdp import _close as _close_steps
 from tests.distributed.test_parallel_layouts import FP8
 
@@ -31,8 +31,6 @@ TORCH = "--use-torch-fsdp2 --data-parallel-sharding-strategy optim_grads_params"
 NO_RESHARD = f"{TORCH} --torch-fsdp2-no-reshard-after-forward"
 RECOMPUTE = " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 LAYERS, MICRO = 4, 2
-STEPS = 10  # half test_fsdp.py's 20: each step's update shows in the next loss, each micro-batch in the gathers
-FLAGS = FSDP_FLAGS.replace(f"--train-iters {FSDP_STEPS}", f"--train-iters {STEPS}")
 
 
 def _close(got: list[float], want: list[float], rel: float, label: str, steps: int = STEPS) -> None:
