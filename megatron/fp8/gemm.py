@@ -151,6 +151,13 @@ def _timed(fn) -> tuple[torch.Tensor, float]:
     return out, time.perf_counter() - started
 
 
+def _both(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, fast_accum: bool) -> tuple[torch.Tensor, ...]:
+    """torch._scaled_mm's product and the emulation's (fp32 operands), and the seconds each took."""
+    got, native_s = _timed(lambda: _scaled_mm(a, b, out_dtype, fast_accum, None).float())
+    want, emulated_s = _timed(lambda: torch.mm(a.dequantize(), b.dequantize().t()))
+    return got, want, native_s, emulated_s
+
+
 def _probe(key: tuple, recipe_quantize) -> str:
     """Run the candidate path on random operands (M, N, K = 256, 384, 512) and compare with the emulation; the path's
     name, or why it is emulated. On a CPU a small GEMM (64 x 64 x 256, its second call: the first builds oneDNN's
@@ -163,17 +170,15 @@ def _probe(key: tuple, recipe_quantize) -> str:
         return _emulated_name(device)
     try:
         if device.type == "cpu":
-            a, b = _operands(64, 64, 256, key, device, recipe_quantize)
-            _scaled_mm(a, b, out_dtype, fast_accum, None)
-            _, native_s = _timed(lambda: _scaled_mm(a, b, out_dtype, fast_accum, None))
-            _, emulated_s = _timed(lambda: torch.mm(a.dequantize(), b.dequantize().t()))
+            small = _operands(64, 64, 256, key, device, recipe_quantize)
+            _scaled_mm(*small, out_dtype, fast_accum, None)  # builds oneDNN's kernel: the next call is timed
+            *_, native_s, emulated_s = _both(*small, out_dtype, fast_accum)
             if native_s > CPU_SLOWER_LIMIT * emulated_s:
                 return _slower(native_s / emulated_s)
-        a, b = _operands(256, 384, 512, key, device, recipe_quantize)
-        got, native_s = _timed(lambda: _scaled_mm(a, b, out_dtype, fast_accum, None).float())
+        large = _operands(256, 384, 512, key, device, recipe_quantize)
+        got, want, native_s, emulated_s = _both(*large, out_dtype, fast_accum)
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
         return f"{_emulated_name(device)}; torch._scaled_mm refused: {str(exc).splitlines()[0][:120]}"
-    want, emulated_s = _timed(lambda: torch.mm(a.dequantize(), b.dequantize().t()))
     error = float((got - want).norm() / want.norm())
     if not error < 2**-6:
         return f"{_emulated_name(device)}; torch._scaled_mm mismatched (relative error {error:.2e})"
