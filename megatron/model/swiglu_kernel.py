@@ -16,6 +16,10 @@ exact (s is a power of two), so the FP8 result is the cast of the plain SwiGLU's
 path rounds h to bf16 before the product, so the two may differ by one FP8 step where that rounding crosses a
 boundary.
 
+A third kernel serves linear_fc2's side (megatron/model/te_linear.py): W / s per column, and its gradient
+g / s added into W's fp32 main_grad, each one vectorized pass (PyTorch's broadcasting division is not
+vectorized, and the gradient would otherwise be divided, written and read back by the buffers' hook).
+
 Each program takes BF channels over a run of rows, so that each channel's amax goes to memory once per program
 (an int32 atomic max on the float's bits: every amax is >= 0, where the bits order as the values do; NaN's bits
 exceed inf's, so a NaN is kept and the next scale update keeps the old scale).
@@ -142,9 +146,22 @@ def _backward_kernel(g_ptr, x_ptr, s_ptr, dx_ptr, dxt_ptr, amax_ptr, scale_ptr, 
         tl.atomic_max(amax_ptr, tl.max(_amax_bits(cast, 0), axis=0))
 
 
+def _divide_kernel(src_ptr, s_ptr, dst_ptr, skip_ptr, numel, K, SKIP: tl.constexpr, ACCUMULATE: tl.constexpr,
+                   BLOCK: tl.constexpr):  # fmt: skip
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    if SKIP:  # TE's device-side flag: 1 where a graph replay reuses the FP8 weight cast (which then reads nothing)
+        mask = mask & (tl.zeros([BLOCK], tl.float32) + tl.load(skip_ptr) == 0)
+    s = tl.load(s_ptr + offs % K, mask=mask, other=1.0).to(tl.float32)
+    q = tl.math.div_rn(tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32), s)
+    if ACCUMULATE:
+        q += tl.load(dst_ptr + offs, mask=mask, other=0.0)
+    tl.store(dst_ptr + offs, q.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
 def build() -> Any:
     """Import Triton and jit the kernels (once): the triton module, or None without Triton."""
-    global _TRITON, tl, libdevice, _sigmoid, _fp8, _amax_bits, _forward_kernel, _backward_kernel
+    global _TRITON, tl, libdevice, _sigmoid, _fp8, _amax_bits, _forward_kernel, _backward_kernel, _divide_kernel
     if _TRITON is None:
         try:
             import triton
@@ -159,6 +176,7 @@ def build() -> Any:
         # The kernels resolve their helpers through this module's globals: rebind them to their jitted versions.
         _sigmoid, _fp8, _amax_bits = triton.jit(_sigmoid), triton.jit(_fp8), triton.jit(_amax_bits)
         _forward_kernel, _backward_kernel = triton.jit(_forward_kernel), triton.jit(_backward_kernel)
+        _divide_kernel = triton.jit(_divide_kernel)
         _TRITON = triton
     return _TRITON or None
 
@@ -255,6 +273,8 @@ def smooth_swiglu_backward(
     """The gradient of x = [gate; up] [T, 2F] from that of silu(gate) * up * s [T, F]: a TE Float8Tensor with its
     transpose, cast with `quantizer`'s delayed scale and its amax raised into the quantizer's, or bf16 when
     `quantizer` is None. `tune` overrides `BACKWARD`."""
+    if build() is None:
+        raise RuntimeError("the fused Smooth-SwiGLU kernel needs Triton (pip install triton)")
     rows, F = x.shape[0], x.shape[1] // 2
     grad = grad.contiguous()
     grid, sizes = _launch_shape(rows, F, x.device, {**BACKWARD, **tune})
@@ -269,6 +289,28 @@ def smooth_swiglu_backward(
         FP8=fp8, OUT=out_type, **sizes,
     )  # fmt: skip
     return _float8_tensor(dx, dxt, scale_inv, quantizer, x.dtype) if fp8 else dx
+
+
+def divide_columns(
+    src: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False,
+    skip: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """out = src / s (or out += src / s with `accumulate`) for src [N, K] and s [K], the quotient computed in fp32
+    (exact for the powers of two Smooth-SwiGLU's scales are) and stored in out's dtype (src's for a new out): the
+    smoothed linear_fc2's weight W / s, and its gradient's way back into W's fp32 main_grad, in one pass each.
+    `skip` (a device flag, non-zero: leave out as it is) is TE's for a CUDA-graph replay that reuses its FP8 weight
+    cast."""
+    if build() is None:
+        raise RuntimeError("the Smooth-SwiGLU weight kernel needs Triton (pip install triton)")
+    src = src.contiguous()
+    out = torch.empty_like(src) if out is None else out
+    assert out.is_contiguous() and out.shape == src.shape, "divide_columns writes a contiguous out of src's shape"
+    block = 4096
+    _launch(
+        _divide_kernel, (_cdiv(src.numel(), block),), src.device, src, scale, out, out if skip is None else skip,
+        src.numel(), src.shape[-1], SKIP=skip is not None, ACCUMULATE=accumulate, BLOCK=block, num_warps=8,
+    )  # fmt: skip
+    return out
 
 
 class _SmoothSwiGLU(torch.autograd.Function):

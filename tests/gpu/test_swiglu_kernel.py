@@ -12,18 +12,9 @@ import pytest
 import torch
 
 from megatron.model import swiglu_kernel
-from tests.gpu.marks import TRITON_KERNEL
+from tests.gpu.marks import NEEDS_TE_KERNELS, TRITON_KERNEL
 
-
-def _te_error() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU"
-    from megatron.config.te_rules import te_import_error
-
-    return te_import_error()
-
-
-pytestmark = [*TRITON_KERNEL, pytest.mark.skipif(_te_error() is not None, reason=f"needs TE ({_te_error()})")]
+pytestmark = [*TRITON_KERNEL, NEEDS_TE_KERNELS]
 
 # (tokens, ffn channels): llama-1b's micro-batch, and shapes that leave partial tiles in both dimensions
 SHAPES = [(8192, 8192), (1000, 200), (77, 1100)]
@@ -164,7 +155,9 @@ def test_autograd_and_cuda_graph_capture():
         (dx,) = torch.autograd.grad(y, x, g)
         return y, dx
 
-    eager_y, eager_dx = step()
+    # only the bytes: a kept output would keep its autograd graph, and x's AccumulateGrad node with the default
+    # stream it was made on, alive into the capture
+    eager_y, eager_dx = (t._data.clone() for t in step())
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -175,7 +168,24 @@ def test_autograd_and_cuda_graph_capture():
         graph_y, graph_dx = step()
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(graph_y._data, eager_y._data) and torch.equal(graph_dx._data, eager_dx._data)
+    assert torch.equal(graph_y._data, eager_y) and torch.equal(graph_dx._data, eager_dx)
+
+
+@pytest.mark.parametrize("shape", [(2048, 8192), (77, 1100)])
+def test_divide_columns_is_the_exact_quotient_and_accumulates_in_fp32(shape):
+    w = torch.randn(*shape, device="cuda").bfloat16()
+    s = torch.exp2(torch.randint(-14, 15, (shape[1],), device="cuda").float())
+    assert torch.equal(swiglu_kernel.divide_columns(w, s), w / s.bfloat16())
+    main_grad = torch.randn(*shape, device="cuda")
+    expected = main_grad + (w / s.bfloat16()).float()
+    swiglu_kernel.divide_columns(w, s, out=main_grad, accumulate=True)
+    assert torch.equal(main_grad, expected)
+    out = torch.randn(*shape, device="cuda").bfloat16()
+    before = out.clone()
+    swiglu_kernel.divide_columns(w, s, out=out, skip=torch.ones(1, device="cuda"))  # TE's flag: reuse, write nothing
+    assert torch.equal(out, before)
+    swiglu_kernel.divide_columns(w, s, out=out, skip=torch.zeros(1, device="cuda"))
+    assert torch.equal(out, w / s.bfloat16())
 
 
 def test_te_mlp_takes_the_kernels_under_delayed_scaling_only(monkeypatch):
