@@ -105,18 +105,75 @@ def te_linear(
     return module
 
 
+class _SmoothedWeight(torch.autograd.Function):
+    """W / s for a smoothed linear_fc2 (`smoothed_te_linear`); backward, W's gradient g / s, added (or written,
+    for weights marked `overwrite_main_grad`) straight into W.main_grad when `fuse`, as TE's fused wgrad
+    accumulation would: one pass, no divided gradient written out for the buffers' hook to read and add."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, scale: torch.Tensor, quotient: torch.Tensor, fuse: bool) -> Any:
+        ctx.save_for_backward(weight, scale)
+        ctx.fuse = fuse
+        return quotient.detach()  # computed outside (cached), so each call's output has its own autograd history
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None, None]:
+        from transformer_engine.pytorch.module.base import get_dummy_wgrad
+
+        from . import swiglu_kernel
+
+        weight, scale = ctx.saved_tensors
+        if not ctx.fuse:
+            return grad / scale.to(grad.dtype), None, None, None
+        overwrite = getattr(weight, "overwrite_main_grad", False)
+        swiglu_kernel.divide_columns(grad, scale, out=weight.main_grad, accumulate=not overwrite)
+        weight.grad_added_to_main_grad = True
+        return get_dummy_wgrad(list(weight.shape), weight.dtype), None, None, None
+
+
 @cache
 def smoothed_te_linear() -> type[nn.Module]:
     """`te.Linear` whose GEMM weight is W / s, s its `smooth_scale` per input channel (megatron/model/smooth_swiglu.py):
     TE reads its weight through `_get_weight_tensors` for the cast and both GEMMs, so the quotient is what it casts
     (once per step, reused for the later micro-batches as TE reuses any weight cast) and autograd carries W's
-    gradient back through the division. The parameter stays the plain W. The wgrad cannot accumulate into
-    W.main_grad inside TE's GEMM (the GEMM's weight is the quotient): TETransformerLayer leaves that fusion off here."""
+    gradient back through `_SmoothedWeight`. The parameter stays the plain W.
+
+    The quotient is computed once per value of W and s (their version counters: the optimizer step and the
+    smoothing update bump them) and kept for the step's later micro-batches, which TE's bf16 layers read too;
+    while a CUDA graph is captured it is computed in the graph, at every replay, except where TE's device flag says
+    the replay reuses the FP8 weight cast. The gradient goes into W.main_grad here, not inside TE's wgrad GEMM
+    (whose weight is the quotient): `smooth_wgrad_fusion`, set by TETransformerLayer where TE's fusion would be."""
     import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    from . import swiglu_kernel
 
     class SmoothedLinear(te.Linear):
+        smooth_wgrad_fusion = False
+        _quotient, _quotient_key = None, None
+
         def _get_weight_tensors(self) -> list[torch.Tensor]:
-            return [smooth_weight(w, self.smooth_scale) for w in super()._get_weight_tensors()]
+            weights = super()._get_weight_tensors()
+            plain = all(w.is_cuda and type(w.data) is torch.Tensor for w in weights)  # not FP8, not DTensor
+            if not plain or not swiglu_kernel.available():
+                return [smooth_weight(w, self.smooth_scale) for w in weights]
+            return [self._smoothed(w) for w in weights]
+
+        def _smoothed(self, weight: torch.Tensor) -> torch.Tensor:
+            scale = self.smooth_scale
+            if torch.cuda.is_current_stream_capturing():
+                capturing_fp8 = self.fp8 and FP8GlobalStateManager.fp8_graph_capturing()
+                skip = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor() if capturing_fp8 else None
+                quotient = swiglu_kernel.divide_columns(weight.detach(), scale, skip=skip)
+            else:
+                key = (weight.data_ptr(), weight._version, scale.data_ptr(), scale._version)
+                if key != self._quotient_key:
+                    self._quotient = swiglu_kernel.divide_columns(weight.detach(), scale)
+                    self._quotient_key = key
+                quotient = self._quotient
+            if not (torch.is_grad_enabled() and weight.requires_grad):
+                return quotient
+            return _SmoothedWeight.apply(weight, scale, quotient, self.smooth_wgrad_fusion)
 
         def smoothed_weight(self) -> torch.Tensor:
             """W / s, the weight TE casts and multiplies (for the FP8 monitor)."""

@@ -14,6 +14,7 @@ from torch import nn
 from megatron.config import ModelConfig
 from megatron.parallel.tensor_parallel import NO_TP, TensorParallel
 
+from . import swiglu_kernel
 from .layers import init_std_of_output, mlp_activation
 from .smooth_swiglu import smooth_input
 from .te_linear import te_linear
@@ -111,11 +112,18 @@ class TEMLP(nn.Module):
         if not self.swiglu:
             h = self.activation(h)
         elif getattr(fc2, "smooth_input", False):
-            # --smooth-swiglu: the SwiGLU output leaves the kernel in bf16 to be scaled by s before TE casts it (the
-            # kernel still writes linear_fc1's FP8 output gradient)
-            _, grad_quantizer = self._fp8_quantizers()
-            h = _SwiGLU.apply(h, None, grad_quantizer)
-            h = smooth_input(h, fc2.smooth_scale, fc2.smooth_amax, self.training)
+            # --smooth-swiglu: under delayed scaling one kernel each way scales by s and casts to FP8 (swiglu_kernel);
+            # otherwise the SwiGLU output leaves TE's kernel in bf16 to be scaled by s before TE casts it (the
+            # kernel still writes linear_fc1's FP8 output gradient), which keeps the bf16 layers bit for bit the
+            # plain ones
+            out_quantizer, grad_quantizer = self._fp8_quantizers()
+            if out_quantizer is not None and h.is_cuda and swiglu_kernel.available():
+                h = swiglu_kernel.smooth_swiglu(
+                    h, fc2.smooth_scale, fc2.smooth_amax, self.training, out_quantizer, grad_quantizer
+                )
+            else:
+                h = _SwiGLU.apply(h, None, grad_quantizer)
+                h = smooth_input(h, fc2.smooth_scale, fc2.smooth_amax, self.training)
         else:
             h = _SwiGLU.apply(h, *self._fp8_quantizers())
         out = fc2(h, is_first_microbatch=first_microbatch)

@@ -34,3 +34,18 @@ TRITON_KERNEL = [
         not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA GPU, or TRITON_INTERPRET=1"
     ),
 ]
+
+
+def _te_kernels_error() -> str | None:
+    if INTERPRET:
+        return "the interpreter runs on the CPU"
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    return te_import_error()
+
+
+#: Why Transformer Engine's kernels cannot run here (None: they can): what a Triton kernel's test compares against
+TE_KERNELS_ERROR = _te_kernels_error()
+NEEDS_TE_KERNELS = pytest.mark.skipif(
+    TE_KERNELS_ERROR is not None, reason=f"needs Transformer Engine ({TE_KERNELS_ERROR})"
+)

@@ -6,8 +6,9 @@ in the attention backward), measured at 1.3e-3 by the fourth step in bf16: rel 5
 1e-5 moves a few values across an e5m2 rounding step (25% apart), and the gradient norms then differ by a few 1e-3
 from the first step on (measured: 2.4e-3, 5.6e-3 by the third): rel 2e-2. A graph that lost a gradient, or added
 TE's placeholder gradient into main_grad, is off by more than that. Whether the replays refresh the FP8 weight casts
-after each update (and only then) has its own check, with changes far above any rounding. Also: the trainer captures
-on request and trains, and evaluation (no graphs) still runs.
+after each update (and only then) has its own check, with changes far above any rounding. --smooth-swiglu's scales
+change after each step (its W / s is computed inside the graphs). Also: the trainer captures on request and trains,
+and evaluation (no graphs) still runs.
 """
 
 import pytest
@@ -17,6 +18,7 @@ from megatron.config import parse_args
 from megatron.config.te_rules import te_import_error
 from megatron.model import GPTModel
 from megatron.model.cuda_graphs import capture_te_layer_graphs
+from megatron.model.smooth_swiglu import smoothed_linears, update_smoothing
 from megatron.optim import MixedPrecisionAdamW
 from megatron.parallel import GradientBuffers
 from megatron.training import Trainer
@@ -35,6 +37,8 @@ CASES = {
     "tensorwise": "--fp8-format hybrid --fp8-recipe tensorwise",
     "delayed-fp8-params": f"{DELAYED} --fp8-param-gather",
     "delayed-fp8-attention": f"{DELAYED} --fp8-dot-product-attention --kv-channels 128",
+    "bf16-smooth-swiglu": "--smooth-swiglu",
+    "delayed-smooth-swiglu": f"{DELAYED} --smooth-swiglu",
 }
 
 
@@ -58,6 +62,7 @@ def train(extra: str, graphs: bool, steps: int = 4) -> tuple[list[float], list[f
             loss.backward()
             total += float(loss.detach())
         norm, _ = optimizer.step(1e-3, lambda: grad_norm(optimizer))
+        update_smoothing(smoothed_linears(model))  # --smooth-swiglu: new scales after each step, as training does
         buffers.zero()
         losses.append(total)
         norms.append(float(norm))

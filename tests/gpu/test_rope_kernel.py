@@ -19,7 +19,7 @@ import torch
 from megatron.model import rope_kernel
 from megatron.model.layers import RotaryEmbedding, apply_rotary
 from megatron.model.te_attention import te_qkv_rope
-from tests.gpu.marks import INTERPRET, TRITON_KERNEL
+from tests.gpu.marks import INTERPRET, NEEDS_TE_KERNELS, TE_KERNELS_ERROR, TRITON_KERNEL
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 
@@ -27,15 +27,7 @@ pytestmark = TRITON_KERNEL
 on_gpu = pytest.mark.skipif(INTERPRET, reason="bf16 and TE need the GPU (the interpreter's bf16 casts round wrongly)")
 
 
-def _te_error() -> str | None:
-    if INTERPRET:
-        return "the interpreter runs on the CPU"
-    from megatron.config.te_rules import te_import_error
-
-    return te_import_error()
-
-
-needs_te = pytest.mark.skipif(_te_error() is not None, reason=f"needs Transformer Engine ({_te_error()})")
+needs_te = NEEDS_TE_KERNELS
 
 # name: (s, b, query heads, groups, head size, rotary percent) on one rank
 SHAPES = {
@@ -342,7 +334,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @on_gpu
 @pytest.mark.parametrize(
     "impl",
-    ["local", pytest.param("transformer_engine", marks=pytest.mark.skipif(_te_error() is not None, reason="TE"))],
+    ["local", pytest.param("transformer_engine", marks=pytest.mark.skipif(TE_KERNELS_ERROR is not None, reason="TE"))],
 )
 def test_layers_take_the_kernel_unless_told_or_per_sample(impl, monkeypatch):
     fused, calls = model_output(impl, "", monkeypatch)

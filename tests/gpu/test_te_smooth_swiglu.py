@@ -1,8 +1,8 @@
 """--smooth-swiglu on Transformer Engine's layers (megatron/model/te_mlp.py, te_linear.smoothed_te_linear): the same
 function and gradients as the plain layers in bf16, bit for bit; the scales move between the engines in a state
-dict; FP8 training with it learns like bf16, its linear_fc2 leaving the wgrad fusion to autograd; and with outlier
-channels in the SwiGLU output it keeps linear_fc2's other channels, which plain delayed scaling flushes. The local
-engine's twin: tests/unit/test_smooth_swiglu.py."""
+dict; linear_fc2's gradient reaches main_grad through the kernel as through autograd, bit for bit; FP8 training
+with it learns like bf16; and with outlier channels in the SwiGLU output it keeps linear_fc2's other channels,
+which plain delayed scaling flushes. The local engine's twin: tests/unit/test_smooth_swiglu.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import torch
 
 from megatron.config.te_rules import te_import_error
 from megatron.model.smooth_swiglu import smoothed_linears, update_smoothing
-from tests.gpu.test_te_model import LLAMA, batches, build, progress, rel_err
+from megatron.optim import MixedPrecisionAdamW
+from megatron.parallel import GradientBuffers
+from tests.gpu.test_te_model import LLAMA, batches, build, config, grad_norm, progress, rel_err
 from tests.gpu.test_te_model import train as train_model
 
 pytestmark = [
@@ -65,7 +67,40 @@ def train(flags: str, steps: int = 60) -> tuple[list[float], object]:
     return train_model(flags, steps, after_step=lambda model: partial(update_smoothing, smoothed_linears(model)))
 
 
-def test_fp8_training_learns_like_bf16_with_the_fc2_wgrad_through_autograd():
+def test_fc2_gradient_into_main_grad_and_the_cached_quotient_follow_each_step():
+    """linear_fc2's gradient g / s added into main_grad by the kernel is autograd's division plus the buffers' add,
+    bit for bit, over two micro-batches, at each of two optimizer steps; and the W / s kept between micro-batches
+    follows each step and each load (a fresh model with the same state computes the same loss)."""
+    fused = build(LLAMA, TE, "--smooth-swiglu")
+    plain = build(LLAMA, TE, "--smooth-swiglu --no-gradient-accumulation-fusion")
+    random_scales(fused)
+    engines = [GradientBuffers(model, None) for model in (fused, plain)]
+    optimizer = MixedPrecisionAdamW(fused, config(LLAMA, TE, "--lr 1e-3 --smooth-swiglu").optimizer)
+    data = batches()
+    for step in range(2):
+        plain.load_state_dict(fused.state_dict())  # the same weights and scales at each step
+        for model in (fused, plain):
+            for batch in data[2 * step : 2 * step + 2]:  # two micro-batches per step
+                model(batch["tokens"], labels=batch["labels"]).mean().backward()
+        assert all(layer.mlp.linear_fc2.smooth_wgrad_fusion for layer in fused.decoder.layers)
+        assert not any(layer.mlp.linear_fc2.smooth_wgrad_fusion for layer in plain.decoder.layers)
+        for (name, param), other in zip(fused.named_parameters(), plain.parameters()):
+            if name.endswith("linear_fc2.weight"):
+                assert torch.equal(param.main_grad, other.main_grad), (step, name)
+            else:  # TE's fused wgrad GEMMs accumulate in fp32, the others' gradients are rounded to bf16 first
+                assert rel_err(param.main_grad, other.main_grad) < 1e-2, (step, name)
+        optimizer.step(1e-3, lambda: grad_norm(optimizer))
+        update_smoothing(smoothed_linears(fused))
+        for engine in engines:
+            engine.zero()
+    fresh = build(LLAMA, TE, "--smooth-swiglu")
+    fresh.load_state_dict(fused.state_dict())
+    batch = data[0]
+    losses = [model(batch["tokens"], labels=batch["labels"]).float().mean() for model in (fused, fresh)]
+    assert torch.equal(losses[0], losses[1])
+
+
+def test_fp8_training_learns_like_bf16_with_the_fc2_wgrad_fused_outside_te():
     bf16 = progress(train("--bf16")[0])
     losses, model = train(f"{DELAYED} --smooth-swiglu")
     assert all(torch.isfinite(torch.tensor(losses))), losses
@@ -73,6 +108,7 @@ def test_fp8_training_learns_like_bf16_with_the_fc2_wgrad_through_autograd():
     for layer in model.decoder.layers:
         fc2 = layer.mlp.linear_fc2
         assert not fc2.fuse_wgrad_accumulation and layer.mlp.linear_fc1.fuse_wgrad_accumulation
+        assert fc2.smooth_wgrad_fusion and fc2.weight.fused_wgrad_accumulation
         scale = fc2.smooth_scale
         assert torch.equal(scale, torch.exp2(torch.log2(scale).round())) and not torch.all(scale == 1)
 

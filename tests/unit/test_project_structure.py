@@ -22,6 +22,7 @@ TE_MODULES = {
     "megatron/model/te_layers.py",
     "megatron/model/te_linear.py",
     "megatron/model/te_mlp.py",
+    "megatron/model/swiglu_kernel.py",  # the fused Smooth-SwiGLU kernels write TE's Float8Tensor
     "megatron/model/cuda_graphs.py",
     "megatron/model/te_comm_overlap.py",
     "megatron/perf/probes.py",  # times TE's fused attention for the benchmark's lower bound
