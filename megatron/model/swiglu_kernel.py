@@ -191,6 +191,11 @@ def available() -> bool:
     return build() is not None
 
 
+def _require_triton() -> None:
+    if build() is None:
+        raise RuntimeError("the Smooth-SwiGLU kernels need Triton (pip install triton)")
+
+
 @functools.cache
 def _sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -246,8 +251,7 @@ def smooth_swiglu_forward(
     """silu(gate) * up * s for x = [gate; up] [T, 2F]: a TE Float8Tensor (row-wise data) cast with `quantizer`'s
     delayed scale, its amax raised into the quantizer's, or bf16 when `quantizer` is None. `amax` ([F], or None:
     not observed) is raised to each channel's max |silu(gate) * up|. `tune` overrides `FORWARD`."""
-    if build() is None:
-        raise RuntimeError("the fused Smooth-SwiGLU kernel needs Triton (pip install triton)")
+    _require_triton()
     rows, F = x.shape[0], x.shape[1] // 2
     x = x.contiguous()
     grid, sizes = _launch_shape(rows, F, x.device, {**FORWARD, **tune})
@@ -273,8 +277,7 @@ def smooth_swiglu_backward(
     """The gradient of x = [gate; up] [T, 2F] from that of silu(gate) * up * s [T, F]: a TE Float8Tensor with its
     transpose, cast with `quantizer`'s delayed scale and its amax raised into the quantizer's, or bf16 when
     `quantizer` is None. `tune` overrides `BACKWARD`."""
-    if build() is None:
-        raise RuntimeError("the fused Smooth-SwiGLU kernel needs Triton (pip install triton)")
+    _require_triton()
     rows, F = x.shape[0], x.shape[1] // 2
     grad = grad.contiguous()
     grid, sizes = _launch_shape(rows, F, x.device, {**BACKWARD, **tune})
@@ -300,8 +303,7 @@ def divide_columns(
     smoothed linear_fc2's weight W / s, and its gradient's way back into W's fp32 main_grad, in one pass each.
     `skip` (a device flag, non-zero: leave out as it is) is TE's for a CUDA-graph replay that reuses its FP8 weight
     cast."""
-    if build() is None:
-        raise RuntimeError("the Smooth-SwiGLU weight kernel needs Triton (pip install triton)")
+    _require_triton()
     src = src.contiguous()
     out = torch.empty_like(src) if out is None else out
     assert out.is_contiguous() and out.shape == src.shape, "divide_columns writes a contiguous out of src's shape"

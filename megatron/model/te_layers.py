@@ -51,7 +51,6 @@ from megatron.config import ModelConfig
 from megatron.fp8.te_recipe import describe_te_recipe, te_version
 from megatron.parallel.tensor_parallel import NO_TP, TensorParallel
 
-from . import swiglu_kernel
 from .recompute import RecomputePlan, checkpoint, in_checkpointed_forward
 from .te_attention import TESelfAttention
 from .te_fp8 import TEFp8Autocast, te_checkpoint
@@ -149,14 +148,13 @@ class TETransformerLayer(nn.Module):
         a model used without gradient buffers (tests, inference) keeps ordinary `.grad`s."""
         for module in self.te_modules():
             fuse = hasattr(module.weight, "main_grad") and self.gradient_accumulation_fusion
-            if getattr(module, "smooth_input", False):
+            smoothed = getattr(module, "smooth_input", False)
+            if smoothed:
                 # a smoothed linear_fc2 multiplies W / s, not W: its wgrad reaches W's main_grad through autograd
-                # (te_linear.smoothed_te_linear), fused there where the kernel runs
-                fuse = fuse and module.weight.is_cuda and swiglu_kernel.available()
-                module.smooth_wgrad_fusion, te_fuse = fuse, False
-            else:
-                te_fuse = fuse
-            module.fuse_wgrad_accumulation = te_fuse
+                # (te_linear.smoothed_te_linear), fused there where it runs the kernels
+                fuse = fuse and module.runs_kernels()
+                module.smooth_wgrad_fusion = fuse
+            module.fuse_wgrad_accumulation = fuse and not smoothed
             module.weight.fused_wgrad_accumulation = fuse  # for the gradient buffers' hook (data_parallel.py)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch import nn
 from megatron.config import ModelConfig
 from megatron.parallel.tensor_parallel import TensorParallel
 
+from . import swiglu_kernel
 from .init_draws import init_normal
 from .layers import mark_replicated, mark_tensor_parallel, normalize
 from .smooth_swiglu import add_smoothing, smooth_weight
@@ -120,8 +121,6 @@ class _SmoothedWeight(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None, None]:
         from transformer_engine.pytorch.module.base import get_dummy_wgrad
 
-        from . import swiglu_kernel
-
         weight, scale = ctx.saved_tensors
         if not ctx.fuse:
             return grad / scale.to(grad.dtype), None, None, None
@@ -146,16 +145,19 @@ def smoothed_te_linear() -> type[nn.Module]:
     import transformer_engine.pytorch as te
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
-    from . import swiglu_kernel
-
     class SmoothedLinear(te.Linear):
         smooth_wgrad_fusion = False
         _quotient, _quotient_key = None, None
 
+        def runs_kernels(self) -> bool:
+            """Whether W / s and its gradient go through swiglu_kernel.divide_columns (a plain CUDA weight, not FP8
+            nor a DTensor, and Triton), or through autograd's division."""
+            w = self.weight
+            return w.is_cuda and type(w.data) is torch.Tensor and swiglu_kernel.available()
+
         def _get_weight_tensors(self) -> list[torch.Tensor]:
             weights = super()._get_weight_tensors()
-            plain = all(w.is_cuda and type(w.data) is torch.Tensor for w in weights)  # not FP8, not DTensor
-            if not plain or not swiglu_kernel.available():
+            if not self.runs_kernels():
                 return [smooth_weight(w, self.smooth_scale) for w in weights]
             return [self._smoothed(w) for w in weights]
 

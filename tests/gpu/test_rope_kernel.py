@@ -19,15 +19,13 @@ import torch
 from megatron.model import rope_kernel
 from megatron.model.layers import RotaryEmbedding, apply_rotary
 from megatron.model.te_attention import te_qkv_rope
-from tests.gpu.marks import INTERPRET, NEEDS_TE_KERNELS, TE_KERNELS_ERROR, TRITON_KERNEL
+from tests.gpu.marks import INTERPRET, NEEDS_TE_KERNELS, TRITON_KERNEL
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 
 pytestmark = TRITON_KERNEL
 on_gpu = pytest.mark.skipif(INTERPRET, reason="bf16 and TE need the GPU (the interpreter's bf16 casts round wrongly)")
 
-
-needs_te = NEEDS_TE_KERNELS
 
 # name: (s, b, query heads, groups, head size, rotary percent) on one rank
 SHAPES = {
@@ -208,7 +206,7 @@ def test_angles_longer_than_the_sequence_and_empty_inputs():
 
 
 @on_gpu
-@needs_te
+@NEEDS_TE_KERNELS
 @pytest.mark.parametrize("name, any_angles", [(name, False) for name in SHAPES] + [("8b-rotary-half", True)])
 def test_bf16_forward_and_backward_match_te(name, any_angles):
     packed, angles, per_group = make(name, torch.bfloat16, any_angles=any_angles)
@@ -334,7 +332,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @on_gpu
 @pytest.mark.parametrize(
     "impl",
-    ["local", pytest.param("transformer_engine", marks=pytest.mark.skipif(TE_KERNELS_ERROR is not None, reason="TE"))],
+    ["local", pytest.param("transformer_engine", marks=NEEDS_TE_KERNELS)],
 )
 def test_layers_take_the_kernel_unless_told_or_per_sample(impl, monkeypatch):
     fused, calls = model_output(impl, "", monkeypatch)
@@ -348,7 +346,7 @@ def test_layers_take_the_kernel_unless_told_or_per_sample(impl, monkeypatch):
 
 
 @on_gpu
-@needs_te
+@NEEDS_TE_KERNELS
 def test_te_layer_falls_back_to_tes_kernel_without_triton(monkeypatch):
     """Where Triton is missing the TE layer keeps TE's fused kernel (and the local layer the unfused ops): the
     same logits as with this kernel up to bf16 rounding."""
