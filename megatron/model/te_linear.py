@@ -138,16 +138,22 @@ def smoothed_te_linear() -> type[nn.Module]:
     gradient back through `_SmoothedWeight`. The parameter stays the plain W.
 
     The quotient is computed once per value of W and s (their version counters: the optimizer step and the
-    smoothing update bump them) and kept for the step's later micro-batches, which TE's bf16 layers read too;
-    while a CUDA graph is captured it is computed in the graph, at every replay, except where TE's device flag says
-    the replay reuses the FP8 weight cast. The gradient goes into W.main_grad here, not inside TE's wgrad GEMM
-    (whose weight is the quotient): `smooth_wgrad_fusion`, set by TETransformerLayer where TE's fusion would be."""
+    smoothing update bump them) and kept for the step's later micro-batches, which TE's bf16 layers read too, where
+    the layer keeps its weight casts across micro-batches (`is_first_microbatch` not None; not under FSDP's resharded
+    weights, whose quotient would then outlive the unit's gather); while a CUDA graph is captured it is computed in
+    the graph, at every replay, except where TE's device flag says the replay reuses the FP8 weight cast. The
+    gradient goes into W.main_grad here, not inside TE's wgrad GEMM (whose weight is the quotient):
+    `smooth_wgrad_fusion`, set by TETransformerLayer where TE's fusion would be."""
     import transformer_engine.pytorch as te
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     class SmoothedLinear(te.Linear):
         smooth_wgrad_fusion = False
-        _quotient, _quotient_key = None, None
+        _quotient, _quotient_key, _keep_quotient = None, None, False
+
+        def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None, *args: Any, **kwargs: Any) -> Any:
+            self._keep_quotient = is_first_microbatch is not None  # the layer caches its weights' casts: so may W / s
+            return super().forward(inp, is_first_microbatch, *args, **kwargs)
 
         def runs_kernels(self) -> bool:
             """Whether W / s and its gradient go through swiglu_kernel.divide_columns (a plain CUDA weight, not FP8
@@ -167,6 +173,9 @@ def smoothed_te_linear() -> type[nn.Module]:
                 capturing_fp8 = self.fp8 and FP8GlobalStateManager.fp8_graph_capturing()
                 skip = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor() if capturing_fp8 else None
                 quotient = swiglu_kernel.divide_columns(weight.detach(), scale, skip=skip)
+            elif not self._keep_quotient:
+                self._quotient = self._quotient_key = None
+                quotient = swiglu_kernel.divide_columns(weight.detach(), scale)
             else:
                 key = (weight.data_ptr(), weight._version, scale.data_ptr(), scale._version)
                 if key != self._quotient_key:

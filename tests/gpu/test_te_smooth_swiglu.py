@@ -100,6 +100,24 @@ def test_fc2_gradient_into_main_grad_and_the_cached_quotient_follow_each_step():
     assert torch.equal(losses[0], losses[1])
 
 
+def test_the_quotient_is_kept_only_where_the_layer_keeps_its_weight_casts():
+    """A training forward keeps W / s for the step's later micro-batches; a layer that keeps no weight casts (FSDP's
+    resharded weights) or an evaluation forward keeps none, so no unsharded quotient outlives its use."""
+    model = build(LLAMA, TE, "--smooth-swiglu")
+    batch = batches()[0]
+    fc2s = [layer.mlp.linear_fc2 for layer in model.decoder.layers]
+    model(batch["tokens"], labels=batch["labels"]).mean().backward()
+    assert all(fc2._quotient is not None for fc2 in fc2s)
+    with torch.no_grad():
+        model.eval()(batch["tokens"])
+    assert all(fc2._quotient is None for fc2 in fc2s)
+    model.train()
+    for layer in model.decoder.layers:
+        layer.cache_weight_casts = False
+    model(batch["tokens"], labels=batch["labels"]).mean().backward()
+    assert all(fc2._quotient is None for fc2 in fc2s)
+
+
 def test_fp8_training_learns_like_bf16_with_the_fc2_wgrad_fused_outside_te():
     bf16 = progress(train("--bf16")[0])
     losses, model = train(f"{DELAYED} --smooth-swiglu")
