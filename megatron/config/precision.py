@@ -53,9 +53,10 @@ class PrecisionConfig:
     fp8_calibration: bool = option(True, flag="--no-fp8-calibration", action="store_false")
     """Delayed scaling: set the first scales from one high-precision forward and backward pass over the first
     micro-batch (scale = fp8_max / amax / 2^margin), before any FP8 GEMM runs; `--no-fp8-calibration` starts every
-    scale at 1, as Transformer Engine does (docs/fp8.md: what that costs). Skipped when resuming from a checkpoint,
-    which holds the scales, and with --fp8-param-gather or --tp-comm-overlap on Transformer Engine (the startup
-    log says so)."""
+    scale at 1, as Transformer Engine does (docs/fp8.md: what that costs). Skipped when resuming from a checkpoint
+    of a delayed-scaling run, which holds the scales (one without them, saved in bf16, with another recipe or
+    converted, is calibrated as a fresh start is), and with --fp8-param-gather or --tp-comm-overlap on Transformer
+    Engine (the startup log says so)."""
     fp8_stats_interval: int = 0
     """Every N-th step, log per FP8 linear and tensor (input, weight, output gradient) the amax, the scale and the
     fractions of elements saturated and flushed to zero, to TensorBoard (`fp8/<linear>/<tensor>/...`) and as one
@@ -118,8 +119,9 @@ class PrecisionConfig:
 
     @property
     def calibration_pass(self) -> bool:
-        """Whether a fresh run starts with delayed scaling's calibration pass (--fp8-calibration; a resumed run
-        reads the scales from its checkpoint)."""
+        """Whether a run without delayed-scaling scales starts with the calibration pass (--fp8-calibration): a
+        fresh one, or one loaded from a checkpoint that holds none (the trainer asks; a resumed delayed-scaling run
+        reads its scales from the checkpoint)."""
         return self.fp8 and self.fp8_recipe == "delayed" and self.fp8_calibration
 
     def fp8_layer_numbers(self, num_layers: int) -> list[int]:

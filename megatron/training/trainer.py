@@ -26,6 +26,7 @@ from megatron.checkpoint.save_folder import check_save_folder
 from megatron.config import Config
 from megatron.config.batch_schedule import BatchSchedule, train_iterations
 from megatron.data import build_datasets, build_tokenizer, padded_vocab_size
+from megatron.fp8.calibration import holds_delayed_scales
 from megatron.model.te_state import release_te_state
 from megatron.optim.loss_scaler import build_loss_scaler
 from megatron.optim.schedule import LearningRates, LRSchedule
@@ -135,7 +136,7 @@ class Trainer:
             cfg, dims, self.tokenizer.vocab_size, self.vocab_size, self.model, fp8_lines
         )
         write_config(cfg, dims, self.tensorboard)
-        if cfg.precision.calibration_pass and self.state.iteration == 0:  # a checkpoint holds the scales
+        if cfg.precision.calibration_pass and self._needs_calibration():
             with self.startup.phase("delayed scaling's calibration pass"):
                 batches = iter(self.loader(self.datasets.train, self.state.consumed_samples))
                 calibrate_fp8(self.steps, batches, self.fp8_monitor)
@@ -143,6 +144,21 @@ class Trainer:
             with self.startup.phase("CUDA graphs captured"):
                 capture_cuda_graphs(self.steps)
         self.startup.done()
+
+    def _needs_calibration(self) -> bool:
+        """A fresh run, or one whose checkpoint holds no delayed-scaling scales (saved in bf16, with another recipe,
+        or converted); a checkpoint of a delayed-scaling run holds them, and resuming keeps them."""
+        if self.state.iteration == 0:
+            return True
+        monitor = self.fp8_monitor
+        assert monitor is not None  # every delayed-scaling run builds one (its taps serve the calibration)
+        if holds_delayed_scales(self.steps.fp8, monitor.taps):
+            return False
+        print_rank_0(
+            f"> fp8: checkpoint at iteration {self.state.iteration} holds no delayed-scaling scales: calibrating"
+            " them as at a first step"
+        )
+        return True
 
     def _build_model_and_optimizer(self) -> None:
         """Megatron-LM's model-and-optimizer-setup: the model, its FP8 state, the gradient buffers, the optimizer,

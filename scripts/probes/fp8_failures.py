@@ -4,6 +4,10 @@ the guard and the training loss notice them. Each failure starts at --start (def
     outliers     a few channels of one layer's linear_fc1 gate and up rows (and their fp32 main copies) scaled by
                  --factor per step for --steps steps (Fishman et al. 2024): the SwiGLU output of those channels grows
                  by factor^2 a step, so that linear_fc2's input amax grows by orders of magnitude
+    rescaled-outliers  the same channels of linear_fc2's input times K and its weight's columns divided by K inside
+                 its forward, K = --factor^n at the n-th step from --start on, at most --steps: in exact arithmetic
+                 the model and its training are the uninjected ones (K a power of two), while the FP8 casts see the
+                 channels' range K apart, the disparity one per-tensor scale cannot cover and Smooth-SwiGLU removes
     lr-spike     the learning rate times --factor for --steps steps
     amax-group   DP=2 on 2 gloo processes: rank 1 reduces one layer's FP8 amaxes over itself alone (the wrong
                  process group) from --start on, so the replicas' delayed scales disagree
@@ -45,6 +49,8 @@ import torch.multiprocessing as mp
 
 from megatron.config import PrecisionConfig, parse_args
 from megatron.data import default_corpus
+from megatron.model import layers
+from megatron.model.smooth_swiglu import add_smoothing
 from megatron.training import Trainer
 
 # scripts/loss_parity.py's `tiny` preset, without its evaluations: a 2-layer Llama whose second layer runs in FP8
@@ -68,6 +74,7 @@ QUIET = True  # the trainers' own logs off (--verbose: on)
 SEED = 1234  # the trainers' default --seed; --seeds N trains SEED, SEED + 1, ...
 DEFAULTS = {  # (start, steps, factor) of each failure
     "outliers": (10, 6, 2.0),
+    "rescaled-outliers": (10, 8, 4.0),
     "lr-spike": (10, 3, 30.0),
     "amax-group": (10, 21, 0.0),
 }
@@ -117,9 +124,50 @@ def install(trainer: Trainer, injection: Injection) -> None:
                 lrs = dataclasses.replace(lrs, decoupled=lrs.decoupled * injection.factor)
         return step(batches, lrs, num_micro)
 
+    if injection.kind == "rescaled-outliers":
+        injected_step = _rescaling(trainer, mlp.linear_fc2, injection)
     trainer.train_step = injected_step  # type: ignore[method-assign]
     if injection.kind == "amax-group" and dist.is_initialized() and dist.get_rank() == 1:
         _reduce_one_layer_alone(trainer, injection)
+
+
+_RESCALED: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+"""id(a linear's smooth_scale) -> (that scale, the injection's K per input channel): the linears `_rescaled_smooth`
+rescales."""
+
+
+def _rescaled_smooth(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, observe: bool):
+    """The local Linear's smoothing, with a rescaled linear's input times K and its weight divided by K first: the
+    smoothing then measures (and, with --smooth-swiglu, scales away) the channels' range as it would a grown one."""
+    entry = _RESCALED.get(id(scale))
+    if entry is not None and entry[0] is scale:
+        k = entry[1]
+        x, weight = x * k.to(x.dtype), weight / k.to(weight.dtype)
+    return _smooth(x, weight, scale, amax, observe)
+
+
+_smooth = layers.smooth
+
+
+def _rescaling(trainer: Trainer, linear: Any, injection: Injection) -> Callable:
+    """The train step of a `rescaled-outliers` run (local layers): K set before each step. A linear built without
+    --smooth-swiglu gets the smoothing's buffers with its scales at 1, never updated (the trainer's list of smoothed
+    linears was made before): the plain linear, bit for bit, that `_rescaled_smooth` can rescale."""
+    assert isinstance(linear, layers.Linear), "rescaled-outliers runs on the local layers"
+    if not linear.smooth_input:
+        add_smoothing(linear, linear.weight.shape[1], linear.weight.device)
+    k = torch.ones_like(linear.smooth_scale)
+    _RESCALED[id(linear.smooth_scale)] = (linear.smooth_scale, k)
+    layers.smooth = _rescaled_smooth
+    step, channels = trainer.train_step, list(injection.channels)
+
+    def rescaled_step(batches: Any, lrs: Any, num_micro: int | None = None) -> tuple[float, float, bool]:
+        n = trainer.state.iteration + 2 - injection.start  # the step about to run is the n-th injected one
+        if n >= 1:
+            k[channels] = injection.factor ** min(n, injection.steps)
+        return step(batches, lrs, num_micro)
+
+    return rescaled_step
 
 
 def copies(trainer: Trainer, weight: torch.Tensor) -> list[torch.Tensor]:
@@ -239,7 +287,7 @@ def runs_of(kind: str) -> dict[str, tuple[str, bool]]:
         "fp8 auto-bf16": (f"{FP8} --fp8-auto-bf16", True),
         "hp": ("", True),
     }
-    if kind == "outliers":
+    if kind in ("outliers", "rescaled-outliers"):
         runs["fp8 smooth-swiglu"] = (f"{FP8} --smooth-swiglu", True)
     if kind == "lr-spike":  # the spike's flags last two watched steps: a guard acting on two
         runs["fp8 auto-bf16, intervals 2"] = (f"{FP8} --fp8-auto-bf16 --fp8-guard-intervals 2", True)

@@ -12,6 +12,10 @@ loss_parity.py's llama-150m preset, corpus and tokenizer, with --train-iters --i
     balanced xN
     auto-bf16 xN                     delayed + --fp8-auto-bf16, injected for the largest N
 
+--kind rescaled-outliers (--engine local) injects fp8_failures.py's function-preserving form instead: the channels of
+linear_fc2's input times K = factor^n at the n-th step (at most N), its weight's columns divided by K; it trains bf16,
+delayed and smooth uninjected, delayed xN and smooth xN per N, and bf16 and auto-bf16 at the largest N.
+
 FP8 runs watch every --stats-interval'th step (the guard only names layers, except with --fp8-auto-bf16). Per N one
 table: each run's final validation loss (the whole validation split) and mean training loss over the last --tail
 steps (every run trains on the same batches), both as gaps to the injected bf16 run; the first step the monitor
@@ -51,6 +55,13 @@ def run_flags(args: argparse.Namespace) -> dict[str, tuple[str, int]]:
     delayed = f"{config_flags(f'{args.engine}-delayed')} --fp8-stats-interval {args.stats_interval}"
     smooth = f"{delayed} --smooth-swiglu"
     balanced = f"{smooth} --smooth-swiglu-migration 0.5"
+    if args.kind == "rescaled-outliers":  # bf16 computes the uninjected run's losses: one injected run checks it
+        runs = {"bf16": (bf16, 0), "delayed": (delayed, 0), "smooth": (smooth, 0)}
+        for n in args.growths:
+            runs |= {f"delayed x{n}": (delayed, n), f"smooth x{n}": (smooth, n)}
+        top = max(args.growths)
+        runs |= {f"bf16 x{top}": (bf16, top), f"auto-bf16 x{top}": (f"{delayed} --fp8-auto-bf16", top)}
+        return runs
     runs = {"bf16": (bf16, 0), "delayed": (delayed, 0), "smooth": (smooth, 0), "balanced": (balanced, 0)}
     for n in args.growths:
         runs |= {f"bf16 x{n}": (bf16, n), f"delayed x{n}": (delayed, n)}
@@ -67,7 +78,7 @@ def model_flags(args: argparse.Namespace) -> list[str]:
 
 
 def injection(args: argparse.Namespace, steps: int) -> failures.Injection:
-    return failures.Injection("outliers", start=args.start, steps=steps, factor=args.factor, layer=args.layer)
+    return failures.Injection(args.kind, start=args.start, steps=steps, factor=args.factor, layer=args.layer)
 
 
 def branch(args: argparse.Namespace) -> None:
@@ -124,16 +135,17 @@ def gap(a: float, b: float) -> float:
 
 def table(args: argparse.Namespace, results: dict[str, failures.Result], n: int) -> str:
     """The runs of growth N (and the uninjected ones) against the injected bf16 run."""
-    ref, clean = results[f"bf16 x{n}"], results["bf16"]
+    ref, clean = results.get(f"bf16 x{n}", results["bf16"]), results["bf16"]
     last = max(ref.losses)
     tail = [i for i in sorted(ref.losses) if i > last - args.tail]
 
     def mean(r: failures.Result) -> float:
         return sum(r.losses[i] for i in tail) / len(tail)
 
+    growth = args.factor ** (n if args.kind == "rescaled-outliers" else 2 * n)
     lines = [
-        f"outliers grown for {n} steps from step {args.start} (SwiGLU output x{args.factor ** (2 * n):.3g}),"
-        f" layer {args.layer}; gaps against `bf16 x{n}`:",
+        f"{args.kind} grown for {n} steps from step {args.start} (SwiGLU output x{growth:.3g}),"
+        f" layer {args.layer}; gaps against `{ref.name}`:",
         "| run | final validation loss | gap | training loss, last "
         f"{args.tail} steps | gap | monitor flags | guard acts (moved) | 1% from uninjected bf16 |",
         "|---|---:|---:|---:|---:|---|---|---|",
@@ -156,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=["llama-150m", "tiny"], default="llama-150m", help="loss_parity's")
     parser.add_argument("--engine", choices=["te", "local"], default="te", help="te: Transformer Engine (a GPU)")
+    parser.add_argument(
+        "--kind",
+        choices=["outliers", "rescaled-outliers"],
+        default="outliers",
+        help="fp8_failures.py's injection (rescaled-outliers: --engine local)",
+    )
     parser.add_argument("--layer", type=int, default=6, help="the injected layer (1-based; the first is bf16)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "fp8_outliers", help="trunk, logs, results")
     parser.add_argument("--data-dir", type=Path, default=ROOT / "data", help="holds parity/ (loss_parity.py's)")
@@ -178,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if not 1 < args.start < args.iters - args.tail:
         raise SystemExit(f"--start {args.start}: give a step in 2 .. {args.iters - args.tail - 1} (before --tail)")
+    if args.kind == "rescaled-outliers" and args.engine != "local":
+        raise SystemExit("--kind rescaled-outliers rescales the local Linear's input: give --engine local")
     if args.branch:
         failures.QUIET = not args.verbose
         return branch(args)

@@ -38,6 +38,21 @@ def test_the_uninjected_run_is_never_flagged(reference):
 
 
 @pytest.mark.slow
+def test_rescaled_outliers_change_no_bit_in_fp32_and_are_flagged_at_once_in_fp8(data, reference):
+    """K and 1/K are powers of two: in fp32 the rescaled model trains bit for bit as with K = 1 (the same linear
+    path; the plain linear sums its weight gradient in another kernel, to 1e-6); FP8 sees the channels' range K
+    apart, and the monitor flags linear_fc2's input on the first injected step."""
+    injection = probe.Injection("rescaled-outliers", 10, 8, 4.0)
+    unit = probe.train(data, probe.Injection("rescaled-outliers", 10, 8, 1.0), "hp", extra="--train-iters 14")
+    rescaled = probe.train(data, injection, "hp", extra="--train-iters 14")
+    assert rescaled.losses == unit.losses
+    fp8 = probe.train(f"{probe.FP8} {data}", injection, "fp8", extra="--train-iters 14")
+    assert fp8.series["amax"][14] > 100 * reference.series["amax"][14]  # K = 4^5 there
+    assert probe.first(fp8.flags) == 10
+    assert any("linear_fc2 input" in flag for flag in fp8.flags[10])
+
+
+@pytest.mark.slow
 def test_outlier_channels_are_flagged_at_once_and_the_guard_moves_the_layer_before_the_loss_departs(
     data, reference, tmp_path
 ):

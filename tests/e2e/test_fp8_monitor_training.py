@@ -61,7 +61,7 @@ def _first_micro_batch_amaxes(t: Trainer) -> torch.Tensor:
     handles = [h for i, s in enumerate(states) for h in hooks(i, modules[s.name])]
     for s in states:
         s.enabled = False  # plain high-precision linears
-    batch = next(iter(t.loader(t.datasets.train, 0)))
+    batch = next(iter(t.loader(t.datasets.train, t.state.consumed_samples)))  # the next step's first
     t.steps.loss(to_device(batch, t.device)).backward()
     for h in handles:
         h.remove()
@@ -82,6 +82,27 @@ def test_calibration_sets_the_scales_the_amax_rule_gives():
     assert torch.allclose(margin.fp8.amax.scale, maxima / expected / 4, rtol=1e-6)
     uncalibrated = trainer("--train-iters 2 --no-fp8-calibration")
     assert torch.equal(uncalibrated.fp8.amax.scale, torch.ones_like(expected))
+
+
+def test_a_checkpoint_without_delayed_scales_is_calibrated_and_one_with_them_keeps_its_own(tmp_path, capsys):
+    bf16 = tmp_path / "bf16"
+    Trainer(
+        parse_args(
+            f"{TINY.replace('--fp8-format hybrid --fp8-recipe delayed', '')} --train-iters 2 --save {bf16}".split()
+        )
+    ).train()
+    branched = trainer(f"--train-iters 4 --load {bf16}")  # FP8 from a bf16 run's weights, as the parity branches
+    assert "holds no delayed-scaling scales: calibrating" in capsys.readouterr().out
+    expected = _first_micro_batch_amaxes(branched)
+    assert branched.fp8.amax.generation == 1 and torch.allclose(branched.fp8.amax.history[0], expected, rtol=1e-6)
+
+    fp8 = tmp_path / "fp8"
+    saved = trainer(f"--train-iters 2 --save {fp8}")
+    saved.train()
+    resumed = trainer(f"--train-iters 4 --load {fp8}")
+    assert "calibrating" not in capsys.readouterr().out.split("delayed-scaling scales")[-1]
+    assert torch.equal(resumed.fp8.amax.history, saved.fp8.amax.history)
+    assert torch.equal(resumed.fp8.amax.scale, saved.fp8.amax.scale)
 
 
 def test_calibration_leaves_the_random_streams_alone():
