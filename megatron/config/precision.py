@@ -55,8 +55,8 @@ class PrecisionConfig:
     micro-batch (scale = fp8_max / amax / 2^margin), before any FP8 GEMM runs; `--no-fp8-calibration` starts every
     scale at 1, as Transformer Engine does (docs/fp8.md: what that costs). Skipped when resuming from a checkpoint
     of a delayed-scaling run, which holds the scales (one without them, saved in bf16, with another recipe or
-    converted, is calibrated as a fresh start is), and with --fp8-param-gather or --tp-comm-overlap on Transformer
-    Engine (the startup log says so)."""
+    converted, is calibrated as a fresh start is), and with --tp-comm-overlap on Transformer Engine (the startup log
+    says so)."""
     fp8_stats_interval: int = 0
     """Every N-th step, log per FP8 linear and tensor (input, weight, output gradient) the amax, the scale and the
     fractions of elements saturated and flushed to zero, to TensorBoard (`fp8/<linear>/<tensor>/...`) and as one

@@ -46,11 +46,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from fp8_injections import Injection, install  # noqa: F401  (its sibling: a script's own folder is on sys.path)
 
 from megatron.config import PrecisionConfig, parse_args
 from megatron.data import default_corpus
-from megatron.model import layers
-from megatron.model.smooth_swiglu import add_smoothing
 from megatron.training import Trainer
 
 # scripts/loss_parity.py's `tiny` preset, without its evaluations: a 2-layer Llama whose second layer runs in FP8
@@ -87,116 +86,6 @@ def data_flags(data_dir: str = "data") -> str:
         f"--data-path {prefix} --tokenizer-type GPT2BPETokenizer --vocab-file {default_corpus.VOCAB_FILE}"
         f" --merge-file {default_corpus.MERGE_FILE}"
     )
-
-
-@dataclass(frozen=True)
-class Injection:
-    """Failure `kind` over steps [start, start + steps) (1-based iterations), of strength `factor`, in `layer`."""
-
-    kind: str
-    start: int = 10
-    steps: int = 6
-    factor: float = 2.0
-    layer: int = 2
-    channels: tuple[int, ...] = (3, 17, 64, 101)
-
-    def active(self, iteration: int) -> bool:
-        return self.start <= iteration < self.start + self.steps
-
-
-def install(trainer: Trainer, injection: Injection) -> None:
-    """Hook `injection` into `trainer` (before its train()): the trainer's own step and FP8 update, wrapped."""
-    step = trainer.train_step
-    mlp = trainer.model.decoder.layers[injection.layer - 1].mlp
-
-    def injected_step(batches: Any, lrs: Any, num_micro: int | None = None) -> tuple[float, float, bool]:
-        iteration = trainer.state.iteration + 1  # the step about to run
-        if injection.active(iteration):
-            if injection.kind == "outliers":
-                # gate row c and up row c (fc1 is [gate; up]) grow together, as aligned gate/up weights do
-                ffn = mlp.linear_fc2.weight.shape[1]
-                rows = [*injection.channels, *(ffn + c for c in injection.channels)]
-                with torch.no_grad():
-                    for weight in copies(trainer, mlp.linear_fc1.weight):
-                        weight[rows] *= injection.factor
-            elif injection.kind == "lr-spike":
-                lrs = dataclasses.replace(lrs, default=lrs.default * injection.factor)
-                lrs = dataclasses.replace(lrs, decoupled=lrs.decoupled * injection.factor)
-        return step(batches, lrs, num_micro)
-
-    if injection.kind == "rescaled-outliers":
-        injected_step = _rescaling(trainer, mlp.linear_fc2, injection)
-    trainer.train_step = injected_step  # type: ignore[method-assign]
-    if injection.kind == "amax-group" and dist.is_initialized() and dist.get_rank() == 1:
-        _reduce_one_layer_alone(trainer, injection)
-
-
-_RESCALED: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-"""id(a linear's smooth_scale) -> (that scale, the injection's K per input channel): the linears `_rescaled_smooth`
-rescales."""
-
-
-def _rescaled_smooth(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, observe: bool):
-    """The local Linear's smoothing, with a rescaled linear's input times K and its weight divided by K first: the
-    smoothing then measures (and, with --smooth-swiglu, scales away) the channels' range as it would a grown one."""
-    entry = _RESCALED.get(id(scale))
-    if entry is not None and entry[0] is scale:
-        k = entry[1]
-        x, weight = x * k.to(x.dtype), weight / k.to(weight.dtype)
-    return _smooth(x, weight, scale, amax, observe)
-
-
-_smooth = layers.smooth
-
-
-def _rescaling(trainer: Trainer, linear: Any, injection: Injection) -> Callable:
-    """The train step of a `rescaled-outliers` run (local layers): K set before each step. A linear built without
-    --smooth-swiglu gets the smoothing's buffers with its scales at 1, never updated (the trainer's list of smoothed
-    linears was made before): the plain linear, bit for bit, that `_rescaled_smooth` can rescale."""
-    assert isinstance(linear, layers.Linear), "rescaled-outliers runs on the local layers"
-    if not linear.smooth_input:
-        add_smoothing(linear, linear.weight.shape[1], linear.weight.device)
-    k = torch.ones_like(linear.smooth_scale)
-    _RESCALED[id(linear.smooth_scale)] = (linear.smooth_scale, k)
-    layers.smooth = _rescaled_smooth
-    step, channels = trainer.train_step, list(injection.channels)
-
-    def rescaled_step(batches: Any, lrs: Any, num_micro: int | None = None) -> tuple[float, float, bool]:
-        n = trainer.state.iteration + 2 - injection.start  # the step about to run is the n-th injected one
-        if n >= 1:
-            k[channels] = injection.factor ** min(n, injection.steps)
-        return step(batches, lrs, num_micro)
-
-    return rescaled_step
-
-
-def copies(trainer: Trainer, weight: torch.Tensor) -> list[torch.Tensor]:
-    """`weight` and, in mixed precision, the optimizer's fp32 main copy of it (which each step copies back)."""
-    opt = trainer.optimizer
-    assert not opt.mixed or (opt.buffers is None and not opt.precision_aware), "whole fp32 main copies only"
-    return [weight, opt.main_params[[id(p) for p in opt.params].index(id(weight))]] if opt.mixed else [weight]
-
-
-def _reduce_one_layer_alone(trainer: Trainer, injection: Injection) -> None:
-    """From `injection.start` on, this rank's delayed scaling takes the layer's amaxes from its own tensors only: as
-    if their MAX reduction ran over a group of this rank alone. The other layers' stay reduced."""
-    assert trainer.fp8 is not None
-    amax = trainer.fp8.amax
-    rows = [s.index for s in trainer.fp8.states.values() if s.layer_number == injection.layer]
-    local: list[torch.Tensor] = []
-    step, update = amax.step, amax._update_delayed
-
-    def step_alone(group: Any = None) -> bool:
-        local[:] = [amax.seen[rows].clone()] if injection.active(trainer.state.iteration + 1) else []
-        return step(group)
-
-    def update_alone(reduced: torch.Tensor) -> None:
-        if local:
-            reduced = reduced.clone()
-            reduced[rows] = local[0]
-        update(reduced)
-
-    amax.step, amax._update_delayed = step_alone, update_alone  # type: ignore[method-assign]
 
 
 @dataclass
