@@ -349,13 +349,19 @@ def test_fp8_attention_with_heads_of_64_refused_on_hopper():
         build(LLAMA, "transformer_engine", fp8)
 
 
-def test_delayed_scaling_state_survives_a_checkpoint_round_trip(tmp_path, monkeypatch):
+@pytest.mark.parametrize("history", [4, 1])
+def test_delayed_scaling_state_survives_a_checkpoint_round_trip(tmp_path, monkeypatch, history):
     """TE 2.20 unpickles its delayed-scaling `_extra_state` only when NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1; the
-    checkpoint's load checks those pickles itself and lets TE read them (megatron/checkpoint/te_state.py)."""
+    checkpoint's load checks those pickles itself and lets TE read them (megatron/checkpoint/te_state.py). The
+    loaded state counts as held, so a resumed run is not calibrated again (with a history of 1 TE has zeroed all
+    of it after the update)."""
+    from types import SimpleNamespace
+
     from megatron.checkpoint.checkpointing import load_model_state
+    from megatron.fp8.calibration import holds_delayed_scales
 
     monkeypatch.delenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", raising=False)
-    flags = "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4 --bf16"
+    flags = f"--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len {history} --bf16"
     model = build(LLAMA, "transformer_engine", flags)
     GradientBuffers(model, None)
     for batch in batches()[:2]:
@@ -371,4 +377,5 @@ def test_delayed_scaling_state_survives_a_checkpoint_round_trip(tmp_path, monkey
         for key in ("scaling_fwd", "scaling_bwd"):
             assert torch.equal(source.fp8_meta[key].scale, target.fp8_meta[key].scale)
             assert torch.equal(source.fp8_meta[key].amax_history, target.fp8_meta[key].amax_history)
+    assert holds_delayed_scales(None, SimpleNamespace(modules=targets))
     assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE" not in os.environ  # the opt-in lasted for the load only
