@@ -71,24 +71,23 @@ def calibrate_delayed_scaling(
     return describe(finite, recipe)
 
 
-def holds_delayed_scales(manager: Any, taps: Any, group: dist.ProcessGroup | None = None) -> bool:
+def holds_delayed_scales(manager: Any, taps: Any, device: torch.device) -> bool:
     """Whether every FP8 linear of the run already has delayed-scaling state, as after loading a checkpoint of a
     delayed-scaling run: in the local engine's `manager` (None for Transformer Engine's layers) an amax history not
     all zero; in the fp8_meta of each TE linear of `taps` (the monitor's) a scale other than 1 or an amax not zero
     (TE zeroes the newest row of its history after each update: with a history of 1, all of it). A checkpoint of a
-    bf16 run, of another recipe or a conversion holds none, and its first FP8 step would cast at scale 1. `group`
-    (every rank) agrees the answer, so that the calibration pass, which communicates, runs on every rank or on
-    none."""
+    bf16 run, of another recipe or a conversion holds none, and its first FP8 step would cast at scale 1. Every
+    rank agrees the answer (one reduction on the run's `device`), so that the calibration pass, which communicates,
+    runs on every rank or on none."""
     if manager is not None:
         history = manager.amax.history
         held = history is None or bool(history.any())
     else:
         keys = {key for key, _ in TE_META_KEY.values()}
         held = all(key in m.fp8_meta and _te_state_set(m.fp8_meta[key]) for m in taps.modules for key in keys)
-    if dist.is_available() and dist.is_initialized():
-        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    if dist.is_initialized():
         missing = torch.tensor([0.0 if held else 1.0], device=device)
-        dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(missing, op=dist.ReduceOp.MAX)
         held = not bool(missing.item())
     return held
 

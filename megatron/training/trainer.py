@@ -152,7 +152,7 @@ class Trainer:
             return True
         monitor = self.fp8_monitor
         assert monitor is not None  # every delayed-scaling run builds one (its taps serve the calibration)
-        if holds_delayed_scales(self.steps.fp8, monitor.taps):
+        if holds_delayed_scales(self.steps.fp8, monitor.taps, self.device):
             return False
         print_rank_0(
             f"> fp8: checkpoint at iteration {self.state.iteration} holds no delayed-scaling scales: calibrating"

@@ -58,22 +58,18 @@ def install(trainer: Trainer, injection: Injection) -> None:
         _reduce_one_layer_alone(trainer, injection)
 
 
-_RESCALED: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-"""id(a linear's smooth_scale) -> (that scale, the injection's K per input channel): the linears `_rescaled_smooth`
-rescales."""
+_RESCALED: dict[torch.Tensor, torch.Tensor] = {}
+"""A rescaled linear's smooth_scale (tensors hash by identity) -> the injection's K per input channel."""
+_smooth = layers.smooth
 
 
 def _rescaled_smooth(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, observe: bool):
     """The local Linear's smoothing, with a rescaled linear's input times K and its weight divided by K first: the
     smoothing then measures (and, with --smooth-swiglu, scales away) the channels' range as it would a grown one."""
-    entry = _RESCALED.get(id(scale))
-    if entry is not None and entry[0] is scale:
-        k = entry[1]
+    k = _RESCALED.get(scale)
+    if k is not None:
         x, weight = x * k.to(x.dtype), weight / k.to(weight.dtype)
     return _smooth(x, weight, scale, amax, observe)
-
-
-_smooth = layers.smooth
 
 
 def _rescaling(trainer: Trainer, linear: Any, injection: Injection) -> Callable:
@@ -84,7 +80,7 @@ def _rescaling(trainer: Trainer, linear: Any, injection: Injection) -> Callable:
     if not linear.smooth_input:
         add_smoothing(linear, linear.weight.shape[1], linear.weight.device)
     k = torch.ones_like(linear.smooth_scale)
-    _RESCALED[id(linear.smooth_scale)] = (linear.smooth_scale, k)
+    _RESCALED[linear.smooth_scale] = k
     layers.smooth = _rescaled_smooth
     step, channels = trainer.train_step, list(injection.channels)
 

@@ -100,7 +100,7 @@ def test_a_checkpoint_without_delayed_scales_is_calibrated_and_one_with_them_kee
     saved = trainer(f"--train-iters 2 --save {fp8}")
     saved.train()
     resumed = trainer(f"--train-iters 4 --load {fp8}")
-    assert "calibrating" not in capsys.readouterr().out.split("delayed-scaling scales")[-1]
+    assert "holds no delayed-scaling scales" not in capsys.readouterr().out
     assert torch.equal(resumed.fp8.amax.history, saved.fp8.amax.history)
     assert torch.equal(resumed.fp8.amax.scale, saved.fp8.amax.scale)
 

@@ -377,5 +377,5 @@ def test_delayed_scaling_state_survives_a_checkpoint_round_trip(tmp_path, monkey
         for key in ("scaling_fwd", "scaling_bwd"):
             assert torch.equal(source.fp8_meta[key].scale, target.fp8_meta[key].scale)
             assert torch.equal(source.fp8_meta[key].amax_history, target.fp8_meta[key].amax_history)
-    assert holds_delayed_scales(None, SimpleNamespace(modules=targets))
+    assert holds_delayed_scales(None, SimpleNamespace(modules=targets), torch.device("cuda"))
     assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE" not in os.environ  # the opt-in lasted for the load only

@@ -7,6 +7,8 @@ import torch
 
 from megatron.fp8.calibration import holds_delayed_scales
 
+CPU = torch.device("cpu")
+
 
 def te_module(scale: float | None, history: list[float] | None = None) -> SimpleNamespace:
     """A TE linear's fp8_meta: none before its first FP8 forward or load (scale None), else scaling_fwd (input,
@@ -22,7 +24,7 @@ def te_module(scale: float | None, history: list[float] | None = None) -> Simple
 
 
 def te_holds(*modules: SimpleNamespace) -> bool:
-    return holds_delayed_scales(None, SimpleNamespace(modules=list(modules)))
+    return holds_delayed_scales(None, SimpleNamespace(modules=list(modules)), CPU)
 
 
 def test_transformer_engine_state_from_a_checkpoint_is_held_even_with_its_history_zeroed():
@@ -42,6 +44,6 @@ def test_local_engine_state_is_its_amax_history():
     def manager(history: torch.Tensor | None) -> SimpleNamespace:
         return SimpleNamespace(amax=SimpleNamespace(history=history))
 
-    assert not holds_delayed_scales(manager(torch.zeros(1, 4, 3)), None)
-    assert holds_delayed_scales(manager(torch.tensor([[[0.0, 0.5, 0.0]]])), None)
-    assert holds_delayed_scales(manager(None), None)  # no delayed scaling: nothing to calibrate
+    assert not holds_delayed_scales(manager(torch.zeros(1, 4, 3)), None, CPU)
+    assert holds_delayed_scales(manager(torch.tensor([[[0.0, 0.5, 0.0]]])), None, CPU)
+    assert holds_delayed_scales(manager(None), None, CPU)  # no delayed scaling: nothing to calibrate
