@@ -10,17 +10,19 @@ from .bound import CATEGORIES, Bound
 COMMUNICATION = r"nccl|userbuffer|PtoP"  # NCCL kernels, TE userbuffers kernels, peer-to-peer copies
 # First match wins. cuDNN attention kernels also contain "sm90" and "wgmma", so attention comes before GEMM; the
 # kernels that write FP8 as a side effect (norms, SwiGLU) belong to their producer, as in the bound, so the FP8
-# cast pattern comes after them.
+# cast pattern comes after them. The bound's optimizer term counts the step, the gradient norm and the gradient
+# buffers' zeroing, so the norm's kernels (torch._foreach_norm: LpNorm, lpnorm_cleanup) and the fills come before
+# the layers' norms and the elementwise rest (the gradient buffers' zero_() writes most of a step's filled bytes).
 KERNEL_CATEGORIES = [
     ("communication", COMMUNICATION),
     ("attention", r"flash|fmha|sdpa|attn|attention"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|sm90_|wgmma|cublas"),
     ("fsdp", r"chunk_cat|split_with_sizes_copy"),  # FSDP2's reduce-scatter packing and all-gather unpacking
+    ("optimizer", r"adam|multi_tensor|foreach|lpnorm|FillFunctor"),
     ("norm", r"norm"),
     ("rope", r"rope|rotary"),
     ("activation", r"swiglu|silu|gelu|glu|gated_act"),
     ("loss", r"cross_entropy|softmax|nll"),
-    ("optimizer", r"adam|multi_tensor|foreach"),
     ("cast/transpose", r"quantiz|(?<!no)cast|transpose|amax|fp8|dequant"),
     ("copy", r"memcpy|memset"),
     ("elementwise", r""),  # residual adds, embedding, gradient adds, reductions: everything else

@@ -36,6 +36,25 @@ TRITON_KERNEL = [
 ]
 
 
+def fuse_interpreter_fma(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make Triton's interpreter round tl.fma once, as a GPU does. It computes x * y + z in the operands' dtype, two
+    roundings (Triton 3.5), so a kernel's fma can differ from torch's in the last bit, which the bitwise tests see.
+    fp32 operands go through fp64: the product is exact and the sum rounds twice only on fp64 ties, about 2^-29 of
+    the values (the emulation of `adam_kernel._roundings`)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    unfused = interpreter.InterpreterBuilder.create_fma
+
+    def create_fma(self, x, y, z):
+        if z.data.dtype != np.float32:
+            return unfused(self, x, y, z)
+        wide = x.data.astype(np.float64) * y.data.astype(np.float64) + z.data.astype(np.float64)
+        return interpreter.TensorHandle(wide.astype(np.float32), z.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fma", create_fma)
+
+
 def _te_kernels_error() -> str | None:
     if INTERPRET:
         return "the interpreter runs on the CPU"

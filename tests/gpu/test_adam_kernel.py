@@ -25,6 +25,7 @@ import torch
 from megatron.optim import adam_kernel, precision_aware
 from megatron.optim.precision_aware import PrecisionAwareAdamW
 from megatron.optim.states import DTYPES, ScaledState, adamw_update_
+from tests.gpu.marks import fuse_interpreter_fma
 
 INTERPRET = adam_kernel.interpreting()
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
@@ -53,8 +54,11 @@ ULP = {
 
 @pytest.fixture(autouse=True)
 def kernel_on_this_device(monkeypatch):
-    """Under the interpreter, CPU tensors count as the kernel's (`PrecisionAwareAdamW` dispatches to it)."""
+    """Under the interpreter, CPU tensors count as the kernel's (`PrecisionAwareAdamW` dispatches to it) and tl.fma
+    rounds once, as on a GPU."""
     monkeypatch.setattr(adam_kernel, "INTERPRET_ON_CPU", INTERPRET)
+    if INTERPRET:
+        fuse_interpreter_fma(monkeypatch)
     assert adam_kernel.available(DEVICE), "Triton is installed but the kernel is not available here"
     torch.manual_seed(0)
 

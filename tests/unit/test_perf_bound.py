@@ -239,6 +239,12 @@ def test_kernel_names_fall_in_the_bounds_categories():
         "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "communication",
         "Memcpy DtoD (Device -> Device)": "copy",
         "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float>>": "optimizer",
+        # the gradient norm and the gradient buffers' zeroing, which the bound counts with the step
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+        "TensorListMetadata<1>, at::native::(anonymous namespace)::LpNormFunctor<c10::BFloat16, 2>>": "optimizer",
+        "void at::native::(anonymous namespace)::lpnorm_cleanup<float, 2, float, float>": "optimizer",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<c10::BFloat16>>": "optimizer",
+        "_adamw_kernel": "optimizer",
         "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": "elementwise",
         # FSDP2's reduce-scatter packing and all-gather unpacking
         "void at::native::(anonymous namespace)::chunk_cat_cuda_kernel<float, float>": "fsdp",
