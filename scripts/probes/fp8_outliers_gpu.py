@@ -121,6 +121,9 @@ def launch(args: argparse.Namespace, argv: list[str]) -> dict[str, failures.Resu
                     failed.append(name)
         time.sleep(2)
     if failed:
+        for name in failed:  # the cause, where only this script's output is kept
+            tail = (args.out / f"{name.replace(' ', '_')}.log").read_text().splitlines()[-3:]
+            print(f"{name}:", *(f"    {line}" for line in tail), sep="\n")
         raise SystemExit(f"runs failed (their logs in {args.out}): {', '.join(failed)}")
     results = {}
     for name in run_flags(args):
@@ -183,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--factor", type=float, default=2.0, help="the rows' growth per injected step")
     parser.add_argument("--stats-interval", type=int, default=10, help="the FP8 runs' --fp8-stats-interval")
     parser.add_argument("--tail", type=int, default=50, help="training steps averaged at the end")
-    parser.add_argument("--parallel", type=int, default=9, help="runs training at once")
+    parser.add_argument(
+        "--parallel", type=int, default=9, help="runs training at once (llama-150m: ~14 GB each; 5 fit 80 GB)"
+    )
     parser.add_argument("--seed", type=int, default=failures.SEED)
     parser.add_argument("--verbose", action="store_true", help="the trainers' logs in each run's log")
     parser.add_argument("--branch", help=argparse.SUPPRESS)  # one run, launched by this script
