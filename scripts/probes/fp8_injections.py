@@ -18,7 +18,8 @@ from megatron.training import Trainer
 
 @dataclass(frozen=True)
 class Injection:
-    """Failure `kind` over steps [start, start + steps) (1-based iterations), of strength `factor`, in `layer`."""
+    """Failure `kind` over steps [start, start + steps) (1-based iterations), of strength `factor`, in `layer` (the
+    one whose statistics a run records) and, for the outlier kinds, the same way in `more_layers` too."""
 
     kind: str
     start: int = 10
@@ -26,34 +27,46 @@ class Injection:
     factor: float = 2.0
     layer: int = 2
     channels: tuple[int, ...] = (3, 17, 64, 101)
+    more_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.more_layers and self.kind not in ("outliers", "rescaled-outliers"):
+            raise ValueError(f"{self.kind} injects one layer: more_layers is for the outlier kinds")
 
     def active(self, iteration: int) -> bool:
         return self.start <= iteration < self.start + self.steps
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return (self.layer, *self.more_layers)
 
 
 def install(trainer: Trainer, injection: Injection) -> None:
     """Hook `injection` into `trainer` (before its train()): the trainer's own step and FP8 update, wrapped."""
     step = trainer.train_step
-    mlp = trainer.model.decoder.layers[injection.layer - 1].mlp
+    mlps = [trainer.model.decoder.layers[n - 1].mlp for n in injection.layers]
 
     def injected_step(batches: Any, lrs: Any, num_micro: int | None = None) -> tuple[float, float, bool]:
         iteration = trainer.state.iteration + 1  # the step about to run
         if injection.active(iteration):
             if injection.kind == "outliers":
                 # gate row c and up row c (fc1 is [gate; up]) grow together, as aligned gate/up weights do
-                ffn = mlp.linear_fc2.weight.shape[1]
-                rows = [*injection.channels, *(ffn + c for c in injection.channels)]
-                with torch.no_grad():
-                    for weight in copies(trainer, mlp.linear_fc1.weight):
-                        weight[rows] *= injection.factor
+                for mlp in mlps:
+                    ffn = mlp.linear_fc2.weight.shape[1]
+                    rows = [*injection.channels, *(ffn + c for c in injection.channels)]
+                    with torch.no_grad():
+                        for weight in copies(trainer, mlp.linear_fc1.weight):
+                            weight[rows] *= injection.factor
             elif injection.kind == "lr-spike":
                 lrs = dataclasses.replace(lrs, default=lrs.default * injection.factor)
                 lrs = dataclasses.replace(lrs, decoupled=lrs.decoupled * injection.factor)
         return step(batches, lrs, num_micro)
 
     if injection.kind == "rescaled-outliers":
-        injected_step = _rescaling(trainer, mlp.linear_fc2, injection)
-    trainer.train_step = injected_step  # type: ignore[method-assign]
+        for mlp in mlps:  # each layer's wrapper sets its K, then runs the step it wrapped
+            trainer.train_step = _rescaling(trainer, mlp.linear_fc2, injection)  # type: ignore[method-assign]
+    else:
+        trainer.train_step = injected_step  # type: ignore[method-assign]
     if injection.kind == "amax-group" and dist.is_initialized() and dist.get_rank() == 1:
         _reduce_one_layer_alone(trainer, injection)
 

@@ -1,10 +1,10 @@
 """Induced SwiGLU outliers on llama-150m with Transformer Engine on one GPU: whether --smooth-swiglu keeps
 delayed-scaling FP8 at bf16's loss where plain delayed scaling does not, and when the FP8 monitor and guard notice.
 
-fp8_failures.py's `outliers` injection (four channels of one layer's linear_fc1 gate and up rows, fp32 main copies
-included, times --factor per step for N steps from --start: those channels' SwiGLU output grows by factor^(2N)) on
-loss_parity.py's llama-150m preset, corpus and tokenizer, with --train-iters --iters. A bf16 trunk trains to step
---start - 1 and saves; every run then branches from it, one process each, --parallel at a time:
+fp8_failures.py's `outliers` injection (four channels of the linear_fc1 gate and up rows of each --layer, fp32 main
+copies included, times --factor per step for N steps from --start: those channels' SwiGLU output grows by
+factor^(2N)) on loss_parity.py's llama-150m preset, corpus and tokenizer, with --train-iters --iters. A bf16 trunk
+trains to step --start - 1 and saves; every run then branches from it, one process each, --parallel at a time:
 
     bf16, delayed, smooth, balanced  uninjected: TE in bf16, FP8 with delayed scaling (hybrid), that with
                                      --smooth-swiglu, and with --smooth-swiglu-migration 0.5 too
@@ -78,7 +78,8 @@ def model_flags(args: argparse.Namespace) -> list[str]:
 
 
 def injection(args: argparse.Namespace, steps: int) -> failures.Injection:
-    return failures.Injection(args.kind, start=args.start, steps=steps, factor=args.factor, layer=args.layer)
+    first, *more = args.layer
+    return failures.Injection(args.kind, args.start, steps, args.factor, first, more_layers=tuple(more))
 
 
 def branch(args: argparse.Namespace) -> None:
@@ -148,7 +149,7 @@ def table(args: argparse.Namespace, results: dict[str, failures.Result], n: int)
     growth = args.factor ** (n if args.kind == "rescaled-outliers" else 2 * n)
     lines = [
         f"{args.kind} grown for {n} steps from step {args.start} (SwiGLU output x{growth:.3g}),"
-        f" layer {args.layer}; gaps against `{ref.name}`:",
+        f" layer{'s' if len(args.layer) > 1 else ''} {', '.join(map(str, args.layer))}; gaps against `{ref.name}`:",
         "| run | final validation loss | gap | training loss, last "
         f"{args.tail} steps | gap | monitor flags | guard acts (moved) | 1% from uninjected bf16 |",
         "|---|---:|---:|---:|---:|---|---|---|",
@@ -177,7 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="outliers",
         help="fp8_failures.py's injection (rescaled-outliers: --engine local)",
     )
-    parser.add_argument("--layer", type=int, default=6, help="the injected layer (1-based; the first is bf16)")
+    parser.add_argument(
+        "--layer",
+        type=int,
+        nargs="+",
+        default=[6],
+        help="the injected layers (1-based; the first is bf16 in FP8 runs); the tables follow the first",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "fp8_outliers", help="trunk, logs, results")
     parser.add_argument("--data-dir", type=Path, default=ROOT / "data", help="holds parity/ (loss_parity.py's)")
     parser.add_argument("--iters", type=int, default=400, help="training steps of every run")

@@ -16,6 +16,7 @@ probe = load_probe("fp8_failures")
 # 20 steps instead of the study's 30 (a shorter cosine schedule): the timelines asserted hold at both lengths, at
 # the study's first seed
 SHORT = "--train-iters 20"
+ITERS = "--train-iters 14"
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +42,17 @@ def test_the_uninjected_run_is_never_flagged(reference):
 def test_rescaled_outliers_change_no_bit_in_fp32_and_are_flagged_at_once_in_fp8(data, reference):
     """K and 1/K are powers of two: in fp32 the rescaled model trains bit for bit as with K = 1 (the same linear
     path; the plain linear sums its weight gradient in another kernel, to 1e-6); FP8 sees the channels' range K
-    apart, and the monitor flags linear_fc2's input on the first injected step."""
-    injection = probe.Injection("rescaled-outliers", 10, 8, 4.0)
-    unit = probe.train(data, probe.Injection("rescaled-outliers", 10, 8, 1.0), "hp", extra="--train-iters 14")
-    rescaled = probe.train(data, injection, "hp", extra="--train-iters 14")
-    assert rescaled.losses == unit.losses
-    fp8 = probe.train(f"{probe.FP8} {data}", injection, "fp8", extra="--train-iters 14")
-    assert fp8.series["amax"][14] > 100 * reference.series["amax"][14]  # K = 4^5 there
+    apart, and the monitor flags linear_fc2's input on the first injected step, in each injected layer."""
+    injection = probe.Injection("rescaled-outliers", 10, 8, 4.0, more_layers=(1,))
+    unit = probe.Injection("rescaled-outliers", 10, 8, 1.0, more_layers=(1,))
+    assert probe.train(data, injection, "hp", extra=ITERS).losses == probe.train(data, unit, "hp", extra=ITERS).losses
+    fp8 = probe.train(f"{probe.FP8} --no-fp8-first-layer-bf16 {data}", injection, "fp8", extra=ITERS)
+    assert fp8.series["amax"][14] > 100 * reference.series["amax"][14]  # layer 2's, K = 4^5 there
     assert probe.first(fp8.flags) == 10
-    assert any("linear_fc2 input" in flag for flag in fp8.flags[10])
+    for layer in (0, 1):
+        assert any(flag.startswith(f"layers.{layer}.mlp.linear_fc2 input") for flag in fp8.flags[10])
+    with pytest.raises(ValueError, match="more_layers is for the outlier kinds"):
+        probe.Injection("lr-spike", more_layers=(1,))
 
 
 @pytest.mark.slow
