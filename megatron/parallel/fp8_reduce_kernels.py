@@ -89,9 +89,9 @@ def _store_narrowed(ptrs, x, mask):
 def _decode_kernel(
     payload_ptr,
     out_ptr,
-    dp,
     cols,
     divisor,
+    DP: tl.constexpr,
     SUM: tl.constexpr,
     AVERAGE: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -104,7 +104,9 @@ def _decode_kernel(
     offsets = b[:, None].to(tl.int64) * BLOCK + e[None, :]
     if SUM:  # rank order, each addition rounded once in fp32, as fp8_reduce.py's loop
         acc = _dequantized(payload_ptr, b, e, mask, cols, BLOCK)
-        for r in range(1, dp):
+        # DP is a constexpr (a run's data-parallel size is fixed): Triton's interpreter cannot bound a loop by a
+        # runtime argument under numpy 2
+        for r in range(1, DP):
             acc += _dequantized(payload_ptr + r * width, b, e, mask, cols, BLOCK)
         if AVERAGE:
             acc = tl.math.div_rn(acc, divisor)  # correctly rounded, as torch's division (Triton's `/` is not)
@@ -159,9 +161,9 @@ def decode_sum(payload: torch.Tensor, cols: int, block: int, out: torch.Tensor, 
     _decode_kernel[grid](
         payload,
         out,
-        dp,
         cols,
         float(dp),
+        DP=dp,
         SUM=True,
         AVERAGE=average,
         BLOCK=block,
@@ -176,5 +178,5 @@ def decode_rows(payload: torch.Tensor, cols: int, block: int, out: torch.Tensor)
     rows = payload.shape[0]
     grid = (triton.cdiv(cols // block, _GROUP), rows)
     _decode_kernel[grid](
-        payload, out, rows, cols, 1.0, SUM=False, AVERAGE=False, BLOCK=block, GROUP=_GROUP, num_warps=_NUM_WARPS
+        payload, out, cols, 1.0, DP=1, SUM=False, AVERAGE=False, BLOCK=block, GROUP=_GROUP, num_warps=_NUM_WARPS
     )
