@@ -30,7 +30,8 @@ docs/data.md; tiny: the project's default corpus, built on first use).
 Results: each run's command, exit status (and why a run failed), train and validation losses go to --results (JSON,
 saved after every run and merged across invocations: a run replaces the run of the same name, and a run that
 --results holds finished with the same flags is not trained again unless --rerun), full logs to --log-dir.
---parallel K trains K runs at once (on one GPU they share it: small models leave it idle between kernels).
+--parallel K trains K runs at once (on one GPU they share it: small models leave it idle between kernels); a run
+out of GPU memory beside others trains again once they end, one run fewer at a time.
 --deadline (seconds) stops a run that would overrun a time limit and starts no later ones, so that a command under
 a limit ends with everything finished saved. With --checkpoints DIR a run saves under DIR and stops in time instead
 (--exit-duration-in-mins), and the next invocation resumes it: one run spans several commands, its record lists

@@ -85,6 +85,11 @@ def run_one(
     }
 
 
+def out_of_memory(record: dict[str, Any]) -> bool:
+    """Whether a run failed for want of GPU memory (torch's exception, the line `failure_reason` keeps)."""
+    return "OutOfMemoryError" in (record.get("error") or "")
+
+
 def link_trunk(trunk: Path, folder: Path) -> None:
     """A branch's checkpoint folder, before its first part: hard links to its trunk's files (copies where the two
     are on different file systems). The branch's own saves then go beside them and never write into the trunk's
@@ -172,6 +177,8 @@ def train_all(
     failed: list[str] = []
     not_started: list[str] = []
     unfinished: list[str] = []
+    retried: set[str] = set()
+    live = [max(1, args.parallel)]  # workers not yet ended (in a list: they share it)
 
     def startable(name: str) -> bool:
         return needs.get(name) not in planned or needs[name] in done
@@ -207,6 +214,15 @@ def train_all(
             if name in complete and record["error"] is None:
                 record["partial"] = not complete[name]()
             with ready:
+                if out_of_memory(record) and name not in retried and live[0] > 1:
+                    # The card holds fewer runs than --parallel: this worker ends and the run goes back in the
+                    # queue, for a worker still running to take when its run ends.
+                    retried.add(name)
+                    queue.append((name, flags))
+                    live[0] -= 1
+                    print(f"{name}: out of GPU memory beside other runs; again later, {live[0]} at a time", flush=True)
+                    ready.notify_all()
+                    return
                 record = merge_parts(results["runs"].get(name), record)
                 results["runs"][name] = record
                 save_results(results, args.results)  # after every run: a killed invocation keeps the finished
@@ -220,6 +236,8 @@ def train_all(
                     done.add(name)
                     print(f"{name}: done in {record['wall_s']} s, final validation {record['valid'][-1:]}", flush=True)
                 ready.notify_all()
+        with ready:
+            live[0] -= 1
 
     threads = [threading.Thread(target=worker) for _ in range(max(1, args.parallel))]
     for thread in threads:

@@ -104,10 +104,10 @@ def launch(args: argparse.Namespace, argv: list[str]) -> dict[str, failures.Resu
         cmd += ["--exit-interval", step, "--save", str(trunk), "--save-interval", step]
         with open(args.out / "trunk.log", "w") as log:
             subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
-    names, running, failed = list(run_flags(args)), {}, []
-    started = time.time()
+    names, running, failed, retried = list(run_flags(args)), {}, [], set()
+    started, parallel = time.time(), args.parallel
     while names or running:
-        while names and len(running) < args.parallel:
+        while names and len(running) < parallel:
             name = names.pop(0)
             out = args.out / f"{name.replace(' ', '_')}.json"
             cmd = [sys.executable, __file__, *argv, "--branch", name, "--json", str(out)]
@@ -118,7 +118,13 @@ def launch(args: argparse.Namespace, argv: list[str]) -> dict[str, failures.Resu
                 log.close()
                 del running[name]
                 print(f"{name}: exit {proc.returncode} at {time.time() - started:.0f} s", flush=True)
-                if proc.returncode:
+                text = (args.out / f"{name.replace(' ', '_')}.log").read_text() if proc.returncode else ""
+                if "OutOfMemoryError" in text and name not in retried and running:
+                    retried.add(name)  # the card holds fewer runs: again later, one fewer at a time
+                    names.append(name)
+                    parallel = max(1, len(running))
+                    print(f"{name}: out of GPU memory; again later, {parallel} at a time", flush=True)
+                elif proc.returncode:
                     failed.append(name)
         time.sleep(2)
     if failed:
@@ -194,7 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stats-interval", type=int, default=10, help="the FP8 runs' --fp8-stats-interval")
     parser.add_argument("--tail", type=int, default=50, help="training steps averaged at the end")
     parser.add_argument(
-        "--parallel", type=int, default=9, help="runs training at once (llama-150m: ~14 GB each; 5 fit 80 GB)"
+        "--parallel",
+        type=int,
+        default=9,
+        help="runs training at once (llama-150m: ~14 GB each; one out of memory trains again later, fewer at a time)",
     )
     parser.add_argument("--seed", type=int, default=failures.SEED)
     parser.add_argument("--verbose", action="store_true", help="the trainers' logs in each run's log")

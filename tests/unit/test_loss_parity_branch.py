@@ -6,6 +6,7 @@ import argparse
 import shlex
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,36 @@ def test_a_branch_starts_after_its_trunk_and_not_after_a_failed_one(monkeypatch,
     assert sorted(failed) == ["b", "t2"] and left == []
     assert "b" not in started and started.index("a") > started.index("t1") and started.index("c") > started.index("t1")
     assert sorted(results["runs"]) == ["a", "c", "t1", "t2"]  # a branch not trained leaves no record
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_a_run_out_of_gpu_memory_beside_others_is_trained_again_one_run_fewer_at_a_time(
+    monkeypatch, tmp_path, parallel
+):
+    """b runs out of memory on its first try: beside another run, its worker ends and a's takes b when a ends; alone
+    (--parallel 1) it fails as any run does."""
+    started: list[str] = []
+
+    def run_one(name, flags, setup, timeout, log_dir, env_line, launch):
+        started.append(name)
+        if name == "a" and parallel > 1:
+            deadline = time.monotonic() + 10
+            while "b" not in started and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(1.0)  # b's failure is handled meanwhile
+        error = "torch.OutOfMemoryError: CUDA out of memory." if started.count(name) == 1 and name == "b" else None
+        return {"name": name, "error": error, "returncode": 1 if error else 0, "partial": False,
+                "train": [[3, 1.0]], "valid": [[3, 1.0]], "parts": [], "wall_s": 0.0}  # fmt: skip
+
+    monkeypatch.setattr(runs_module, "run_one", run_one)
+    args = argparse.Namespace(log_dir=tmp_path, deadline=None, results=tmp_path / "r.json", checkpoints=None,
+                              timeout=60, parallel=parallel)  # fmt: skip
+    results = {"runs": {}}
+    failed, left = runs_module.train_all([("a", []), ("b", [])], {}, args, results, "cpu")
+    if parallel == 1:
+        assert failed == ["b"] and started == ["a", "b"]
+    else:
+        assert failed == [] and left == [] and started.count("b") == 2 and results["runs"]["b"]["error"] is None
 
 
 def test_an_unsaved_trunk_counts_as_unfinished(monkeypatch, tmp_path):
