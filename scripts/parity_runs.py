@@ -85,9 +85,9 @@ def run_one(
     }
 
 
-def out_of_memory(record: dict[str, Any]) -> bool:
-    """Whether a run failed for want of GPU memory (torch's exception, the line `failure_reason` keeps)."""
-    return "OutOfMemoryError" in (record.get("error") or "")
+def out_of_memory(error: str | None) -> bool:
+    """Whether a run's failure (the line `failure_reason` keeps) is torch's exception for want of GPU memory."""
+    return "OutOfMemoryError" in (error or "")
 
 
 def link_trunk(trunk: Path, folder: Path) -> None:
@@ -214,7 +214,7 @@ def train_all(
             if name in complete and record["error"] is None:
                 record["partial"] = not complete[name]()
             with ready:
-                if out_of_memory(record) and name not in retried and live[0] > 1:
+                if out_of_memory(record["error"]) and name not in retried and live[0] > 1:
                     # The card holds fewer runs than --parallel: this worker ends and the run goes back in the
                     # queue, for a worker still running to take when its run ends.
                     retried.add(name)

@@ -39,10 +39,12 @@ from pathlib import Path
 
 import fp8_failures as failures  # its sibling probe: a script's own folder is on sys.path
 
+from megatron.perf.launch import failure_reason
 from megatron.perf.rows import config_flags
 
 try:
     import loss_parity  # scripts/: on the path through PYTHONPATH (see above)
+    import parity_runs
 except ModuleNotFoundError as err:
     raise SystemExit("fp8_outliers_gpu.py needs scripts/ on the path: PYTHONPATH=.:scripts python ...") from err
 
@@ -94,6 +96,11 @@ def branch(args: argparse.Namespace) -> None:
     Path(args.json).write_text(json.dumps(dataclasses.asdict(result)))
 
 
+def run_file(args: argparse.Namespace, name: str, suffix: str) -> Path:
+    """A run's log or results JSON in --out."""
+    return args.out / f"{name.replace(' ', '_')}.{suffix}"
+
+
 def launch(args: argparse.Namespace, argv: list[str]) -> dict[str, failures.Result]:
     """The trunk, then every run --parallel at a time; each one's log in --out."""
     args.out.mkdir(parents=True, exist_ok=True)
@@ -104,37 +111,36 @@ def launch(args: argparse.Namespace, argv: list[str]) -> dict[str, failures.Resu
         cmd += ["--exit-interval", step, "--save", str(trunk), "--save-interval", step]
         with open(args.out / "trunk.log", "w") as log:
             subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
-    names, running, failed, retried = list(run_flags(args)), {}, [], set()
+    names, running, failed, retried = list(run_flags(args)), {}, {}, set()
     started, parallel = time.time(), args.parallel
     while names or running:
         while names and len(running) < parallel:
             name = names.pop(0)
-            out = args.out / f"{name.replace(' ', '_')}.json"
-            cmd = [sys.executable, __file__, *argv, "--branch", name, "--json", str(out)]
-            log = open(args.out / f"{name.replace(' ', '_')}.log", "w")
+            cmd = [sys.executable, __file__, *argv, "--branch", name, "--json", str(run_file(args, name, "json"))]
+            log = open(run_file(args, name, "log"), "w")
             running[name] = (subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log)
         for name, (proc, log) in list(running.items()):
             if proc.poll() is not None:
                 log.close()
                 del running[name]
                 print(f"{name}: exit {proc.returncode} at {time.time() - started:.0f} s", flush=True)
-                text = (args.out / f"{name.replace(' ', '_')}.log").read_text() if proc.returncode else ""
-                if "OutOfMemoryError" in text and name not in retried and running:
+                if not proc.returncode:
+                    continue
+                reason = failure_reason(run_file(args, name, "log").read_text(), proc.returncode)
+                if parity_runs.out_of_memory(reason) and name not in retried and running:
                     retried.add(name)  # the card holds fewer runs: again later, one fewer at a time
                     names.append(name)
                     parallel = max(1, len(running))
                     print(f"{name}: out of GPU memory; again later, {parallel} at a time", flush=True)
-                elif proc.returncode:
-                    failed.append(name)
+                else:
+                    failed[name] = reason
         time.sleep(2)
     if failed:
-        for name in failed:  # the cause, where only this script's output is kept
-            tail = (args.out / f"{name.replace(' ', '_')}.log").read_text().splitlines()[-3:]
-            print(f"{name}:", *(f"    {line}" for line in tail), sep="\n")
-        raise SystemExit(f"runs failed (their logs in {args.out}): {', '.join(failed)}")
+        causes = "; ".join(f"{name}: {reason}" for name, reason in failed.items())  # what a device run keeps
+        raise SystemExit(f"runs failed (their logs in {args.out}): {causes}")
     results = {}
     for name in run_flags(args):
-        saved = json.loads((args.out / f"{name.replace(' ', '_')}.json").read_text())
+        saved = json.loads(run_file(args, name, "json").read_text())
         results[name] = failures.Result(**failures._int_keys(saved))
     return results
 
