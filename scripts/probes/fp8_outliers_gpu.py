@@ -15,6 +15,7 @@ trains to step --start - 1 and saves; every run then branches from it, one proce
 --kind rescaled-outliers (--engine local) injects fp8_failures.py's function-preserving form instead: the channels of
 linear_fc2's input times K = factor^n at the n-th step (at most N), its weight's columns divided by K; it trains bf16,
 delayed and smooth uninjected, delayed xN and smooth xN per N, and bf16 and auto-bf16 at the largest N.
+--runs trains only the runs named (bf16 among them), to fit a shorter device call.
 
 FP8 runs watch every --stats-interval'th step (the guard only names layers, except with --fp8-auto-bf16). Per N one
 table: each run's final validation loss (the whole validation split) and mean training loss over the last --tail
@@ -72,6 +73,17 @@ def run_flags(args: argparse.Namespace) -> dict[str, tuple[str, int]]:
     return runs
 
 
+def selected(args: argparse.Namespace) -> list[str]:
+    """The runs to train: --runs, or all of run_flags."""
+    runs = list(run_flags(args))
+    if not args.runs:
+        return runs
+    unknown = [name for name in args.runs if name not in runs]
+    if unknown or "bf16" not in args.runs:
+        raise SystemExit(f"--runs {args.runs}: give bf16 and some of {runs} (the tables measure against bf16)")
+    return args.runs
+
+
 def model_flags(args: argparse.Namespace) -> list[str]:
     """The preset's flags with --iters steps, its corpus and tokenizer, and a whole-split final validation."""
     parity = loss_parity.build_parser().parse_args(["--preset", args.preset, "--data-dir", str(args.data_dir)])
@@ -103,6 +115,7 @@ def run_file(args: argparse.Namespace, name: str, suffix: str) -> Path:
 
 def launch(args: argparse.Namespace, argv: list[str]) -> dict[str, failures.Result]:
     """The trunk, then every run --parallel at a time; each one's log in --out."""
+    chosen = selected(args)
     args.out.mkdir(parents=True, exist_ok=True)
     trunk = args.out / "trunk"
     if not (trunk / "latest_checkpointed_iteration.txt").is_file():  # a checkpoint folder's pointer
@@ -111,7 +124,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> dict[str, failures.Resu
         cmd += ["--exit-interval", step, "--save", str(trunk), "--save-interval", step]
         with open(args.out / "trunk.log", "w") as log:
             subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
-    names, running, failed, retried = list(run_flags(args)), {}, {}, set()
+    names, running, failed, retried = list(chosen), {}, {}, set()
     started, parallel = time.time(), args.parallel
     while names or running:
         while names and len(running) < parallel:
@@ -139,7 +152,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> dict[str, failures.Resu
         causes = "; ".join(f"{name}: {reason}" for name, reason in failed.items())  # what a device run keeps
         raise SystemExit(f"runs failed (their logs in {args.out}): {causes}")
     results = {}
-    for name in run_flags(args):
+    for name in chosen:
         saved = json.loads(run_file(args, name, "json").read_text())
         results[name] = failures.Result(**failures._int_keys(saved))
     return results
@@ -211,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=9,
         help="runs training at once (llama-150m: ~14 GB each; one out of memory trains again later, fewer at a time)",
     )
+    parser.add_argument("--runs", nargs="+", help="train only these runs (bf16 among them); default: all")
     parser.add_argument("--seed", type=int, default=failures.SEED)
     parser.add_argument("--verbose", action="store_true", help="the trainers' logs in each run's log")
     parser.add_argument("--branch", help=argparse.SUPPRESS)  # one run, launched by this script

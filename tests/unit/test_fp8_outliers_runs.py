@@ -1,0 +1,33 @@
+"""scripts/probes/fp8_outliers_gpu.py --runs: a study trains the runs named, and refuses names it has not or a
+subset without the bf16 run its tables measure against."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.assets.scripts import load_probe, load_script
+
+load_script("parity_runs")  # puts scripts/ on sys.path, as PYTHONPATH=.:scripts does
+probe = load_probe("fp8_outliers_gpu")
+
+
+def parse(*flags: str):
+    return probe.build_parser().parse_args(
+        ["--kind", "rescaled-outliers", "--engine", "local", "--growths", "3", *flags]
+    )
+
+
+def test_all_runs_by_default():
+    args = parse()
+    assert probe.selected(args) == list(probe.run_flags(args))
+    assert {"bf16", "delayed x3", "smooth x3", "auto-bf16 x3"} <= set(probe.selected(args))
+
+
+def test_runs_trains_the_named_subset_in_order():
+    assert probe.selected(parse("--runs", "bf16", "smooth x3")) == ["bf16", "smooth x3"]
+
+
+@pytest.mark.parametrize("runs", [["bf16", "smooth x9"], ["delayed x3"]])
+def test_runs_refuses_unknown_names_and_a_subset_without_bf16(runs):
+    with pytest.raises(SystemExit, match="give bf16 and some of"):
+        probe.selected(parse("--runs", *runs))
