@@ -6,7 +6,6 @@ import argparse
 import shlex
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -120,19 +119,22 @@ def test_a_run_out_of_gpu_memory_beside_others_is_trained_again_one_run_fewer_at
     """b runs out of memory on its first try: beside another run, its worker ends and a's takes b when a ends; alone
     (--parallel 1) it fails as any run does."""
     started: list[str] = []
+    requeued = threading.Event()
+
+    def log(line, **kwargs):  # train_all's lines; b's requeue is the one a waits for
+        if "out of GPU memory" in line:
+            requeued.set()
 
     def run_one(name, flags, setup, timeout, log_dir, env_line, launch):
         started.append(name)
         if name == "a" and parallel > 1:
-            deadline = time.monotonic() + 10
-            while "b" not in started and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(1.0)  # b's failure is handled meanwhile
+            requeued.wait(timeout=10)  # a ends only after b's failure is handled (or the retry never came)
         error = "torch.OutOfMemoryError: CUDA out of memory." if started.count(name) == 1 and name == "b" else None
         return {"name": name, "error": error, "returncode": 1 if error else 0, "partial": False,
                 "train": [[3, 1.0]], "valid": [[3, 1.0]], "parts": [], "wall_s": 0.0}  # fmt: skip
 
     monkeypatch.setattr(runs_module, "run_one", run_one)
+    monkeypatch.setattr(runs_module, "print", log, raising=False)
     args = argparse.Namespace(log_dir=tmp_path, deadline=None, results=tmp_path / "r.json", checkpoints=None,
                               timeout=60, parallel=parallel)  # fmt: skip
     results = {"runs": {}}
