@@ -11,10 +11,11 @@ trains to step --start - 1 and saves; every run then branches from it, one proce
     bf16 xN, delayed xN, smooth xN,  injected for N steps, for each N of --growths
     balanced xN
     auto-bf16 xN                     delayed + --fp8-auto-bf16, injected for the largest N
+    auto-bf16, intervals 1 xN        that with --fp8-guard-intervals 1 (the guard acts on the first flagged step)
 
 --kind rescaled-outliers (--engine local) injects fp8_failures.py's function-preserving form instead: the channels of
 linear_fc2's input times K = factor^n at the n-th step (at most N), its weight's columns divided by K; it trains bf16,
-delayed and smooth uninjected, delayed xN and smooth xN per N, and bf16 and auto-bf16 at the largest N.
+delayed and smooth uninjected, delayed xN and smooth xN per N, and bf16 and both auto-bf16 runs at the largest N.
 --runs trains only the runs named (bf16 among them), to fit a shorter device call.
 
 FP8 runs watch every --stats-interval'th step (the guard only names layers, except with --fp8-auto-bf16). Per N one
@@ -63,14 +64,19 @@ def run_flags(args: argparse.Namespace) -> dict[str, tuple[str, int]]:
         for n in args.growths:
             runs |= {f"delayed x{n}": (delayed, n), f"smooth x{n}": (smooth, n)}
         top = max(args.growths)
-        runs |= {f"bf16 x{top}": (bf16, top), f"auto-bf16 x{top}": (f"{delayed} --fp8-auto-bf16", top)}
-        return runs
+        runs |= {f"bf16 x{top}": (bf16, top)}
+        return runs | recovery(delayed, top)
     runs = {"bf16": (bf16, 0), "delayed": (delayed, 0), "smooth": (smooth, 0), "balanced": (balanced, 0)}
     for n in args.growths:
         runs |= {f"bf16 x{n}": (bf16, n), f"delayed x{n}": (delayed, n)}
         runs |= {f"smooth x{n}": (smooth, n), f"balanced x{n}": (balanced, n)}
-    runs[f"auto-bf16 x{max(args.growths)}"] = (f"{delayed} --fp8-auto-bf16", max(args.growths))
-    return runs
+    return runs | recovery(delayed, max(args.growths))
+
+
+def recovery(delayed: str, n: int) -> dict[str, tuple[str, int]]:
+    """--fp8-auto-bf16 runs injected for N steps: the guard acting on its default three watched steps, and on one."""
+    auto = f"{delayed} --fp8-auto-bf16"
+    return {f"auto-bf16 x{n}": (auto, n), f"auto-bf16, intervals 1 x{n}": (f"{auto} --fp8-guard-intervals 1", n)}
 
 
 def selected(args: argparse.Namespace) -> list[str]:

@@ -20,7 +20,14 @@ def parse(*flags: str):
 def test_all_runs_by_default():
     args = parse()
     assert probe.selected(args) == list(probe.run_flags(args))
-    assert {"bf16", "delayed x3", "smooth x3", "auto-bf16 x3"} <= set(probe.selected(args))
+    assert {"bf16", "delayed x3", "smooth x3", "auto-bf16 x3", "auto-bf16, intervals 1 x3"} <= set(probe.selected(args))
+
+
+def test_the_recovery_runs_differ_in_the_guard_intervals_only():
+    flags = probe.run_flags(parse())
+    default, single = flags["auto-bf16 x3"], flags["auto-bf16, intervals 1 x3"]
+    assert single == (f"{default[0]} --fp8-guard-intervals 1", 3)
+    assert "--fp8-auto-bf16" in default[0] and "--fp8-guard-intervals" not in default[0]
 
 
 def test_runs_trains_the_named_subset_in_order():
