@@ -1,20 +1,28 @@
-"""The FP8 monitor's cost per training step on fp8_failures.py's tiny Llama (CPU): the monitor off, on every step,
-and on without the peak/RMS sums, each with the time spent recording the statistics. Prints docs/fp8.md's table.
+"""The FP8 monitor's cost per training step: the monitor off, on every step, and on without the peak/RMS sums, each
+with the time spent recording the statistics, on fp8_failures.py's tiny Llama (CPU) or loss_parity.py's llama-150m
+(one GPU; the local or Transformer Engine layers). Prints docs/fp8.md's table.
 
     PYTHONPATH=. python scripts/probes/fp8_monitor_cost.py
+    PYTHONPATH=.:scripts python scripts/probes/fp8_monitor_cost.py --preset llama-150m --engine local   # one GPU
+
+On a GPU every timed span ends in a device synchronize, so the recording time includes its kernels (and the wait
+for the work queued before it: an upper bound).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from fp8_failures import FP8, TINY, data_flags  # its sibling probe: a script's own folder is on sys.path
 
 from megatron.config import parse_args
+from megatron.perf.rows import config_flags
 from megatron.training import Trainer
 
 COST_ROWS = {  # cost's variants: (precision flags, peak/RMS sums on), and their rows in docs/fp8.md's table
@@ -24,19 +32,25 @@ COST_ROWS = {  # cost's variants: (precision flags, peak/RMS sums on), and their
 }
 
 
-def cost(data: str, steps: int = 12, blocks: int = 3) -> dict[str, tuple[float, float | None]]:
+def cost(
+    data: str, steps: int = 12, blocks: int = 3, model: str = TINY, fp8: str = FP8
+) -> dict[str, tuple[float, float | None]]:
     """{variant: (median ms per training step, median ms of it spent recording the statistics; None with the
-    monitor off)} for the monitor off, on, and on without the peak/RMS sums. The variants' trainers step in turn,
-    block by block, so that the machine's drift falls on all alike; every step runs at the peak learning rate."""
+    monitor off)} for the monitor off, on, and on without the peak/RMS sums of `model` with the FP8 flags `fp8`
+    (which watch every step). The variants' trainers step in turn, block by block, so that the machine's drift falls
+    on all alike; every step runs at the peak learning rate."""
     from megatron.fp8 import stats
+
+    sync: Callable[[], None] = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
 
     squares, record = stats._squares, stats.Fp8StatsCollector.record
     trainers, batches = {}, {}
     times: dict[str, list[float]] = {k: [] for k in COST_ROWS}
     recording: dict[str, list[float]] = {k: [] for k in COST_ROWS}
     for name, (flags, _, _) in COST_ROWS.items():
+        flags = flags.replace(FP8, fp8) if FP8 in flags else fp8.replace("--fp8-stats-interval 1", "")
         with contextlib.redirect_stdout(io.StringIO()):
-            trainers[name] = Trainer(parse_args(f"{TINY} {flags} {data}".split()))
+            trainers[name] = Trainer(parse_args(f"{model} {flags} {data}".split()))
         batches[name] = iter(trainers[name].loader(trainers[name].datasets.train, 0))
     try:
         for _ in range(blocks):
@@ -45,8 +59,10 @@ def cost(data: str, steps: int = 12, blocks: int = 3) -> dict[str, tuple[float, 
                 stats._squares = squares if peak else lambda x: None  # type: ignore[assignment]
 
                 def timed(self: Any, *args: Any, _spent: list[float] = spent, **kwargs: Any) -> None:
+                    sync()
                     start = time.perf_counter()
                     record(self, *args, **kwargs)
+                    sync()
                     _spent[-1] += time.perf_counter() - start
 
                 stats.Fp8StatsCollector.record = timed  # type: ignore[method-assign]
@@ -54,11 +70,13 @@ def cost(data: str, steps: int = 12, blocks: int = 3) -> dict[str, tuple[float, 
                 lrs = t.lr_schedule.at(t.lr_schedule.warmup)
                 for _ in range(steps):
                     spent.append(0.0)
+                    sync()
                     start = time.perf_counter()
                     with t.fp8_monitor.watch(1) as watched:
                         t.train_step(batches[name], lrs)
                     if watched is not None:
                         t.fp8_monitor.report(watched, 1, lambda line: None, lambda values, step: None)
+                    sync()
                     times[name].append(time.perf_counter() - start)
     finally:
         stats._squares, stats.Fp8StatsCollector.record = squares, record  # type: ignore[method-assign]
@@ -78,6 +96,27 @@ def cost_table(measured: dict[str, tuple[float, float | None]]) -> str:
     return "\n".join(lines)
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=["tiny", "llama-150m"], default="tiny", help="tiny: CPU; llama-150m: a GPU")
+    parser.add_argument("--engine", choices=["local", "te"], default="local", help="llama-150m's layers")
+    parser.add_argument("--data-dir", default="data", help="holds parity/ (loss_parity.py's), for llama-150m")
+    parser.add_argument("--steps", type=int, default=12, help="steps per block and variant")
+    parser.add_argument("--blocks", type=int, default=3)
+    args = parser.parse_args()
+    if args.preset == "tiny":
+        torch.set_num_threads(1)
+        print(cost_table(cost(data_flags(), args.steps, args.blocks)))
+        return
+    try:
+        import loss_parity  # scripts/: on the path through PYTHONPATH (see above)
+    except ModuleNotFoundError as err:
+        raise SystemExit("--preset llama-150m needs scripts/ on the path: PYTHONPATH=.:scripts python ...") from err
+    parity = loss_parity.build_parser().parse_args(["--preset", args.preset, "--data-dir", args.data_dir])
+    data = " ".join(loss_parity.data_flags(parity, args.preset))
+    fp8 = f"{config_flags(f'{args.engine}-delayed')} --fp8-stats-interval 1"
+    print(cost_table(cost(data, args.steps, args.blocks, loss_parity.PRESETS[args.preset], fp8)))
+
+
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    print(cost_table(cost(data_flags())))
+    main()
