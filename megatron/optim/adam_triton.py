@@ -25,6 +25,9 @@ result bit for bit (checked by tests/gpu/test_adam_kernel.py on every format):
     * Not matched: torch's CPU sqrt (MKL's, in the x86 builds) is not correctly rounded; the kernel's, like CUDA's,
       is. Against CPU tensors the update can then be an ulp off (the interpreter tests give the reference an IEEE
       sqrt).
+    * Not matched either: Triton links CUDA's libdevice in flush-to-zero mode (its sm_90 SASS calls
+      `__cuda_sm3x_div_rn_ftz_f32_slowpath`), so a quotient below 2^-126 comes out 0 where torch keeps the
+      subnormal: "bit for bit" holds for normal values. The update then moves by less than lr * 2^-126 / eps.
     * Encodings as `ScaledState.encode_`: scale = T / amax (clamped to 2^126, 1 for an all-zero block), value *
       scale clamped to +-T, round to nearest even; the fp16 master's int8 remainder in quanta ulp/256, rounded half
       to even. fp8 and bf16 are rounded to their grid in fp32 bit arithmetic before the (then exact) cast, and bf16
