@@ -334,46 +334,64 @@ def summary(kind: str, per_seed: dict[int, list[dict[str, Any]]]) -> str:
 
 
 def plot(kind: str, injection: Injection, results: dict[str, Result], rows: list[dict[str, Any]], path: str) -> None:
-    """Top: each run's training loss against the uninjected FP8 run's (%, the 1% band shaded); bottom: the injected
-    FP8 run's monitor values for layer 2's linear_fc2 input (log scale); dashed: flagged, guard, departure."""
+    """`draw` against the uninjected FP8 run, with the injected FP8 run's monitor values for layer 2's
+    linear_fc2 input and its flagged, guard and departure steps."""
+    ref = results["ref fp8"].losses
+    runs = {
+        name: r.losses
+        for name, r in results.items()
+        if name != "ref fp8" and not (name == "hp" and r.losses == results["ref hp"].losses)
+    }
+    row = next(x for x in rows if x["run"] == "fp8")
+    marks = {"flagged": row["flagged"], "guard": row["guard"], "departs 1%": row["departs vs ref fp8"]}
+    window = (injection.start, min(injection.start + injection.steps, max(ref) + 1))
+    draw(path, f"{kind}: FP8 delayed, tiny Llama (CPU, 2 cores)", ref, runs, window, results["fp8"].series, marks)
+
+
+def draw(
+    path: str,
+    title: str,
+    ref: dict[int, float],
+    runs: dict[str, dict[int, float]],
+    window: tuple[int, int],
+    series: dict[str, dict[int, float]],
+    marks: dict[str, int | None],
+    reference: str = "uninjected FP8",
+    watched: str = "injected FP8 run: fc2 input",
+) -> None:
+    """Top: each run's training loss against `ref`'s (%, the 1% band shaded, the injected steps `window` [start,
+    end) tinted); bottom: one run's monitor `series` (log scale); dashed on both: `marks` ({label: step or None})."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
-    ref = results["ref fp8"].losses
-    for name, r in results.items():
-        if name != "ref fp8" and not (name == "hp" and r.losses == results["ref hp"].losses):
-            steps = sorted(r.losses)
-            top.plot(steps, [100 * (r.losses[i] / ref[i] - 1) for i in steps], label=name, lw=1.2)
+    for name, losses in runs.items():
+        steps = sorted(i for i in losses if i in ref)
+        top.plot(steps, [100 * (losses[i] / ref[i] - 1) for i in steps], label=name, lw=1.2)
     top.axhspan(-100 * DEPARTURE, 100 * DEPARTURE, color="0.92")
-    top.axvspan(
-        injection.start - 0.5, min(injection.start + injection.steps, max(ref) + 1) - 0.5, color="C0", alpha=0.06
-    )
-    top.set_ylabel("loss vs uninjected FP8 (%)")
+    top.axvspan(window[0] - 0.5, window[1] - 0.5, color="C0", alpha=0.06)
+    top.set_ylabel(f"loss vs {reference} (%)")
     top.legend(fontsize=7)
-    series = results["fp8"].series
-    for key, label in (("saturated", "saturated"), ("underflow", "underflow"), ("amax", "amax")):
+    for key in ("saturated", "underflow", "amax"):
         s = {i: v for i, v in series.get(key, {}).items() if v > 0}
-        bottom.semilogy(sorted(s), [s[i] for i in sorted(s)], label=label, lw=1.2)
+        bottom.semilogy(sorted(s), [s[i] for i in sorted(s)], label=key, lw=1.2)
     spread = {i: v - 1 for i, v in series.get("scale_spread", {}).items() if v > 1}
     if spread:
         bottom.semilogy(sorted(spread), [spread[i] for i in sorted(spread)], "o", ms=3, label="scale spread - 1")
-    row = next(x for x in rows if x["run"] == "fp8")
-    marks = (("flagged", "C1", "flagged"), ("guard", "C2", "guard"), ("departs vs ref fp8", "C3", "departs 1%"))
     labels: dict[int, list[str]] = {}  # marks on one step share one label
-    for key, color, label in marks:
-        if row[key]:
+    for (label, step), color in zip(marks.items(), ("C1", "C2", "C3", "C4")):
+        if step:
             for ax in (top, bottom):
-                ax.axvline(row[key], color=color, ls="--", lw=0.8)
-            labels.setdefault(row[key], []).append(label)
-    for step, names in labels.items():
-        top.annotate(", ".join(names), (step, 1.01), xycoords=("data", "axes fraction"), fontsize=7)
+                ax.axvline(step, color=color, ls="--", lw=0.8)
+            labels.setdefault(step, []).append(label)
+    for k, (step, names) in enumerate(sorted(labels.items())):  # staggered: neighbouring steps' labels overlap
+        top.annotate(", ".join(names), (step, 1.01 + 0.06 * (k % 2)), xycoords=("data", "axes fraction"), fontsize=7)
     bottom.set_xlabel("iteration")
-    bottom.set_ylabel("injected FP8 run: fc2 input")
+    bottom.set_ylabel(watched)
     bottom.legend(fontsize=7)
-    fig.suptitle(f"{kind}: FP8 delayed, tiny Llama (CPU, 2 cores)", fontsize=10)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -17,6 +17,7 @@ trains to step --start - 1 and saves; every run then branches from it, one proce
 linear_fc2's input times K = factor^n at the n-th step (at most N), its weight's columns divided by K; it trains bf16,
 delayed and smooth uninjected, delayed xN and smooth xN per N, and bf16 and both auto-bf16 runs at the largest N.
 --runs trains only the runs named (bf16 among them), to fit a shorter device call.
+--plot PNG draws the largest growth's timeline (fp8_failures.draw); --replot draws it from --out's results.json.
 
 FP8 runs watch every --stats-interval'th step (the guard only names layers, except with --fp8-auto-bf16). Per N one
 table: each run's final validation loss (the whole validation split) and mean training loss over the last --tail
@@ -199,6 +200,38 @@ def table(args: argparse.Namespace, results: dict[str, failures.Result], n: int)
     return "\n".join(lines)
 
 
+def marks(
+    args: argparse.Namespace, results: dict[str, failures.Result]
+) -> tuple[failures.Result, dict[str, int | None]]:
+    """The run whose monitor values the plot shows (delayed xN, N the largest growth) and the plot's marks: the step
+    it is first flagged, the step its loss departs 1% from the uninjected bf16 run's, and each auto-bf16 run's guard."""
+    n = max(args.growths)
+    watched = results.get(f"delayed x{n}") or next(r for r in results.values() if r.series)
+    found = {
+        "flagged": failures.first(watched.flags),
+        "departs 1%": failures.departure(watched.losses, results["bf16"].losses),
+    }
+    for name in (f"auto-bf16 x{n}", f"auto-bf16, intervals 1 x{n}"):
+        if name in results:
+            found[f"{name.removesuffix(f' x{n}')}: guard"] = failures.first(results[name].guard)
+    return watched, found
+
+
+def plot(args: argparse.Namespace, results: dict[str, failures.Result], path: Path) -> None:
+    """fp8_failures.draw for the largest growth N: every injected run's training loss against the uninjected bf16
+    run's, with delayed xN's monitor values for the first injected layer and `marks`."""
+    n = max(args.growths)
+    runs = {name: r.losses for name, r in results.items() if name != "bf16" and name.endswith(f" x{n}")}
+    watched, found = marks(args, results)
+    layers = ", ".join(map(str, args.layer))
+    title = f"{args.kind} x{n} in layer{'s' * (len(args.layer) > 1)} {layers}: {args.preset}, --engine {args.engine}"
+    window = (args.start, args.start + n)
+    failures.draw(
+        str(path), title, results["bf16"].losses, runs, window, watched.series, found, "uninjected bf16",
+        f"{watched.name}: layer {args.layer[0]} fc2 input",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=["llama-150m", "tiny"], default="llama-150m", help="loss_parity's")
@@ -233,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--runs", nargs="+", help="train only these runs (bf16 among them); default: all")
     parser.add_argument("--seed", type=int, default=failures.SEED)
     parser.add_argument("--verbose", action="store_true", help="the trainers' logs in each run's log")
+    parser.add_argument("--plot", type=Path, help="draw the largest growth's timeline here (a .png; matplotlib)")
+    parser.add_argument("--replot", action="store_true", help="draw --plot from --out's results.json, not training")
     parser.add_argument("--branch", help=argparse.SUPPRESS)  # one run, launched by this script
     parser.add_argument("--json", help=argparse.SUPPRESS)
     return parser
@@ -248,11 +283,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.branch:
         failures.QUIET = not args.verbose
         return branch(args)
+    if args.replot:
+        if not args.plot:
+            raise SystemExit("--replot draws --plot: give --plot PNG")
+        saved = json.loads((args.out / "results.json").read_text())
+        return plot(args, {k: failures.Result(**failures._int_keys(v)) for k, v in saved.items()}, args.plot)
     results = launch(args, argv)
     report = "\n\n".join(table(args, results, n) for n in args.growths)
     (args.out / "report.md").write_text(report + "\n")
     (args.out / "results.json").write_text(json.dumps({k: dataclasses.asdict(v) for k, v in results.items()}))
     print(report)
+    if args.plot:
+        plot(args, results, args.plot)
 
 
 if __name__ == "__main__":

@@ -38,3 +38,21 @@ def test_runs_trains_the_named_subset_in_order():
 def test_runs_refuses_unknown_names_and_a_subset_without_bf16(runs):
     with pytest.raises(SystemExit, match="give bf16 and some of"):
         probe.selected(parse("--runs", *runs))
+
+
+def test_marks_name_the_first_flag_departure_and_each_guard():
+    result = probe.failures.Result
+    bf16 = result("bf16", losses={i: 3.0 for i in range(1, 21)})
+    grown = {i: 3.0 if i < 8 else 3.1 for i in range(1, 21)}  # 3.3% above from step 8
+    delayed = result("delayed x3", losses=grown, flags={5: [], 10: ["layers.2.mlp.linear_fc2 input underflow"]})
+    auto = result("auto-bf16 x3", losses=grown, guard={10: [], 12: ["layers.2 to bf16"]})
+    single = result("auto-bf16, intervals 1 x3", losses=grown, guard={10: ["layers.2 to bf16"]})
+    results = {r.name: r for r in (bf16, delayed, auto, single)}
+    watched, found = probe.marks(parse(), results)
+    assert watched is delayed
+    assert found == {"flagged": 10, "departs 1%": 8, "auto-bf16: guard": 12, "auto-bf16, intervals 1: guard": 10}
+
+
+def test_replot_needs_plot(tmp_path):
+    with pytest.raises(SystemExit, match="give --plot PNG"):
+        probe.main(["--kind", "rescaled-outliers", "--engine", "local", "--out", str(tmp_path), "--replot"])
