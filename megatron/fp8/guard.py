@@ -9,7 +9,8 @@ It reads the monitor's statistics (`--fp8-stats-interval N`): a tensor is *over*
 and the guard acts when a tensor has been over on --fp8-guard-intervals watched steps in a row: it logs the layer,
 the linear, the tensor and the numbers, and, with --fp8-auto-bf16, takes the whole transformer layer out of FP8
 (Transformer Engine runs FP8 per layer, so the layer is the unit in both engines). Moved layers are kept in the
-checkpoint and stay in bf16 when the run resumes.
+checkpoint and stay in bf16 when the run resumes. While a tensor is over on fewer watched steps than that
+(`pending`), the monitor watches every step, so the guard decides on consecutive steps, not N-th ones.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ class Fp8Guard:
                 message += "; moved the layer to bf16 for the rest of the run (--fp8-auto-bf16)"
             messages.append(message)
         return messages
+
+    def pending(self) -> bool:
+        """Whether a tensor is over on fewer watched steps in a row than the guard acts on: the monitor then watches
+        the next step too, so a failure growing between N-th steps is acted on intervals - 1 steps after its flag."""
+        return any(0 < streak < self.intervals for streak in self.streaks.values())
 
     def move(self, layer_number: int) -> None:
         self.move_to_bf16(layer_number)

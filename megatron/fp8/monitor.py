@@ -60,7 +60,8 @@ class LocalTaps:
 
 
 class Fp8Monitor:
-    """Watches every `interval`-th step (none when 0) through `taps`, reports it, and lets the guard act on it.
+    """Watches every `interval`-th step (none when 0) through `taps`, reports it, and lets the guard act on it; while
+    the guard has a streak to finish (`Fp8Guard.pending`, on any pipeline stage), every step.
 
     Statistics are reduced over `groups` in turn (together: the tensor- and data-parallel ranks of a stage), so every
     rank of a pipeline stage sees the same numbers and the guard takes the same decisions there; the first rank
@@ -80,11 +81,15 @@ class Fp8Monitor:
         their spread over it is measured and any disagreement reported."""
         self.taps, self.interval, self.guard, self.device = taps, interval, guard, device
         self.groups, self.pp_group, self.agreeing = groups, pp_group, agreeing
+        self.dense = False
+        """Watch the next step whatever its number: the guard has a streak to finish. The same on every rank (the
+        guard's rows are reduced over its stage, and the stages' flags gathered), as the watched steps' collectives
+        need."""
 
     @contextlib.contextmanager
     def watch(self, iteration: int) -> Iterator[Fp8StatsCollector | None]:
         """Around the step numbered `iteration` (1-based): yields the collector if the step is watched, else None."""
-        if not self.interval or iteration % self.interval:
+        if not self.interval or (iteration % self.interval and not self.dense):
             yield None
             return
         collector = Fp8StatsCollector(self.taps.names, self.taps.layer_numbers, self.device)
@@ -104,12 +109,13 @@ class Fp8Monitor:
             collector.reduce(group, agreeing=self.agreeing and i == 0)
         rows = collector.rows()
         messages = self.guard.check(rows)
-        all_rows, all_messages = rows, messages
+        all_rows, all_messages, self.dense = rows, messages, self.guard.pending()
         if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
             gathered: list[Any] = [None] * dist.get_world_size(self.pp_group)
-            dist.all_gather_object(gathered, (rows, messages), group=self.pp_group)
-            all_rows = [row for stage_rows, _ in gathered for row in stage_rows]
-            all_messages = [message for _, stage_messages in gathered for message in stage_messages]
+            dist.all_gather_object(gathered, (rows, messages, self.dense), group=self.pp_group)
+            all_rows = [row for stage_rows, _, _ in gathered for row in stage_rows]
+            all_messages = [message for _, stage_messages, _ in gathered for message in stage_messages]
+            self.dense = any(pending for _, _, pending in gathered)
         log(summary_line(iteration, all_rows))
         for message in all_messages:
             log(message)

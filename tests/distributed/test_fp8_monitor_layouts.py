@@ -62,3 +62,21 @@ def test_fp8_monitor_and_calibration_match_one_process_under_tp_and_pp():
     reference = _run("", 1)
     assert len(reference[0]) == 2 * 4 * 3
     run_distributed(_body, world_size=2, args=(reference,))
+
+
+def _stage_pending(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    from megatron.fp8.guard import Fp8Guard
+    from megatron.fp8.monitor import Fp8Monitor, LocalTaps
+    from tests.unit.test_fp8_monitor import watched_steps
+
+    guard = Fp8Guard(saturation=0.01, underflow=0.5, intervals=3, auto_bf16=False, move_to_bf16=lambda n: None)
+    monitor = Fp8Monitor(LocalTaps([]), 10, guard, torch.device("cpu"), pp_group=dist.group.WORLD)
+    # only the last stage is over: both stages watch the steps its streak needs (their gathers would not pair up)
+    over = {10: True, 11: True, 12: True} if rank == world_size - 1 else {}
+    assert watched_steps(monitor, over, 25) == [10, 11, 12, 20], rank
+
+
+def test_every_pipeline_stage_watches_while_one_stage_has_a_streak_to_finish():
+    run_distributed(_stage_pending, world_size=2)

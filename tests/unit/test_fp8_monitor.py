@@ -1,4 +1,5 @@
-"""The FP8 monitor's statistics against hand-computed values and against the real casts, and the guard's rule."""
+"""The FP8 monitor's statistics against hand-computed values and against the real casts, the guard's rule, and the
+steps the monitor watches."""
 
 import pytest
 import torch
@@ -6,6 +7,7 @@ import torch
 from megatron.fp8 import E4M3, E5M2, Recipe, Role, fp8_max, quantize
 from megatron.fp8.formats import Fp8Format
 from megatron.fp8.guard import Fp8Guard
+from megatron.fp8.monitor import Fp8Monitor, LocalTaps
 from megatron.fp8.quantize import TENSOR, block_amax, block_scales
 from megatron.fp8.stats import (
     CLIPPED,
@@ -143,6 +145,53 @@ def test_guard_acts_after_the_streak_and_only_then():
     restored = []
     Fp8Guard(0.01, 0.5, 2, False, restored.append).load_state_dict(guard.state_dict())
     assert restored == [2]
+
+
+def test_guard_is_pending_while_a_streak_is_shorter_than_its_intervals():
+    guard = Fp8Guard(saturation=0.01, underflow=0.5, intervals=3, auto_bf16=False, move_to_bf16=lambda n: None)
+    assert not guard.pending()
+    pending = [(guard.check([_row(saturated=s)]), guard.pending())[1] for s in (0.02, 0.02, 0.02, 0.02, 0.0, 0.02)]
+    # over twice: pending; the third acts (and the fourth continues the streak it acted on); broken; over again
+    assert pending == [True, True, False, False, False, True]
+
+
+class _Over:
+    """A watched step's collector whose one row is over the guard's saturation threshold, or not."""
+
+    def __init__(self, over: bool):
+        self.over = over
+
+    def reduce(self, group, agreeing=False) -> None:
+        pass
+
+    def rows(self) -> list[Fp8TensorStats]:
+        return [_row(saturated=0.02 if self.over else 0.0)]
+
+
+def watched_steps(monitor: Fp8Monitor, over: dict[int, bool], steps: int) -> list[int]:
+    """The steps `monitor` watches in 1..steps, each reported with a row over the threshold where `over` says so."""
+    seen = []
+    for i in range(1, steps + 1):
+        with monitor.watch(i) as collector:
+            if collector is not None:
+                seen.append(i)
+                monitor.report(_Over(over.get(i, False)), i, lambda line: None, lambda values, step: None)
+    return seen
+
+
+def test_monitor_watches_every_step_until_the_guard_acts_then_every_nth_again():
+    moved = []
+    guard = Fp8Guard(saturation=0.01, underflow=0.5, intervals=3, auto_bf16=True, move_to_bf16=moved.append)
+    monitor = Fp8Monitor(LocalTaps([]), 10, guard, torch.device("cpu"))
+    over = dict.fromkeys(range(20, 60), True)  # over from step 20 on: flagged on 20, acted on at 22, not 40
+    assert watched_steps(monitor, over, 45) == [10, 20, 21, 22, 30, 40]
+    assert moved == [2] and not monitor.dense
+
+
+def test_monitor_goes_back_to_every_nth_step_when_the_streak_breaks():
+    guard = Fp8Guard(saturation=0.01, underflow=0.5, intervals=3, auto_bf16=True, move_to_bf16=lambda n: None)
+    monitor = Fp8Monitor(LocalTaps([]), 10, guard, torch.device("cpu"))
+    assert watched_steps(monitor, {10: True}, 25) == [10, 11, 20]
 
 
 def test_guard_without_auto_bf16_only_names_the_tensor():
