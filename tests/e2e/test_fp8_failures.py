@@ -79,6 +79,18 @@ def test_outlier_channels_are_flagged_at_once_and_the_guard_moves_the_layer_befo
 
 
 @pytest.mark.slow
+def test_watching_every_fifth_step_the_guard_still_acts_on_consecutive_steps(data):
+    """Outliers from step 10 are flagged there; the monitor then watches 11 and 12 (the guard's streak), the guard
+    moves the layer on 12, as when watching every step, and the watch goes back to every 5th step."""
+    every_fifth = probe.FP8.replace("--fp8-stats-interval 1", "--fp8-stats-interval 5")
+    run = probe.train(
+        f"{every_fifth} --fp8-auto-bf16 {data}", probe.Injection("outliers", 10, 6, 2.0), "fp8", extra=SHORT
+    )
+    assert sorted(run.flags) == [5, 10, 11, 12, 15, 20]
+    assert probe.first(run.flags) == 10 and probe.first(run.guard) == 12 and run.bf16_layers == [2]
+
+
+@pytest.mark.slow
 def test_a_learning_rate_spike_is_flagged_on_the_step_its_update_reaches(data, reference):
     injection = probe.Injection("lr-spike", 10, 3, 30.0)
     run = probe.train(f"{probe.FP8} --fp8-auto-bf16 {data}", injection, "fp8", extra=SHORT)
