@@ -387,7 +387,7 @@ def draw(
                 ax.axvline(step, color=color, ls="--", lw=0.8)
             labels.setdefault(step, []).append(label)
     for k, (step, names) in enumerate(sorted(labels.items())):  # staggered: neighbouring steps' labels overlap
-        top.annotate(", ".join(names), (step, 1.01 + 0.06 * (k % 2)), xycoords=("data", "axes fraction"), fontsize=7)
+        top.annotate(", ".join(names), (step, 1.01 + 0.055 * (k % 3)), xycoords=("data", "axes fraction"), fontsize=7)
     bottom.set_xlabel("iteration")
     bottom.set_ylabel(watched)
     bottom.legend(fontsize=7)

@@ -211,9 +211,9 @@ def marks(
         "flagged": failures.first(watched.flags),
         "departs 1%": failures.departure(watched.losses, results["bf16"].losses),
     }
-    for name in (f"auto-bf16 x{n}", f"auto-bf16, intervals 1 x{n}"):
+    for name, label in ((f"auto-bf16 x{n}", "guard"), (f"auto-bf16, intervals 1 x{n}", "guard, intervals 1")):
         if name in results:
-            found[f"{name.removesuffix(f' x{n}')}: guard"] = failures.first(results[name].guard)
+            found[label] = failures.first(results[name].guard)
     return watched, found
 
 

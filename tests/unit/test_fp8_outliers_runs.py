@@ -50,7 +50,7 @@ def test_marks_name_the_first_flag_departure_and_each_guard():
     results = {r.name: r for r in (bf16, delayed, auto, single)}
     watched, found = probe.marks(parse(), results)
     assert watched is delayed
-    assert found == {"flagged": 10, "departs 1%": 8, "auto-bf16: guard": 12, "auto-bf16, intervals 1: guard": 10}
+    assert found == {"flagged": 10, "departs 1%": 8, "guard": 12, "guard, intervals 1": 10}
 
 
 def test_replot_needs_plot(tmp_path):
