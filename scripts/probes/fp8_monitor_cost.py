@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -52,8 +53,10 @@ def cost(
         with contextlib.redirect_stdout(io.StringIO()):
             trainers[name] = Trainer(parse_args(f"{model} {flags} {data}".split()))
         batches[name] = iter(trainers[name].loader(trainers[name].datasets.train, 0))
+        progress(f"built {name}")
     try:
-        for _ in range(blocks):
+        for block in range(blocks):
+            progress(f"block {block + 1} of {blocks}")
             for name, (_, peak, _) in COST_ROWS.items():
                 t, spent = trainers[name], recording[name]
                 stats._squares = squares if peak else lambda x: None  # type: ignore[assignment]
@@ -86,6 +89,11 @@ def cost(
 
     off = COST_ROWS["monitor off"][0]
     return {k: (median(times[k]), median(recording[k]) if COST_ROWS[k][0] != off else None) for k in COST_ROWS}
+
+
+def progress(line: str) -> None:
+    """To stderr, at once: what a run cut short by a time limit got to."""
+    print(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)
 
 
 def cost_table(measured: dict[str, tuple[float, float | None]]) -> str:
