@@ -68,7 +68,7 @@ class PrecisionConfig:
     """FP8 guard: the same for the fraction of nonzero elements flushed to zero."""
     fp8_guard_intervals: int = 3
     """FP8 guard: watched steps in a row over a threshold before it acts. While a tensor is over on fewer, the
-    monitor watches every step, so the guard acts this many steps after the first flag, minus one."""
+    monitor watches every step: the guard acts N - 1 steps after the first flagged one, whatever the interval."""
     fp8_auto_bf16: bool = False
     """FP8 guard: move a transformer layer whose FP8 tensor stays over a threshold to bf16 for the rest of the run;
     the checkpoint records it, and a resumed run keeps the layer in bf16. Needs --fp8-stats-interval."""
