@@ -106,6 +106,15 @@ class Result:
     """Per step, the largest |W_after - W_before| / |W_before| (Frobenius) of the injected layer's linears: the
     optimizer step's size relative to the weight."""
 
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> Result:
+        """A Result read back from JSON (`dataclasses.asdict`), whose keys are strings: integer iterations again."""
+        value = dict(value)
+        for key in ("losses", "flags", "guard", "updates", "valid"):
+            value[key] = {int(i): v for i, v in value[key].items()}
+        value["series"] = {k: {int(i): x for i, x in s.items()} for k, s in value["series"].items()}
+        return cls(**value)
+
 
 def train(
     flags: str, injection: Injection | None, name: str = "", world_size: int = 1, extra: str = "", model: str = TINY
@@ -212,16 +221,7 @@ def study_dp2(injection: Injection, data: str) -> dict[str, Result]:
         mp.start_processes(_rank, args=args, nprocs=2, start_method="spawn")
         with open(out) as f:
             loaded = json.load(f)
-    return {k: Result(**_int_keys(v)) for k, v in loaded.items()}
-
-
-def _int_keys(value: dict[str, Any]) -> dict[str, Any]:
-    """A Result's fields read back from JSON, whose keys are strings, with integer iterations again."""
-    value = dict(value)
-    for key in ("losses", "flags", "guard", "updates", "valid"):
-        value[key] = {int(i): v for i, v in value[key].items()}
-    value["series"] = {k: {int(i): x for i, x in s.items()} for k, s in value["series"].items()}
-    return value
+    return {k: Result.from_json(v) for k, v in loaded.items()}
 
 
 def timeline(results: dict[str, Result]) -> list[dict[str, Any]]:
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
         os.makedirs(args.plot or ".", exist_ok=True)
         for kind, entry in saved.items():
             entry = next(iter(entry["seeds"].values()))
-            runs = {k: Result(**_int_keys(v)) for k, v in entry["runs"].items()}
+            runs = {k: Result.from_json(v) for k, v in entry["runs"].items()}
             runs.setdefault("hp", runs["ref hp"])
             path = os.path.join(args.plot or ".", f"fp8_failure_{kind}.png")
             plot(kind, Injection(kind, *DEFAULTS[kind]), runs, entry["rows"], path)

@@ -161,7 +161,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> dict[str, failures.Resu
     results = {}
     for name in chosen:
         saved = json.loads(run_file(args, name, "json").read_text())
-        results[name] = failures.Result(**failures._int_keys(saved))
+        results[name] = failures.Result.from_json(saved)
     return results
 
 
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.plot:
             raise SystemExit("--replot draws --plot: give --plot PNG")
         saved = json.loads((args.out / "results.json").read_text())
-        return plot(args, {k: failures.Result(**failures._int_keys(v)) for k, v in saved.items()}, args.plot)
+        return plot(args, {k: failures.Result.from_json(v) for k, v in saved.items()}, args.plot)
     results = launch(args, argv)
     report = "\n\n".join(table(args, results, n) for n in args.growths)
     (args.out / "report.md").write_text(report + "\n")
