@@ -26,10 +26,11 @@ from megatron.config import parse_args
 from megatron.perf.rows import config_flags
 from megatron.training import Trainer
 
-COST_ROWS = {  # cost's variants: (precision flags, peak/RMS sums on), and their rows in docs/fp8.md's table
-    "monitor off": (FP8.replace("--fp8-stats-interval 1", ""), True, "monitor off (`--fp8-stats-interval 0`)"),
-    "monitor on": (FP8, True, "monitor on, every step"),
-    "monitor on, no peak/RMS": (FP8, False, "monitor on, without the peak/RMS sums"),
+WATCH = "--fp8-stats-interval 1"  # the FP8 flags' watch on every step (as in FP8); the monitor-off variant drops it
+COST_ROWS = {  # cost's variants: (monitor on, peak/RMS sums on), and their rows in docs/fp8.md's table
+    "monitor off": (False, True, "monitor off (`--fp8-stats-interval 0`)"),
+    "monitor on": (True, True, "monitor on, every step"),
+    "monitor on, no peak/RMS": (True, False, "monitor on, without the peak/RMS sums"),
 }
 
 
@@ -48,8 +49,8 @@ def cost(
     trainers, batches = {}, {}
     times: dict[str, list[float]] = {k: [] for k in COST_ROWS}
     recording: dict[str, list[float]] = {k: [] for k in COST_ROWS}
-    for name, (flags, _, _) in COST_ROWS.items():
-        flags = flags.replace(FP8, fp8) if FP8 in flags else fp8.replace("--fp8-stats-interval 1", "")
+    for name, (on, _, _) in COST_ROWS.items():
+        flags = fp8 if on else fp8.replace(WATCH, "")
         with contextlib.redirect_stdout(io.StringIO()):
             trainers[name] = Trainer(parse_args(f"{model} {flags} {data}".split()))
         batches[name] = iter(trainers[name].loader(trainers[name].datasets.train, 0))
@@ -87,8 +88,7 @@ def cost(
     def median(values: list[float]) -> float:
         return 1000 * sorted(values)[len(values) // 2]
 
-    off = COST_ROWS["monitor off"][0]
-    return {k: (median(times[k]), median(recording[k]) if COST_ROWS[k][0] != off else None) for k in COST_ROWS}
+    return {k: (median(times[k]), median(recording[k]) if COST_ROWS[k][0] else None) for k in COST_ROWS}
 
 
 def progress(line: str) -> None:
@@ -122,7 +122,7 @@ def main() -> None:
         raise SystemExit("--preset llama-150m needs scripts/ on the path: PYTHONPATH=.:scripts python ...") from err
     parity = loss_parity.build_parser().parse_args(["--preset", args.preset, "--data-dir", args.data_dir])
     data = " ".join(loss_parity.data_flags(parity, args.preset))
-    fp8 = f"{config_flags(f'{args.engine}-delayed')} --fp8-stats-interval 1"
+    fp8 = f"{config_flags(f'{args.engine}-delayed')} {WATCH}"
     print(cost_table(cost(data, args.steps, args.blocks, loss_parity.PRESETS[args.preset], fp8)))
 
 
