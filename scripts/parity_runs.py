@@ -38,9 +38,21 @@ def flag_values(flags: list[str]) -> dict[str, str]:
     return values
 
 
+ENV_ASSIGNMENT = re.compile(r"[A-Z][A-Z0-9_]*=.*")  # NAME=VALUE among a run's flags: its environment
+
+
+def split_environment(flags: list[str]) -> tuple[list[str], list[str]]:
+    """(the NAME=VALUE assignments, the rest) of a run's flags: --config-flags may set a run's environment, e.g.
+    Transformer Engine's NVTE_* switches, which have no flag."""
+    env = [token for token in flags if ENV_ASSIGNMENT.fullmatch(token)]
+    return env, [token for token in flags if not ENV_ASSIGNMENT.fullmatch(token)]
+
+
 def command(flags: list[str], nproc: int = 1) -> list[str]:
-    """One run's launch: this Python, through torchrun on one host for `nproc` processes (GPUs)."""
-    return [*benchmark.launcher(nproc), str(ROOT / "pretrain_gpt.py"), *flags]
+    """One run's launch: this Python, through torchrun on one host for `nproc` processes (GPUs), under `env` where
+    the flags set environment variables."""
+    env, flags = split_environment(flags)
+    return [*(["env", *env] if env else []), *benchmark.launcher(nproc), str(ROOT / "pretrain_gpt.py"), *flags]
 
 
 def run_one(
@@ -131,12 +143,14 @@ def merge_parts(earlier: dict[str, Any] | None, record: dict[str, Any]) -> dict[
 
 
 def finished_with(record: dict[str, Any] | None, flags: list[str]) -> bool:
-    """`record` is a finished run of exactly these pretrain_gpt.py flags (wherever the checkout was)."""
+    """`record` is a finished run of exactly these pretrain_gpt.py flags and environment assignments (wherever the
+    checkout was)."""
     if not record or record.get("error") or record.get("returncode") != 0 or record.get("partial"):
         return False
     cmd = record.get("command", [])
     script = next((i for i, part in enumerate(cmd) if part.endswith("pretrain_gpt.py")), None)
-    return script is not None and cmd[script + 1 :] == flags
+    env, flags = split_environment(flags)
+    return script is not None and cmd[script + 1 :] == flags and split_environment(cmd[:script])[0] == env
 
 
 def load_results(path: Path) -> dict[str, Any]:

@@ -80,6 +80,16 @@ def test_flags_noise_floor_and_skipping_finished_runs():
     done = {"error": None, "returncode": 0, "command": ["/elsewhere/python", "/elsewhere/pretrain_gpt.py", *flags]}
     assert parity.finished_with(done, flags) and not parity.finished_with(done, bf16)
     assert not parity.finished_with({**done, "error": "timed out"}, flags) and not parity.finished_with(None, flags)
+    # environment assignments among a run's flags: first in its flags, an `env` prefix in its command
+    per_run["te-delayed+bwd16"] = ["NVTE_FP8_DPA_BWD=0", "--fp8-margin", "1"]
+    env_flags = parity.run_flags("te-delayed+bwd16", common, 1234, [], per_run)
+    assert env_flags[0] == "NVTE_FP8_DPA_BWD=0" and env_flags[-2:] == ["--fp8-margin", "1"]
+    assert parity.flag_values(env_flags)["--seed"] == "1234"
+    cmd = parity.command(env_flags)
+    assert cmd[:2] == ["env", "NVTE_FP8_DPA_BWD=0"] and "NVTE_FP8_DPA_BWD=0" not in cmd[2:]
+    assert parity.finished_with({**done, "command": cmd}, env_flags)
+    assert not parity.finished_with({**done, "command": cmd}, env_flags[1:])
+    assert not parity.finished_with({**done, "command": parity.command(env_flags[1:])}, env_flags)
     assert parity.set_flag(["--a", "1", "--b", "2"], "--a", "3") == ["--a", "3", "--b", "2"]
     assert parity.flag_values(["--a", "1", "--bf16", "--data-path", "0.3", "x", "--a", "2"]) == {
         "--a": "2",
