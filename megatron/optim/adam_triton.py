@@ -18,6 +18,9 @@ result bit for bit (checked by tests/gpu/test_adam_kernel.py on every format):
       `fma(1 - b2, g * g, b2 v)` on CUDA (`a + alpha * (b * c)`, contracted) but `fma((1 - b2) g, g, b2 v)` on
       the CPU (`self + value * t1 * t2`, contracted by GCC). Compilers decide these, so `adam_kernel.torch_roundings`
       checks them once per device type on a few thousand values and the kernel takes the matching variant.
+    * Divisions by a block scale (decoding a state, the master's held value) take one reciprocal per block and
+      correct each x * RN(1 / scale) by its exact residual (`_divide_rows`): the same correctly rounded quotient
+      with a multiplication and two fma in place of a division per element.
     * Bias corrections: computed once per step by the same torch expressions on the device step tensor (float64),
       then read by every program as fp32 (the rounding torch applies when an fp32 tensor meets a 0-dim float64).
       An int step (the standalone functions) gives Python floats, and CUDA divides by those as a multiplication
@@ -76,6 +79,24 @@ def _fp16_quantum(bits):
     return quantum, inverse
 
 
+def _divide_rows(x, scale):
+    """x / scale[:, None], rounded as IEEE division (`div_rn`), for the decoded values of a state (or the master's
+    held value): Markstein's correction of x * RN(1 / scale) by its exact residual, one reciprocal per row instead
+    of a division per element. The result is the correctly rounded quotient where the residual is exact and the
+    quotient normal: a nonzero decoded value is at least 2^-32 (fp16 subnormal data with its remainder) and at most
+    about 2^16 (never infinite: encodings clamp), so scales within 2^-90 .. 2^90 keep every quotient far from
+    fp32's subnormals; a tile with a scale outside (a block of values near 0) divides element by element. Zero keeps
+    its sign (x * r, where the corrected sum would give +0)."""
+    if (tl.max(scale) <= 2.0**90) & (tl.min(scale) >= 2.0**-90):
+        r = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+        q = x * r
+        corrected = tl.fma(tl.fma(-q, scale[:, None], x), r, q)
+        out = tl.where(q == 0.0, q, corrected)
+    else:
+        out = tl.math.div_rn(x, scale[:, None])
+    return out
+
+
 def _load_state(
     ptr, scale_ptr, rem_ptr, offs, mask, rows, row_mask, KIND: tl.constexpr, ROOT: tl.constexpr, REM: tl.constexpr
 ):
@@ -93,7 +114,7 @@ def _load_state(
             x = x + tl.load(rem_ptr + offs, mask=mask, other=0).to(tl.float32) * quantum
     if KIND >= 2:
         scale = tl.load(scale_ptr + rows, mask=row_mask, other=1.0)
-        x = tl.math.div_rn(x, scale[:, None])
+        x = _divide_rows(x, scale)
         if ROOT:
             x = x * x
     return x
@@ -154,7 +175,7 @@ def _store_state(
                 rest = tl.minimum(tl.maximum(rest, -127.0), 127.0)
                 tl.store(rem_ptr + offs, rest.to(tl.int8), mask=mask)
                 held = held + rest * quantum
-            stored = tl.math.div_rn(held, scale[:, None])
+            stored = _divide_rows(held, scale)
         tl.store(scale_ptr + rows, scale, mask=row_mask)
     return stored
 
@@ -288,7 +309,8 @@ _TRITON = None
 
 def build() -> Any:
     """Import Triton and jit the kernel functions (once): the jitted `_adamw_kernel`, or None without Triton."""
-    global _TRITON, tl, _round_bits, _to_fp8_grid, _to_fp32, _to_bf16, _fp16_quantum, _load_state, _store_state
+    global _TRITON, tl, _round_bits, _to_fp8_grid, _to_fp32, _to_bf16, _fp16_quantum, _divide_rows, _load_state
+    global _store_state
     global _store_model_copy, _adamw_kernel
     if _TRITON is None:
         try:
@@ -300,7 +322,8 @@ def build() -> Any:
         # The kernel resolves its helpers through this module's globals: rebind them to their jitted versions.
         _round_bits, _to_fp8_grid = triton_rounding.round_bits, triton_rounding.to_fp8_grid
         _to_fp32, _to_bf16 = triton_rounding.to_fp32, triton_rounding.to_bf16
-        _fp16_quantum, _load_state = triton.jit(_fp16_quantum), triton.jit(_load_state)
+        _fp16_quantum, _divide_rows = triton.jit(_fp16_quantum), triton.jit(_divide_rows)
+        _load_state = triton.jit(_load_state)
         _store_state, _store_model_copy = triton.jit(_store_state), triton.jit(_store_model_copy)
         _adamw_kernel = triton.jit(_adamw_kernel)
         _TRITON = triton

@@ -22,7 +22,7 @@ import math
 import pytest
 import torch
 
-from megatron.optim import adam_kernel, precision_aware
+from megatron.optim import adam_kernel, adam_triton, precision_aware
 from megatron.optim.precision_aware import PrecisionAwareAdamW
 from megatron.optim.states import DTYPES, ScaledState, adamw_update_
 from tests.gpu.marks import fuse_interpreter_fma
@@ -207,6 +207,55 @@ def test_round_to_nearest_matches_the_eager_step_bitwise(p_name, m_name, v_name,
             adamw_update_(states_[0], grad, states_[1], states_[2], **extra)
             kernel_step(fused[0], grad, fused[1], fused[2], **extra)
             assert_same_bits(list(states_), fused, f"step {t + 1}, shape {shape}")
+
+
+def divide_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`adam_triton._divide_rows` over [rows, 128] in tiles of 8 rows, as the kernel calls it."""
+    import triton
+    import triton.language as tl
+
+    adam_triton.build()
+
+    @triton.jit
+    def kernel(x_ptr, scale_ptr, out_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        offs = rows[:, None] * COLS + tl.arange(0, COLS)[None, :]
+        tl.store(out_ptr + offs, adam_triton._divide_rows(tl.load(x_ptr + offs), tl.load(scale_ptr + rows)))
+
+    out = torch.empty_like(x)
+    kernel[(x.shape[0] // 8,)](x, scale, out, ROWS=8, COLS=x.shape[1])
+    return out
+
+
+def test_row_division_is_the_ieee_quotient_bitwise():
+    """One reciprocal per row, corrected by the residual, gives x / scale correctly rounded: for the values the
+    states decode (every e4m3 code, fp16 subnormals and normals, fp16 with a remainder in quanta of ulp / 256, both
+    zeros) over scales of random significands (all ones included) from 2^-40 to 2^80, and, through the per-tile
+    division, beside scales of 2^100 and 2^126 (blocks near zero)."""
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    codes = codes[torch.isfinite(codes)]
+    half = torch.randint(0, 0x7C00, (4096,), generator=gen, dtype=torch.int16).view(torch.float16)
+    quanta = torch.randint(-127, 128, (4096,), generator=gen).float() * 2.0 ** (
+        torch.floor(torch.log2(half.float().abs().clamp(min=2**-14))) - 18
+    )
+    values = torch.cat([codes, half.float(), half.float() + quanta, torch.tensor([0.0, -0.0])])
+    signs = torch.where(torch.rand(values.numel(), generator=gen) < 0.5, -1.0, 1.0)
+    values = values * signs
+    rows = 256
+    x = values[torch.randint(0, values.numel(), (rows, 128), generator=gen)].to(DEVICE)
+    significand = torch.randint(0, 1 << 23, (rows,), generator=gen, dtype=torch.int32)
+    significand[::7] = (1 << 23) - 1
+    exponent = torch.randint(-40, 81, (rows,), generator=gen, dtype=torch.int32)
+    scale = (((exponent + 127) << 23) | significand).view(torch.float32)
+    scale[-8:-4] = 2.0**100  # the last two tiles divide element by element
+    scale[-1] = 2.0**126
+    scale = scale.to(DEVICE)
+    expected = (x.double() / scale.double()[:, None]).float()  # rounded once: fp64 holds the fp32 quotient's bits
+    if DEVICE.type == "cuda":  # the per-element division flushes subnormal quotients (adam_triton's docstring)
+        expected = torch.where(expected.abs() < 2**-126, expected * 0, expected)
+    got = divide_rows(x, scale)
+    assert torch.equal(bits(got), bits(expected)), (got - expected).abs().max()
 
 
 @pytest.mark.parametrize("block", [32, 100, 256])
