@@ -14,7 +14,7 @@ Runs are named `CONFIG[@seedN][+TAG]`: CONFIG is one of scripts/benchmark.py's c
 te-tensorwise, te-blockwise, te-delayed-fp8params, te-delayed-all-fp8, te-delayed-fp8attn, ...; local-* for the
 local layers, which run every recipe, emulated where the hardware lacks it, CPU included); `@seedN` trains at
 --seed + N - 1; `+TAG` is a variant whose flags --config-flags gives (`te-delayed+h16=--fp8-amax-history-len 16`,
-for every seed of it; NAME=VALUE among them sets the run's environment, for switches that have no flag:
+for every seed of it; NAME=VALUE words before them set the run's environment, for switches that have no flag:
 `te-delayed-fp8attn+bwd16=NVTE_FP8_DPA_BWD=0`). `--seeds N` runs every configuration named without a seed at
 seeds 1..N, and with it the reference (the engine's bf16, or --reference) at each of those seeds; `--noise-floor`
 adds the reference with another micro-batch split (`te-bf16+noise`: the same function, rounded differently) at each
@@ -186,8 +186,8 @@ def run_flags(
     name: str, common: list[str], seed: int, fp8_extra: list[str], config_flags: dict[str, list[str]]
 ) -> list[str]:
     """pretrain_gpt.py's flags for one run: the shared flags, the config's precision flags, its seed, the FP8-only
-    extras, then its own flags (by run name, else by CONFIG+TAG; argparse keeps the last value of a flag). Its
-    environment assignments (NAME=VALUE) go first, where no flag takes them for its value."""
+    extras, then its own flags (by run name, else by CONFIG+TAG; argparse keeps the last value of a flag). The
+    environment assignments (NAME=VALUE) its own flags start with go first, as `command` expects them."""
     run = parse_run_name(name)
     env, own = split_environment(config_flags.get(name, config_flags.get(run.base, [])))
     flags = [*env, *common, *CONFIGS[run.config].split(), "--seed", str(seed + run.seed_index - 1)]

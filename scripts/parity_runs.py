@@ -42,10 +42,10 @@ ENV_ASSIGNMENT = re.compile(r"[A-Z][A-Z0-9_]*=.*")  # NAME=VALUE among a run's f
 
 
 def split_environment(flags: list[str]) -> tuple[list[str], list[str]]:
-    """(the NAME=VALUE assignments, the rest) of a run's flags: --config-flags may set a run's environment, e.g.
-    Transformer Engine's NVTE_* switches, which have no flag."""
-    env = [token for token in flags if ENV_ASSIGNMENT.fullmatch(token)]
-    return env, [token for token in flags if not ENV_ASSIGNMENT.fullmatch(token)]
+    """(the NAME=VALUE assignments they start with, the rest) of a run's flags, as a shell reads a command line:
+    --config-flags may set a run's environment, e.g. Transformer Engine's NVTE_* switches, which have no flag."""
+    count = next((i for i, token in enumerate(flags) if not ENV_ASSIGNMENT.fullmatch(token)), len(flags))
+    return flags[:count], flags[count:]
 
 
 def command(flags: list[str], nproc: int = 1) -> list[str]:
@@ -150,7 +150,8 @@ def finished_with(record: dict[str, Any] | None, flags: list[str]) -> bool:
     cmd = record.get("command", [])
     script = next((i for i, part in enumerate(cmd) if part.endswith("pretrain_gpt.py")), None)
     env, flags = split_environment(flags)
-    return script is not None and cmd[script + 1 :] == flags and split_environment(cmd[:script])[0] == env
+    given = split_environment(cmd[1:])[0] if cmd[:1] == ["env"] else []  # `command`'s prefix
+    return script is not None and cmd[script + 1 :] == flags and given == env
 
 
 def load_results(path: Path) -> dict[str, Any]:

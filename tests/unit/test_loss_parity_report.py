@@ -90,6 +90,8 @@ def test_flags_noise_floor_and_skipping_finished_runs():
     assert parity.finished_with({**done, "command": cmd}, env_flags)
     assert not parity.finished_with({**done, "command": cmd}, env_flags[1:])
     assert not parity.finished_with({**done, "command": parity.command(env_flags[1:])}, env_flags)
+    later = parity.run_flags("te-delayed+late", common, 1234, [], {"te-delayed+late": ["--x", "A=1"]})
+    assert later[-2:] == ["--x", "A=1"] and parity.command(later)[0] != "env"  # only a leading word sets one
     assert parity.set_flag(["--a", "1", "--b", "2"], "--a", "3") == ["--a", "3", "--b", "2"]
     assert parity.flag_values(["--a", "1", "--bf16", "--data-path", "0.3", "x", "--a", "2"]) == {
         "--a": "2",
