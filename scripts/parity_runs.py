@@ -38,7 +38,7 @@ def flag_values(flags: list[str]) -> dict[str, str]:
     return values
 
 
-ENV_ASSIGNMENT = re.compile(r"[A-Z][A-Z0-9_]*=.*")  # NAME=VALUE among a run's flags: its environment
+ENV_ASSIGNMENT = re.compile(r"[A-Z][A-Z0-9_]*=.*")  # NAME=VALUE: a word of a run's environment
 
 
 def split_environment(flags: list[str]) -> tuple[list[str], list[str]]:

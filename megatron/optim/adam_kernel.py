@@ -164,15 +164,30 @@ def _config(
     return block, rows, keywords
 
 
+def fma32(x: torch.Tensor | float, y: torch.Tensor | float, z: torch.Tensor | float) -> torch.Tensor:
+    """x * y + z of fp32 values rounded once to fp32, as a GPU's fma, computed on their device without one. In fp64
+    the product is exact and the sum s rounds once, with an exact error e (TwoSum); s rounds to the fp32 value
+    nearest x * y + z except where s is an fp32 midpoint and e is not 0, and there e's sign picks the neighbour (a
+    second rounding would take the even one)."""
+    x, y, z = (torch.as_tensor(a, dtype=torch.float32) for a in (x, y, z))
+    p, q = x.double() * y.double(), z.double()
+    s = p + q
+    b = s - p
+    e = (p - (s - b)) + (q - b)
+    near = s.float()
+    other = torch.nextafter(near, torch.where(s > near, torch.inf, -torch.inf).float())
+    tie = (near.double() + other.double()) / 2 == s
+    return torch.where(tie & (e != 0) & ((e > 0) == (other > near)), other, near)
+
+
 @functools.cache
 def _roundings(device_type: str) -> tuple[bool, int]:
     device = torch.device(device_type)
     gen = torch.Generator().manual_seed(0)
     a, b, v = (torch.randn(4096, generator=gen) for _ in range(3))
     w, alpha, beta2 = _fp32(0.1), _fp32(0.05), _fp32(0.95)
-    # The candidates in fp32 on the CPU (one rounding per op; an fma as fp64 product and sum rounded to fp32, which
-    # rounds twice only on ties of the fp64 sum: ~2^-29 of the values).
-    fma = lambda x, y, z: (x.double() * y.double() + z.double()).float()  # noqa: E731
+    # The candidates in fp32 on the CPU (one rounding per op, an fma by `fma32`).
+    fma = fma32
     lerp = torch.lerp(a.to(device), b.to(device), w).cpu()
     lerp_fma = torch.equal(lerp, fma(torch.full_like(a, w), b - a, a))
     if not lerp_fma and not torch.equal(lerp, a + w * (b - a)):

@@ -37,36 +37,21 @@ TRITON_KERNEL = [
 ]
 
 
-def fma32(x: np.ndarray, y: np.ndarray, z: np.ndarray) -> np.ndarray:
-    """x * y + z rounded once to fp32. In fp64 the product is exact and the sum s rounds once, with an exact error
-    e (TwoSum); s rounds to the fp32 nearest to x * y + z except where s is an fp32 midpoint and e is not 0, and
-    there e's sign picks the neighbour (a second rounding would take the even one)."""
-    x, y, z = (np.asarray(a, dtype=np.float32) for a in np.broadcast_arrays(x, y, z))
-    with np.errstate(over="ignore", invalid="ignore"):
-        p = x.astype(np.float64) * y.astype(np.float64)
-        q = z.astype(np.float64)
-        s = p + q
-        b = s - p
-        e = (p - (s - b)) + (q - b)
-        near = s.astype(np.float32)
-        other = np.nextafter(near, np.where(s > near, np.float32(np.inf), np.float32(-np.inf)))
-        tie = (near.astype(np.float64) + other.astype(np.float64)) / 2 == s
-        pick_other = tie & (e != 0) & ((e > 0) == (other > near))
-        return np.where(pick_other, other, near).astype(np.float32)
-
-
 def fuse_interpreter_fma(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make Triton's interpreter round tl.fma once, as a GPU does. It computes x * y + z in the operands' dtype, two
     roundings (Triton 3.5), so a kernel's fma can differ from torch's in the last bit, which the bitwise tests see.
-    fp32 operands go through `fma32`."""
+    fp32 operands go through `adam_kernel.fma32`."""
     from triton.runtime import interpreter
+
+    from megatron.optim.adam_kernel import fma32
 
     unfused = interpreter.InterpreterBuilder.create_fma
 
     def create_fma(self, x, y, z):
         if z.data.dtype != np.float32:
             return unfused(self, x, y, z)
-        return interpreter.TensorHandle(fma32(x.data, y.data, z.data), z.dtype.scalar)
+        fused = fma32(*(torch.from_numpy(np.asarray(a.data)) for a in (x, y, z)))
+        return interpreter.TensorHandle(fused.numpy(), z.dtype.scalar)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fma", create_fma)
 

@@ -305,13 +305,13 @@ def test_large_lerp_weight_and_fp32_plain_tensors(ieee_sqrt):
 @pytest.mark.parametrize("lerp_fma, addcmul", [(True, 0), (True, 1), (False, 2), (False, 3)])
 def test_every_rounding_variant_of_lerp_and_addcmul(lerp_fma, addcmul, monkeypatch):
     """The kernel's variants for torch builds that fuse or associate lerp and addcmul otherwise (`torch_roundings`),
-    each against its fp32 emulation (an fma as an fp64 product and sum, rounded once to fp32)."""
+    each against its fp32 emulation (`adam_kernel.fma32` for an fma)."""
     monkeypatch.setattr(adam_kernel, "torch_roundings", lambda device: (lerp_fma, addcmul))
     n = 3000
     m0, v0, grad = randn(n, seed=0, scale=1e-3), randn(n, seed=1, scale=1e-3).square(), randn(n, seed=2, scale=1e-2)
     p, m, v = randn(n, seed=3), m0.clone(), v0.clone()
     kernel_step(p, grad, m, v, weight_decay=0.0, step=2, **HYPER)
-    fma = lambda x, y, z: (torch.as_tensor(x, dtype=torch.float64) * y.double() + z.double()).float()  # noqa: E731
+    fma = adam_kernel.fma32
     w, alpha = 1 - HYPER["beta1"], 1 - HYPER["beta2"]
     expected_m = fma(torch.tensor(w).float().item(), grad - m0, m0) if lerp_fma else m0 + w * (grad - m0)
     vb = v0 * HYPER["beta2"]
